@@ -1,0 +1,48 @@
+"""File names of a checkpoint folder, and the completion marker that makes it loadable.
+
+    <name>/
+      adapter_config.json, adapter_model.safetensors   the LoRA adapter, PEFT format (full tensors)
+      tokenizer files                                   so the folder is usable on its own
+      trainer_state.json                                counters, data position, mesh, base model
+      scheduler.pt                                      LR schedule position
+      optimizer_rank{r}.pt                              optimizer state of rank r (if saved)
+      rank_state_rank{r}.pt                             RNG states and open-window gradients of rank r
+      .twinkle-complete                                 written last; without it the folder is ignored
+"""
+
+import json
+from pathlib import Path
+from typing import Any
+
+from twinkle.utils.errors import UserError
+
+MARKER = ".twinkle-complete"
+TRAINER_STATE = "trainer_state.json"
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+SCHEDULER = "scheduler.pt"
+FORMAT_VERSION = 1
+
+
+def optimizer_file(rank: int) -> str:
+    return f"optimizer_rank{rank}.pt"
+
+
+def rank_state_file(rank: int) -> str:
+    return f"rank_state_rank{rank}.pt"
+
+
+def is_complete(folder: str | Path) -> bool:
+    return (Path(folder) / MARKER).is_file()
+
+
+def read_trainer_state(folder: str | Path) -> dict[str, Any]:
+    """Validate that ``folder`` is a complete checkpoint and return its trainer state."""
+    folder = Path(folder)
+    if not folder.exists():
+        raise UserError(f"checkpoint {folder} does not exist; check --resume-from-checkpoint")
+    if not (folder / TRAINER_STATE).is_file() and not (folder / MARKER).exists():
+        raise UserError(f"{folder} is not a Twinkle checkpoint (no {TRAINER_STATE}); point to a checkpoint folder")
+    if not is_complete(folder):
+        raise UserError(f"checkpoint {folder} is incomplete (its save was interrupted); resume from an earlier one")
+    return json.loads((folder / TRAINER_STATE).read_text())

@@ -1,0 +1,51 @@
+"""Restore a checkpoint written by ``save_checkpoint``."""
+
+import random
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_file
+
+from twinkle.checkpoint import layout
+from twinkle.utils.errors import UserError
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    n = state["numpy"]
+    np.random.set_state((n["kind"], n["keys"].numpy(), n["pos"], n["has_gauss"], n["gauss"]))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def load_adapter_weights(model: Any, folder: Path, adapter_name: str) -> None:
+    from peft import set_peft_model_state_dict
+
+    weights = load_file(folder / layout.ADAPTER_WEIGHTS)
+    result = set_peft_model_state_dict(model, weights, adapter_name=adapter_name)
+    unexpected = getattr(result, "unexpected_keys", [])
+    if unexpected:
+        raise UserError(f"checkpoint {folder} holds weights this model does not have (e.g. {unexpected[0]})")
+
+
+def load_checkpoint(folder: Path, *, model: Any, adapter_name: str, group: Any, rank: int, only_model: bool) -> dict:
+    """Load weights (and, unless ``only_model``, optimizer, schedule, counters, RNG, open-window
+    gradients). Returns the rank state's gradients for the caller to place."""
+    load_adapter_weights(model, folder, adapter_name)
+    if only_model:
+        return {}
+    rank_file = folder / layout.rank_state_file(rank)
+    if not rank_file.is_file():
+        raise UserError(f"checkpoint {folder} has no state for rank {rank}; resume with the world size it was saved with")
+    rank_state = torch.load(rank_file, weights_only=False)
+    opt_file = folder / layout.optimizer_file(rank)
+    if group.optimizer is not None and opt_file.is_file():
+        group.optimizer.load_state_dict(torch.load(opt_file, weights_only=True))
+    sched_file = folder / layout.SCHEDULER
+    if group.lr_scheduler is not None and sched_file.is_file():
+        group.lr_scheduler.load_state_dict(torch.load(sched_file, weights_only=False))
+    set_rng_state(rank_state["rng"])
+    return rank_state["grads"]

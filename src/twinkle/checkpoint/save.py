@@ -1,0 +1,94 @@
+"""Write a checkpoint from every rank into a temporary folder, then rename it into place."""
+
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import save_file
+
+from twinkle.checkpoint import layout
+from twinkle.distributed.collectives import barrier
+from twinkle.utils.fileio import fsync_tree
+
+
+def rng_state() -> dict[str, Any]:
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    state = {
+        "python": random.getstate(),
+        "numpy": {"kind": kind, "keys": torch.from_numpy(keys.copy()), "pos": pos, "has_gauss": has_gauss, "gauss": gauss},
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def full_adapter_state(model: Any, adapter_name: str) -> dict[str, torch.Tensor]:
+    """The adapter's tensors, gathered to full size (a collective under FSDP: all ranks call it)."""
+    from peft import get_peft_model_state_dict
+
+    state = get_peft_model_state_dict(model, adapter_name=adapter_name)
+    out = {}
+    for key, value in state.items():
+        if hasattr(value, "full_tensor"):
+            value = value.full_tensor()
+        out[key] = value.detach().to("cpu").contiguous()
+    return out
+
+
+def _publish(tmp: Path, final: Path) -> None:
+    """Swap ``tmp`` into ``final``; an older ``final`` survives until the new one is in place."""
+    if final.exists():
+        old = final.with_name(f".{final.name}.old")
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(final, old)
+        os.rename(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(tmp, final)
+
+
+def save_checkpoint(
+    final: Path,
+    *,
+    model: Any,
+    tokenizer: Any,
+    adapter_name: str,
+    group: Any,
+    trainer_state: dict[str, Any],
+    save_optimizer: bool,
+    rank: int,
+    grads: dict[str, torch.Tensor],
+) -> Path:
+    """Every rank calls this. Rank 0 owns the folder; each rank writes its own files."""
+    final = Path(final)
+    tmp = final.with_name(f".{final.name}.tmp")
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    barrier()
+    adapter = full_adapter_state(model, adapter_name)
+    rank_state = {"rng": rng_state(), "grads": grads}
+    torch.save(rank_state, tmp / layout.rank_state_file(rank))
+    if save_optimizer and group.optimizer is not None:
+        torch.save(group.optimizer.state_dict(), tmp / layout.optimizer_file(rank))
+    if rank == 0:
+        save_file(adapter, tmp / layout.ADAPTER_WEIGHTS, metadata={"format": "pt"})
+        model.peft_config[adapter_name].save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        if group.lr_scheduler is not None:
+            torch.save(group.lr_scheduler.state_dict(), tmp / layout.SCHEDULER)
+        state = {**trainer_state, "format_version": layout.FORMAT_VERSION, "saved_optimizer": save_optimizer}
+        (tmp / layout.TRAINER_STATE).write_text(json.dumps(state, indent=2))
+    barrier()
+    if rank == 0:
+        (tmp / layout.MARKER).write_text("complete\n")
+        fsync_tree(tmp)
+        _publish(tmp, final)
+    barrier()
+    return final

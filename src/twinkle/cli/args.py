@@ -1,0 +1,194 @@
+"""Typed argument groups and the ``Args`` container handed to user scripts.
+
+Each group is a plain dataclass so that scripts get attribute access with types their editor
+understands (``args.training.batch_size``). Parsing lives in ``parser.py``; this module only
+declares fields, their defaults and the per-field metadata the parser needs (choices, bounds,
+help, flag aliases). Field names are unique across groups, so one flag or ``TWINKLE_`` variable
+maps to exactly one field, and a flat YAML config needs no group prefix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+# Templates the template package can build; kept here so the CLI rejects a typo before any
+# model or tokenizer is loaded.
+TEMPLATE_NAMES: tuple[str, ...] = ("Template", "Qwen3_5Template")
+
+_AT_LEAST_1 = (lambda v: v >= 1, ">= 1")
+_AT_LEAST_0 = (lambda v: v >= 0, ">= 0")
+_POSITIVE = (lambda v: v > 0, "> 0")
+
+
+def _opt(
+    default: Any,
+    help: str,
+    *,
+    choices: tuple[str, ...] | None = None,
+    check: tuple | None = None,
+    flag: str | None = None,
+    aliases: tuple[str, ...] = (),
+) -> Any:
+    """Declare a field with the metadata the parser and ``--help`` read."""
+    meta = {"help": help, "choices": choices, "check": check, "flag": flag, "aliases": aliases}
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class InfraArgs:
+    fsdp_size: int | None = _opt(
+        None, "FSDP shard group size; None infers it from the world size", check=_AT_LEAST_1
+    )
+    dp_size: int | None = _opt(None, "data-parallel replicate size; None infers it", check=_AT_LEAST_1)
+    mode: str = _opt("local", "runtime backend", choices=("local", "ray"))
+    seed: int = _opt(42, "global random seed (each rank derives its own streams from it)")
+    debug: bool = _opt(False, "show full tracebacks and verbose logs")
+    process_group_timeout: int = _opt(600, "collective timeout in seconds", check=_AT_LEAST_1)
+
+
+@dataclass
+class DatasetArgs:
+    dataset_id: str | None = _opt(
+        None, "dataset path or ms:// / hf:// id; None = bundled self-cognition data"
+    )
+    subset_name: str | None = _opt(None, "dataset subset (config) name")
+    split: str = _opt("train", "dataset split")
+    shuffle: bool = _opt(True, "shuffle the training data")
+
+
+@dataclass
+class TemplateArgs:
+    template_cls: str = _opt("Template", "chat template class", choices=TEMPLATE_NAMES)
+    max_length: int = _opt(1024, "maximum tokens per sample", check=_AT_LEAST_1)
+    truncation_strategy: str = _opt(
+        "right",
+        "what to do with samples longer than max_length",
+        choices=("raise", "left", "right", "delete"),
+    )
+
+
+@dataclass
+class ModelArgs:
+    model_id: str | None = _opt(None, "model path or ms:// / hf:// id; None = bundled SmolLM2-135M-Instruct")
+    enable_liger: bool = _opt(False, "use Liger fused kernels (gates the fused cross-entropy loss)")
+    enable_fused_ce: bool = _opt(
+        True, "fused linear cross-entropy when Liger is enabled", aliases=("fused-ce",)
+    )
+    gradient_checkpointing: str = _opt("auto", "activation checkpointing", choices=("auto", "on", "off"))
+
+
+@dataclass
+class TrainingArgs:
+    batch_size: int = _opt(
+        4, "global batch size per micro-step (split across data-parallel ranks)", check=_AT_LEAST_1
+    )
+    gradient_accumulation_steps: int = _opt(1, "micro-batches per optimizer step", check=_AT_LEAST_1)
+    train_samples: int | None = _opt(
+        None, "number of training samples; None = script default", check=_AT_LEAST_1
+    )
+    eval_samples: int | None = _opt(
+        None, "number of evaluation samples; None = script default", check=_AT_LEAST_1
+    )
+    log_interval: int = _opt(5, "log metrics every N steps", check=_AT_LEAST_1)
+    eval_interval: int | None = _opt(None, "evaluate every N steps; None = script default", check=_AT_LEAST_1)
+    output_dir: str = _opt("output", "where checkpoints are written")
+    resume_from_checkpoint: str | None = _opt(None, "checkpoint directory to resume from")
+    resume_only_model: bool = _opt(False, "restore adapter weights only, not optimizer/scheduler/RNG")
+    ignore_data_skip: bool = _opt(False, "on resume, restart the data from the beginning")
+    save_total_limit: int | None = _opt(None, "keep at most N checkpoints", check=_AT_LEAST_1)
+    max_grad_norm: float = _opt(1.0, "gradient clipping norm (0 disables clipping)", check=_AT_LEAST_0)
+
+
+@dataclass
+class LoraArgs:
+    adapter_name: str = _opt("default", "name of the LoRA adapter")
+    lora_rank: int = _opt(8, "LoRA rank r", check=_AT_LEAST_1, aliases=("r", "lora-r"))
+    lora_alpha: int = _opt(32, "LoRA alpha (scaling = alpha / r)", check=_AT_LEAST_1)
+    lora_dropout: float = _opt(0.05, "dropout on the LoRA input", check=(lambda v: 0 <= v < 1, "in [0, 1)"))
+    target_modules: str = _opt("all-linear", "comma-separated module names, or 'all-linear'")
+
+
+@dataclass
+class OptimizerArgs:
+    learning_rate: float = _opt(
+        1e-4, "peak learning rate", check=_POSITIVE, flag="lr", aliases=("learning-rate",)
+    )
+    weight_decay: float = _opt(0.0, "decoupled weight decay", check=_AT_LEAST_0)
+
+
+@dataclass
+class SchedulerArgs:
+    scheduler_cls: str = _opt("CosineWarmupScheduler", "learning-rate scheduler class")
+    num_warmup_steps: int = _opt(5, "linear warmup steps", check=_AT_LEAST_0)
+
+
+# Group name -> dataclass; the order is the order of ``--help``.
+GROUPS: dict[str, type] = {
+    "infra": InfraArgs,
+    "dataset": DatasetArgs,
+    "template": TemplateArgs,
+    "model": ModelArgs,
+    "training": TrainingArgs,
+    "lora": LoraArgs,
+    "optimizer": OptimizerArgs,
+    "scheduler": SchedulerArgs,
+}
+
+
+def _field_owners() -> dict[str, str]:
+    owners: dict[str, str] = {}
+    for group, cls in GROUPS.items():
+        for f in dataclasses.fields(cls):
+            assert f.name not in owners, f"field {f.name!r} is in both {owners[f.name]!r} and {group!r}"
+            assert f.name not in GROUPS and f.name != "extra", f"field {f.name!r} shadows a group name"
+            owners[f.name] = group
+    return owners
+
+
+# Field name -> group name. Built (and checked for duplicates) at import time.
+FIELD_GROUP: dict[str, str] = _field_owners()
+
+
+@dataclass
+class Args:
+    """Everything a training script reads: eight typed groups plus free-form ``extra``.
+
+    ``extra`` holds unknown flags and config keys (for example ``model_name`` and
+    ``model_author``, which the cookbook passes to ``SelfCognitionProcessor``) so that a
+    script can add its own knobs without touching this package.
+    """
+
+    infra: InfraArgs = field(default_factory=InfraArgs)
+    dataset: DatasetArgs = field(default_factory=DatasetArgs)
+    template: TemplateArgs = field(default_factory=TemplateArgs)
+    model: ModelArgs = field(default_factory=ModelArgs)
+    training: TrainingArgs = field(default_factory=TrainingArgs)
+    lora: LoraArgs = field(default_factory=LoraArgs)
+    optimizer: OptimizerArgs = field(default_factory=OptimizerArgs)
+    scheduler: SchedulerArgs = field(default_factory=SchedulerArgs)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def get_lora_args(self) -> dict[str, Any]:
+        """Keyword arguments for ``peft.LoraConfig``; builders take flat kwargs, not ``Args``."""
+        return {
+            "r": self.lora.lora_rank,
+            "lora_alpha": self.lora.lora_alpha,
+            "lora_dropout": self.lora.lora_dropout,
+            "target_modules": split_target_modules(self.lora.target_modules),
+            "task_type": "CAUSAL_LM",
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        """Nested plain dict (groups and ``extra``), e.g. to log or save next to a checkpoint."""
+        out: dict[str, Any] = {name: dataclasses.asdict(getattr(self, name)) for name in GROUPS}
+        out["extra"] = dict(self.extra)
+        return out
+
+
+def split_target_modules(value: str) -> str | list[str]:
+    """'all-linear' stays a string (PEFT's own shortcut); anything else is a list of names."""
+    if value.strip() == "all-linear":
+        return "all-linear"
+    return [name.strip() for name in value.split(",") if name.strip()]

@@ -1,0 +1,93 @@
+"""``CLI.from_args()``: the one call a training script makes to get its ``Args``.
+
+A script run by a person should fail on a typo with one readable line and exit status 2 (the
+convention for usage errors), not a traceback from deep inside the parser. Tests pass ``argv``
+explicitly and get the ``UserError`` instead, so they can assert on it.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from twinkle.utils.errors import UserError
+
+from .args import GROUPS, Args
+from .fields import SPECS, FieldSpec
+from .parser import ENV_PREFIX, KNOWN_EXTRA, parse
+
+_last: Args | None = None
+
+
+def last_args() -> Args | None:
+    """The ``Args`` most recently returned by ``CLI.from_args`` (None before any parse).
+
+    The runtime reads the seed from here, so a script need not pass ``args`` to ``initialize``.
+    """
+    return _last
+
+
+class CLI:
+    """Namespace for the parsing entry point; it holds no state of its own."""
+
+    @staticmethod
+    def from_args(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> Args:
+        """Parse ``argv`` (default ``sys.argv[1:]``) and ``env`` (default ``os.environ``).
+
+        ``-h``/``--help`` prints the usage and exits 0.
+        """
+        global _last
+        from_sys = argv is None
+        argv = list(sys.argv[1:] if argv is None else argv)
+        env = os.environ if env is None else env
+        if "-h" in argv or "--help" in argv:
+            print(format_help(Path(sys.argv[0]).name if sys.argv and sys.argv[0] else "train.py"))
+            raise SystemExit(0)
+        try:
+            args = parse(argv, env)
+        except UserError as exc:
+            if not from_sys:
+                raise
+            if "--debug" in argv:
+                traceback.print_exc()
+            message = " ".join(str(exc).split())  # guarantee a single line
+            print(f"error: {message}", file=sys.stderr)
+            sys.exit(2)
+        _last = args
+        return args
+
+
+def _flag_column(spec: FieldSpec) -> str:
+    names = [spec.flag, *(a for a in spec.aliases if a != spec.flag)]
+    if spec.kind is bool:
+        return ", ".join([f"--{n}" for n in names] + [f"--no-{n}" for n in names])
+    if spec.choices:
+        return f"{', '.join('--' + n for n in names)} {{{','.join(spec.choices)}}}"
+    return f"{', '.join('--' + n for n in names)} {spec.type_name.upper()}"
+
+
+def format_help(prog: str = "train.py") -> str:
+    """Usage text, grouped like ``Args``, generated from the dataclasses so it cannot drift."""
+    lines = [
+        f"usage: {prog} [--config FILE] [--flag VALUE ...]",
+        "",
+        "Values come from, lowest precedence first: the defaults below < --config FILE (a YAML",
+        "mapping, flat {batch_size: 8} or grouped {training: {batch_size: 8}}) < environment",
+        f"variables {ENV_PREFIX}<FIELD> (e.g. {ENV_PREFIX}BATCH_SIZE=8; only this prefix is read, so",
+        "WORLD_SIZE, PORT, RANK... never change an option) < command-line flags.",
+        "Write --flag value or --flag=value; booleans take --flag, --no-flag or --flag true|false;",
+        "optional values accept 'none'.",
+    ]
+    for group in GROUPS:
+        lines += ["", f"{group}:"]
+        for spec in (s for s in SPECS.values() if s.group == group):
+            lines.append(f"  {_flag_column(spec)}")
+            lines.append(f"      {spec.help} [{spec.type_name}, default: {spec.default!r}]")
+    lines += ["", "extra (any unknown --flag lands in args.extra, '-' -> '_'); the cookbook reads:"]
+    for key, text in KNOWN_EXTRA.items():
+        lines.append(f"  --{key.replace('_', '-')} TEXT")
+        lines.append(f"      {text} [args.extra['{key}']]")
+    return "\n".join(lines)

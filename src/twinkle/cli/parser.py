@@ -1,0 +1,181 @@
+"""Turn defaults, a YAML config, ``TWINKLE_`` env vars and flags into one ``Args``.
+
+Precedence, lowest first: dataclass defaults < ``--config FILE`` < ``TWINKLE_<FIELD>`` env vars <
+command-line flags. We do not use ``argparse`` because the contract needs things it does not do
+cleanly: unknown flags land in ``Args.extra`` instead of failing, every bool has a ``--no-``
+form, and a bad value must be one ``UserError`` line naming the flag (argparse prints usage and
+exits itself). Only the ``TWINKLE_`` prefix is read from the environment so that launcher
+variables (``WORLD_SIZE``, ``PORT``, ``RANK`` ...) can never silently change a hyper-parameter.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from twinkle.utils.errors import UserError
+from twinkle.utils.logger import get_logger
+
+from .args import FIELD_GROUP, GROUPS, Args
+from .fields import BOOL_WORDS, EXPECTED, FLAGS, SPECS, coerce, guess_scalar, lookup_flag
+
+ENV_PREFIX = "TWINKLE_"
+# Unknown keys the cookbook reads from ``args.extra``; any other unknown flag earns a warning,
+# because it is most often a typo of a real flag.
+KNOWN_EXTRA: dict[str, str] = {
+    "model_name": "name the model calls itself (SelfCognitionProcessor)",
+    "model_author": "author the model names (SelfCognitionProcessor)",
+}
+
+
+def parse_argv(argv: Sequence[str]) -> tuple[dict[str, Any], dict[str, Any], str | None]:
+    """Flags -> (typed field values, extra, config path). Later repeats of a flag win."""
+    values: dict[str, Any] = {}
+    extra: dict[str, Any] = {}
+    config: str | None = None
+    i = 0
+    while i < len(argv):
+        tok = argv[i]
+        i += 1
+        name, has_eq, inline = tok[2:].partition("=")
+        if not tok.startswith("--") or not name:
+            raise UserError(f"unexpected argument {tok!r}: options are written --name value (see --help)")
+        nxt = argv[i] if i < len(argv) else None
+        field_name, negated = lookup_flag(name)
+        if name == "config" or (field_name is not None and SPECS[field_name].kind is not bool):
+            if has_eq:
+                raw = inline
+            elif nxt is None or nxt.startswith("--"):
+                kind = "a file path" if name == "config" else EXPECTED[SPECS[field_name].kind]
+                raise UserError(f"{tok}: expected {kind} after the flag")
+            else:
+                raw, i = nxt, i + 1
+            if name == "config":
+                config = raw
+            else:
+                values[field_name] = coerce(SPECS[field_name], raw, "--" + name)
+        elif field_name is not None:  # boolean field
+            if has_eq and negated:
+                raise UserError(f"--{name}: takes no value (use --{name[3:]}={inline})")
+            if has_eq:
+                raw = inline
+            elif not negated and nxt is not None and nxt.strip().lower() in BOOL_WORDS:
+                raw, i = nxt, i + 1
+            else:
+                raw = not negated
+            values[field_name] = coerce(SPECS[field_name], raw, "--" + name)
+        elif name.startswith("no-") and name[3:].replace("_", "-") in FLAGS:
+            spec = SPECS[FLAGS[name[3:].replace("_", "-")]]
+            none = f" (or --{spec.flag} none)" if spec.optional else ""
+            raise UserError(
+                f"--{name}: only boolean flags take a no- prefix; write --{spec.flag} VALUE{none}"
+            )
+        else:
+            key = name.replace("-", "_")
+            if has_eq:
+                extra[key] = guess_scalar(inline)
+            elif nxt is not None and not nxt.startswith("--"):
+                extra[key], i = guess_scalar(nxt), i + 1
+            elif key.startswith("no_") and len(key) > 3:
+                extra[key[3:]] = False
+            else:
+                extra[key] = True
+    return values, extra, config
+
+
+def read_env(env: Mapping[str, str]) -> dict[str, Any]:
+    """``TWINKLE_<FIELD>`` -> typed values. Other names, and empty values, are ignored."""
+    values: dict[str, Any] = {}
+    for key, raw in env.items():
+        if not key.startswith(ENV_PREFIX) or raw == "":
+            continue
+        spec = SPECS.get(key[len(ENV_PREFIX) :].lower())
+        if spec is not None:
+            values[spec.name] = coerce(spec, raw, f"{key} (--{spec.flag})")
+    return values
+
+
+def load_config(path: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A YAML mapping, flat or grouped by group name, -> (typed field values, extra)."""
+    try:
+        import yaml
+    except ImportError as exc:  # pragma: no cover - pyyaml is a core dependency
+        raise UserError("--config needs PyYAML: pip install pyyaml") from exc
+    try:
+        text = Path(path).expanduser().read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise UserError(f"--config: file not found: {path}") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UserError(f"--config: cannot read {path}: {exc}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or type(exc).__name__
+        raise UserError(f"--config: {path} is not valid YAML{where}: {problem}") from None
+    data = {} if data is None else data
+    if not isinstance(data, dict):
+        raise UserError(
+            f"--config: {path} must be a YAML mapping of option: value, got {type(data).__name__}"
+        )
+    values: dict[str, Any] = {}
+    extra: dict[str, Any] = {}
+    for key, val in data.items():
+        norm = str(key).replace("-", "_")
+        if norm in GROUPS or norm == "extra":
+            if not isinstance(val, dict):
+                raise UserError(f"--config: {path}: '{key}' must be a mapping, got {type(val).__name__}")
+            for sub_key, sub_val in val.items():
+                if norm == "extra":
+                    extra[str(sub_key).replace("-", "_")] = sub_val
+                else:
+                    _config_item(path, str(sub_key), sub_val, norm, values, extra)
+        else:
+            _config_item(path, str(key), val, None, values, extra)
+    return values, extra
+
+
+def _config_item(path: str, key: str, val: Any, group: str | None, values: dict, extra: dict) -> None:
+    field_name, _ = lookup_flag(key)
+    if field_name is None:
+        extra[key.replace("-", "_")] = val
+        return
+    if group is not None and FIELD_GROUP[field_name] != group:
+        raise UserError(
+            f"--config: {path}: '{key}' belongs to group '{FIELD_GROUP[field_name]}', not '{group}'"
+        )
+    values[field_name] = coerce(SPECS[field_name], val, f"--config {path}: {key}")
+
+
+def parse(argv: Sequence[str], env: Mapping[str, str]) -> Args:
+    """Merge every source into a fresh ``Args``; raises ``UserError`` on the first bad value."""
+    cli_values, cli_extra, config = parse_argv(argv)
+    values: dict[str, Any] = {}
+    extra: dict[str, Any] = {}
+    if config is not None:
+        values, extra = load_config(config)
+    values.update(read_env(env))
+    values.update(cli_values)
+    extra.update(cli_extra)
+    args = Args(extra=extra)
+    for name, value in values.items():
+        setattr(getattr(args, FIELD_GROUP[name]), name, value)
+    _warn(args, cli_extra)
+    return args
+
+
+def _warn(args: Args, cli_extra: dict[str, Any]) -> None:
+    """Say so when an option will be ignored, rather than letting it pass silently."""
+    logger = get_logger()
+    for key in cli_extra:
+        if key not in KNOWN_EXTRA:
+            close = difflib.get_close_matches(key.replace("_", "-"), list(FLAGS), n=1)
+            hint = f" (did you mean --{close[0]}?)" if close else ""
+            logger.warning(f"unknown flag --{key.replace('_', '-')} kept in args.extra{hint}")
+    if args.training.resume_from_checkpoint is None:
+        for name in ("resume_only_model", "ignore_data_skip"):
+            if getattr(args.training, name):
+                logger.warning(f"--{name.replace('_', '-')} is ignored without --resume-from-checkpoint")

@@ -1,0 +1,37 @@
+"""Small collectives that are no-ops in a single process."""
+
+import torch
+import torch.distributed as dist
+
+
+def is_distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _comm_device() -> torch.device:
+    backend = dist.get_backend()
+    if backend == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def all_reduce_sum(values: list[float]) -> list[float]:
+    """Sum a few numbers over all ranks (in float64, so token counts stay exact)."""
+    if not is_distributed():
+        return [float(v) for v in values]
+    t = torch.tensor(values, dtype=torch.float64, device=_comm_device())
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+def all_reduce_max(values: list[float]) -> list[float]:
+    if not is_distributed():
+        return [float(v) for v in values]
+    t = torch.tensor(values, dtype=torch.float64, device=_comm_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def barrier() -> None:
+    if is_distributed():
+        dist.barrier()

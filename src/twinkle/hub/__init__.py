@@ -1,0 +1,19 @@
+"""Resolve model and dataset ids to local things, without a network unless one is needed.
+
+Public names:
+
+- ``resolve_model(model_id)``: a local folder that ``AutoModelForCausalLM.from_pretrained`` and
+  ``AutoTokenizer.from_pretrained`` load. ``None`` is the bundled SmolLM2-135M-Instruct.
+- ``resolve_dataset(dataset_id, subset_name=None, split='train')``: a ``datasets.Dataset``.
+  ``None`` is the bundled self-cognition data.
+- ``bundled_gguf_path()``: the GGUF file of the bundled default model.
+- ``ensure_converted(final, build_fn)``: build a cache folder once across processes.
+- ``cache_root()``: ``$TWINKLE_CACHE`` or ``~/.cache/twinkle``.
+"""
+
+from twinkle.hub.cache import cache_root, ensure_converted
+from twinkle.hub.dataset import resolve_dataset
+from twinkle.hub.gguf import bundled_gguf_path
+from twinkle.hub.model import resolve_model
+
+__all__ = ["bundled_gguf_path", "cache_root", "ensure_converted", "resolve_dataset", "resolve_model"]

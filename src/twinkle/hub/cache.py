@@ -1,0 +1,49 @@
+"""The twinkle cache folder, and building a cached folder exactly once across processes.
+
+Several ranks often start at the same moment and all want the same converted model. The first
+one to take the lock builds the folder into a temporary sibling and renames it into place; the
+others wait on the lock, then find the finished folder. A folder counts as present only once it
+holds the completion marker, so nobody ever reads half a folder."""
+
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+from twinkle.utils.fileio import atomic_dir, atomic_write_text, file_lock
+
+COMPLETE_MARKER = ".twinkle-complete"
+
+
+def cache_root() -> Path:
+    """``$TWINKLE_CACHE`` if set, else ``~/.cache/twinkle`` (read at call time)."""
+    configured = os.environ.get("TWINKLE_CACHE")
+    return Path(configured).expanduser() if configured else Path.home() / ".cache" / "twinkle"
+
+
+def is_complete(folder: Path) -> bool:
+    """Whether ``folder`` was fully built (it holds the completion marker)."""
+    return (folder / COMPLETE_MARKER).is_file()
+
+
+def ensure_converted(final: str | os.PathLike, build_fn: Callable[[Path], None]) -> Path:
+    """Return ``final``, first building it with ``build_fn(tmp_folder)`` unless it is complete.
+
+    ``build_fn`` writes into an empty temporary folder; the marker is written after it returns
+    and the folder is renamed to ``final`` only then. The build runs while holding a lock on a
+    sibling ``<final>.lock`` file, and completeness is re-checked after the lock is taken, so
+    concurrent callers build once. A failed build leaves no ``final`` behind."""
+    final = Path(final)
+    if is_complete(final):
+        return final
+    # ``with_name`` rather than ``with_suffix``: names like ``model.Q4_1-ab12`` have dots.
+    with file_lock(final.with_name(final.name + ".lock")):
+        if is_complete(final):
+            return final
+        # We hold the lock, so temporary siblings left behind are from builders that died.
+        for stale in final.parent.glob(f".{final.name}.tmp-*"):
+            shutil.rmtree(stale, ignore_errors=True)
+        with atomic_dir(final) as tmp:
+            build_fn(tmp)
+            atomic_write_text(tmp / COMPLETE_MARKER, "ok\n")
+    return final

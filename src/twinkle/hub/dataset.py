@@ -1,0 +1,168 @@
+"""``resolve_dataset``: a dataset id to a Hugging Face ``datasets.Dataset``."""
+
+from __future__ import annotations
+
+import importlib.resources
+import re
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from twinkle.hub.cache import cache_root
+from twinkle.hub.jsonrows import read_json_rows
+from twinkle.hub.remote import looks_like_hub_id, snapshot
+from twinkle.utils.errors import UserError
+
+if TYPE_CHECKING:  # imported lazily: ``datasets`` is slow to import and resolve_model skips it
+    import datasets
+
+BUNDLED_DATASET_NAMES = frozenset(
+    {"self-cognition", "twinkle://self-cognition", "swift/self-cognition", "ms://swift/self-cognition"}
+)
+# File extension -> the ``datasets`` builder that reads it (JSON is read by ``jsonrows``).
+FORMATS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
+# Metadata that hub dataset snapshots carry next to the data; never rows.
+_METADATA_FILES = {"dataset_infos.json", "dataset_info.json", "dataset_dict.json", "state.json"}
+_SPLIT_WORDS = {"train", "validation", "valid", "val", "test", "dev", "eval"}
+
+
+def bundled_dataset_path() -> Path:
+    """The bundled self-cognition rows (``twinkle/hub/assets/self_cognition.jsonl``)."""
+    return Path(str(importlib.resources.files("twinkle.hub") / "assets" / "self_cognition.jsonl"))
+
+
+def _split_words(path: Path, root: Path) -> set[str]:
+    words = re.split(r"[^a-z0-9]+", str(path.relative_to(root).with_suffix("")).lower())
+    return _SPLIT_WORDS.intersection(words)
+
+
+def _data_files(folder: Path, name: str, subset_name: str | None, split: str) -> list[Path]:
+    """Data files under ``folder`` (recursively), narrowed to ``subset_name`` and ``split``."""
+    if subset_name:
+        subsets = sorted(p.name for p in folder.iterdir() if p.is_dir() and not p.name.startswith("."))
+        if subset_name not in subsets:
+            raise UserError(
+                f"dataset {name!r} has no subset {subset_name!r}; subsets found: {subsets or 'none'}"
+            )
+        folder = folder / subset_name
+    files = sorted(
+        p
+        for p in folder.rglob("*")
+        if p.is_file()
+        and p.suffix.lower() in FORMATS
+        and p.name not in _METADATA_FILES
+        and not any(part.startswith(".") for part in p.relative_to(folder).parts)
+    )
+    if not files:
+        raise UserError(f"dataset folder {name!r} holds no data files; supported: {', '.join(FORMATS)}")
+    tagged = {path: _split_words(path, folder) for path in files}
+    if not any(tagged.values()):
+        # Files not named after splits: everything is the train split.
+        if split != "train":
+            raise UserError(f"dataset {name!r} has only a 'train' split (its files are not named by split)")
+        return files
+    chosen = [path for path, words in tagged.items() if split in words]
+    if not chosen:
+        found = sorted(set().union(*tagged.values()))
+        raise UserError(f"dataset {name!r} has no {split!r} split; splits found: {found}")
+    return chosen
+
+
+def _has_rows(path: Path, builder: str) -> bool:
+    if builder == "parquet":
+        import pyarrow.parquet
+
+        return pyarrow.parquet.ParquetFile(path).metadata.num_rows > 0
+    with open(path, encoding="utf-8", errors="replace") as handle:  # csv: a header and one row
+        return sum(1 for line, _ in zip(handle, range(2), strict=False) if line.strip()) > 1
+
+
+def _from_json_files(files: list[Path], name: str) -> datasets.Dataset:
+    import datasets
+
+    rows = [row for path in files for row in read_json_rows(path)]
+    if not rows:
+        raise UserError(f"dataset {name!r} has no rows; add records to the file(s)")
+    # Every key of every row, in first-seen order (``from_list`` keeps only the first row's).
+    columns = list(dict.fromkeys(key for row in rows for key in row))
+    try:
+        return datasets.Dataset.from_dict({key: [row.get(key) for row in rows] for key in columns})
+    except Exception as exc:
+        reason = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else type(exc).__name__
+        raise UserError(
+            f"dataset {name!r}: a column mixes value types ({reason}); make rows consistent"
+        ) from exc
+
+
+def _from_tabular_files(files: list[Path], builder: str, name: str) -> datasets.Dataset:
+    import datasets
+
+    if not any(_has_rows(path, builder) for path in files):
+        raise UserError(f"dataset {name!r} has no rows; add records to the file(s)")
+    root = cache_root() / "datasets"
+    try:
+        return datasets.load_dataset(
+            builder,
+            data_files=[str(path) for path in files],
+            split="train",
+            cache_dir=str(root),
+            # Local files only: never let ``datasets`` reach for the network.
+            download_config=datasets.DownloadConfig(local_files_only=True, cache_dir=str(root / "downloads")),
+        )
+    except Exception as exc:
+        reason = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else type(exc).__name__
+        raise UserError(f"could not read dataset {name!r} as {builder} ({reason})") from exc
+
+
+def _load_files(files: list[Path], name: str) -> datasets.Dataset:
+    builders = {FORMATS[path.suffix.lower()] for path in files}
+    if len(builders) > 1:
+        raise UserError(
+            f"dataset {name!r} mixes file formats ({', '.join(sorted(builders))}); keep one format"
+        )
+    builder = builders.pop()
+    if builder == "json":
+        return _from_json_files(files, name)
+    return _from_tabular_files(files, builder, name)
+
+
+def _load_path(path: Path, name: str, subset_name: str | None, split: str) -> datasets.Dataset:
+    if path.is_dir():
+        return _load_files(_data_files(path, name, subset_name, split), name)
+    if path.suffix.lower() not in FORMATS:
+        raise UserError(
+            f"dataset file {name!r} has an unsupported extension; supported: {', '.join(FORMATS)}"
+        )
+    if split != "train":
+        raise UserError(f"dataset file {name!r} has only a 'train' split; use split='train'")
+    return _load_files([path], name)
+
+
+def resolve_dataset(
+    dataset_id: str | None, subset_name: str | None = None, split: str = "train"
+) -> datasets.Dataset:
+    """Load ``dataset_id`` as a ``datasets.Dataset`` without touching the network unless needed.
+
+    - ``None``, ``'self-cognition'``, ``'twinkle://self-cognition'``, ``'swift/self-cognition'``
+      or ``'ms://swift/self-cognition'``: the bundled self-cognition rows. These names always
+      mean the bundled file, even where a ModelScope cache holds the remote dataset.
+    - a local ``.jsonl`` / ``.json`` / ``.csv`` / ``.parquet`` file: its rows as the 'train' split.
+    - a local folder of such files (searched recursively; ``subset_name`` picks a subfolder and
+      ``split`` picks files whose names contain the split word, e.g. ``train-0000.parquet``).
+    - ``hf://org/name``, ``ms://org/name`` or a bare ``org/name`` that is not a local path: the
+      hub's local cache, else a download when the network is allowed; loaded as a folder.
+
+    Raises ``UserError`` for a missing path, an unsupported file type, a malformed JSON line
+    (``<file>:<line>: invalid JSON (...)``), an empty dataset, or an unavailable hub id."""
+    if dataset_id is None or dataset_id in BUNDLED_DATASET_NAMES:
+        path = bundled_dataset_path()
+        if not path.is_file():
+            raise UserError(f"the bundled self-cognition dataset is missing at {path}; reinstall twinkle")
+        return _load_path(path, "self-cognition", None, split)
+    path = Path(dataset_id).expanduser()
+    if path.exists():
+        return _load_path(path.resolve(), dataset_id, subset_name, split)
+    if looks_like_hub_id(dataset_id):
+        return _load_path(snapshot(dataset_id, "dataset"), dataset_id, subset_name, split)
+    raise UserError(
+        f"dataset path {dataset_id!r} does not exist; pass an existing file or folder, or hf://org/name"
+    )

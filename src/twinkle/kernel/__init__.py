@@ -1,0 +1,11 @@
+"""Kernel replacement for model modules: ops x backends, tried in order, falling through.
+
+Public names: ``kernelize``, ``KernelChoice``, ``DEFAULT_KERNEL_CONFIG``, ``register_op``,
+``registered_ops``."""
+
+from twinkle.kernel import backends as _backends  # noqa: F401  (registers the built-in implementations)
+from twinkle.kernel.config import DEFAULT_KERNEL_CONFIG
+from twinkle.kernel.kernelize import kernelize
+from twinkle.kernel.registry import BACKENDS, KernelChoice, register_op, registered_ops
+
+__all__ = ["kernelize", "KernelChoice", "DEFAULT_KERNEL_CONFIG", "register_op", "registered_ops", "BACKENDS"]

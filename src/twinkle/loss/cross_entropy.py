@@ -1,0 +1,50 @@
+"""Cross-entropy from hidden states and the output head, on supervised positions only.
+
+Every loss here takes the final hidden states of the positions whose next token is supervised
+(``(N, hidden)``), the head weight (``(vocab, hidden)``) and the targets (``(N,)``). Positions
+whose label is -100 (prompts, padding) never reach the head: in SFT they are most of the
+tokens, and their logits would be computed only to be thrown away."""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+REDUCTIONS = ("sum", "mean")
+
+
+@dataclass
+class LossOutput:
+    """``loss`` as the loss function reports it (``reduction``); ``loss_sum`` is always the
+    summed token loss the trainer normalises by the global token count."""
+
+    loss: torch.Tensor
+    loss_sum: torch.Tensor
+    num_tokens: int
+    num_correct: torch.Tensor
+
+
+def check_reduction(reduction: str) -> str:
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {', '.join(REDUCTIONS)}, got {reduction!r}")
+    return reduction
+
+
+def finish(loss_sum: torch.Tensor, num_tokens: int, num_correct: torch.Tensor, reduction: str) -> LossOutput:
+    loss = loss_sum if reduction == "sum" else loss_sum / max(1, num_tokens)
+    return LossOutput(loss=loss, loss_sum=loss_sum, num_tokens=num_tokens, num_correct=num_correct)
+
+
+class CrossEntropyLoss:
+    """Materialise the logits of the supervised positions, then ``F.cross_entropy`` in fp32."""
+
+    def __init__(self, reduction: str = "sum"):
+        self.reduction = check_reduction(reduction)
+
+    def __call__(
+        self, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> LossOutput:
+        logits = F.linear(hidden, weight, bias).float()
+        loss_sum = F.cross_entropy(logits, targets, reduction="sum")
+        num_correct = (logits.detach().argmax(-1) == targets).sum()
+        return finish(loss_sum, targets.numel(), num_correct, self.reduction)

@@ -1,0 +1,87 @@
+"""Chunked linear + cross-entropy: only one chunk of logits is ever alive.
+
+The forward pass walks the rows in chunks, computes each chunk's logits in fp32, its loss, and
+right away the gradients for the hidden states and the head weight (softmax minus one-hot), then
+drops the logits. Backward only scales the stored gradients by the incoming scalar."""
+
+import torch
+
+from twinkle.loss.cross_entropy import LossOutput, check_reduction, finish
+
+DEFAULT_CHUNK_ROWS = 1024
+
+
+class _FusedLinearCE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, chunk_rows):
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        need_b = bias is not None and ctx.needs_input_grad[2]
+        loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        correct = torch.zeros((), dtype=torch.long, device=hidden.device)
+        grad_h = torch.empty_like(hidden) if need_h else None
+        grad_w = torch.zeros_like(weight, dtype=torch.float32) if need_w else None
+        grad_b = torch.zeros_like(bias, dtype=torch.float32) if need_b else None
+        for start in range(0, hidden.shape[0], chunk_rows):
+            h = hidden[start : start + chunk_rows]
+            t = targets[start : start + chunk_rows]
+            logits = (h @ weight.t()).float()
+            if bias is not None:
+                logits += bias.float()
+            lse = torch.logsumexp(logits, dim=-1)
+            loss_sum += (lse - logits.gather(1, t[:, None]).squeeze(1)).sum()
+            correct += (logits.argmax(-1) == t).sum()
+            if need_h or need_w or need_b:
+                grad_logits = torch.exp(logits - lse[:, None])  # softmax, in place of the logits
+                grad_logits[torch.arange(t.numel(), device=t.device), t] -= 1
+                if need_h:
+                    grad_h[start : start + chunk_rows] = (grad_logits.to(weight.dtype) @ weight).to(hidden.dtype)
+                if need_w:
+                    grad_w += grad_logits.t() @ h.float()
+                if need_b:
+                    grad_b += grad_logits.sum(0)
+        ctx.save_for_backward(
+            *(g if g is not None else torch.empty(0) for g in (grad_h, grad_w, grad_b))
+        )
+        ctx.flags = (need_h, need_w, need_b)
+        ctx.dtypes = (hidden.dtype, weight.dtype, bias.dtype if bias is not None else None)
+        ctx.mark_non_differentiable(correct)
+        return loss_sum, correct
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_correct):
+        grad_h, grad_w, grad_b = ctx.saved_tensors
+        need_h, need_w, need_b = ctx.flags
+        dt_h, dt_w, dt_b = ctx.dtypes
+        out_h = (grad_h * grad_loss).to(dt_h) if need_h else None
+        out_w = (grad_w * grad_loss).to(dt_w) if need_w else None
+        out_b = (grad_b * grad_loss).to(dt_b) if need_b else None
+        return out_h, out_w, out_b, None, None
+
+
+def fused_linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    chunk_rows: int = DEFAULT_CHUNK_ROWS,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed cross-entropy of ``hidden @ weight.T (+ bias)`` against ``targets`` and the number
+    of correct argmax predictions, without materialising more than ``chunk_rows`` logit rows."""
+    if hidden.shape[0] == 0:
+        zero = (hidden.sum() * 0 + weight.sum() * 0).float()
+        return zero, torch.zeros((), dtype=torch.long, device=hidden.device)
+    return _FusedLinearCE.apply(hidden, weight, bias, targets, chunk_rows)
+
+
+class FusedLinearCrossEntropyLoss:
+    """Drop-in for ``CrossEntropyLoss`` with a memory footprint of one chunk of logits."""
+
+    def __init__(self, reduction: str = "sum", chunk_rows: int = DEFAULT_CHUNK_ROWS):
+        self.reduction = check_reduction(reduction)
+        self.chunk_rows = chunk_rows
+
+    def __call__(
+        self, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> LossOutput:
+        loss_sum, correct = fused_linear_cross_entropy(hidden, weight, targets, bias, self.chunk_rows)
+        return finish(loss_sum, targets.numel(), correct, self.reduction)

@@ -1,0 +1,50 @@
+"""``TokenMetrics``: loss, accuracy and throughput accumulated between two reads."""
+
+import time
+
+from twinkle.distributed.collectives import all_reduce_sum
+
+
+class TokenMetrics:
+    """Sums over the micro-batches since the last ``compute()``; ``compute`` reduces them over
+    all ranks, so every rank returns the same numbers, and starts a new window."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.loss_sum = 0.0
+        self.tokens = 0  # supervised tokens
+        self.correct = 0
+        self.input_tokens = 0  # non-pad tokens read by the model
+        self.samples = 0
+        self.batches = 0
+        self.started: float | None = None  # the clock starts at the first batch, not at set-up
+
+    def start_batch(self) -> None:
+        if self.started is None:
+            self.started = time.perf_counter()
+
+    def update(self, loss_sum: float, tokens: int, correct: int, input_tokens: int, samples: int) -> None:
+        self.loss_sum += loss_sum
+        self.tokens += tokens
+        self.correct += correct
+        self.input_tokens += input_tokens
+        self.samples += samples
+        self.batches += 1
+
+    def compute(self) -> dict[str, float]:
+        elapsed = max(time.perf_counter() - (self.started or time.perf_counter()), 1e-9)
+        loss_sum, tokens, correct, input_tokens, samples = all_reduce_sum(
+            [self.loss_sum, self.tokens, self.correct, self.input_tokens, self.samples]
+        )
+        out = {
+            "loss": loss_sum / tokens if tokens else float("nan"),
+            "accuracy": correct / tokens if tokens else float("nan"),
+            "supervised_tokens": int(tokens),
+            "tokens": int(input_tokens),
+            "samples": int(samples),
+            "tokens_per_second": input_tokens / elapsed,
+        }
+        self.reset()
+        return out

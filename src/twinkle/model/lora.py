@@ -1,0 +1,33 @@
+"""Attach a PEFT LoRA adapter."""
+
+from typing import Any
+
+from twinkle.utils.errors import UserError
+
+
+def add_lora(model: Any, adapter_name: str, config: Any) -> Any:
+    """Wrap ``model`` with PEFT (or add a further adapter to a PEFT model) and make it active."""
+    from peft import PeftModel, get_peft_model
+
+    if isinstance(model, PeftModel):
+        if adapter_name in model.peft_config:
+            raise UserError(f"adapter {adapter_name!r} already exists; pick another --adapter-name")
+        model.add_adapter(adapter_name, config)
+        model.set_adapter(adapter_name)
+        return model
+    try:
+        return get_peft_model(model, config, adapter_name=adapter_name)
+    except ValueError as exc:
+        raise UserError(f"cannot add LoRA adapter {adapter_name!r}: {exc}") from exc
+
+
+def trainable_parameters(model: Any) -> list[Any]:
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def lora_signature(config: Any) -> dict[str, Any]:
+    """The parts of a LoRA config that must match for a checkpoint to load."""
+    targets = config.target_modules
+    if isinstance(targets, (set, list, tuple)):
+        targets = sorted(targets)
+    return {"r": config.r, "lora_alpha": config.lora_alpha, "target_modules": targets}

@@ -1,0 +1,56 @@
+"""``OptimizerGroup``: everything that trains one adapter (optimizer, schedule, loss, counters)."""
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from twinkle.metric import TokenMetrics
+
+
+@dataclass
+class OptimizerGroup:
+    """Per-adapter training state.
+
+    ``cur_step`` counts micro-batches (the script keys its log/eval cadence off it);
+    ``optimizer_steps`` counts optimizer updates, one per ``gradient_accumulation_steps``
+    micro-batches. ``window_tokens`` is this rank's supervised-token count of the open
+    accumulation window: the gradients are sums until the step divides them by the global count."""
+
+    adapter_name: str
+    gradient_accumulation_steps: int = 1
+    optimizer: Any = None
+    lr_scheduler: Any = None
+    loss_fn: Any = None
+    num_training_steps: int | None = None  # horizon in micro-batches, as the script gives it
+    cur_step: int = 0
+    optimizer_steps: int = 0
+    window_tokens: int = 0
+    window_batches: int = 0
+    skipped_steps: int = 0
+    last_grad_norm: float = float("nan")
+    last_lr: float = float("nan")
+    train_metrics: TokenMetrics = field(default_factory=TokenMetrics)
+    eval_metrics: TokenMetrics = field(default_factory=TokenMetrics)
+
+    def window_is_full(self) -> bool:
+        """Step after exactly ``gradient_accumulation_steps`` micro-batches, and at the end of the data."""
+        at_end = self.num_training_steps is not None and self.cur_step >= self.num_training_steps
+        return self.window_batches >= self.gradient_accumulation_steps or (at_end and self.window_batches > 0)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "adapter_name": self.adapter_name,
+            "gradient_accumulation_steps": self.gradient_accumulation_steps,
+            "cur_step": self.cur_step,
+            "optimizer_steps": self.optimizer_steps,
+            "window_tokens": self.window_tokens,
+            "window_batches": self.window_batches,
+            "skipped_steps": self.skipped_steps,
+            "last_grad_norm": self.last_grad_norm,
+            "last_lr": self.last_lr,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for key in ("cur_step", "optimizer_steps", "window_tokens", "window_batches", "skipped_steps"):
+            setattr(self, key, int(state[key]))
+        self.last_grad_norm = float(state["last_grad_norm"])
+        self.last_lr = float(state["last_lr"])

@@ -1,0 +1,260 @@
+"""``TransformersModel``: a Hugging Face causal LM with LoRA adapters and an explicit step API.
+
+The script drives the loop; this class holds the pieces and keeps the step semantics:
+gradients are summed over the micro-batches of an accumulation window and divided by the
+window's supervised-token count over all ranks right before the optimizer step, so the update
+is the mean over every supervised token of the global batch, whatever the padding or sharding."""
+
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from twinkle.checkpoint import load_checkpoint, read_trainer_state, save_checkpoint
+from twinkle.loss import build_loss
+from twinkle.loss.registry import FUSED_LOSSES
+from twinkle.model.forward import compute_loss
+from twinkle.model.loading import load_causal_lm
+from twinkle.model.lora import add_lora, lora_signature, trainable_parameters
+from twinkle.model.step import clip_gradients, normalise_gradients
+from twinkle.model.train_state import OptimizerGroup
+from twinkle.optim import build_optimizer, build_scheduler
+from twinkle.runtime import get_runtime
+from twinkle.utils.errors import UserError
+from twinkle.utils.logger import get_logger
+
+TASKS = ("causal_lm", "fused_lm_ce")
+logger = get_logger()
+
+
+class TransformersModel:
+    def __init__(self, model_id: str | None = None, dtype: torch.dtype | None = None):
+        runtime = get_runtime()
+        self.runtime = runtime
+        self.device = runtime.device
+        self.model_id = model_id
+        self.model, self.tokenizer, self.model_path = load_causal_lm(model_id, self.device, dtype)
+        self.optimizer_group: dict[str, OptimizerGroup] = {}
+        self._pending_eval: tuple[str, Any, int, int] | None = None
+
+    # ----------------------------------------------------------------- set-up
+    def _group(self, adapter_name: str | None) -> OptimizerGroup:
+        if adapter_name is None:
+            if len(self.optimizer_group) != 1:
+                names = ", ".join(self.optimizer_group) or "none yet"
+                raise UserError(f"name the adapter (adapter_name=...); adapters: {names}")
+            return next(iter(self.optimizer_group.values()))
+        if adapter_name not in self.optimizer_group:
+            raise UserError(f"unknown adapter {adapter_name!r}; adapters: {', '.join(self.optimizer_group) or 'none'}")
+        return self.optimizer_group[adapter_name]
+
+    def add_adapter_to_model(self, adapter_name: str, config: Any, gradient_accumulation_steps: int = 1) -> None:
+        if gradient_accumulation_steps < 1:
+            raise UserError(f"--gradient-accumulation-steps must be at least 1, got {gradient_accumulation_steps}")
+        self.model = add_lora(self.model, adapter_name, config)
+        self.optimizer_group[adapter_name] = OptimizerGroup(
+            adapter_name, gradient_accumulation_steps, loss_fn=build_loss("CrossEntropyLoss")
+        )
+
+    def set_optimizer(self, optimizer_cls: Any, lr: float, adapter_name: str | None = None, **kwargs: Any) -> None:
+        """``optimizer_cls`` is a class or a ``torch.optim`` name; ``kwargs`` reach its constructor."""
+        group = self._group(adapter_name)
+        group.optimizer = build_optimizer(optimizer_cls, trainable_parameters(self.model), lr=lr, **kwargs)
+
+    def set_lr_scheduler(
+        self,
+        scheduler_cls: Any,
+        num_warmup_steps: int = 0,
+        num_training_steps: int | None = None,
+        adapter_name: str | None = None,
+        **kwargs: Any,
+    ) -> None:
+        """``num_training_steps`` counts micro-batches (``len(dataloader)``); the schedule runs
+        over the optimizer steps they make, so it ends where the data ends."""
+        group = self._group(adapter_name)
+        if group.optimizer is None:
+            raise UserError("call set_optimizer(...) before set_lr_scheduler(...)")
+        if num_training_steps is None or num_training_steps < 1:
+            raise UserError(f"num_training_steps must be at least 1, got {num_training_steps}")
+        group.num_training_steps = num_training_steps
+        optimizer_steps = -(-num_training_steps // group.gradient_accumulation_steps)
+        group.lr_scheduler = build_scheduler(
+            scheduler_cls, group.optimizer, num_warmup_steps, optimizer_steps, **kwargs
+        )
+        group.last_lr = group.optimizer.param_groups[0]["lr"]
+
+    def set_loss(self, loss: str, adapter_name: str | None = None, **kwargs: Any) -> None:
+        self._group(adapter_name).loss_fn = build_loss(loss, **kwargs)
+
+    # ----------------------------------------------------------------- steps
+    def _to_device(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {k: v.to(self.device, non_blocking=True) for k, v in inputs.items() if torch.is_tensor(v)}
+
+    def _loss_fn(self, group: OptimizerGroup, task: str) -> Any:
+        if task not in TASKS:
+            raise UserError(f"unknown task {task!r}; valid tasks: {', '.join(TASKS)}")
+        if task == "fused_lm_ce" and type(group.loss_fn).__name__ not in FUSED_LOSSES:
+            return build_loss("FusedLinearCrossEntropyLoss")
+        return group.loss_fn
+
+    def forward_backward(self, inputs: dict[str, torch.Tensor], task: str = "causal_lm", adapter_name: str | None = None) -> float:
+        """One micro-batch: forward, summed loss, backward. Returns this rank's mean token loss."""
+        group = self._group(adapter_name)
+        group.train_metrics.start_batch()
+        batch = self._to_device(inputs)
+        self.model.train()
+        out = compute_loss(self.model, batch, self._loss_fn(group, task))
+        out.loss_sum.backward()
+        loss_sum = float(out.loss_sum.detach())
+        group.cur_step += 1
+        group.window_batches += 1
+        group.window_tokens += out.num_tokens
+        group.train_metrics.update(
+            loss_sum, out.num_tokens, int(out.num_correct), int(batch["attention_mask"].sum()), batch["input_ids"].shape[0]
+        )
+        return loss_sum / max(1, out.num_tokens)
+
+    def clip_grad_and_step(self, max_grad_norm: float = 1.0, adapter_name: str | None = None) -> bool:
+        """Step the optimizer when the accumulation window is full; returns whether it stepped."""
+        group = self._group(adapter_name)
+        if group.optimizer is None:
+            raise UserError("call set_optimizer(...) before clip_grad_and_step()")
+        if not group.window_is_full():
+            return False
+        params = trainable_parameters(self.model)
+        total = normalise_gradients(params, group.window_tokens)
+        if total == 0:
+            group.skipped_steps += 1
+            logger.warning("no supervised token in this accumulation window; the optimizer step is skipped")
+        else:
+            group.last_grad_norm = clip_gradients(params, max_grad_norm)
+            group.last_lr = group.optimizer.param_groups[0]["lr"]
+            group.optimizer.step()
+            group.optimizer_steps += 1
+            if group.lr_scheduler is not None:
+                group.lr_scheduler.step()
+        group.optimizer.zero_grad(set_to_none=True)
+        group.window_tokens = group.window_batches = 0
+        return total > 0
+
+    @torch.no_grad()
+    def forward_only(self, inputs: dict[str, torch.Tensor], task: str = "causal_lm", adapter_name: str | None = None) -> float:
+        """Evaluate one batch (no gradients, dropout off); ``calculate_loss()`` records it."""
+        group = self._group(adapter_name)
+        group.eval_metrics.start_batch()
+        batch = self._to_device(inputs)
+        self.model.eval()
+        out = compute_loss(self.model, batch, self._loss_fn(group, task))
+        self._pending_eval = (group.adapter_name, out, int(batch["attention_mask"].sum()), batch["input_ids"].shape[0])
+        return float(out.loss_sum) / max(1, out.num_tokens)
+
+    def calculate_loss(self) -> float:
+        """Record the last ``forward_only`` batch in the eval metrics; return its mean token loss."""
+        if self._pending_eval is None:
+            raise UserError("call forward_only(inputs=...) before calculate_loss()")
+        name, out, input_tokens, samples = self._pending_eval
+        self._pending_eval = None
+        loss_sum = float(out.loss_sum)
+        self.optimizer_group[name].eval_metrics.update(loss_sum, out.num_tokens, int(out.num_correct), input_tokens, samples)
+        return loss_sum / max(1, out.num_tokens)
+
+    def calculate_metric(self, is_training: bool = True, adapter_name: str | None = None) -> dict[str, float]:
+        """Numbers since the last call, reduced over all ranks: loss, accuracy, tokens/s, and for
+        training also grad_norm, lr, step counters."""
+        group = self._group(adapter_name)
+        if not is_training:
+            return group.eval_metrics.compute()
+        metrics = group.train_metrics.compute()
+        metrics.update(
+            grad_norm=group.last_grad_norm,
+            lr=group.last_lr,
+            step=group.cur_step,
+            optimizer_steps=group.optimizer_steps,
+            skipped_steps=group.skipped_steps,
+        )
+        return metrics
+
+    def get_train_configs(self, adapter_name: str | None = None) -> str:
+        group = self._group(adapter_name)
+        params = trainable_parameters(self.model)
+        n_train = sum(p.numel() for p in params)
+        n_all = sum(p.numel() for p in self.model.parameters())
+        sched = type(group.lr_scheduler).__name__ if group.lr_scheduler is not None else None
+        return (
+            f"model={self.model_path} device={self.device} dtype={next(self.model.parameters()).dtype} "
+            f"adapter={group.adapter_name} trainable={n_train:,}/{n_all:,} ({100 * n_train / max(1, n_all):.2f}%) "
+            f"optimizer={type(group.optimizer).__name__} scheduler={sched} loss={type(group.loss_fn).__name__} "
+            f"gradient_accumulation_steps={group.gradient_accumulation_steps}"
+        )
+
+    # ----------------------------------------------------------------- checkpoints
+    def _trainer_state(self, group: OptimizerGroup, consumed_train_samples: int) -> dict[str, Any]:
+        return {
+            **group.state_dict(),
+            "consumed_train_samples": consumed_train_samples,
+            "world_size": self.runtime.world_size,
+            "base_model": self.model_id or "bundled:SmolLM2-135M-Instruct",
+            "lora": lora_signature(self.model.peft_config[group.adapter_name]),
+        }
+
+    def save(
+        self,
+        name: str,
+        output_dir: str = "output",
+        adapter_name: str | None = None,
+        save_optimizer: bool = True,
+        consumed_train_samples: int = 0,
+    ) -> Path:
+        """Write ``output_dir/name`` completely under a temporary name, then rename it into place."""
+        group = self._group(adapter_name)
+        out = Path(output_dir).expanduser()
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise UserError(f"cannot create --output-dir {out} ({exc.strerror}); choose a writable folder") from exc
+        grads = {}
+        if group.window_batches:  # an open accumulation window: keep its partial gradients
+            grads = {n: p.grad.detach().cpu() for n, p in self.model.named_parameters() if p.grad is not None}
+        path = save_checkpoint(
+            out / name,
+            model=self.model,
+            tokenizer=self.tokenizer,
+            adapter_name=group.adapter_name,
+            group=group,
+            trainer_state=self._trainer_state(group, consumed_train_samples),
+            save_optimizer=save_optimizer,
+            rank=self.runtime.rank,
+            grads=grads,
+        )
+        logger.info(f"saved checkpoint {path}")
+        return path
+
+    def resume_from_checkpoint(
+        self, checkpoint_dir: str, resume_only_model: bool = False, adapter_name: str | None = None
+    ) -> dict[str, int]:
+        group = self._group(adapter_name)
+        folder = Path(checkpoint_dir).expanduser()
+        state = read_trainer_state(folder)
+        current = lora_signature(self.model.peft_config[group.adapter_name])
+        saved_lora = state.get("lora", current)
+        if saved_lora != current:
+            raise UserError(f"checkpoint {folder} was trained with LoRA {saved_lora}, this run uses {current}; use the same LoRA flags")
+        if state.get("base_model") != self._trainer_state(group, 0)["base_model"]:
+            raise UserError(f"checkpoint {folder} was trained on {state.get('base_model')}; pass that --model-id")
+        if not resume_only_model and state["world_size"] != self.runtime.world_size:
+            raise UserError(
+                f"checkpoint {folder} was saved by {state['world_size']} process(es), this job has "
+                f"{self.runtime.world_size}; resume with the same world size or pass --resume-only-model"
+            )
+        grads = load_checkpoint(
+            folder, model=self.model, adapter_name=group.adapter_name, group=group, rank=self.runtime.rank,
+            only_model=resume_only_model,
+        )
+        if not resume_only_model:
+            group.load_state_dict(state)
+            params = dict(self.model.named_parameters())
+            for n, g in grads.items():
+                params[n].grad = g.to(params[n].device)
+        logger.info(f"resumed from {folder} at step {group.cur_step}")
+        return {"consumed_train_samples": int(state["consumed_train_samples"]), "cur_step": group.cur_step}

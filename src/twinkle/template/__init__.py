@@ -1,0 +1,9 @@
+"""Templates turn chat messages into ``input_ids``/``labels`` for one tokenizer.
+
+Public names: ``Template``, ``Qwen3_5Template``, ``TEMPLATES``, ``get_template``, ``TRUNCATION_STRATEGIES``."""
+
+from twinkle.template.base import TRUNCATION_STRATEGIES, Template
+from twinkle.template.qwen import Qwen3_5Template
+from twinkle.template.registry import TEMPLATES, get_template
+
+__all__ = ["Template", "Qwen3_5Template", "TEMPLATES", "get_template", "TRUNCATION_STRATEGIES"]

@@ -1,0 +1,8 @@
+"""``UserError``: bad input from the user (flags, paths, data rows, checkpoints).
+
+It subclasses ``ValueError`` so callers can catch either. The CLI prints its message as one
+line without a traceback (unless ``--debug``)."""
+
+
+class UserError(ValueError):
+    """A mistake the user can fix; the message says what is wrong and how to fix it."""

@@ -1,0 +1,20 @@
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent / "assets"))
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """A 2-layer Llama with a 600-token BPE tokenizer and a ChatML template, built offline."""
+    from tiny import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-model"))
+
+
+@pytest.fixture(autouse=True)
+def _isolated_cache(tmp_path_factory, monkeypatch):
+    """Keep conversion and dataset caches of tests out of the user's home."""
+    monkeypatch.setenv("TWINKLE_CACHE", str(tmp_path_factory.getbasetemp() / "twinkle-cache"))
