@@ -55,7 +55,6 @@ class DatasetArgs:
     )
     subset_name: str | None = _opt(None, "dataset subset (config) name")
     split: str = _opt("train", "dataset split")
-    shuffle: bool = _opt(True, "shuffle the training data")
 
 
 @dataclass
@@ -76,7 +75,6 @@ class ModelArgs:
     enable_fused_ce: bool = _opt(
         True, "fused linear cross-entropy when Liger is enabled", aliases=("fused-ce",)
     )
-    gradient_checkpointing: str = _opt("auto", "activation checkpointing", choices=("auto", "on", "off"))
 
 
 @dataclass
@@ -97,8 +95,6 @@ class TrainingArgs:
     resume_from_checkpoint: str | None = _opt(None, "checkpoint directory to resume from")
     resume_only_model: bool = _opt(False, "restore adapter weights only, not optimizer/scheduler/RNG")
     ignore_data_skip: bool = _opt(False, "on resume, restart the data from the beginning")
-    save_total_limit: int | None = _opt(None, "keep at most N checkpoints", check=_AT_LEAST_1)
-    max_grad_norm: float = _opt(1.0, "gradient clipping norm (0 disables clipping)", check=_AT_LEAST_0)
 
 
 @dataclass
@@ -115,7 +111,6 @@ class OptimizerArgs:
     learning_rate: float = _opt(
         1e-4, "peak learning rate", check=_POSITIVE, flag="lr", aliases=("learning-rate",)
     )
-    weight_decay: float = _opt(0.0, "decoupled weight decay", check=_AT_LEAST_0)
 
 
 @dataclass

@@ -57,7 +57,18 @@ class CLI:
             print(f"error: {message}", file=sys.stderr)
             sys.exit(2)
         _last = args
+        if from_sys and not args.infra.debug:
+            sys.excepthook = _one_line_user_errors
         return args
+
+
+def _one_line_user_errors(kind, exc, tb):  # noqa: ANN001 - the sys.excepthook signature
+    """A script run from the command line reports a ``UserError`` as one line (``--debug`` shows
+    the traceback); every other exception keeps its traceback."""
+    if isinstance(exc, UserError):
+        print(f"error: {' '.join(str(exc).split())}", file=sys.stderr)
+    else:
+        sys.__excepthook__(kind, exc, tb)
 
 
 def _flag_column(spec: FieldSpec) -> str:
