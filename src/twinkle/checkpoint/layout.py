@@ -5,7 +5,7 @@
       tokenizer files                                   so the folder is usable on its own
       trainer_state.json                                counters, data position, mesh, base model
       scheduler.pt                                      LR schedule position
-      optimizer_rank{r}.pt                              optimizer state of rank r (if saved)
+      optimizer.pt                                      optimizer state (the same on every rank)
       rank_state_rank{r}.pt                             RNG states and open-window gradients of rank r
       .twinkle-complete                                 written last; without it the folder is ignored
 """
@@ -21,11 +21,8 @@ TRAINER_STATE = "trainer_state.json"
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 SCHEDULER = "scheduler.pt"
+OPTIMIZER = "optimizer.pt"
 FORMAT_VERSION = 1
-
-
-def optimizer_file(rank: int) -> str:
-    return f"optimizer_rank{rank}.pt"
 
 
 def rank_state_file(rank: int) -> str:

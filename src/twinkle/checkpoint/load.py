@@ -41,7 +41,7 @@ def load_checkpoint(folder: Path, *, model: Any, adapter_name: str, group: Any, 
     if not rank_file.is_file():
         raise UserError(f"checkpoint {folder} has no state for rank {rank}; resume with the world size it was saved with")
     rank_state = torch.load(rank_file, weights_only=False)
-    opt_file = folder / layout.optimizer_file(rank)
+    opt_file = folder / layout.OPTIMIZER
     if group.optimizer is not None and opt_file.is_file():
         group.optimizer.load_state_dict(torch.load(opt_file, weights_only=True))
     sched_file = folder / layout.SCHEDULER

@@ -75,9 +75,9 @@ def save_checkpoint(
     adapter = full_adapter_state(model, adapter_name)
     rank_state = {"rng": rng_state(), "grads": grads}
     torch.save(rank_state, tmp / layout.rank_state_file(rank))
-    if save_optimizer and group.optimizer is not None:
-        torch.save(group.optimizer.state_dict(), tmp / layout.optimizer_file(rank))
     if rank == 0:
+        if save_optimizer and group.optimizer is not None:
+            torch.save(group.optimizer.state_dict(), tmp / layout.OPTIMIZER)
         save_file(adapter, tmp / layout.ADAPTER_WEIGHTS, metadata={"format": "pt"})
         model.peft_config[adapter_name].save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)

@@ -69,6 +69,8 @@ def fused_linear_cross_entropy(
     of correct argmax predictions, without materialising more than ``chunk_rows`` logit rows."""
     if hidden.shape[0] == 0:
         zero = (hidden.sum() * 0 + weight.sum() * 0).float()
+        if bias is not None:  # zero gradients for every input, like CrossEntropyLoss
+            zero = zero + bias.sum().float() * 0
         return zero, torch.zeros((), dtype=torch.long, device=hidden.device)
     return _FusedLinearCE.apply(hidden, weight, bias, targets, chunk_rows)
 

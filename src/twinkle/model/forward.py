@@ -1,13 +1,19 @@
-"""The forward pass up to the loss: body -> hidden states of supervised positions -> head + loss.
+"""The forward pass up to the loss: hidden states of supervised positions -> head + loss.
 
-The head is applied only where the next token is supervised (see ``twinkle.loss``), so the
-``(batch, seq, vocab)`` logits tensor is never built."""
+The model's own forward runs with its output head swapped for the identity, so the
+``(batch, seq, vocab)`` logits tensor is never built; the loss applies the head only where the
+next token is supervised (see ``twinkle.loss``). Running the top-level forward (rather than the
+inner decoder) keeps FSDP2's root hooks in play, which gather the embedding and final norm."""
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from twinkle.loss import LossOutput
+from twinkle.loss.cross_entropy import finish
 from twinkle.template.base import IGNORE_INDEX
 
 
@@ -17,20 +23,40 @@ def causal_lm_of(model: Any) -> Any:
 
 
 def has_logit_transform(lm: Any) -> bool:
-    """Models that post-process logits (soft-capping, scaling) need their own full forward."""
+    """Models that post-process logits (soft-capping, scaling) need their real head in the forward."""
     cfg = lm.config
     return bool(getattr(cfg, "final_logit_softcapping", None)) or getattr(cfg, "logit_scale", None) not in (None, 1.0)
 
 
-def hidden_states(lm: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    body = getattr(lm, lm.base_model_prefix)
-    out = body(
+def _identity(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+@contextlib.contextmanager
+def head_as_identity(head: torch.nn.Module) -> Iterator[None]:
+    saved = head.__dict__.get("forward")
+    head.forward = _identity
+    try:
+        yield
+    finally:
+        if saved is None:
+            del head.forward
+        else:
+            head.forward = saved
+
+
+def full_weight(weight: torch.Tensor) -> torch.Tensor:
+    """The whole head weight; under FSDP2 a sharded parameter is gathered (it is frozen for LoRA)."""
+    return weight.full_tensor() if hasattr(weight, "full_tensor") else weight
+
+
+def _run(lm: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    return lm(
         input_ids=batch["input_ids"],
         attention_mask=batch["attention_mask"],
         position_ids=batch["position_ids"],
         use_cache=False,
-    )
-    return out.last_hidden_state
+    ).logits
 
 
 def compute_loss(model: Any, batch: dict[str, torch.Tensor], loss_fn: Any) -> LossOutput:
@@ -39,13 +65,13 @@ def compute_loss(model: Any, batch: dict[str, torch.Tensor], loss_fn: Any) -> Lo
     targets_2d = batch["labels"][:, 1:]
     mask = targets_2d != IGNORE_INDEX
     targets = targets_2d[mask]
-    head = lm.get_output_embeddings()
     if has_logit_transform(lm):
-        logits = lm(
-            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"]
-        ).logits
-        selected = logits[:, :-1][mask].float()
-        eye = torch.eye(selected.shape[-1], dtype=selected.dtype, device=selected.device)
-        return loss_fn(selected, eye, targets)
-    hidden = hidden_states(lm, batch)[:, :-1][mask]
-    return loss_fn(hidden, head.weight, targets, getattr(head, "bias", None))
+        logits = _run(lm, batch)[:, :-1][mask].float()
+        loss_sum = F.cross_entropy(logits, targets, reduction="sum")
+        correct = (logits.detach().argmax(-1) == targets).sum()
+        return finish(loss_sum, targets.numel(), correct, loss_fn.reduction)
+    head = lm.get_output_embeddings()
+    with head_as_identity(head):
+        hidden = _run(lm, batch)[:, :-1][mask]
+    bias = getattr(head, "bias", None)
+    return loss_fn(hidden, full_weight(head.weight), targets, None if bias is None else full_weight(bias))

@@ -1,31 +1,33 @@
-"""The optimizer step: normalise summed gradients by the global token count, clip, step."""
+"""Gradient helpers for the optimizer step and for checkpoints of an open accumulation window."""
 
 import math
-from collections.abc import Iterable
 
 import torch
 
-from twinkle.distributed.collectives import all_reduce_sum
 
-
-def normalise_gradients(params: Iterable[torch.nn.Parameter], local_tokens: int) -> int:
-    """Divide the accumulated (summed) gradients by the supervised tokens of the whole window on
-    all ranks. Returns that global count; 0 means there was nothing to learn from."""
-    (total,) = all_reduce_sum([local_tokens])
-    total = int(total)
-    if total > 0:
-        for p in params:
-            if p.grad is not None:
-                p.grad.div_(total)
-    return total
-
-
-def clip_gradients(params: list[torch.nn.Parameter], max_norm: float) -> float:
-    """Clip to ``max_norm`` (the global norm over every shard); return the norm before clipping."""
+def clip_gradients(params: list[torch.Tensor], max_norm: float) -> float:
+    """Clip to ``max_norm`` (global norm; the params hold whole gradients); return the norm before."""
     grads = [p for p in params if p.grad is not None]
     if not grads:
         return 0.0
-    norm = torch.nn.utils.clip_grad_norm_(grads, max_norm if max_norm > 0 else math.inf)
-    if hasattr(norm, "full_tensor"):
-        norm = norm.full_tensor()
-    return float(norm)
+    return float(torch.nn.utils.clip_grad_norm_(grads, max_norm if max_norm > 0 else math.inf))
+
+
+def local_grad(param: torch.nn.Parameter) -> torch.Tensor:
+    """This rank's part of ``param.grad`` (the whole gradient when not sharded), on the CPU."""
+    grad = param.grad
+    grad = grad.to_local() if hasattr(grad, "to_local") else grad
+    return grad.detach().cpu().clone()
+
+
+def restore_grad(param: torch.nn.Parameter, local: torch.Tensor) -> None:
+    """Inverse of ``local_grad`` on the same mesh."""
+    local = local.to(param.device if not hasattr(param, "to_local") else param.to_local().device)
+    if hasattr(param, "device_mesh"):
+        from torch.distributed.tensor import DTensor
+
+        param.grad = DTensor.from_local(
+            local, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
+        )
+    else:
+        param.grad = local

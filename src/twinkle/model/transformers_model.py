@@ -14,13 +14,18 @@ import torch
 from twinkle.checkpoint import load_checkpoint, read_trainer_state, save_checkpoint
 from twinkle.loss import build_loss
 from twinkle.loss.registry import FUSED_LOSSES
-from twinkle.model.forward import compute_loss
+from twinkle.distributed.fsdp import apply_fsdp2
+from twinkle.model.forward import causal_lm_of, compute_loss
 from twinkle.model.loading import load_causal_lm
 from twinkle.model.lora import add_lora, lora_signature, trainable_parameters
-from twinkle.model.step import clip_gradients, normalise_gradients
+from twinkle.model.step import local_grad, restore_grad
+from twinkle.distributed.collectives import all_reduce_sum
+from twinkle.model.step import clip_gradients
 from twinkle.model.train_state import OptimizerGroup
 from twinkle.optim import build_optimizer, build_scheduler
+from twinkle.optim.replicated import ReplicatedOptimizer
 from twinkle.runtime import get_runtime
+from twinkle.template.base import IGNORE_INDEX
 from twinkle.utils.errors import UserError
 from twinkle.utils.logger import get_logger
 
@@ -53,6 +58,9 @@ class TransformersModel:
         if gradient_accumulation_steps < 1:
             raise UserError(f"--gradient-accumulation-steps must be at least 1, got {gradient_accumulation_steps}")
         self.model = add_lora(self.model, adapter_name, config)
+        if self.runtime.is_distributed and not self.optimizer_group:
+            lm = causal_lm_of(self.model)
+            apply_fsdp2(lm, self.runtime.mesh, self.device, getattr(lm, "_no_split_modules", None))
         self.optimizer_group[adapter_name] = OptimizerGroup(
             adapter_name, gradient_accumulation_steps, loss_fn=build_loss("CrossEntropyLoss")
         )
@@ -60,7 +68,10 @@ class TransformersModel:
     def set_optimizer(self, optimizer_cls: Any, lr: float, adapter_name: str | None = None, **kwargs: Any) -> None:
         """``optimizer_cls`` is a class or a ``torch.optim`` name; ``kwargs`` reach its constructor."""
         group = self._group(adapter_name)
-        group.optimizer = build_optimizer(optimizer_cls, trainable_parameters(self.model), lr=lr, **kwargs)
+        params = trainable_parameters(self.model)
+        group.optimizer = ReplicatedOptimizer(
+            params, lambda copies: build_optimizer(optimizer_cls, copies, lr=lr, **kwargs)
+        )
 
     def set_lr_scheduler(
         self,
@@ -80,7 +91,7 @@ class TransformersModel:
         group.num_training_steps = num_training_steps
         optimizer_steps = -(-num_training_steps // group.gradient_accumulation_steps)
         group.lr_scheduler = build_scheduler(
-            scheduler_cls, group.optimizer, num_warmup_steps, optimizer_steps, **kwargs
+            scheduler_cls, group.optimizer.optimizer, num_warmup_steps, optimizer_steps, **kwargs
         )
         group.last_lr = group.optimizer.param_groups[0]["lr"]
 
@@ -89,7 +100,14 @@ class TransformersModel:
 
     # ----------------------------------------------------------------- steps
     def _to_device(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {k: v.to(self.device, non_blocking=True) for k, v in inputs.items() if torch.is_tensor(v)}
+        batch = {k: v.to(self.device, non_blocking=True) for k, v in inputs.items() if torch.is_tensor(v)}
+        if batch["input_ids"].shape[0] == 0:
+            # This rank's share of a short last batch is empty, but under FSDP it must still join
+            # every collective: run one pad token that carries no label.
+            pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+            one = torch.ones((1, 1), dtype=torch.long, device=self.device)
+            batch = {"input_ids": one * pad, "labels": one * IGNORE_INDEX, "attention_mask": one, "position_ids": one * 0}
+        return batch
 
     def _loss_fn(self, group: OptimizerGroup, task: str) -> Any:
         if task not in TASKS:
@@ -111,7 +129,7 @@ class TransformersModel:
         group.window_batches += 1
         group.window_tokens += out.num_tokens
         group.train_metrics.update(
-            loss_sum, out.num_tokens, int(out.num_correct), int(batch["attention_mask"].sum()), batch["input_ids"].shape[0]
+            loss_sum, out.num_tokens, int(out.num_correct), int(inputs["attention_mask"].sum()), inputs["input_ids"].shape[0]
         )
         return loss_sum / max(1, out.num_tokens)
 
@@ -122,13 +140,15 @@ class TransformersModel:
             raise UserError("call set_optimizer(...) before clip_grad_and_step()")
         if not group.window_is_full():
             return False
-        params = trainable_parameters(self.model)
-        total = normalise_gradients(params, group.window_tokens)
+        # Gradients are per-rank sums (FSDP averages them over the ranks): rescale to the mean
+        # over every supervised token of the window on all ranks.
+        (total,) = all_reduce_sum([group.window_tokens])
         if total == 0:
             group.skipped_steps += 1
             logger.warning("no supervised token in this accumulation window; the optimizer step is skipped")
         else:
-            group.last_grad_norm = clip_gradients(params, max_grad_norm)
+            group.optimizer.gather_grads(scale=self.runtime.world_size / total)
+            group.last_grad_norm = clip_gradients(group.optimizer.copies, max_grad_norm)
             group.last_lr = group.optimizer.param_groups[0]["lr"]
             group.optimizer.step()
             group.optimizer_steps += 1
@@ -146,7 +166,7 @@ class TransformersModel:
         batch = self._to_device(inputs)
         self.model.eval()
         out = compute_loss(self.model, batch, self._loss_fn(group, task))
-        self._pending_eval = (group.adapter_name, out, int(batch["attention_mask"].sum()), batch["input_ids"].shape[0])
+        self._pending_eval = (group.adapter_name, out, int(inputs["attention_mask"].sum()), inputs["input_ids"].shape[0])
         return float(out.loss_sum) / max(1, out.num_tokens)
 
     def calculate_loss(self) -> float:
@@ -215,7 +235,7 @@ class TransformersModel:
             raise UserError(f"cannot create --output-dir {out} ({exc.strerror}); choose a writable folder") from exc
         grads = {}
         if group.window_batches:  # an open accumulation window: keep its partial gradients
-            grads = {n: p.grad.detach().cpu() for n, p in self.model.named_parameters() if p.grad is not None}
+            grads = {n: local_grad(p) for n, p in self.model.named_parameters() if p.grad is not None}
         path = save_checkpoint(
             out / name,
             model=self.model,
@@ -255,6 +275,7 @@ class TransformersModel:
             group.load_state_dict(state)
             params = dict(self.model.named_parameters())
             for n, g in grads.items():
-                params[n].grad = g.to(params[n].device)
+                restore_grad(params[n], g)
+        group.optimizer.sync_copies()
         logger.info(f"resumed from {folder} at step {group.cur_step}")
         return {"consumed_train_samples": int(state["consumed_train_samples"]), "cur_step": group.cur_step}

@@ -1,0 +1,153 @@
+"""Token losses against a plain torch reference: loss, num_correct and every gradient."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from twinkle.loss import CrossEntropyLoss, FusedLinearCrossEntropyLoss, build_loss, fused_linear_cross_entropy
+from twinkle.utils.errors import UserError
+
+# (dtype, atol, rtol). atol is relative to the largest magnitude of the reference tensor, so one
+# table serves losses summed over 1 or 300 rows.
+TOLERANCES = [
+    # fp32: both paths compute logits, softmax and gradients in fp32; only the summation order
+    # differs (chunked vs one matmul), which moves a result by a few ulps of the largest value.
+    (torch.float32, 1e-5, 1e-5),
+    # bf16 keeps 8 significant bits. The reference adds the bias and forms the weight gradient in
+    # bf16 matmuls; the fused path accumulates them in fp32 and rounds once. The two may differ by
+    # two bf16 ulps of the largest element (2 * 2**-8 ~ 0.8%), so 1.6e-2 of the max.
+    (torch.bfloat16, 1.6e-2, 1.6e-2),
+]
+# (rows, hidden, vocab, chunk_rows): one row; chunks that do not divide the rows; one chunk.
+SHAPES = [(1, 8, 16, 4), (37, 16, 50, 8), (300, 32, 600, 64), (64, 32, 600, 1024)]
+
+
+def reference(hidden, weight, targets, bias, reduction):
+    logits = F.linear(hidden, weight, bias).float()
+    loss = F.cross_entropy(logits, targets, reduction="sum")
+    if reduction == "mean":
+        loss = loss / max(1, targets.numel())
+    return loss, (logits.argmax(-1) == targets).sum()
+
+
+def run_fused_fn(hidden, weight, targets, bias, reduction, chunk_rows):
+    loss, correct = fused_linear_cross_entropy(hidden, weight, targets, bias, chunk_rows=chunk_rows)
+    return (loss if reduction == "sum" else loss / max(1, targets.numel())), correct
+
+
+def run_loss_class(cls):
+    def run(hidden, weight, targets, bias, reduction, chunk_rows):
+        kwargs = {"chunk_rows": chunk_rows} if cls is FusedLinearCrossEntropyLoss else {}
+        out = cls(reduction=reduction, **kwargs)(hidden, weight, targets, bias)
+        return out.loss, out.num_correct
+
+    return run
+
+
+IMPLEMENTATIONS = {
+    "CrossEntropyLoss": run_loss_class(CrossEntropyLoss),
+    "FusedLinearCrossEntropyLoss": run_loss_class(FusedLinearCrossEntropyLoss),
+    "fused_linear_cross_entropy": run_fused_fn,
+}
+
+
+def make_inputs(rows, hidden_size, vocab, with_bias, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(rows, hidden_size, generator=g)
+    weight = torch.randn(vocab, hidden_size, generator=g) * 0.3
+    bias = torch.randn(vocab, generator=g) * 0.1 if with_bias else None
+    targets = torch.randint(0, vocab, (rows,), generator=g)
+    # Make half the targets the argmax, so num_correct is not trivially 0.
+    best = F.linear(hidden, weight, bias).argmax(-1)
+    targets[::2] = best[::2]
+    return hidden, weight, bias, targets
+
+
+def loss_and_grads(fn, inputs, dtype):
+    """Run ``fn`` on fresh leaf copies of ``inputs`` in ``dtype``; return loss, correct, grads."""
+    hidden, weight, bias, targets = inputs
+    leaves = [t.detach().clone().to(dtype).requires_grad_() if t is not None else None for t in (hidden, weight, bias)]
+    loss, correct = fn(leaves[0], leaves[1], targets, leaves[2])
+    loss.backward()
+    grads = [leaf.grad if leaf is not None else None for leaf in leaves]
+    return loss.detach(), int(correct), grads
+
+
+def assert_close(actual, expected, atol, rtol, what):
+    scale = max(1.0, expected.float().abs().max().item()) if expected.numel() else 1.0
+    torch.testing.assert_close(actual.float(), expected.float(), atol=atol * scale, rtol=rtol, msg=lambda m: f"{what}: {m}")
+
+
+@pytest.mark.parametrize("dtype, atol, rtol", TOLERANCES)
+@pytest.mark.parametrize("rows, hidden_size, vocab, chunk_rows", SHAPES)
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+@pytest.mark.parametrize("impl", list(IMPLEMENTATIONS))
+def test_matches_reference(impl, reduction, with_bias, rows, hidden_size, vocab, chunk_rows, dtype, atol, rtol):
+    inputs = make_inputs(rows, hidden_size, vocab, with_bias)
+    fn = IMPLEMENTATIONS[impl]
+    loss, correct, grads = loss_and_grads(lambda h, w, t, b: fn(h, w, t, b, reduction, chunk_rows), inputs, dtype)
+    ref_loss, ref_correct, ref_grads = loss_and_grads(lambda h, w, t, b: reference(h, w, t, b, reduction), inputs, dtype)
+
+    assert loss.dtype == torch.float32
+    assert_close(loss, ref_loss, atol, rtol, "loss")
+    if dtype == torch.float32:
+        assert correct == ref_correct
+    else:  # a near-tie between two bf16 logits may break the other way
+        assert abs(correct - ref_correct) <= 1 + rows // 100
+    for name, grad, ref_grad in zip(("hidden", "weight", "bias"), grads, ref_grads, strict=True):
+        if ref_grad is None:
+            assert grad is None
+            continue
+        assert grad.dtype == dtype and grad.shape == ref_grad.shape
+        assert_close(grad, ref_grad, atol, rtol, f"grad of {name}")
+
+
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+@pytest.mark.parametrize("cls", [CrossEntropyLoss, FusedLinearCrossEntropyLoss])
+def test_no_supervised_rows(cls, reduction):
+    """A micro-batch (or a rank's share) whose labels are all ignored: loss 0, zero gradients."""
+    hidden = torch.randn(0, 8, requires_grad=True)
+    weight = torch.randn(16, 8, requires_grad=True)
+    bias = torch.randn(16, requires_grad=True)
+    out = cls(reduction=reduction)(hidden, weight, torch.zeros(0, dtype=torch.long), bias)
+    out.loss.backward()
+    assert out.loss.item() == 0.0 and out.loss_sum.item() == 0.0
+    assert out.num_tokens == 0 and int(out.num_correct) == 0
+    assert hidden.grad.shape == (0, 8)
+    for leaf in (weight, bias):
+        assert leaf.grad is not None and not leaf.grad.any()
+
+
+def test_loss_sum_is_the_sum_whatever_the_reduction():
+    hidden, weight, bias, targets = make_inputs(10, 8, 16, with_bias=False)
+    for cls in (CrossEntropyLoss, FusedLinearCrossEntropyLoss):
+        out = cls(reduction="mean")(hidden, weight, targets)
+        torch.testing.assert_close(out.loss_sum / 10, out.loss)
+
+
+def test_frozen_head_gets_no_gradient():
+    """LoRA freezes the head: the fused path must not compute (or return) a weight gradient."""
+    hidden, weight, _, targets = make_inputs(12, 8, 16, with_bias=False)
+    hidden.requires_grad_()
+    loss, _ = fused_linear_cross_entropy(hidden, weight, targets, chunk_rows=5)
+    loss.backward()
+    assert weight.grad is None and hidden.grad is not None
+
+
+def test_build_loss_by_name():
+    assert isinstance(build_loss("CrossEntropyLoss"), CrossEntropyLoss)
+    liger = build_loss("LigerFusedLinearCrossEntropyLoss", reduction="sum")
+    assert isinstance(liger, FusedLinearCrossEntropyLoss) and liger.reduction == "sum"
+
+
+def test_unknown_loss_lists_valid_names():
+    with pytest.raises(UserError) as err:
+        build_loss("NoSuchLoss")
+    for name in ("NoSuchLoss", "CrossEntropyLoss", "FusedLinearCrossEntropyLoss", "LigerFusedLinearCrossEntropyLoss"):
+        assert name in str(err.value)
+
+
+def test_bad_reduction_is_a_user_error():
+    with pytest.raises(UserError, match="reduction"):
+        build_loss("CrossEntropyLoss", reduction="none")

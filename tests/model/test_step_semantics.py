@@ -1,0 +1,184 @@
+"""Step semantics of ``TransformersModel`` (ARCHITECTURE.md section 3, items 3, 4 and 8)."""
+
+import math
+
+import pytest
+import torch
+
+from twinkle.dataloader import DataLoader
+from twinkle.template.base import IGNORE_INDEX
+from twinkle.utils.errors import UserError
+
+LR = 1e-2
+
+
+def lora_weights(model) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.model.named_parameters() if p.requires_grad}
+
+
+def capture_step_grads(model) -> list[dict[str, torch.Tensor]]:
+    """Record the gradients each optimizer step sees (after normalisation and clipping)."""
+    optimizer = model.optimizer_group["default"].optimizer
+    captured, original_step = [], optimizer.step
+
+    def step(*args, **kwargs):
+        captured.append({n: p.grad.clone() for n, p in model.model.named_parameters() if p.grad is not None})
+        return original_step(*args, **kwargs)
+
+    optimizer.step = step
+    return captured
+
+
+def supervised_tokens(batch) -> int:
+    return int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
+
+
+def assert_same_grads(actual: dict, expected: dict, atol: float, rtol: float) -> None:
+    assert actual.keys() == expected.keys() and actual
+    for name, grad in expected.items():
+        assert grad.abs().sum() > 0, name  # a zero gradient would prove nothing
+        torch.testing.assert_close(actual[name], grad, atol=atol, rtol=rtol, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_optimizer_steps_after_exactly_the_accumulation_window(make_model, dataset):
+    model = make_model(gradient_accumulation_steps=2)
+    dataloader = DataLoader(dataset, batch_size=4)
+    assert len(dataloader) == 5  # two full windows, then a partial one at the end of the data
+    model.set_lr_scheduler("CosineWarmupScheduler", num_warmup_steps=1, num_training_steps=len(dataloader))
+    group = model.optimizer_group["default"]
+    record = []
+    for batch in dataloader:
+        before = lora_weights(model)
+        model.forward_backward(inputs=batch)
+        stepped = model.clip_grad_and_step()
+        changed = any(not torch.equal(before[n], p) for n, p in lora_weights(model).items())
+        record.append((group.cur_step, group.optimizer_steps, stepped, changed))
+    # (micro-batches, optimizer steps, stepped now, weights changed now)
+    assert record == [(1, 0, False, False), (2, 1, True, True), (3, 1, False, False), (4, 2, True, True), (5, 3, True, True)]
+
+
+def test_window_gradient_is_the_mean_over_all_its_supervised_tokens(make_model, dataset):
+    """Two micro-batches with different token counts give the gradient of ONE mean loss over both."""
+    halves = list(DataLoader(dataset, batch_size=2))[:2]
+    whole = next(iter(DataLoader(dataset, batch_size=4)))  # the same four rows, padded together
+    assert supervised_tokens(halves[0]) != supervised_tokens(halves[1])
+
+    accumulated = make_model(gradient_accumulation_steps=2, init_lora_weights=False)
+    seen = capture_step_grads(accumulated)
+    for batch in halves:
+        accumulated.forward_backward(inputs=batch)
+        accumulated.clip_grad_and_step(max_grad_norm=0)  # 0: no clipping
+    assert len(seen) == 1
+
+    # Reference: the Hugging Face model's own mean token loss over the concatenated batch.
+    reference = make_model(init_lora_weights=False)
+    reference.model.train()
+    reference.model(**whole).loss.backward()
+    expected = {n: p.grad for n, p in reference.model.named_parameters() if p.grad is not None}
+    assert_same_grads(seen[0], expected, atol=1e-6, rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "scheduler, expected_factors",
+    [
+        ("CosineWarmupScheduler", [1.0, 0.75, 0.25]),  # 0.5 * (1 + cos(pi * k / 3))
+        ("LinearWarmupScheduler", [1.0, 2 / 3, 1 / 3]),  # 1 - k / 3
+    ],
+)
+def test_schedule_horizon_is_the_data_whatever_the_accumulation(make_model, dataset, scheduler, expected_factors):
+    model = make_model(gradient_accumulation_steps=2)
+    dataloader = DataLoader(dataset, batch_size=4)
+    model.set_lr_scheduler(scheduler, num_warmup_steps=0, num_training_steps=len(dataloader))
+    lrs = []
+    for batch in dataloader:
+        model.forward_backward(inputs=batch)
+        if model.clip_grad_and_step():
+            lrs.append(model.calculate_metric(is_training=True)["lr"])
+    assert len(lrs) == math.ceil(len(dataloader) / 2) == model.optimizer_group["default"].optimizer_steps
+    assert all(lr > 0 for lr in lrs)
+    assert lrs == pytest.approx([LR * f for f in expected_factors])
+
+
+def test_training_metrics_are_numbers(make_model, dataset):
+    model = make_model()
+    model.set_lr_scheduler("CosineWarmupScheduler", num_warmup_steps=1, num_training_steps=2)
+    batches = list(DataLoader(dataset, batch_size=4))[:2]
+    losses = []
+    for batch in batches:
+        losses.append(model.forward_backward(inputs=batch))
+        model.clip_grad_and_step()
+    metric = model.calculate_metric(is_training=True)
+    for key in ("loss", "grad_norm", "lr", "accuracy", "tokens_per_second"):
+        assert type(metric[key]) in (int, float) and math.isfinite(metric[key]), (key, metric[key])
+    tokens = [supervised_tokens(b) for b in batches]
+    # The logged loss is the mean over all supervised tokens since the last read.
+    assert metric["loss"] == pytest.approx(sum(loss * n for loss, n in zip(losses, tokens, strict=True)) / sum(tokens))
+    assert metric["supervised_tokens"] == sum(tokens)
+    assert 0 <= metric["accuracy"] <= 1 and metric["grad_norm"] > 0 and metric["tokens_per_second"] > 0
+    assert metric["lr"] == pytest.approx(LR)
+
+
+def test_eval_metrics(make_model, dataset):
+    model = make_model()
+    before = lora_weights(model)
+    for batch in DataLoader(dataset, batch_size=8):
+        model.forward_only(inputs=batch)
+        assert math.isfinite(model.calculate_loss())
+    metric = model.calculate_metric(is_training=False)
+    assert math.isfinite(metric["loss"]) and 0 <= metric["accuracy"] <= 1
+    assert metric["samples"] == len(dataset)
+    assert model.optimizer_group["default"].cur_step == 0
+    assert all(p.grad is None for p in model.model.parameters())
+    assert all(torch.equal(before[n], p) for n, p in lora_weights(model).items())
+
+
+def test_calculate_loss_needs_forward_only(make_model, dataset):
+    model = make_model()
+    with pytest.raises(UserError, match="forward_only"):
+        model.calculate_loss()
+    model.forward_only(inputs=next(iter(DataLoader(dataset, batch_size=2))))
+    model.calculate_loss()
+    with pytest.raises(UserError, match="forward_only"):  # each forward is recorded once
+        model.calculate_loss()
+
+
+def test_training_lowers_the_loss(make_model, dataset):
+    batch = next(iter(DataLoader(dataset, batch_size=8)))
+    model = make_model(lr=LR)
+    losses = []
+    for _ in range(30):
+        losses.append(model.forward_backward(inputs=batch))
+        model.clip_grad_and_step()
+    # The tiny random model learns slowly (about 6.38 -> 6.02 here), but steadily.
+    assert losses[-1] < losses[15] < losses[0] and losses[-1] < losses[0] - 0.2, losses
+
+
+@pytest.mark.parametrize(
+    "loss_name, reduction",
+    [(None, None), ("LigerFusedLinearCrossEntropyLoss", "sum"), ("FusedLinearCrossEntropyLoss", "mean")],
+)
+def test_fused_task_matches_causal_lm(make_model, dataset, loss_name, reduction):
+    batch = next(iter(DataLoader(dataset, batch_size=4)))
+    results = []
+    for task in ("causal_lm", "fused_lm_ce"):
+        model = make_model(init_lora_weights=False)
+        if task == "fused_lm_ce" and loss_name:
+            model.set_loss(loss_name, adapter_name="default", reduction=reduction)
+        seen = capture_step_grads(model)
+        loss = model.forward_backward(inputs=batch, task=task)
+        model.clip_grad_and_step(max_grad_norm=0)
+        results.append((loss, model.calculate_metric(is_training=True)["accuracy"], seen[0]))
+    (loss, accuracy, grads), (fused_loss, fused_accuracy, fused_grads) = results
+    assert fused_loss == pytest.approx(loss, abs=1e-5)
+    assert fused_accuracy == accuracy
+    assert_same_grads(fused_grads, grads, atol=1e-5, rtol=1e-5)
+
+
+def test_unknown_task_and_loss(make_model, dataset):
+    model = make_model()
+    batch = next(iter(DataLoader(dataset, batch_size=2)))
+    with pytest.raises(UserError) as err:
+        model.forward_backward(inputs=batch, task="seq_cls")
+    assert "causal_lm" in str(err.value) and "fused_lm_ce" in str(err.value)
+    with pytest.raises(UserError, match="CrossEntropyLoss"):
+        model.set_loss("NoSuchLoss", adapter_name="default")
