@@ -29,7 +29,9 @@ def has_logit_transform(lm: Any) -> bool:
 
 
 def _identity(x: torch.Tensor) -> torch.Tensor:
-    return x
+    # A copy, not a view: FSDP2 warns that in-place ops on a root output view would skip its
+    # backward hook. The copy is one (batch, seq, hidden) tensor, small beside the layers.
+    return x.clone()
 
 
 @contextlib.contextmanager
