@@ -17,12 +17,16 @@ def lora_weights(model) -> dict[str, torch.Tensor]:
 
 
 def capture_step_grads(model) -> list[dict[str, torch.Tensor]]:
-    """Record the gradients each optimizer step sees (after normalisation and clipping)."""
+    """Record, at each optimizer step, the gradients the optimizer steps with (normalised and
+    clipped), named like the trainable parameters they belong to."""
     optimizer = model.optimizer_group["default"].optimizer
+    names = [n for n, p in model.model.named_parameters() if p.requires_grad]
     captured, original_step = [], optimizer.step
 
     def step(*args, **kwargs):
-        captured.append({n: p.grad.clone() for n, p in model.model.named_parameters() if p.grad is not None})
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        assert len(params) == len(names)
+        captured.append({n: p.grad.clone() for n, p in zip(names, params, strict=True) if p.grad is not None})
         return original_step(*args, **kwargs)
 
     optimizer.step = step

@@ -43,3 +43,23 @@ def read_trainer_state(folder: str | Path) -> dict[str, Any]:
     if not is_complete(folder):
         raise UserError(f"checkpoint {folder} is incomplete (its save was interrupted); resume from an earlier one")
     return json.loads((folder / TRAINER_STATE).read_text())
+
+
+def latest_checkpoint(output_dir: str | Path) -> Path | None:
+    """The complete checkpoint under ``output_dir`` with the most training steps (newest on a tie);
+    folders without the completion marker (interrupted saves) are never chosen."""
+    root = Path(output_dir).expanduser()
+    if not root.is_dir():
+        return None
+    best: tuple[int, float, Path] | None = None
+    for folder in root.iterdir():
+        if folder.name.startswith(".") or not is_complete(folder):
+            continue
+        try:
+            step = int(json.loads((folder / TRAINER_STATE).read_text())["cur_step"])
+        except (OSError, ValueError, KeyError):
+            continue
+        key = (step, (folder / MARKER).stat().st_mtime, folder)
+        if best is None or key[:2] > best[:2]:
+            best = key
+    return best[2] if best else None

@@ -13,6 +13,7 @@ from safetensors.torch import save_file
 
 from twinkle.checkpoint import layout
 from twinkle.distributed.collectives import barrier
+from twinkle.utils.errors import UserError
 from twinkle.utils.fileio import fsync_tree
 
 
@@ -68,6 +69,18 @@ def save_checkpoint(
     """Every rank calls this. Rank 0 owns the folder; each rank writes its own files."""
     final = Path(final)
     tmp = final.with_name(f".{final.name}.tmp")
+    try:
+        _write(tmp, final, model, tokenizer, adapter_name, group, trainer_state, save_optimizer, rank, grads)
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise UserError(
+            f"could not write checkpoint {final} ({exc.strerror or exc}); nothing was replaced, an earlier "
+            "checkpoint of that name is intact; free disk space or choose a writable --output-dir"
+        ) from exc
+    return final
+
+
+def _write(tmp, final, model, tokenizer, adapter_name, group, trainer_state, save_optimizer, rank, grads) -> None:  # noqa: ANN001
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
@@ -91,4 +104,3 @@ def save_checkpoint(
         fsync_tree(tmp)
         _publish(tmp, final)
     barrier()
-    return final

@@ -164,6 +164,15 @@ def parse(argv: Sequence[str], env: Mapping[str, str]) -> Args:
     for name, value in values.items():
         setattr(getattr(args, FIELD_GROUP[name]), name, value)
     _warn(args, cli_extra)
+    if args.training.resume_from_checkpoint in ("auto", "latest"):
+        from twinkle.checkpoint import latest_checkpoint
+
+        found = latest_checkpoint(args.training.output_dir)
+        get_logger().info(
+            f"--resume-from-checkpoint {args.training.resume_from_checkpoint}: "
+            + (f"resuming from {found}" if found else f"no complete checkpoint under {args.training.output_dir}; starting fresh")
+        )
+        args.training.resume_from_checkpoint = str(found) if found else None
     return args
 
 

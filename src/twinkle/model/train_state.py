@@ -26,6 +26,9 @@ class OptimizerGroup:
     window_tokens: int = 0
     window_batches: int = 0
     skipped_steps: int = 0
+    window_nonfinite: bool = False  # a NaN/inf loss was seen in the open window on this rank
+    nonfinite_steps: int = 0
+    consecutive_nonfinite: int = 0
     last_grad_norm: float = float("nan")
     last_lr: float = float("nan")
     train_metrics: TokenMetrics = field(default_factory=TokenMetrics)
@@ -45,12 +48,13 @@ class OptimizerGroup:
             "window_tokens": self.window_tokens,
             "window_batches": self.window_batches,
             "skipped_steps": self.skipped_steps,
+            "nonfinite_steps": self.nonfinite_steps,
             "last_grad_norm": self.last_grad_norm,
             "last_lr": self.last_lr,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        for key in ("cur_step", "optimizer_steps", "window_tokens", "window_batches", "skipped_steps"):
+        for key in ("cur_step", "optimizer_steps", "window_tokens", "window_batches", "skipped_steps", "nonfinite_steps"):
             setattr(self, key, int(state[key]))
         self.last_grad_norm = float(state["last_grad_norm"])
         self.last_lr = float(state["last_lr"])

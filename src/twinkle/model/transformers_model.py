@@ -5,6 +5,7 @@ gradients are summed over the micro-batches of an accumulation window and divide
 window's supervised-token count over all ranks right before the optimizer step, so the update
 is the mean over every supervised token of the global batch, whatever the padding or sharding."""
 
+import math
 import time
 from pathlib import Path
 from typing import Any
@@ -123,8 +124,11 @@ class TransformersModel:
         batch = self._to_device(inputs)
         self.model.train()
         out = compute_loss(self.model, batch, self._loss_fn(group, task))
-        out.loss_sum.backward()
+        out.loss_sum.backward()  # even when not finite: under FSDP every rank must run backward
         loss_sum = float(out.loss_sum.detach())
+        if not math.isfinite(loss_sum):
+            group.window_nonfinite = True
+            loss_sum = 0.0
         group.cur_step += 1
         group.window_batches += 1
         group.window_tokens += out.num_tokens
@@ -133,8 +137,13 @@ class TransformersModel:
         )
         return loss_sum / max(1, out.num_tokens)
 
-    def clip_grad_and_step(self, max_grad_norm: float = 1.0, adapter_name: str | None = None) -> bool:
-        """Step the optimizer when the accumulation window is full; returns whether it stepped."""
+    def clip_grad_and_step(
+        self, max_grad_norm: float = 1.0, max_nonfinite_steps: int = 5, adapter_name: str | None = None
+    ) -> bool:
+        """Step the optimizer when the accumulation window is full; returns whether it stepped.
+
+        A window whose loss or gradient is NaN/inf on any rank is dropped (counted in the
+        ``nonfinite_steps`` metric); ``max_nonfinite_steps`` such windows in a row stop training."""
         group = self._group(adapter_name)
         if group.optimizer is None:
             raise UserError("call set_optimizer(...) before clip_grad_and_step()")
@@ -142,21 +151,42 @@ class TransformersModel:
             return False
         # Gradients are per-rank sums (FSDP averages them over the ranks): rescale to the mean
         # over every supervised token of the window on all ranks.
-        (total,) = all_reduce_sum([group.window_tokens])
+        total, nonfinite = all_reduce_sum([group.window_tokens, float(group.window_nonfinite)])
+        stepped = False
         if total == 0:
             group.skipped_steps += 1
             logger.warning("no supervised token in this accumulation window; the optimizer step is skipped")
         else:
             group.optimizer.gather_grads(scale=self.runtime.world_size / total)
-            group.last_grad_norm = clip_gradients(group.optimizer.copies, max_grad_norm)
-            group.last_lr = group.optimizer.param_groups[0]["lr"]
-            group.optimizer.step()
-            group.optimizer_steps += 1
-            if group.lr_scheduler is not None:
-                group.lr_scheduler.step()
+            grad_norm = clip_gradients(group.optimizer.copies, max_grad_norm)
+            if nonfinite or not math.isfinite(grad_norm):
+                self._drop_nonfinite_window(group, max_nonfinite_steps)
+            else:
+                group.last_grad_norm = grad_norm
+                group.last_lr = group.optimizer.param_groups[0]["lr"]
+                group.optimizer.step()
+                group.optimizer_steps += 1
+                group.consecutive_nonfinite = 0
+                stepped = True
+                if group.lr_scheduler is not None:
+                    group.lr_scheduler.step()
         group.optimizer.zero_grad(set_to_none=True)
         group.window_tokens = group.window_batches = 0
-        return total > 0
+        group.window_nonfinite = False
+        return stepped
+
+    def _drop_nonfinite_window(self, group: OptimizerGroup, limit: int) -> None:
+        group.nonfinite_steps += 1
+        group.consecutive_nonfinite += 1
+        logger.warning(
+            f"NaN/inf loss or gradient at step {group.cur_step}: update skipped "
+            f"({group.consecutive_nonfinite} in a row, {group.nonfinite_steps} in all)"
+        )
+        if group.consecutive_nonfinite >= limit:
+            raise RuntimeError(
+                f"training diverged: {limit} optimizer steps in a row had a NaN/inf loss or gradient "
+                f"(last at step {group.cur_step}); lower --lr, check the data, or resume from an earlier checkpoint"
+            )
 
     @torch.no_grad()
     def forward_only(self, inputs: dict[str, torch.Tensor], task: str = "causal_lm", adapter_name: str | None = None) -> float:
@@ -192,6 +222,7 @@ class TransformersModel:
             step=group.cur_step,
             optimizer_steps=group.optimizer_steps,
             skipped_steps=group.skipped_steps,
+            nonfinite_steps=group.nonfinite_steps,
         )
         return metrics
 

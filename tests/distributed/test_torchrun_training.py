@@ -1,0 +1,159 @@
+"""FSDP2 on CPU (gloo): N processes train exactly like one process on the same global batch.
+
+Each test launches ``train_worker.py`` (the contract's pipeline, a few steps on the tiny Llama)
+and compares the per-step losses (reduced over ranks) and the final full LoRA weights.
+
+Tolerances (absolute; losses are about 6.4, LoRA weights at most about 0.2):
+* AdamW: the N-process run computes the same numbers summed in another order (per-rank sums,
+  then the FSDP reduce-scatter / HSDP all-reduce), so results differ by fp32 rounding only.
+  Measured: losses <= 5e-7 (one ulp of 6.4 is 4.8e-7), weights <= 1e-7. We allow 1e-5 for
+  both: ~20x margin on the losses, ~100x on the weights, and still far below what a real bug
+  moves (a mis-scaled gradient or a missed shard changes step-2 losses by >1e-3).
+* Muon: torch's Newton-Schulz runs in bf16 (8-bit mantissa), so gradients that differ in the
+  last fp32 bits can round to a different bf16 value and the orthogonalised update differs by
+  up to a bf16 ulp of the update (~lr * 2**-8 = 4e-5 per step). Measured: weights <= 2e-5,
+  losses <= 3e-6 over 4 steps. We allow 2e-4 on the weights and 5e-5 on the losses (~10x).
+"""
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+pytestmark = pytest.mark.slow
+
+WORKER = Path(__file__).with_name("train_worker.py")
+STEPS = 4  # micro-batches of 4 samples (the global batch) per run
+SAVE_AT = 3  # with --grad-accum 2: the checkpoint holds an open accumulation window
+TOL = {"AdamW": {"loss": 1e-5, "weight": 1e-5}, "Muon": {"loss": 5e-5, "weight": 2e-4}}
+
+
+@pytest.fixture(scope="module")
+def train(tiny_model_dir, tmp_path_factory, launcher):
+    """``train(nproc, **flags)`` runs the worker once per distinct configuration (the 1-process
+    reference is shared by several tests) and returns its result.json plus its output folder."""
+    done = {}
+
+    def run(nproc: int = 1, **flags) -> dict:
+        flags = {"steps": STEPS, "optimizer": "AdamW", **flags}
+        key = (nproc, tuple(sorted(flags.items())))
+        if key not in done:
+            out = tmp_path_factory.mktemp(f"run{nproc}")
+            args = ["--model-id", str(tiny_model_dir), "--out", str(out)]
+            for name, value in flags.items():
+                args += [f"--{name.replace('_', '-')}", str(value)]
+            job = launcher.run(WORKER, args, nproc=nproc)
+            assert job.returncode == 0, job.output[-6000:]
+            result = json.loads((out / "result.json").read_text())
+            result.update(out=out, wall_s=job.wall_s)
+            print(f"\n[{nproc} proc {flags}] {job.wall_s:.1f} s")
+            done[key] = result
+        return done[key]
+
+    return run
+
+
+def compare(a: dict, b: dict, tol: dict, label: str, skip_steps: int = 0) -> None:
+    """Same steps, losses within ``tol['loss']``, final LoRA weights within ``tol['weight']``."""
+    steps_a = a["steps"][skip_steps:]
+    assert [s["step"] for s in steps_a] == [s["step"] for s in b["steps"]]
+    loss_diff = max(abs(x["loss"] - y["loss"]) for x, y in zip(steps_a, b["steps"], strict=True))
+    assert a["weights"].keys() == b["weights"].keys()
+    weight_diff = max(
+        (torch.tensor(a["weights"][k]) - torch.tensor(b["weights"][k])).abs().max().item() for k in a["weights"]
+    )
+    print(f"\n[{label}] max |loss diff| {loss_diff:.2e}, max |weight diff| {weight_diff:.2e}")
+    assert loss_diff <= tol["loss"], f"{label}: losses differ by {loss_diff:.3e}"
+    assert weight_diff <= tol["weight"], f"{label}: LoRA weights differ by {weight_diff:.3e}"
+
+
+def assert_trained(result: dict) -> None:
+    """The comparison means something only if the run moved: loss down, LoRA B away from 0."""
+    losses = [s["loss"] for s in result["steps"]]
+    assert losses[-1] < losses[0] - 1e-3, losses
+    lora_b = [torch.tensor(v).abs().max().item() for k, v in result["weights"].items() if "lora_B" in k]
+    assert min(lora_b) > 1e-3
+
+
+@pytest.mark.parametrize("optimizer", ["AdamW", "Muon"])
+def test_fsdp2_matches_one_process(train, optimizer):
+    single = train(1, optimizer=optimizer)
+    assert_trained(single)
+    compare(single, train(2, optimizer=optimizer, fsdp_size=2, dp_size=1), TOL[optimizer], f"fsdp=2 {optimizer}")
+
+
+def test_dp2_matches_one_process(train):
+    compare(train(1), train(2, fsdp_size=1, dp_size=2), TOL["AdamW"], "dp=2 AdamW")
+
+
+def test_hsdp_2x2_matches_one_process(train):
+    # 4 processes on the shared cores: the global batch of 4 gives each rank one sample.
+    compare(train(1), train(4, fsdp_size=2, dp_size=2), TOL["AdamW"], "fsdp=2 x dp=2 AdamW")
+
+
+def test_resume_on_two_ranks_continues_exactly(train):
+    full = train(2, fsdp_size=2, dp_size=1, grad_accum=2, save_at=SAVE_AT)
+    checkpoint = full["out"] / f"step-{SAVE_AT}"
+    assert sorted(p.name for p in checkpoint.glob("rank_state_rank*.pt")) == ["rank_state_rank0.pt", "rank_state_rank1.pt"]
+    resumed = train(2, fsdp_size=2, dp_size=1, grad_accum=2, resume=checkpoint)
+    assert [s["step"] for s in resumed["steps"]] == list(range(SAVE_AT + 1, STEPS + 1))
+    compare(full, resumed, TOL["AdamW"], "resume 2 ranks", skip_steps=SAVE_AT)
+
+
+def test_two_rank_checkpoint_in_one_process(train, tiny_model_dir):
+    from twinkle.utils.errors import UserError
+
+    full = train(2, fsdp_size=2, dp_size=1, grad_accum=2, save_at=SAVE_AT)
+    checkpoint = full["out"] / f"step-{SAVE_AT}"
+    worker = _import_worker()
+    args = worker.argparse.Namespace(model_id=str(tiny_model_dir), optimizer="AdamW", grad_accum=2)
+
+    model = worker.build_model(args, STEPS)
+    with pytest.raises(UserError, match=r"saved by 2 process\(es\).*1.*same world size.*--resume-only-model"):
+        model.resume_from_checkpoint(str(checkpoint))
+
+    model = worker.build_model(args, STEPS)
+    progress = model.resume_from_checkpoint(str(checkpoint), resume_only_model=True)
+    assert progress["cur_step"] == 0  # only the weights come back
+    saved = load_file(checkpoint / "adapter_model.safetensors")
+    current = {n: p.detach() for n, p in model.model.named_parameters() if p.requires_grad}
+    assert len(saved) == len(current) > 0
+    for key, value in saved.items():
+        name = next(n for n in current if n.replace(".default", "") == key)
+        torch.testing.assert_close(current[name], value, rtol=0, atol=0)
+
+
+def _import_worker():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("train_worker", WORKER)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z" and b"train_worker" in cmdline
+
+
+def test_failing_rank_ends_the_job(tiny_model_dir, tmp_path, launcher):
+    args = ["--model-id", str(tiny_model_dir), "--out", str(tmp_path), "--steps", str(STEPS)]
+    args += ["--fsdp-size", "2", "--dp-size", "1", "--fail-rank", "1", "--fail-at-step", "2"]
+    job = launcher.run(WORKER, args, nproc=2, timeout_s=90)
+    print(f"\n[failing rank] exit {job.returncode} after {job.wall_s:.1f} s")
+    assert job.returncode != 0
+    assert job.wall_s < 90
+    assert "injected failure on rank 1 at step 2" in job.output
+    pids = [int((tmp_path / f"pid_rank{r}").read_text()) for r in (0, 1)]
+    deadline = time.monotonic() + 10
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(_alive(p) for p in pids), f"workers {pids} outlived the job"
