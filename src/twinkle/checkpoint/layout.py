@@ -6,7 +6,7 @@
       trainer_state.json                                counters, data position, mesh, base model
       scheduler.pt                                      LR schedule position
       optimizer.pt                                      optimizer state (the same on every rank)
-      rank_state_rank{r}.pt                             RNG states and open-window gradients of rank r
+      rank_state_rank{r}.pt                             RNG states, open-window gradients and token count of rank r
       .twinkle-complete                                 written last; without it the folder is ignored
 """
 

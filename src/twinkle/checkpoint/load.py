@@ -32,8 +32,9 @@ def load_adapter_weights(model: Any, folder: Path, adapter_name: str) -> None:
 
 
 def load_checkpoint(folder: Path, *, model: Any, adapter_name: str, group: Any, rank: int, only_model: bool) -> dict:
-    """Load weights (and, unless ``only_model``, optimizer, schedule, counters, RNG, open-window
-    gradients). Returns the rank state's gradients for the caller to place."""
+    """Load weights (and, unless ``only_model``, optimizer, schedule, RNG). Returns this rank's
+    open-window state for the caller to place: ``grads`` (name -> local gradient) and, in
+    checkpoints that have it, ``window_tokens``; ``{}`` when ``only_model``."""
     load_adapter_weights(model, folder, adapter_name)
     if only_model:
         return {}
@@ -48,4 +49,4 @@ def load_checkpoint(folder: Path, *, model: Any, adapter_name: str, group: Any, 
     if group.lr_scheduler is not None and sched_file.is_file():
         group.lr_scheduler.load_state_dict(torch.load(sched_file, weights_only=False))
     set_rng_state(rank_state["rng"])
-    return rank_state["grads"]
+    return {k: v for k, v in rank_state.items() if k != "rng"}

@@ -86,7 +86,8 @@ def _write(tmp, final, model, tokenizer, adapter_name, group, trainer_state, sav
         tmp.mkdir(parents=True)
     barrier()
     adapter = full_adapter_state(model, adapter_name)
-    rank_state = {"rng": rng_state(), "grads": grads}
+    # The open window's token count differs per rank (trainer_state.json holds rank 0's only).
+    rank_state = {"rng": rng_state(), "grads": grads, "window_tokens": group.window_tokens}
     torch.save(rank_state, tmp / layout.rank_state_file(rank))
     if rank == 0:
         if save_optimizer and group.optimizer is not None:

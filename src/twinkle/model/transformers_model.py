@@ -235,7 +235,7 @@ class TransformersModel:
         return (
             f"model={self.model_path} device={self.device} dtype={next(self.model.parameters()).dtype} "
             f"adapter={group.adapter_name} trainable={n_train:,}/{n_all:,} ({100 * n_train / max(1, n_all):.2f}%) "
-            f"optimizer={type(group.optimizer).__name__} scheduler={sched} loss={type(group.loss_fn).__name__} "
+            f"optimizer={type(group.optimizer.optimizer).__name__} scheduler={sched} loss={type(group.loss_fn).__name__} "
             f"gradient_accumulation_steps={group.gradient_accumulation_steps}"
         )
 
@@ -298,14 +298,17 @@ class TransformersModel:
                 f"checkpoint {folder} was saved by {state['world_size']} process(es), this job has "
                 f"{self.runtime.world_size}; resume with the same world size or pass --resume-only-model"
             )
-        grads = load_checkpoint(
+        window = load_checkpoint(
             folder, model=self.model, adapter_name=group.adapter_name, group=group, rank=self.runtime.rank,
             only_model=resume_only_model,
         )
         if not resume_only_model:
             group.load_state_dict(state)
+            # trainer_state.json holds rank 0's count of the open window; each rank needs its own,
+            # or the step divides the window's gradients by the wrong global token count.
+            group.window_tokens = int(window.get("window_tokens", group.window_tokens))
             params = dict(self.model.named_parameters())
-            for n, g in grads.items():
+            for n, g in window["grads"].items():
                 restore_grad(params[n], g)
         group.optimizer.sync_copies()
         logger.info(f"resumed from {folder} at step {group.cur_step}")

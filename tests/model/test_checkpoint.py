@@ -1,0 +1,166 @@
+"""Checkpoints: the on-disk layout, PEFT compatibility, exact resume in a new process, errors."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from twinkle.dataloader import DataLoader
+from twinkle.utils.errors import UserError
+
+RESUME_SCRIPT = Path(__file__).with_name("resume_run.py")
+# gradient_accumulation_steps : micro-batches before the save. "2:3" saves inside an open window.
+RESUME_CASES = ["1:2", "2:2", "2:3"]
+
+
+def train_and_save(model, dataset, output_dir, micro_batches=3, name="ck"):
+    dataloader = DataLoader(dataset, batch_size=2)
+    model.set_lr_scheduler("CosineWarmupScheduler", num_warmup_steps=1, num_training_steps=len(dataloader))
+    for _, batch in zip(range(micro_batches), dataloader, strict=False):
+        model.forward_backward(inputs=batch)
+        model.clip_grad_and_step()
+    consumed = dataloader.get_state()["consumed_train_samples"]
+    return model.save(
+        name, output_dir=str(output_dir), adapter_name="default", save_optimizer=True, consumed_train_samples=consumed
+    )
+
+
+@pytest.fixture
+def checkpoint(make_model, dataset, tmp_path):
+    """A model after 3 micro-batches with accumulation 2 (so one window is open), and its save."""
+    model = make_model(gradient_accumulation_steps=2)
+    return model, train_and_save(model, dataset, tmp_path / "out")
+
+
+def test_layout(checkpoint, tmp_path):
+    _, path = checkpoint
+    assert path == tmp_path / "out" / "ck"
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["ck"]  # no temporary folder left
+    names = {p.name for p in path.iterdir()}
+    expected = {"adapter_config.json", "adapter_model.safetensors", "tokenizer.json", "tokenizer_config.json"}
+    expected |= {"trainer_state.json", "scheduler.pt", ".twinkle-complete"}
+    assert expected <= names, expected - names
+    assert any(n.startswith("optimizer") and n.endswith(".pt") for n in names), names
+    assert "rank_state_rank0.pt" in names
+    state = json.loads((path / "trainer_state.json").read_text())
+    assert state["consumed_train_samples"] == 6
+    assert state["cur_step"] == 3 and state["optimizer_steps"] == 1 and state["window_batches"] == 1
+
+
+def test_saving_again_replaces_the_folder(checkpoint, tmp_path):
+    model, path = checkpoint
+    model.save("ck", output_dir=str(tmp_path / "out"), adapter_name="default", consumed_train_samples=8)
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["ck"]
+    assert json.loads((path / "trainer_state.json").read_text())["consumed_train_samples"] == 8
+
+
+def test_peft_loads_the_adapter(checkpoint, dataset, tiny_model_dir):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model, path = checkpoint
+    batch = next(iter(DataLoader(dataset, batch_size=4)))
+    inputs = {k: batch[k] for k in ("input_ids", "attention_mask")}
+    peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(tiny_model_dir)), str(path))
+    with torch.no_grad():
+        model.model.eval()
+        ours = model.model(**inputs).logits
+        theirs = peft_model.eval()(**inputs).logits
+    base = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir))
+    with torch.no_grad():
+        assert not torch.allclose(base(**inputs).logits, ours, atol=1e-4)  # the adapter was trained
+    torch.testing.assert_close(theirs, ours, atol=1e-5, rtol=1e-5)
+
+
+def test_resume_restores_weights_and_counters(checkpoint, make_model, dataset):
+    trained, path = checkpoint
+    model = make_model(gradient_accumulation_steps=2)
+    model.set_lr_scheduler("CosineWarmupScheduler", num_warmup_steps=1, num_training_steps=10)
+    progress = model.resume_from_checkpoint(str(path), resume_only_model=False, adapter_name="default")
+    assert progress == {"consumed_train_samples": 6, "cur_step": 3}
+    group = model.optimizer_group["default"]
+    assert (group.optimizer_steps, group.window_batches) == (1, 1)
+    ours = {n: p for n, p in model.model.named_parameters() if p.requires_grad}
+    for name, p in trained.model.named_parameters():
+        if p.requires_grad:
+            torch.testing.assert_close(ours[name], p, atol=0, rtol=0)
+
+
+def test_resume_only_model_keeps_counters_at_zero(checkpoint, make_model):
+    _, path = checkpoint
+    model = make_model(gradient_accumulation_steps=2)
+    progress = model.resume_from_checkpoint(str(path), resume_only_model=True, adapter_name="default")
+    assert progress["cur_step"] == 0 and model.optimizer_group["default"].optimizer_steps == 0
+
+
+def test_resume_errors(checkpoint, make_model, tmp_path):
+    _, path = checkpoint
+    model = make_model(gradient_accumulation_steps=2)
+
+    def resume(folder):
+        return model.resume_from_checkpoint(str(folder), adapter_name="default")
+
+    with pytest.raises(UserError, match="does not exist"):
+        resume(tmp_path / "missing")
+    stray = tmp_path / "stray"
+    stray.mkdir()
+    (stray / "notes.txt").write_text("hello")
+    with pytest.raises(UserError, match="not a Twinkle checkpoint"):
+        resume(stray)
+    torn = tmp_path / "torn"
+    shutil.copytree(path, torn)
+    (torn / ".twinkle-complete").unlink()
+    with pytest.raises(UserError, match="incomplete"):
+        resume(torn)
+    with pytest.raises(UserError, match="LoRA"):
+        make_model(gradient_accumulation_steps=2, r=8).resume_from_checkpoint(str(path), adapter_name="default")
+
+
+# ----------------------------------------------------------------- resume in a new process
+def run_resume_script(phase, model_dir, work_dir):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TWINKLE_CACHE": str(work_dir / "cache")}
+    result = subprocess.run(
+        [sys.executable, str(RESUME_SCRIPT), phase, str(model_dir), str(work_dir), *RESUME_CASES],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def resume_runs(tiny_model_dir, tmp_path_factory):
+    work = tmp_path_factory.mktemp("resume")
+    first = run_resume_script("first", tiny_model_dir, work)
+    resumed = run_resume_script("resume", tiny_model_dir, work)
+    return work, first, resumed
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", RESUME_CASES)
+def test_resume_in_a_new_process_continues_the_run_exactly(resume_runs, case):
+    """N micro-batches, save, resume in a new process, N more == 2N uninterrupted."""
+    work, first, resumed = resume_runs
+    accumulation, n = (int(x) for x in case.split(":"))
+    full = first[case]["full"]
+    assert len(full) == 2 * n
+    assert first[case]["first"] == pytest.approx(full[:n], abs=1e-6)
+    assert resumed[case]["progress"] == {"consumed_train_samples": 2 * n, "cur_step": n}
+    assert first[case]["first"] + resumed[case]["resume"] == pytest.approx(full, abs=1e-6)
+
+    case_dir = work / f"{accumulation}-{n}"
+    expected = load_file(case_dir / "full-end" / "adapter_model.safetensors")
+    actual = load_file(case_dir / "resume-end" / "adapter_model.safetensors")
+    assert expected.keys() == actual.keys()
+    for key in expected:
+        torch.testing.assert_close(actual[key], expected[key], atol=1e-6, rtol=0)
+    states = [json.loads((case_dir / f"{run}-end" / "trainer_state.json").read_text()) for run in ("full", "resume")]
+    assert states[0]["optimizer_steps"] == states[1]["optimizer_steps"] == -(-2 * n // accumulation)
