@@ -16,7 +16,15 @@ ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", ".twinkle-c
 
 def run_script(tmp_path: Path, model_dir: Path, *flags: str, env: dict | None = None) -> str:
     """Run the script in a fresh process from ``tmp_path``; return its stderr (the log)."""
-    command = [sys.executable, str(SCRIPT), "--model-id", str(model_dir), "--output-dir", str(tmp_path / "out"), *flags]
+    command = [
+        sys.executable,
+        str(SCRIPT),
+        "--model-id",
+        str(model_dir),
+        "--output-dir",
+        str(tmp_path / "out"),
+        *flags,
+    ]
     # One thread: the tiny model is overhead-bound, and two OpenMP threads on two shared cores
     # spin against other processes (a step becomes up to 100x slower).
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
@@ -65,8 +73,7 @@ def test_script_with_liger_fused_ce(tmp_path, tiny_model_dir):
         *("--train-samples", "8", "--batch-size", "4", "--eval-samples", "4"),
         *("--eval-interval", "2", "--log-interval", "1", "--lr", "1e-2", "--enable-liger"),
     )
-    assert "fused-CE" in log  # the script took its fused cross-entropy branch
-    assert "loss=FusedLinearCrossEntropyLoss" in log or "Liger" in log
+    assert "fused-CE" in log  # the script's own log line of its fused cross-entropy branch
     assert [step for step, _ in logged_losses(log)] == [1, 2]
     assert_checkpoint(tmp_path / "out" / "last-checkpoint", consumed=8)
 

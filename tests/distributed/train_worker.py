@@ -44,7 +44,9 @@ def parse_args() -> argparse.Namespace:
 
 def build_model(args: argparse.Namespace, num_training_steps: int) -> TransformersModel:
     model = TransformersModel(model_id=args.model_id)
-    discovered = {type(m).__name__ for m in model.model.modules() if type(m).__name__.endswith("DecoderLayer")}
+    discovered = {
+        type(m).__name__ for m in model.model.modules() if type(m).__name__.endswith("DecoderLayer")
+    }
     model.model._no_split_modules = sorted(discovered)
     lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
     model.add_adapter_to_model("default", lora, gradient_accumulation_steps=args.grad_accum)
@@ -89,7 +91,9 @@ def main() -> None:
         if group.cur_step == args.save_at:
             consumed = dataloader.get_state()["consumed_train_samples"]
             model.save(f"step-{args.save_at}", output_dir=str(out), consumed_train_samples=consumed)
-    final = model.save("final", output_dir=str(out), consumed_train_samples=dataloader.get_state()["consumed_train_samples"])
+    final = model.save(
+        "final", output_dir=str(out), consumed_train_samples=dataloader.get_state()["consumed_train_samples"]
+    )
     if runtime.rank == 0:
         weights = {k: v.tolist() for k, v in sorted(load_file(final / "adapter_model.safetensors").items())}
         result = {"world_size": runtime.world_size, "steps": steps, "weights": weights}

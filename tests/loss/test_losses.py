@@ -66,7 +66,10 @@ def make_inputs(rows, hidden_size, vocab, with_bias, seed=0):
 def loss_and_grads(fn, inputs, dtype):
     """Run ``fn`` on fresh leaf copies of ``inputs`` in ``dtype``; return loss, correct, grads."""
     hidden, weight, bias, targets = inputs
-    leaves = [t.detach().clone().to(dtype).requires_grad_() if t is not None else None for t in (hidden, weight, bias)]
+    leaves = [
+        t.detach().clone().to(dtype).requires_grad_() if t is not None else None
+        for t in (hidden, weight, bias)
+    ]
     loss, correct = fn(leaves[0], leaves[1], targets, leaves[2])
     loss.backward()
     grads = [leaf.grad if leaf is not None else None for leaf in leaves]
@@ -75,7 +78,9 @@ def loss_and_grads(fn, inputs, dtype):
 
 def assert_close(actual, expected, atol, rtol, what):
     scale = max(1.0, expected.float().abs().max().item()) if expected.numel() else 1.0
-    torch.testing.assert_close(actual.float(), expected.float(), atol=atol * scale, rtol=rtol, msg=lambda m: f"{what}: {m}")
+    torch.testing.assert_close(
+        actual.float(), expected.float(), atol=atol * scale, rtol=rtol, msg=lambda m: f"{what}: {m}"
+    )
 
 
 @pytest.mark.parametrize("dtype, atol, rtol", TOLERANCES)
@@ -83,11 +88,17 @@ def assert_close(actual, expected, atol, rtol, what):
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("reduction", ["sum", "mean"])
 @pytest.mark.parametrize("impl", list(IMPLEMENTATIONS))
-def test_matches_reference(impl, reduction, with_bias, rows, hidden_size, vocab, chunk_rows, dtype, atol, rtol):
+def test_matches_reference(
+    impl, reduction, with_bias, rows, hidden_size, vocab, chunk_rows, dtype, atol, rtol
+):
     inputs = make_inputs(rows, hidden_size, vocab, with_bias)
     fn = IMPLEMENTATIONS[impl]
-    loss, correct, grads = loss_and_grads(lambda h, w, t, b: fn(h, w, t, b, reduction, chunk_rows), inputs, dtype)
-    ref_loss, ref_correct, ref_grads = loss_and_grads(lambda h, w, t, b: reference(h, w, t, b, reduction), inputs, dtype)
+    loss, correct, grads = loss_and_grads(
+        lambda h, w, t, b: fn(h, w, t, b, reduction, chunk_rows), inputs, dtype
+    )
+    ref_loss, ref_correct, ref_grads = loss_and_grads(
+        lambda h, w, t, b: reference(h, w, t, b, reduction), inputs, dtype
+    )
 
     assert loss.dtype == torch.float32
     assert_close(loss, ref_loss, atol, rtol, "loss")
@@ -144,7 +155,12 @@ def test_build_loss_by_name():
 def test_unknown_loss_lists_valid_names():
     with pytest.raises(UserError) as err:
         build_loss("NoSuchLoss")
-    for name in ("NoSuchLoss", "CrossEntropyLoss", "FusedLinearCrossEntropyLoss", "LigerFusedLinearCrossEntropyLoss"):
+    for name in (
+        "NoSuchLoss",
+        "CrossEntropyLoss",
+        "FusedLinearCrossEntropyLoss",
+        "LigerFusedLinearCrossEntropyLoss",
+    ):
         assert name in str(err.value)
 
 

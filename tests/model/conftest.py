@@ -17,16 +17,6 @@ def build_dataset(model_dir, rows: int) -> Dataset:
     return dataset
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """The tiny model is overhead-bound. On the 2 shared cores of CI, two OpenMP threads spin
-    against other processes and make a step up to 100x slower; one thread is fast and deterministic."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def dataset(tiny_model_dir) -> Dataset:
     """Twenty encoded rows; they differ in length and in number of supervised tokens."""

@@ -44,7 +44,9 @@ def train(model_dir, dataset, accumulation, case_dir, run, stop_after=None, resu
     model.set_lr_scheduler("CosineWarmupScheduler", num_warmup_steps=1, num_training_steps=len(dataloader))
     progress = None
     if resume_from is not None:
-        progress = model.resume_from_checkpoint(str(resume_from), resume_only_model=False, adapter_name="default")
+        progress = model.resume_from_checkpoint(
+            str(resume_from), resume_only_model=False, adapter_name="default"
+        )
         dataloader.resume_from_checkpoint(progress["consumed_train_samples"])
 
     def save(name):
@@ -73,7 +75,9 @@ def main(phase: str, model_dir: str, work_dir: str, cases: list[str]) -> None:
             first, _ = train(model_dir, dataset, accumulation, case_dir, "first", stop_after=n)
             results[case] = {"full": full, "first": first}
         else:
-            resumed, progress = train(model_dir, dataset, accumulation, case_dir, "resume", resume_from=case_dir / "ckpt")
+            resumed, progress = train(
+                model_dir, dataset, accumulation, case_dir, "resume", resume_from=case_dir / "ckpt"
+            )
             results[case] = {"resume": resumed, "progress": progress}
     print(json.dumps(results))
 

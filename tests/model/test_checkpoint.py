@@ -27,7 +27,11 @@ def train_and_save(model, dataset, output_dir, micro_batches=3, name="ck"):
         model.clip_grad_and_step()
     consumed = dataloader.get_state()["consumed_train_samples"]
     return model.save(
-        name, output_dir=str(output_dir), adapter_name="default", save_optimizer=True, consumed_train_samples=consumed
+        name,
+        output_dir=str(output_dir),
+        adapter_name="default",
+        save_optimizer=True,
+        consumed_train_samples=consumed,
     )
 
 
@@ -67,7 +71,9 @@ def test_peft_loads_the_adapter(checkpoint, dataset, tiny_model_dir):
     model, path = checkpoint
     batch = next(iter(DataLoader(dataset, batch_size=4)))
     inputs = {k: batch[k] for k in ("input_ids", "attention_mask")}
-    peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(tiny_model_dir)), str(path))
+    peft_model = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(str(tiny_model_dir)), str(path)
+    )
     with torch.no_grad():
         model.model.eval()
         ours = model.model(**inputs).logits
@@ -119,7 +125,9 @@ def test_resume_errors(checkpoint, make_model, tmp_path):
     with pytest.raises(UserError, match="incomplete"):
         resume(torn)
     with pytest.raises(UserError, match="LoRA"):
-        make_model(gradient_accumulation_steps=2, r=8).resume_from_checkpoint(str(path), adapter_name="default")
+        make_model(gradient_accumulation_steps=2, r=8).resume_from_checkpoint(
+            str(path), adapter_name="default"
+        )
 
 
 # ----------------------------------------------------------------- resume in a new process
@@ -162,5 +170,7 @@ def test_resume_in_a_new_process_continues_the_run_exactly(resume_runs, case):
     assert expected.keys() == actual.keys()
     for key in expected:
         torch.testing.assert_close(actual[key], expected[key], atol=1e-6, rtol=0)
-    states = [json.loads((case_dir / f"{run}-end" / "trainer_state.json").read_text()) for run in ("full", "resume")]
+    states = [
+        json.loads((case_dir / f"{run}-end" / "trainer_state.json").read_text()) for run in ("full", "resume")
+    ]
     assert states[0]["optimizer_steps"] == states[1]["optimizer_steps"] == -(-2 * n // accumulation)

@@ -41,7 +41,9 @@ def assert_same_grads(actual: dict, expected: dict, atol: float, rtol: float) ->
     assert actual.keys() == expected.keys() and actual
     for name, grad in expected.items():
         assert grad.abs().sum() > 0, name  # a zero gradient would prove nothing
-        torch.testing.assert_close(actual[name], grad, atol=atol, rtol=rtol, msg=lambda m, n=name: f"{n}: {m}")
+        torch.testing.assert_close(
+            actual[name], grad, atol=atol, rtol=rtol, msg=lambda m, n=name: f"{n}: {m}"
+        )
 
 
 def test_optimizer_steps_after_exactly_the_accumulation_window(make_model, dataset):
@@ -58,7 +60,13 @@ def test_optimizer_steps_after_exactly_the_accumulation_window(make_model, datas
         changed = any(not torch.equal(before[n], p) for n, p in lora_weights(model).items())
         record.append((group.cur_step, group.optimizer_steps, stepped, changed))
     # (micro-batches, optimizer steps, stepped now, weights changed now)
-    assert record == [(1, 0, False, False), (2, 1, True, True), (3, 1, False, False), (4, 2, True, True), (5, 3, True, True)]
+    assert record == [
+        (1, 0, False, False),
+        (2, 1, True, True),
+        (3, 1, False, False),
+        (4, 2, True, True),
+        (5, 3, True, True),
+    ]
 
 
 def test_window_gradient_is_the_mean_over_all_its_supervised_tokens(make_model, dataset):
@@ -89,7 +97,9 @@ def test_window_gradient_is_the_mean_over_all_its_supervised_tokens(make_model, 
         ("LinearWarmupScheduler", [1.0, 2 / 3, 1 / 3]),  # 1 - k / 3
     ],
 )
-def test_schedule_horizon_is_the_data_whatever_the_accumulation(make_model, dataset, scheduler, expected_factors):
+def test_schedule_horizon_is_the_data_whatever_the_accumulation(
+    make_model, dataset, scheduler, expected_factors
+):
     model = make_model(gradient_accumulation_steps=2)
     dataloader = DataLoader(dataset, batch_size=4)
     model.set_lr_scheduler(scheduler, num_warmup_steps=0, num_training_steps=len(dataloader))
@@ -116,7 +126,9 @@ def test_training_metrics_are_numbers(make_model, dataset):
         assert type(metric[key]) in (int, float) and math.isfinite(metric[key]), (key, metric[key])
     tokens = [supervised_tokens(b) for b in batches]
     # The logged loss is the mean over all supervised tokens since the last read.
-    assert metric["loss"] == pytest.approx(sum(loss * n for loss, n in zip(losses, tokens, strict=True)) / sum(tokens))
+    assert metric["loss"] == pytest.approx(
+        sum(loss * n for loss, n in zip(losses, tokens, strict=True)) / sum(tokens)
+    )
     assert metric["supervised_tokens"] == sum(tokens)
     assert 0 <= metric["accuracy"] <= 1 and metric["grad_norm"] > 0 and metric["tokens_per_second"] > 0
     assert metric["lr"] == pytest.approx(LR)

@@ -16,7 +16,9 @@ class DataLoader:
     ``len()`` is the number of global batches in a full pass (the last one may be short; it is
     split as evenly as possible, so a rank's share may be empty). The loader counts the samples
     consumed across all ranks; ``resume_from_checkpoint(n)`` continues with sample ``n``.
-    ``shuffle`` draws one fixed permutation from ``seed``, identical on every rank."""
+    ``shuffle`` draws one fixed permutation from ``seed``, identical on every rank. Iterating
+    again after a finished pass starts a new pass (same order); resuming at the end of a pass
+    yields nothing (the run was done)."""
 
     def __init__(
         self,
@@ -48,6 +50,7 @@ class DataLoader:
         self.world_size = world_size
         self.rank = rank
         self.consumed = 0
+        self._finished = False
 
     def __len__(self) -> int:
         n, b = len(self.dataset), self.batch_size
@@ -67,13 +70,16 @@ class DataLoader:
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         order = self._order()
-        end = len(self) * self.batch_size
+        end = min(len(self) * self.batch_size, len(order))
+        if self._finished:  # iterating again after a finished pass starts a new one
+            self.consumed, self._finished = 0, False
         pad_id = self.dataset.pad_token_id
-        while self.consumed < min(end, len(order)):
+        while self.consumed < end:
             batch = order[self.consumed : self.consumed + self.batch_size]
             rows = [self.dataset[i] for i in self._rank_slice(batch)]
             self.consumed += len(batch)
             yield collate(rows, pad_id)
+        self._finished = True
 
     def get_state(self) -> dict[str, int]:
         return {"consumed_train_samples": self.consumed}
@@ -86,6 +92,7 @@ class DataLoader:
                 f"{len(self.dataset)}; resume with the same data, or pass --ignore-data-skip"
             )
         self.consumed = consumed_train_samples
+        self._finished = False
 
     def state_dict(self) -> dict[str, int]:
         return self.get_state()

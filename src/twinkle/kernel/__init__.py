@@ -3,7 +3,8 @@
 Public names: ``kernelize``, ``KernelChoice``, ``DEFAULT_KERNEL_CONFIG``, ``register_op``,
 ``registered_ops``."""
 
-from twinkle.kernel import backends as _backends  # noqa: F401  (registers the built-in implementations)
+from twinkle.kernel import backends as _backends  # noqa: F401  (registers the accelerator implementations)
+from twinkle.kernel import torch_ops as _torch_ops  # noqa: F401  (registers the torch backend)
 from twinkle.kernel.config import DEFAULT_KERNEL_CONFIG
 from twinkle.kernel.kernelize import kernelize
 from twinkle.kernel.registry import BACKENDS, KernelChoice, register_op, registered_ops

@@ -25,6 +25,7 @@ def kernelize(model: Any, mapping: dict[str, KernelChoice] | None = None) -> Any
         validate_choice(target, choice)
     module_root = _torch_module(model)
     counts: dict[tuple[str, str, str], int] = {}
+    failures: dict[tuple[str, str, str], tuple[int, str]] = {}
     unavailable: set[str] = set()
     for module in module_root.modules():
         target = type(module).__name__
@@ -33,17 +34,21 @@ def kernelize(model: Any, mapping: dict[str, KernelChoice] | None = None) -> Any
         for impl in implementations(mapping[target]):
             if not impl.available():
                 continue
+            key = (target, impl.op, impl.backend)
             try:
                 module.forward = impl.patch(module)
             except Exception as exc:  # an optional kernel failed to load: fall through to the next
-                logger.warning(f"kernel {impl.op}/{impl.backend} failed to load for {target} ({exc}); trying the next")
+                n, _ = failures.get(key, (0, ""))
+                failures[key] = (n + 1, f"{type(exc).__name__}: {exc}")
                 continue
             setattr(module, _MARK, (impl.op, impl.backend))
-            key = (target, impl.op, impl.backend)
             counts[key] = counts.get(key, 0) + 1
             break
         else:
             unavailable.add(target)
+    # One line per (module class, op, backend), not per instance: a 32-layer model is 32 instances.
+    for (target, op, backend), (n, reason) in sorted(failures.items()):
+        logger.warning(f"kernelize: {op} [{backend}] failed for {n} x {target} ({reason}); fell through")
     for (target, op, backend), n in sorted(counts.items()):
         logger.info(f"kernelize: {n} x {target} -> {op} [{backend}]")
     if not counts:

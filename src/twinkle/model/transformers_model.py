@@ -310,6 +310,7 @@ class TransformersModel:
             params = dict(self.model.named_parameters())
             for n, g in window["grads"].items():
                 restore_grad(params[n], g)
-        group.optimizer.sync_copies()
+        if group.optimizer is not None:
+            group.optimizer.sync_copies()
         logger.info(f"resumed from {folder} at step {group.cur_step}")
         return {"consumed_train_samples": int(state["consumed_train_samples"]), "cur_step": group.cur_step}

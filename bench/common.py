@@ -1,0 +1,183 @@
+"""What both sides of the benchmark share: the run spec, the Twinkle data pipeline, the LoRA
+config, process set-up, per-step records and the result file.
+
+Each side runs as ``python bench/<side>.py SPEC.json OUT.json`` in its own process, so that the
+peak resident memory it reports is its own."""
+
+import hashlib
+import json
+import resource
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+IGNORE_INDEX = -100
+MODEL_NAME, MODEL_AUTHOR = "Twinkle", "Acme"
+
+
+@dataclass
+class Spec:
+    """One side's run: the data, the step counts and the optimizer settings (same on both sides)."""
+
+    workload: str
+    dataset_id: str | None  # None: the bundled self-cognition rows
+    num_samples: int
+    max_length: int
+    steps: int  # timed steps, after the warm-up steps
+    warmup: int
+    encoded_path: str  # the Twinkle-encoded samples (input_ids, labels), one JSON object a line
+    batch_size: int = 4
+    lr: float = 1e-4
+    max_grad_norm: float = 1.0
+    seed: int = 42
+    threads: int = 2
+
+    @property
+    def total_steps(self) -> int:
+        return self.warmup + self.steps
+
+    def save(self, path: Path) -> None:
+        path.write_text(json.dumps(asdict(self), indent=1))
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Spec":
+        return cls(**json.loads(Path(path).read_text()))
+
+
+@dataclass
+class StepRecord:
+    """One optimizer step: its batch's shape and token counts, its loss and when it ran."""
+
+    rows: int
+    width: int  # padded sequence length of the batch
+    tokens: int  # non-pad tokens
+    supervised: int  # positions whose next token is supervised (labels[:, 1:] != -100)
+    body_positions: int  # positions run through the decoder layers (pads included)
+    head_positions: int  # positions the LM head is applied to
+    attention_pairs: int  # causal (query, key) pairs the attention computes, summed over rows
+    loss: float = float("nan")
+    begin: float = 0.0  # time.perf_counter() when the step started
+    end: float = 0.0  # ... and when its optimizer step had finished
+
+
+def batch_record(
+    input_ids: torch.Tensor, labels: torch.Tensor, attention_mask: torch.Tensor, head_positions: str
+) -> StepRecord:
+    """Count a right-padded batch. ``head_positions`` says where a side applies the LM head:
+    ``'supervised'`` (only where the next token has a label) or ``'all'`` (every position)."""
+    rows, width = input_ids.shape
+    supervised = int((labels[:, 1:] != IGNORE_INDEX).sum())
+    return StepRecord(
+        rows=rows,
+        width=width,
+        tokens=int(attention_mask.sum()),
+        supervised=supervised,
+        body_positions=rows * width,
+        head_positions=supervised if head_positions == "supervised" else rows * width,
+        attention_pairs=rows * width * (width + 1) // 2,
+    )
+
+
+def lora_config() -> Any:
+    from peft import LoraConfig
+
+    return LoraConfig(
+        r=8, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM"
+    )
+
+
+def use_cuda() -> bool:
+    return torch.cuda.is_available()
+
+
+def set_up_process(spec: Spec) -> None:
+    """Threads and seed, before anything else runs; no progress bars (one line a step instead)."""
+    import transformers
+
+    torch.set_num_threads(spec.threads)
+    torch.manual_seed(spec.seed)
+    transformers.utils.logging.disable_progress_bar()
+
+
+def sync() -> None:
+    """Wait for queued device work so that a timestamp means the step has really finished."""
+    if use_cuda():
+        torch.cuda.synchronize()
+
+
+def build_dataset(spec: Spec) -> Any:
+    """The Twinkle pipeline of the contract script: rows -> messages -> tokens."""
+    import datasets
+
+    from twinkle.dataset import Dataset, DatasetMeta
+    from twinkle.preprocessor import SelfCognitionProcessor
+
+    datasets.disable_progress_bars()
+    dataset = Dataset(DatasetMeta(spec.dataset_id, data_slice=range(spec.num_samples)))
+    dataset.set_template("Template", model_id=None, max_length=spec.max_length)
+    dataset.map(SelfCognitionProcessor(MODEL_NAME, MODEL_AUTHOR))
+    dataset.encode()
+    return dataset
+
+
+def samples_digest(samples: list[dict[str, list[int]]]) -> str:
+    """A fingerprint of the samples in order, so the report can show both sides saw the same data."""
+    text = json.dumps([[s["input_ids"], s["labels"]] for s in samples])
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def write_encoded(dataset: Any, path: Path) -> None:
+    with open(path, "w") as handle:
+        for i in range(len(dataset)):
+            row = dataset[i]
+            handle.write(json.dumps({"input_ids": row["input_ids"], "labels": row["labels"]}) + "\n")
+
+
+def read_encoded(path: str | Path) -> list[dict[str, list[int]]]:
+    with open(path) as handle:
+        return [json.loads(line) for line in handle if line.strip()]
+
+
+def log_step(side: str, index: int, spec: Spec, record: StepRecord) -> None:
+    print(
+        f"[{side}] step {index + 1}/{spec.total_steps} loss {record.loss:.4f} "
+        f"{record.end - record.begin:.2f} s ({record.tokens} tokens, width {record.width})",
+        flush=True,
+    )
+
+
+def write_result(
+    out: str | Path,
+    side: str,
+    spec: Spec,
+    records: list[StepRecord],
+    model_shape: dict[str, int],
+    digest: str,
+    extra: dict[str, Any] | None = None,
+) -> None:
+    """Write this side's records with its peak resident memory (Linux reports KiB)."""
+    result = {
+        "side": side,
+        "workload": spec.workload,
+        "device": "cuda" if use_cuda() else "cpu",
+        "dtype": "bfloat16" if use_cuda() else "float32",
+        "threads": torch.get_num_threads(),
+        "samples_digest": digest,
+        "model_shape": model_shape,
+        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "peak_gpu_mib": torch.cuda.max_memory_allocated() / 2**20 if use_cuda() else None,
+        "steps": [asdict(r) for r in records],
+        "finished_at": time.time(),
+        **(extra or {}),
+    }
+    Path(out).write_text(json.dumps(result, indent=1))
+
+
+def side_args() -> tuple[Spec, str]:
+    if len(sys.argv) != 3:
+        raise SystemExit(f"usage: python {sys.argv[0]} SPEC.json OUT.json (run.py calls this)")
+    return Spec.load(sys.argv[1]), sys.argv[2]

@@ -1,0 +1,123 @@
+"""The ``torch`` kernel backend against the Hugging Face module it replaces, forward + backward.
+
+    python bench/kernel_bench.py                      # SmolLM2-135M shapes, fp32, 2 threads
+    python bench/kernel_bench.py --dtype bfloat16 --repeats 21
+
+For each op, two instances of the same module with the same weights: the original, and one
+``kernelize``-d with the op's ``torch`` backend (the real patch path). The timed step is
+``forward(x).backward(grad)`` with ``x`` requiring grad, so the input and weight gradients are
+both computed. Original and ours alternate inside each repeat (so load from other processes
+hits both alike); the table gives the median over repeats of the mean step time in a repeat.
+``saved MB`` is what autograd keeps for backward (distinct storages, parameters excluded).
+
+An op enters ``DEFAULT_KERNEL_CONFIG``'s chains only if ours is more than 5% faster here.
+
+Not named ``kernels.py``: run as a script, that name would shadow the ``kernels`` package that
+transformers probes for at import."""
+
+import argparse
+import copy
+import statistics
+import time
+
+import torch
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
+from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNorm
+
+from twinkle.kernel import KernelChoice, kernelize
+
+HIDDEN, INTERMEDIATE, EPS = 576, 1536, 1e-5  # SmolLM2-135M
+
+
+def _modules() -> dict[str, tuple[str, torch.nn.Module]]:
+    """op -> (module class name, an original module with non-trivial weights)."""
+    torch.manual_seed(0)
+    llama_norm = LlamaRMSNorm(HIDDEN, eps=EPS)
+    qwen_norm = Qwen3_5RMSNorm(HIDDEN, eps=EPS)
+    for norm in (llama_norm, qwen_norm):
+        torch.nn.init.normal_(norm.weight, mean=float(norm is llama_norm), std=0.1)
+    mlp = LlamaMLP(LlamaConfig(hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, hidden_act="silu"))
+    return {
+        "rms_norm": ("LlamaRMSNorm", llama_norm),
+        "rms_norm_zero_centered": ("Qwen3_5RMSNorm", qwen_norm),
+        "swiglu_mlp": ("LlamaMLP", mlp),
+    }
+
+
+def _step(module: torch.nn.Module, x: torch.Tensor, grad: torch.Tensor) -> None:
+    x.grad = None
+    module.zero_grad(set_to_none=True)
+    module(x).backward(grad)
+
+
+def _time(module: torch.nn.Module, x: torch.Tensor, grad: torch.Tensor, iters: int) -> float:
+    start = time.perf_counter()
+    for _ in range(iters):
+        _step(module, x, grad)
+    return (time.perf_counter() - start) / iters * 1e3
+
+
+def _saved_mb(module: torch.nn.Module, x: torch.Tensor) -> float:
+    params = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    storages: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            storages[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        module(x)
+    return sum(storages.values()) / 2**20
+
+
+def _max_diff(original: torch.nn.Module, ours: torch.nn.Module, x: torch.Tensor, grad: torch.Tensor) -> float:
+    """Largest absolute difference over the output, the input gradient and each weight gradient."""
+    results = []
+    for module in (original, ours):
+        _step(module, x, grad)
+        results.append([module(x).detach(), x.grad] + [p.grad for p in module.parameters()])
+    return max((a.float() - b.float()).abs().max().item() for a, b in zip(*results, strict=True))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--iters", type=int, default=10, help="steps per repeat")
+    parser.add_argument("--ops", nargs="*", default=None, help="a subset of the ops")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
+    print(f"batch {args.batch} x seq {args.seq}, hidden {HIDDEN}, intermediate {INTERMEDIATE}, {args.dtype}, "
+          f"{args.threads} threads, median of {args.repeats} repeats x {args.iters} steps, torch {torch.__version__}")
+    print(f"| op | module | original ms | torch ms | speed-up | saved MB original | saved MB torch | max diff |")
+    print("|---|---|---|---|---|---|---|---|")
+    for op, (target, original) in _modules().items():
+        if args.ops and op not in args.ops:
+            continue
+        original = original.to(dtype)
+        ours = kernelize(copy.deepcopy(original), {target: KernelChoice(op, ("torch",))})
+        assert getattr(ours, "_twinkle_kernel", None) == (op, "torch"), f"{target} was not patched"
+        gen = torch.Generator().manual_seed(1)
+        x = torch.randn(args.batch, args.seq, HIDDEN, generator=gen).to(dtype).requires_grad_()
+        grad = torch.randn(args.batch, args.seq, HIDDEN, generator=gen).to(dtype)
+        diff = _max_diff(original, ours, x, grad)
+        for module in (original, ours):  # warm-up
+            _time(module, x, grad, args.iters)
+        times: dict[str, list[float]] = {"original": [], "torch": []}
+        for _ in range(args.repeats):
+            times["original"].append(_time(original, x, grad, args.iters))
+            times["torch"].append(_time(ours, x, grad, args.iters))
+        base, mine = statistics.median(times["original"]), statistics.median(times["torch"])
+        print(f"| {op} | {target} | {base:.3f} | {mine:.3f} | {base / mine:.2f}x | "
+              f"{_saved_mb(original, x):.2f} | {_saved_mb(ours, x):.2f} | {diff:.1e} |")
+
+
+if __name__ == "__main__":
+    main()

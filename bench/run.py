@@ -1,0 +1,249 @@
+"""Twinkle against the usual route (Hugging Face ``Trainer`` + PEFT LoRA), on the same work.
+
+    python bench/run.py --workload all            # W1 then W2, both sides each
+    python bench/run.py --workload W1 --steps 32 --warmup 3 --out bench/results.json
+
+For each workload this encodes the samples once with the Twinkle pipeline, then runs, back to
+back, each side in its own process (``twinkle_side.py``, ``trainer_side.py``) on the same
+samples in the same order, from the same weights and LoRA initialisation, for ``warmup + steps``
+optimizer steps of batch 4. It prints a markdown table and writes a JSON file with every step.
+
+Columns (steady state: the steps after the warm-up, timed from the end of the last warm-up step
+to the end of the last step, so data loading and logging count):
+
+- tokens/s: non-pad tokens per second; supervised tokens/s: positions whose next token is a
+  label (what the loss is over).
+- s/step: the steady-state time divided by ``steps``.
+- peak RSS: the side's process peak resident memory (``ru_maxrss``, model loading included).
+- final loss: mean of the last ``LOSS_STEPS`` per-step losses (same samples on both sides).
+- model GFLOP/s and % of peak: the FLOPs the side executes (``flops.py``) over the steady-state
+  time, against a fp32 (CPU, ``--threads`` threads) or bf16 (CUDA) matmul loop timed in this run.
+
+FLOPs of a step (details and what is left out: ``flops.py``):
+
+    P_body * (4 * N_frozen + 6 * N_lora) + P_head * 4 * V * H + 12 * L * d_attn * S
+
+``P_body`` positions through the decoder (pads included), ``N_frozen`` frozen linear weights
+(forward 2N, activation gradients 2N, no weight gradients), ``N_lora`` LoRA weights (6N),
+``P_head`` positions the LM head runs on (Twinkle: supervised positions only; Trainer: all),
+``V x H`` the head (frozen, tied), ``S`` causal (query, key) pairs over the padded width,
+``L`` layers, ``d_attn`` query heads x head size."""
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from statistics import mean
+
+import torch
+from common import Spec, build_dataset, write_encoded
+from flops import matmul_peak_gflops, step_flops
+from long_rows import write_long_rows
+
+HERE = Path(__file__).resolve().parent
+SIDES = {"twinkle": HERE / "twinkle_side.py", "hf_trainer": HERE / "trainer_side.py"}
+LOSS_STEPS = 4
+
+
+@dataclass(frozen=True)
+class Workload:
+    long_rows: bool  # False: the bundled self-cognition rows
+    max_length: int
+    default_steps: int
+
+
+WORKLOADS = {
+    "W1": Workload(long_rows=False, max_length=1024, default_steps=32),
+    "W2": Workload(long_rows=True, max_length=1024, default_steps=8),
+}
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workload", choices=[*WORKLOADS, "all"], default="W1")
+    parser.add_argument("--steps", type=int, default=None, help="timed steps (default: W1 32, W2 8)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first")
+    parser.add_argument("--sides", default=",".join(SIDES), help=f"comma-separated, of {', '.join(SIDES)}")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=42)
+    parser.add_argument("--out", type=Path, default=HERE / "results.json")
+    args = parser.parse_args()
+    args.sides = [s.strip() for s in args.sides.split(",") if s.strip()]
+    unknown = [s for s in args.sides if s not in SIDES]
+    if unknown or not args.sides:
+        parser.error(f"--sides: unknown {unknown}; valid: {', '.join(SIDES)}")
+    if args.warmup < 0 or (args.steps is not None and args.steps < 1):
+        parser.error("need --warmup >= 0 and --steps >= 1")
+    return args
+
+
+def prepare(name: str, args: argparse.Namespace, folder: Path) -> Spec:
+    """Write the workload's rows (W2) and its Twinkle-encoded samples; return the run spec."""
+    workload = WORKLOADS[name]
+    steps = args.steps or workload.default_steps
+    num_samples = 4 * (args.warmup + steps)
+    dataset_id = None
+    if workload.long_rows:
+        dataset_id = str(write_long_rows(folder / f"{name}_rows.jsonl", num_samples, seed=args.seed))
+    spec = Spec(
+        workload=name,
+        dataset_id=dataset_id,
+        num_samples=num_samples,
+        max_length=workload.max_length,
+        steps=steps,
+        warmup=args.warmup,
+        encoded_path=str(folder / f"{name}_encoded.jsonl"),
+        seed=args.seed,
+        threads=args.threads,
+    )
+    write_encoded(build_dataset(spec), Path(spec.encoded_path))
+    return spec
+
+
+def run_side(side: str, spec: Spec, folder: Path, threads: int) -> dict:
+    spec_path, out_path = folder / f"{spec.workload}_spec.json", folder / f"{spec.workload}_{side}.json"
+    spec.save(spec_path)
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
+    print(f"== {spec.workload} {side}: {spec.warmup} warm-up + {spec.steps} timed steps", flush=True)
+    start = time.perf_counter()
+    subprocess.run([sys.executable, str(SIDES[side]), str(spec_path), str(out_path)], check=True, env=env)
+    result = json.loads(out_path.read_text())
+    result["process_seconds"] = time.perf_counter() - start
+    return result
+
+
+def summarize(result: dict, warmup: int, peak_gflops: float) -> dict:
+    """Steady-state numbers of one side from its per-step records."""
+    steps = result["steps"]
+    timed = steps[warmup:]
+    start = steps[warmup - 1]["end"] if warmup else steps[0]["begin"]
+    elapsed = steps[-1]["end"] - start
+    flops = sum(step_flops(result["model_shape"], s) for s in timed)
+    return {
+        "tokens_per_s": sum(s["tokens"] for s in timed) / elapsed,
+        "supervised_tokens_per_s": sum(s["supervised"] for s in timed) / elapsed,
+        "s_per_step": elapsed / len(timed),
+        "peak_rss_mib": result["peak_rss_mib"],
+        "peak_gpu_mib": result["peak_gpu_mib"],
+        "final_loss": mean(s["loss"] for s in steps[-LOSS_STEPS:]),
+        "model_gflops_per_s": flops / elapsed / 1e9,
+        "fraction_of_peak": flops / elapsed / 1e9 / peak_gflops,
+    }
+
+
+def compare(sides: dict[str, dict]) -> dict:
+    """Twinkle over the Trainer, and whether both really did the same work."""
+    ours, theirs = sides["twinkle"], sides["hf_trainer"]
+    counts = [[(s["rows"], s["tokens"], s["supervised"]) for s in r["raw"]["steps"]] for r in (ours, theirs)]
+    return {
+        "tokens_per_s": ours["tokens_per_s"] / theirs["tokens_per_s"],
+        "peak_rss": ours["peak_rss_mib"] / theirs["peak_rss_mib"],
+        "final_loss_diff": ours["final_loss"] - theirs["final_loss"],
+        "same_samples": ours["raw"]["samples_digest"] == theirs["raw"]["samples_digest"]
+        and counts[0] == counts[1],
+    }
+
+
+def environment(peak: dict) -> dict:
+    def installed(name: str) -> str | None:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return None
+
+    cpu = next((line.split(":", 1)[1].strip() for line in _cpuinfo() if line.startswith("model name")), None)
+    return {
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "machine": {
+            "platform": platform.platform(),
+            "cpu": cpu or platform.processor(),
+            "cpu_count": os.cpu_count(),
+            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        },
+        "versions": {
+            "python": platform.python_version(),
+            **{
+                n: installed(n)
+                for n in ("torch", "transformers", "peft", "accelerate", "twinkle", "liger-kernel")
+            },
+        },
+        "matmul_peak": peak,
+    }
+
+
+def _cpuinfo() -> list[str]:
+    try:
+        return Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return []
+
+
+def table(report: dict) -> str:
+    gpu = any(
+        s["peak_gpu_mib"] is not None for w in report["workloads"].values() for s in w["sides"].values()
+    )
+    head = ["workload", "side", "tokens/s", "supervised tokens/s", "s/step", "peak RSS MiB"]
+    head += ["peak GPU MiB"] * gpu + ["final loss", "model GFLOP/s", "% of peak"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name, w in report["workloads"].items():
+        for side, s in w["sides"].items():
+            cells = [name, side, f"{s['tokens_per_s']:.1f}", f"{s['supervised_tokens_per_s']:.1f}"]
+            cells += [f"{s['s_per_step']:.2f}", f"{s['peak_rss_mib']:.0f}"]
+            cells += [f"{s['peak_gpu_mib']:.0f}" if s["peak_gpu_mib"] is not None else "-"] * gpu
+            cells += [
+                f"{s['final_loss']:.4f}",
+                f"{s['model_gflops_per_s']:.1f}",
+                f"{100 * s['fraction_of_peak']:.1f}",
+            ]
+            lines.append("| " + " | ".join(cells) + " |")
+    peak = report["matmul_peak"]
+    lines.append(
+        f"\nmatmul peak: {peak['gflops']:.1f} GFLOP/s ({peak['dtype']}, {peak['device']}, "
+        f"{peak['size']}x{peak['size']}, {peak['threads']} threads)"
+    )
+    for name, w in report["workloads"].items():
+        r = w.get("twinkle_over_hf_trainer")
+        if r:
+            same = "same samples" if r["same_samples"] else "WARNING: the sides saw different samples"
+            lines.append(
+                f"{name}: twinkle / hf_trainer tokens/s {r['tokens_per_s']:.2f}x, peak RSS "
+                f"{r['peak_rss']:.2f}x, final loss diff {r['final_loss_diff']:+.4f} ({same})"
+            )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    args = parse_args()
+    torch.set_num_threads(args.threads)
+    names = list(WORKLOADS) if args.workload == "all" else [args.workload]
+    peak = matmul_peak_gflops(args.threads)
+    print(f"matmul peak: {peak['gflops']:.1f} GFLOP/s ({peak['dtype']}, {peak['device']})", flush=True)
+    report = {**environment(peak), "args": {k: str(v) for k, v in vars(args).items()}, "workloads": {}}
+    with tempfile.TemporaryDirectory(prefix="twinkle-bench-") as tmp:
+        folder = Path(tmp)
+        for name in names:
+            spec = prepare(name, args, folder)
+            sides = {}
+            for side in args.sides:
+                raw = run_side(side, spec, folder, args.threads)
+                sides[side] = {**summarize(raw, spec.warmup, peak["gflops"]), "raw": raw}
+            entry = {"spec": vars(spec), "sides": sides}
+            if len(sides) == 2:
+                entry["twinkle_over_hf_trainer"] = compare(sides)
+            report["workloads"][name] = entry
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=1))
+    print("\n" + table(report))
+    print(f"\nwrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

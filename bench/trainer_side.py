@@ -1,0 +1,168 @@
+"""Side B, "hf_trainer": the usual route, Hugging Face ``Trainer`` with a PEFT LoRA adapter.
+
+Run by ``bench/run.py`` as ``python bench/trainer_side.py SPEC.json OUT.json``. Configured as a
+careful user would: the same weights and LoRA config, the Twinkle-encoded samples in the same
+order (``train_sampling_strategy='sequential'``), its default collator for this data
+(``DataCollatorForSeq2Seq``), its default optimizer (fused AdamW, weight decay 0), a constant
+learning rate, gradient clipping at 1.0, no gradient checkpointing; fp32 on CPU, bf16 on CUDA
+with Liger kernels when ``liger_kernel`` is installed."""
+
+import importlib.util
+import tempfile
+import time
+
+import torch
+from common import (
+    StepRecord,
+    batch_record,
+    log_step,
+    lora_config,
+    read_encoded,
+    samples_digest,
+    set_up_process,
+    side_args,
+    sync,
+    use_cuda,
+    write_result,
+)
+from flops import model_shape
+from peft import get_peft_model
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    DataCollatorForSeq2Seq,
+    Trainer,
+    TrainerCallback,
+    TrainingArguments,
+)
+from transformers.trainer_callback import PrinterCallback, ProgressCallback
+
+from twinkle.hub import resolve_model
+
+SIDE = "hf_trainer"
+
+
+class SampleList(torch.utils.data.Dataset):
+    def __init__(self, samples: list[dict[str, list[int]]]):
+        self.samples = samples
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, index: int) -> dict[str, list[int]]:
+        sample = self.samples[index]
+        return {**sample, "attention_mask": [1] * len(sample["input_ids"])}
+
+
+class CountingCollator:
+    """The default collator, noting each batch's counts (the Trainer computes logits everywhere)."""
+
+    def __init__(self, collator: DataCollatorForSeq2Seq):
+        self.collator = collator
+        self.records: list[StepRecord] = []
+
+    def __call__(self, features: list[dict]) -> dict[str, torch.Tensor]:
+        batch = self.collator(features)
+        self.records.append(
+            batch_record(batch["input_ids"], batch["labels"], batch["attention_mask"], head_positions="all")
+        )
+        return batch
+
+
+class StepTimer(TrainerCallback):
+    """Timestamps every optimizer step and takes its loss from the per-step log."""
+
+    def __init__(self, spec, collator: CountingCollator):
+        self.spec = spec
+        self.collator = collator
+        self.begins: list[float] = []
+        self.ends: list[float] = []
+        self.losses: list[float] = []
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        torch.set_num_threads(self.spec.threads)  # in case a library changed it while setting up
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.begins.append(time.perf_counter())
+
+    def on_step_end(self, args, state, control, **kwargs):
+        sync()
+        self.ends.append(time.perf_counter())
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs and "loss" in logs:
+            self.losses.append(float(logs["loss"]))
+            index = len(self.losses) - 1
+            log_step(SIDE, index, self.spec, self.record(index))
+
+    def record(self, index: int) -> StepRecord:
+        record = self.collator.records[index]
+        record.begin, record.end, record.loss = self.begins[index], self.ends[index], self.losses[index]
+        return record
+
+
+def main() -> None:
+    spec, out = side_args()
+    set_up_process(spec)
+    cuda = use_cuda()
+    dtype = torch.bfloat16 if cuda else torch.float32
+
+    samples = read_encoded(spec.encoded_path)
+    path = str(resolve_model(None))
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.padding_side = "right"  # as Twinkle pads; position ids then match
+    # The converted bundled model keeps its GGUF ``quantization_config`` in config.json, though
+    # its weights are dense; without dropping it ``Trainer`` refuses to train ("GGUF does not
+    # support training"). The weights loaded are the same either way.
+    config = AutoConfig.from_pretrained(path)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype)
+    torch.manual_seed(spec.seed)  # the same LoRA initialisation as the Twinkle side
+    model = get_peft_model(model, lora_config())
+
+    collator = CountingCollator(DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100))
+    timer = StepTimer(spec, collator)
+    with tempfile.TemporaryDirectory() as output_dir:
+        args = TrainingArguments(
+            output_dir=output_dir,
+            per_device_train_batch_size=spec.batch_size,
+            max_steps=spec.total_steps,
+            learning_rate=spec.lr,
+            lr_scheduler_type="constant",
+            weight_decay=0.0,
+            max_grad_norm=spec.max_grad_norm,
+            gradient_checkpointing=False,
+            train_sampling_strategy="sequential",
+            logging_steps=1,
+            save_strategy="no",
+            report_to=[],
+            dataloader_num_workers=0,
+            disable_tqdm=True,
+            seed=spec.seed,
+            use_cpu=not cuda,
+            bf16=cuda,
+            use_liger_kernel=cuda and importlib.util.find_spec("liger_kernel") is not None,
+        )
+        trainer = Trainer(
+            model=model,
+            args=args,
+            train_dataset=SampleList(samples),
+            data_collator=collator,
+            processing_class=tokenizer,
+            callbacks=[timer],
+        )
+        for quiet in (PrinterCallback, ProgressCallback):  # one line a step comes from StepTimer
+            trainer.remove_callback(quiet)
+        trainer.train()
+
+    records = [timer.record(i) for i in range(len(timer.losses))]
+    if len(records) != spec.total_steps:
+        raise SystemExit(f"[{SIDE}] logged {len(records)} steps, expected {spec.total_steps}")
+    extra = {"liger_kernel": args.use_liger_kernel, "optim": str(args.optim)}
+    write_result(out, SIDE, spec, records, model_shape(model), samples_digest(samples), extra)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,64 @@
+"""Side A, "twinkle": the contract script's pipeline and loop, timed step by step.
+
+Run by ``bench/run.py`` as ``python bench/twinkle_side.py SPEC.json OUT.json``. The learning
+rate stays constant (no scheduler), as on the Trainer side; weight decay is 0, the Trainer's
+default, where ``torch.optim.AdamW`` would use 0.01."""
+
+import time
+
+import torch
+from common import (
+    batch_record,
+    build_dataset,
+    log_step,
+    lora_config,
+    samples_digest,
+    set_up_process,
+    side_args,
+    sync,
+    write_result,
+)
+from flops import model_shape
+
+import twinkle
+from twinkle.dataloader import DataLoader
+from twinkle.model import TransformersModel
+
+SIDE = "twinkle"
+
+
+def main() -> None:
+    spec, out = side_args()
+    set_up_process(spec)
+    twinkle.initialize(seed=spec.seed)
+
+    dataset = build_dataset(spec)
+    digest = samples_digest([dataset[i] for i in range(len(dataset))])
+    dataloader = DataLoader(dataset=dataset, batch_size=spec.batch_size)
+    model = TransformersModel(model_id=None)  # bf16 on CUDA, fp32 on CPU
+    torch.manual_seed(spec.seed)  # the same LoRA initialisation as the Trainer side
+    model.add_adapter_to_model("default", lora_config())
+    model.set_optimizer("AdamW", lr=spec.lr, weight_decay=0.0)
+
+    records = []
+    for index, batch in enumerate(dataloader):
+        if index == spec.total_steps:
+            break
+        record = batch_record(
+            batch["input_ids"], batch["labels"], batch["attention_mask"], head_positions="supervised"
+        )
+        record.begin = time.perf_counter()
+        record.loss = model.forward_backward(inputs=batch)
+        model.clip_grad_and_step(max_grad_norm=spec.max_grad_norm)
+        sync()
+        record.end = time.perf_counter()
+        records.append(record)
+        log_step(SIDE, index, spec, record)
+
+    if len(records) != spec.total_steps:
+        raise SystemExit(f"[{SIDE}] the data gave {len(records)} steps, expected {spec.total_steps}")
+    write_result(out, SIDE, spec, records, model_shape(model.model), digest)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,74 @@
+"""The verbatim contract script under torchrun (FSDP2 over 2 gloo ranks) logs the same losses as
+one process, and leaves a complete last checkpoint with a state file per rank.
+
+Flags beyond the brief's run: ``--lora-dropout 0`` because dropout masks come from each
+process's own random stream, so 1 and 2 processes draw different masks by design and their
+losses could not be compared tightly; ``--lr 1e-2 --num-warmup-steps 1`` so that the adapter
+moves enough in 4 steps for the comparison to mean something (the default 1e-4 with 5 warm-up
+steps barely changes the loss).
+
+Tolerance: the script trains with torch's Muon, whose Newton-Schulz runs in bf16, so a last-bit
+difference in the fp32 gradients (2 ranks sum them in another order) can round to a different
+bf16 value. Measured here: losses <= 6e-7 apart (about one fp32 ulp of 6.4); we allow 5e-5, as
+in the Muon comparison of ``test_torchrun_training.py``."""
+
+import re
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+SCRIPT = Path(__file__).resolve().parents[2] / "cookbook/transformers/fsdp2.py"
+STEP_LINE = re.compile(r"Current is step (\d+) of (\d+), metric: \{.*'loss': ([^,]+),")
+EVAL_LINE = re.compile(r"Eval metric: \{'loss': ([^,]+),")
+LOSS_TOL = 5e-5
+
+
+def contract_args(model_dir: Path, output_dir: Path) -> list[str]:
+    return [
+        "--model-id", str(model_dir), "--train-samples", "16", "--batch-size", "4",
+        "--eval-samples", "8", "--eval-interval", "2", "--log-interval", "1",
+        "--output-dir", str(output_dir),
+        "--lora-dropout", "0", "--lr", "1e-2", "--num-warmup-steps", "1",
+    ]  # fmt: skip
+
+
+def logged_losses(output: str) -> tuple[dict[int, float], list[float]]:
+    """Training loss per step and the eval losses, from the lines rank 0 logs."""
+    train = {}
+    for step, total, loss in STEP_LINE.findall(output):
+        assert int(total) == 4
+        assert int(step) not in train, f"step {step} logged twice"
+        train[int(step)] = float(loss)
+    return train, [float(x) for x in EVAL_LINE.findall(output)]
+
+
+def test_contract_fsdp2_two_ranks_matches_one_process(tiny_model_dir, tmp_path, launcher):
+    single = launcher.run(SCRIPT, contract_args(tiny_model_dir, tmp_path / "one"), nproc=1)
+    assert single.returncode == 0, single.output[-6000:]
+    sharded = launcher.run(
+        SCRIPT, [*contract_args(tiny_model_dir, tmp_path / "two"), "--fsdp-size", "2"], nproc=2
+    )
+    assert sharded.returncode == 0, sharded.output[-6000:]
+    print(f"\n[contract] 1 process {single.wall_s:.1f} s, 2 ranks {sharded.wall_s:.1f} s")
+    assert "1 replica(s) x 2 shard(s) = 2 ranks" in sharded.output
+
+    last = tmp_path / "two" / "last-checkpoint"
+    assert (last / ".twinkle-complete").is_file()
+    assert (last / "adapter_model.safetensors").is_file()
+    assert sorted(p.name for p in last.glob("rank_state_rank*.pt")) == [
+        "rank_state_rank0.pt",
+        "rank_state_rank1.pt",
+    ]
+
+    train_1, eval_1 = logged_losses(single.output)
+    train_2, eval_2 = logged_losses(sharded.output)
+    assert sorted(train_1) == sorted(train_2) == [1, 2, 3, 4]
+    assert len(eval_1) == len(eval_2) == 2
+    assert train_1[4] < train_1[1] - 1e-3, train_1  # it trained, so equal losses say something
+    diffs = [abs(train_1[s] - train_2[s]) for s in train_1] + [
+        abs(a - b) for a, b in zip(eval_1, eval_2, strict=True)
+    ]
+    print(f"[contract] max |loss diff| {max(diffs):.2e} (train {train_1}, eval {eval_1})")
+    assert max(diffs) <= LOSS_TOL, (train_1, train_2, eval_1, eval_2)
