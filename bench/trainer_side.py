@@ -133,7 +133,7 @@ def main() -> None:
             lr_scheduler_type="constant",
             weight_decay=0.0,
             max_grad_norm=spec.max_grad_norm,
-            gradient_checkpointing=False,
+            activation_checkpointing=False,
             train_sampling_strategy="sequential",
             logging_steps=1,
             save_strategy="no",
@@ -160,7 +160,7 @@ def main() -> None:
     records = [timer.record(i) for i in range(len(timer.losses))]
     if len(records) != spec.total_steps:
         raise SystemExit(f"[{SIDE}] logged {len(records)} steps, expected {spec.total_steps}")
-    extra = {"liger_kernel": args.use_liger_kernel, "optim": str(args.optim)}
+    extra = {"liger_kernel": args.use_liger_kernel, "optim": getattr(args.optim, "value", str(args.optim))}
     write_result(out, SIDE, spec, records, model_shape(model), samples_digest(samples), extra)
 
 

@@ -85,9 +85,8 @@ def compare(a: dict, b: dict, tol: dict, label: str, skip_steps: int = 0) -> Non
 
 
 def assert_trained(result: dict) -> None:
-    """The comparison means something only if the run moved: loss down, LoRA B away from 0."""
-    losses = [s["loss"] for s in result["steps"]]
-    assert losses[-1] < losses[0] - 1e-3, losses
+    """The comparison means something only if the run moved: every LoRA B left its zero init.
+    (Losses of different batches are not comparable, so they cannot show it.)"""
     lora_b = [torch.tensor(v).abs().max().item() for k, v in result["weights"].items() if "lora_B" in k]
     assert min(lora_b) > 1e-3
 

@@ -4,8 +4,8 @@ Each computes exactly what the Hugging Face module computes (same casts, same ro
 only the kernels differ. Whether an op is in ``DEFAULT_KERNEL_CONFIG``'s chains depends on the
 measurements in ``README.md`` (``bench/kernels.py``), not on this file.
 
-- ``rms_norm``: ``F.rms_norm``, a single fused ATen kernel forward and backward, instead of the
-  six elementwise ops of ``LlamaRMSNorm``.
+- ``rms_norm``: an autograd function with a hand-written backward (fewer full-size passes than
+  autograd through ``LlamaRMSNorm``'s six elementwise ops, and less saved for backward).
 - ``rms_norm_zero_centered``: the same for Qwen3.5's ``x_hat * (1 + w)`` norm.
 - ``swiglu_mlp``: ``down(silu(gate(x)) * up(x))`` with ``silu(gate)`` recomputed in backward
   instead of saved (one ``tokens x intermediate`` activation less per layer). The projections
@@ -34,19 +34,62 @@ def _always() -> bool:
     return True
 
 
+class RMSNormFunction(torch.autograd.Function):
+    """RMSNorm with a hand-written backward; ``zero_centered`` selects Qwen3.5's form.
+
+    Llama (``LlamaRMSNorm``): ``w * (x_f * r).to(x.dtype)``; Qwen3.5: ``(x_f * r * (1 + w_f)).to(x.dtype)``
+    with ``x_f`` the input in fp32 and ``r = rsqrt(mean(x_f^2) + eps)``. Casts and rounding points
+    are the module's own. Only ``x`` and ``r`` are saved; ``x_f * r`` is recomputed in backward.
+
+    Why it is faster than autograd on the module (and why ``F.rms_norm`` is not: on CPU it
+    decomposes into the same elementwise ops and their autograd): the sum of squares is one
+    reduction (``vector_norm``) instead of ``pow`` then ``mean``, and the input gradient is
+    ``r * (g_y - x_hat * mean(g_y * x_hat))`` in three passes instead of autograd's chain through
+    ``mul``, ``rsqrt``, ``mean`` and ``pow``. No weight gradient is computed for a frozen weight."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool) -> torch.Tensor:
+        x_f = x.float()
+        hidden = x.shape[-1]
+        sum_sq = torch.linalg.vector_norm(x_f, dim=-1, keepdim=True).square_()
+        rstd = sum_sq.div_(hidden).add_(eps).rsqrt_()
+        ctx.save_for_backward(x, weight, rstd)
+        ctx.zero_centered = zero_centered
+        if zero_centered:
+            return (x_f * rstd * (1.0 + weight.float())).to(x.dtype)
+        return weight * (x_f * rstd).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, weight, rstd = ctx.saved_tensors
+        x_hat = x.float() * rstd
+        lead = tuple(range(grad.dim() - 1))
+        grad_weight = None
+        if ctx.zero_centered:
+            grad_f = grad.float()
+            if ctx.needs_input_grad[1]:
+                grad_weight = (grad_f * x_hat).sum(lead).to(weight.dtype)
+            grad_hat = grad_f * (1.0 + weight.float())
+        else:
+            if ctx.needs_input_grad[1]:
+                grad_weight = (grad * x_hat.to(x.dtype)).sum(lead).to(weight.dtype)
+            # autograd rounds the gradient of ``x_hat.to(x.dtype)`` to x.dtype: do the same
+            grad_hat = (grad * weight).to(x.dtype).float()
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            dot = (grad_hat * x_hat).mean(-1, keepdim=True)
+            grad_x = torch.addcmul(grad_hat, x_hat, dot, value=-1.0).mul_(rstd).to(x.dtype)
+        return grad_x, grad_weight, None, None
+
+
 def rms_norm(hidden_states: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype)``, normalised in fp32 like ``LlamaRMSNorm``."""
-    shape = (hidden_states.shape[-1],)
-    if hidden_states.dtype == torch.float32 and weight.dtype == torch.float32:
-        return F.rms_norm(hidden_states, shape, weight, eps)  # the cast is a no-op: fuse the weight in
-    normed = F.rms_norm(hidden_states.float(), shape, eps=eps)
-    return weight * normed.to(hidden_states.dtype)
+    return RMSNormFunction.apply(hidden_states, weight, eps, False)
 
 
 def rms_norm_zero_centered(hidden_states: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``(x_hat * (1 + weight)).to(x.dtype)``, all in fp32, like ``Qwen3_5RMSNorm``."""
-    shape = (hidden_states.shape[-1],)
-    return F.rms_norm(hidden_states.float(), shape, 1.0 + weight.float(), eps).type_as(hidden_states)
+    return RMSNormFunction.apply(hidden_states, weight, eps, True)
 
 
 class SiLUMul(torch.autograd.Function):
