@@ -48,9 +48,11 @@ def main() -> None:
     batches = list(DataLoader(ds, batch_size=4))
     model = TransformersModel(None)
     model.model._no_split_modules = ["LlamaDecoderLayer"]
-    model.add_adapter_to_model("default", LoraConfig(r=8, lora_alpha=32, target_modules="all-linear", lora_dropout=0.0))
+    model.add_adapter_to_model(
+        "default", LoraConfig(r=8, lora_alpha=32, target_modules="all-linear", lora_dropout=0.0)
+    )
     model.set_optimizer(torch.optim.Muon, lr=1e-4, adjust_lr_fn="match_rms_adamw")
-    group = model.optimizer_group["default"]
+
     fwd_bwd, steps = [], []
     for batch in batches[: args.steps]:
         t0 = time.perf_counter()

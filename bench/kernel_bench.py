@@ -8,6 +8,7 @@ For each op, two instances of the same module with the same weights: the origina
 ``forward(x).backward(grad)`` with ``x`` requiring grad, so the input and weight gradients are
 both computed. Original and ours alternate inside each repeat (so load from other processes
 hits both alike); the table gives the median over repeats of the mean step time in a repeat.
+``--frozen`` gives the weights no gradient, as under LoRA.
 ``saved MB`` is what autograd keeps for backward (distinct storages, parameters excluded).
 
 An op enters ``DEFAULT_KERNEL_CONFIG``'s chains only if ours is more than 5% faster here.
@@ -78,7 +79,9 @@ def _max_diff(original: torch.nn.Module, ours: torch.nn.Module, x: torch.Tensor,
     results = []
     for module in (original, ours):
         _step(module, x, grad)
-        results.append([module(x).detach(), x.grad] + [p.grad for p in module.parameters()])
+        results.append(
+            [module(x).detach(), x.grad] + [p.grad for p in module.parameters() if p.requires_grad]
+        )
     return max((a.float() - b.float()).abs().max().item() for a, b in zip(*results, strict=True))
 
 
@@ -91,17 +94,22 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--iters", type=int, default=10, help="steps per repeat")
     parser.add_argument("--ops", nargs="*", default=None, help="a subset of the ops")
+    parser.add_argument("--frozen", action="store_true", help="weights without gradients, as under LoRA")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
-    print(f"batch {args.batch} x seq {args.seq}, hidden {HIDDEN}, intermediate {INTERMEDIATE}, {args.dtype}, "
-          f"{args.threads} threads, median of {args.repeats} repeats x {args.iters} steps, torch {torch.__version__}")
-    print(f"| op | module | original ms | torch ms | speed-up | saved MB original | saved MB torch | max diff |")
+    print(
+        f"batch {args.batch} x seq {args.seq}, hidden {HIDDEN}, intermediate {INTERMEDIATE}, {args.dtype}, "
+        f"{args.threads} threads, {'frozen' if args.frozen else 'trainable'} weights, median of {args.repeats} repeats x {args.iters} steps, torch {torch.__version__}"
+    )
+    print(
+        "| op | module | original ms | torch ms | speed-up | saved MB original | saved MB torch | max diff |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for op, (target, original) in _modules().items():
         if args.ops and op not in args.ops:
             continue
-        original = original.to(dtype)
+        original = original.to(dtype).requires_grad_(not args.frozen)
         ours = kernelize(copy.deepcopy(original), {target: KernelChoice(op, ("torch",))})
         assert getattr(ours, "_twinkle_kernel", None) == (op, "torch"), f"{target} was not patched"
         gen = torch.Generator().manual_seed(1)
@@ -115,8 +123,10 @@ def main() -> None:
             times["original"].append(_time(original, x, grad, args.iters))
             times["torch"].append(_time(ours, x, grad, args.iters))
         base, mine = statistics.median(times["original"]), statistics.median(times["torch"])
-        print(f"| {op} | {target} | {base:.3f} | {mine:.3f} | {base / mine:.2f}x | "
-              f"{_saved_mb(original, x):.2f} | {_saved_mb(ours, x):.2f} | {diff:.1e} |")
+        print(
+            f"| {op} | {target} | {base:.3f} | {mine:.3f} | {base / mine:.2f}x | "
+            f"{_saved_mb(original, x):.2f} | {_saved_mb(ours, x):.2f} | {diff:.1e} |"
+        )
 
 
 if __name__ == "__main__":

@@ -28,7 +28,6 @@ from common import (
 from flops import model_shape
 from peft import get_peft_model
 from transformers import (
-    AutoConfig,
     AutoModelForCausalLM,
     AutoTokenizer,
     DataCollatorForSeq2Seq,
@@ -112,13 +111,7 @@ def main() -> None:
     path = str(resolve_model(None))
     tokenizer = AutoTokenizer.from_pretrained(path)
     tokenizer.padding_side = "right"  # as Twinkle pads; position ids then match
-    # The converted bundled model keeps its GGUF ``quantization_config`` in config.json, though
-    # its weights are dense; without dropping it ``Trainer`` refuses to train ("GGUF does not
-    # support training"). The weights loaded are the same either way.
-    config = AutoConfig.from_pretrained(path)
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     torch.manual_seed(spec.seed)  # the same LoRA initialisation as the Twinkle side
     model = get_peft_model(model, lora_config())
 

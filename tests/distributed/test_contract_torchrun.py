@@ -9,8 +9,9 @@ steps barely changes the loss).
 
 Tolerance: the script trains with torch's Muon, whose Newton-Schulz runs in bf16, so a last-bit
 difference in the fp32 gradients (2 ranks sum them in another order) can round to a different
-bf16 value. Measured here: losses <= 6e-7 apart (about one fp32 ulp of 6.4); we allow 5e-5, as
-in the Muon comparison of ``test_torchrun_training.py``."""
+bf16 value and change that step's update (by up to ~9e-5 per weight, measured offline). Measured
+here: losses <= 7.2e-7 apart (about one fp32 ulp of 6.4); we allow 1e-4, as in the Muon
+comparison of ``test_torchrun_training.py``."""
 
 import re
 from pathlib import Path
@@ -22,7 +23,7 @@ pytestmark = pytest.mark.slow
 SCRIPT = Path(__file__).resolve().parents[2] / "cookbook/transformers/fsdp2.py"
 STEP_LINE = re.compile(r"Current is step (\d+) of (\d+), metric: \{.*'loss': ([^,]+),")
 EVAL_LINE = re.compile(r"Eval metric: \{'loss': ([^,]+),")
-LOSS_TOL = 5e-5
+LOSS_TOL = 1e-4
 
 
 def contract_args(model_dir: Path, output_dir: Path) -> list[str]:

@@ -44,11 +44,15 @@ def bundled_gguf_path() -> Path:
     )
 
 
+# Bump when the conversion output changes, so caches written by older code are not reused.
+CONVERSION_VERSION = 2
+
+
 def gguf_cache_dir(gguf_path: Path) -> Path:
     """Cache folder for the conversion of ``gguf_path``; a new or edited file gets a new folder."""
     gguf_path = gguf_path.resolve()
     stat = gguf_path.stat()
-    key = f"{gguf_path}|{stat.st_size}|{stat.st_mtime_ns}"
+    key = f"{gguf_path}|{stat.st_size}|{stat.st_mtime_ns}|{CONVERSION_VERSION}"
     digest = hashlib.sha256(key.encode()).hexdigest()[:12]
     return cache_root() / "models" / f"{gguf_path.stem}-{digest}"
 
@@ -62,7 +66,12 @@ def convert_gguf(gguf_path: Path, dst: Path) -> None:
     loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     # A GGUF-loaded model refuses save_pretrained; copy its weights into a plain model.
-    model = AutoModelForCausalLM.from_config(loaded.config, dtype=torch.float32)
+    config = loaded.config
+    # The weights are dequantised to fp32; a leftover GGUF quantization_config would make
+    # Trainer and others refuse to train the folder ("GGUF does not support training").
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.load_state_dict(loaded.state_dict())
     model.generation_config = loaded.generation_config
     model.save_pretrained(dst, safe_serialization=True)

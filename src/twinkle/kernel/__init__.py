@@ -1,7 +1,7 @@
 """Kernel replacement for model modules: ops x backends, tried in order, falling through.
 
 Public names: ``kernelize``, ``KernelChoice``, ``DEFAULT_KERNEL_CONFIG``, ``register_op``,
-``registered_ops``."""
+``registered_ops``, ``BACKENDS``."""
 
 from twinkle.kernel import backends as _backends  # noqa: F401  (registers the accelerator implementations)
 from twinkle.kernel import torch_ops as _torch_ops  # noqa: F401  (registers the torch backend)

@@ -23,21 +23,25 @@ def kernelize(model: Any, mapping: dict[str, KernelChoice] | None = None) -> Any
     mapping = DEFAULT_KERNEL_CONFIG if mapping is None else mapping
     for target, choice in mapping.items():
         validate_choice(target, choice)
-    module_root = _torch_module(model)
-    counts: dict[tuple[str, str, str], int] = {}
-    failures: dict[tuple[str, str, str], tuple[int, str]] = {}
+    counts: dict[tuple[str, str, str], int] = {}  # (target, op, backend) -> instances patched
+    failures: dict[tuple[str, str, str], tuple[int, str]] = {}  # -> (instances, last error)
+    available: dict[tuple[str, str], bool] = {}  # asked once per call, not once per instance
     unavailable: set[str] = set()
-    for module in module_root.modules():
+    already = 0
+    for module in _torch_module(model).modules():
         target = type(module).__name__
-        if target not in mapping or getattr(module, _MARK, None):
+        if target not in mapping:
+            continue
+        if getattr(module, _MARK, None):
+            already += 1
             continue
         for impl in implementations(mapping[target]):
-            if not impl.available():
-                continue
             key = (target, impl.op, impl.backend)
             try:
+                if not available.setdefault((impl.op, impl.backend), bool(impl.available())):
+                    continue
                 module.forward = impl.patch(module)
-            except Exception as exc:  # an optional kernel failed to load: fall through to the next
+            except Exception as exc:  # an optional kernel failed to check or load: try the next
                 n, _ = failures.get(key, (0, ""))
                 failures[key] = (n + 1, f"{type(exc).__name__}: {exc}")
                 continue
@@ -46,12 +50,27 @@ def kernelize(model: Any, mapping: dict[str, KernelChoice] | None = None) -> Any
             break
         else:
             unavailable.add(target)
-    # One line per (module class, op, backend), not per instance: a 32-layer model is 32 instances.
+    _log(counts, failures, unavailable, already)
+    return model
+
+
+def _log(
+    counts: dict[tuple[str, str, str], int],
+    failures: dict[tuple[str, str, str], tuple[int, str]],
+    unavailable: set[str],
+    already: int,
+) -> None:
+    """One line per (module class, op, backend), not per instance: 32 layers are one line."""
     for (target, op, backend), (n, reason) in sorted(failures.items()):
         logger.warning(f"kernelize: {op} [{backend}] failed for {n} x {target} ({reason}); fell through")
     for (target, op, backend), n in sorted(counts.items()):
         logger.info(f"kernelize: {n} x {target} -> {op} [{backend}]")
-    if not counts:
-        found = ", ".join(sorted(unavailable)) or "no mapped modules"
-        logger.info(f"kernelize: no kernel backend is available on this machine for {found}; model unchanged")
-    return model
+    kept = ", ".join(sorted(unavailable))
+    if counts and kept:
+        logger.info(f"kernelize: no backend available here for {kept}; they keep their own forward")
+    elif not counts and kept:
+        logger.info(f"kernelize: no kernel backend is available here for {kept}; model unchanged")
+    elif not counts and already:
+        logger.info(f"kernelize: all {already} mapped modules were already patched; model unchanged")
+    elif not counts:
+        logger.info("kernelize: no module of the model is in the kernel mapping; model unchanged")

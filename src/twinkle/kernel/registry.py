@@ -48,10 +48,14 @@ def registered_ops() -> dict[str, tuple[str, ...]]:
 
 def validate_choice(target: str, choice: KernelChoice) -> None:
     if choice.op not in _REGISTRY:
-        raise UserError(f"kernel mapping {target!r}: unknown op {choice.op!r}; valid ops: {', '.join(sorted(_REGISTRY))}")
+        raise UserError(
+            f"kernel mapping {target!r}: unknown op {choice.op!r}; valid ops: {', '.join(sorted(_REGISTRY))}"
+        )
     for backend in choice.backends:
         if backend not in BACKENDS:
-            raise UserError(f"kernel mapping {target!r}: unknown backend {backend!r}; valid backends: {', '.join(BACKENDS)}")
+            raise UserError(
+                f"kernel mapping {target!r}: unknown backend {backend!r}; valid backends: {', '.join(BACKENDS)}"
+            )
 
 
 def implementations(choice: KernelChoice) -> list[KernelImpl]:

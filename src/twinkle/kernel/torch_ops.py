@@ -48,7 +48,9 @@ class RMSNormFunction(torch.autograd.Function):
     ``mul``, ``rsqrt``, ``mean`` and ``pow``. No weight gradient is computed for a frozen weight."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool) -> torch.Tensor:
+    def forward(
+        ctx: Any, x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool
+    ) -> torch.Tensor:
         x_f = x.float()
         hidden = x.shape[-1]
         sum_sq = torch.linalg.vector_norm(x_f, dim=-1, keepdim=True).square_()

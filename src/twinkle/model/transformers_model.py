@@ -6,22 +6,20 @@ window's supervised-token count over all ranks right before the optimizer step, 
 is the mean over every supervised token of the global batch, whatever the padding or sharding."""
 
 import math
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from twinkle.checkpoint import load_checkpoint, read_trainer_state, save_checkpoint
+from twinkle.distributed.collectives import all_reduce_sum
+from twinkle.distributed.fsdp import apply_fsdp2
 from twinkle.loss import build_loss
 from twinkle.loss.registry import FUSED_LOSSES
-from twinkle.distributed.fsdp import apply_fsdp2
 from twinkle.model.forward import causal_lm_of, compute_loss
 from twinkle.model.loading import load_causal_lm
 from twinkle.model.lora import add_lora, lora_signature, trainable_parameters
-from twinkle.model.step import local_grad, restore_grad
-from twinkle.distributed.collectives import all_reduce_sum
-from twinkle.model.step import clip_gradients
+from twinkle.model.step import clip_gradients, local_grad, restore_grad
 from twinkle.model.train_state import OptimizerGroup
 from twinkle.optim import build_optimizer, build_scheduler
 from twinkle.optim.replicated import ReplicatedOptimizer

@@ -13,7 +13,6 @@ import torch.distributed as dist
 from twinkle.distributed.mesh import DeviceMesh
 from twinkle.utils.errors import UserError
 from twinkle.utils.framework import Torch
-from twinkle.utils.logger import get_logger
 
 MODES = ("local", "ray")
 DEFAULT_SEED = 42
