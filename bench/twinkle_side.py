@@ -39,6 +39,9 @@ def main() -> None:
     torch.manual_seed(spec.seed)  # the same LoRA initialisation as the Trainer side
     model.add_adapter_to_model("default", lora_config())
     model.set_optimizer("AdamW", lr=spec.lr, weight_decay=0.0)
+    # As the cookbook runs with --enable-liger: the chunked linear cross-entropy (our own on CPU),
+    # so no (batch, seq, vocab) logits tensor exists; the head runs on supervised positions only.
+    model.set_loss("FusedLinearCrossEntropyLoss")
 
     records = []
     for index, batch in enumerate(dataloader):
@@ -48,7 +51,7 @@ def main() -> None:
             batch["input_ids"], batch["labels"], batch["attention_mask"], head_positions="supervised"
         )
         record.begin = time.perf_counter()
-        record.loss = model.forward_backward(inputs=batch)
+        record.loss = model.forward_backward(inputs=batch, task="fused_lm_ce")
         model.clip_grad_and_step(max_grad_norm=spec.max_grad_norm)
         sync()
         record.end = time.perf_counter()

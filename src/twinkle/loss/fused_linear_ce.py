@@ -8,7 +8,12 @@ import torch
 
 from twinkle.loss.cross_entropy import LossOutput, check_reduction, finish
 
-DEFAULT_CHUNK_ROWS = 1024
+# A chunk holds about this many logits (fp32): 8M = 32 MiB, i.e. ~170 rows at a 49k vocabulary.
+CHUNK_ELEMENTS = 2**23
+
+
+def auto_chunk_rows(vocab_size: int) -> int:
+    return max(1, CHUNK_ELEMENTS // max(1, vocab_size))
 
 
 class _FusedLinearCE(torch.autograd.Function):
@@ -63,22 +68,23 @@ def fused_linear_cross_entropy(
     weight: torch.Tensor,
     targets: torch.Tensor,
     bias: torch.Tensor | None = None,
-    chunk_rows: int = DEFAULT_CHUNK_ROWS,
+    chunk_rows: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed cross-entropy of ``hidden @ weight.T (+ bias)`` against ``targets`` and the number
-    of correct argmax predictions, without materialising more than ``chunk_rows`` logit rows."""
+    of correct argmax predictions, without materialising more than ``chunk_rows`` logit rows
+    (default: about 32 MiB of logits)."""
     if hidden.shape[0] == 0:
         zero = (hidden.sum() * 0 + weight.sum() * 0).float()
         if bias is not None:  # zero gradients for every input, like CrossEntropyLoss
             zero = zero + bias.sum().float() * 0
         return zero, torch.zeros((), dtype=torch.long, device=hidden.device)
-    return _FusedLinearCE.apply(hidden, weight, bias, targets, chunk_rows)
+    return _FusedLinearCE.apply(hidden, weight, bias, targets, chunk_rows or auto_chunk_rows(weight.shape[0]))
 
 
 class FusedLinearCrossEntropyLoss:
     """Drop-in for ``CrossEntropyLoss`` with a memory footprint of one chunk of logits."""
 
-    def __init__(self, reduction: str = "sum", chunk_rows: int = DEFAULT_CHUNK_ROWS):
+    def __init__(self, reduction: str = "sum", chunk_rows: int | None = None):
         self.reduction = check_reduction(reduction)
         self.chunk_rows = chunk_rows
 
