@@ -30,12 +30,13 @@ def _train(model: torch.nn.Module, lr: float) -> list[float]:
     return losses
 
 
-# (dtype, loss atol, loss rtol). fp32: per-step differences start at a few ulp and grow through
-# 8 AdamW steps; 1e-4 is two orders above what we see. bf16: a single flipped rounding in the
-# parameters (2**-8 relative) moves every later loss; Liger's convergence tests allow the same order.
+# (dtype, loss atol, loss rtol) over 8 AdamW steps. fp32: the ops agree to a few ulp per step
+# (on this model the losses come out identical); 1e-5 leaves room for another CPU's reduction
+# order. bf16: one flipped bf16 rounding (2**-8 relative) in a weight update moves every later
+# loss; we see 3e-4 at a loss of 4.5, the bound is 15x that (Liger's convergence tests allow more).
 CONVERGENCE = [
-    pytest.param(torch.float32, 1e-4, 1e-4, id="fp32"),
-    pytest.param(torch.bfloat16, 5e-2, 2e-2, id="bf16"),
+    pytest.param(torch.float32, 1e-5, 1e-5, id="fp32"),
+    pytest.param(torch.bfloat16, 5e-3, 0.0, id="bf16"),
 ]
 
 
@@ -43,7 +44,7 @@ CONVERGENCE = [
 def test_full_finetune_losses_match(tiny_llama, torch_mapping, dtype, atol, rtol):
     base = _train(tiny_llama().to(dtype), lr=1e-3)
     ours = _train(kernelize(tiny_llama().to(dtype), torch_mapping), lr=1e-3)
-    assert ours[-1] < ours[0] - 0.1  # it learns
+    assert ours[-1] < ours[0] - 0.05  # it learns
     torch.testing.assert_close(torch.tensor(ours), torch.tensor(base), atol=atol, rtol=rtol)
 
 
@@ -56,5 +57,5 @@ def test_lora_losses_match(tiny_llama, torch_mapping):
 
     base = _train(lora(tiny_llama()), lr=1e-2)
     ours = _train(lora(kernelize(tiny_llama(), torch_mapping)), lr=1e-2)
-    assert ours[-1] < ours[0] - 0.1
-    torch.testing.assert_close(torch.tensor(ours), torch.tensor(base), atol=1e-4, rtol=1e-4)
+    assert ours[-1] < ours[0] - 0.05
+    torch.testing.assert_close(torch.tensor(ours), torch.tensor(base), atol=1e-5, rtol=1e-5)

@@ -13,9 +13,11 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-# Templates the template package can build; kept here so the CLI rejects a typo before any
-# model or tokenizer is loaded.
-TEMPLATE_NAMES: tuple[str, ...] = ("Template", "Qwen3_5Template")
+from twinkle.template.base import TRUNCATION_STRATEGIES
+from twinkle.template.registry import TEMPLATES
+
+# The CLI rejects a typo before any model or tokenizer is loaded.
+TEMPLATE_NAMES: tuple[str, ...] = tuple(TEMPLATES)
 
 _AT_LEAST_1 = (lambda v: v >= 1, ">= 1")
 _AT_LEAST_0 = (lambda v: v >= 0, ">= 0")
@@ -64,7 +66,7 @@ class TemplateArgs:
     truncation_strategy: str = _opt(
         "right",
         "what to do with samples longer than max_length",
-        choices=("raise", "left", "right", "delete"),
+        choices=TRUNCATION_STRATEGIES,
     )
 
 
