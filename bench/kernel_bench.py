@@ -7,7 +7,8 @@ For each op, two instances of the same module with the same weights: the origina
 ``kernelize``-d with the op's ``torch`` backend (the real patch path). The timed step is
 ``forward(x).backward(grad)`` with ``x`` requiring grad, so the input and weight gradients are
 both computed. Original and ours alternate inside each repeat (so load from other processes
-hits both alike); the table gives the median over repeats of the mean step time in a repeat.
+hits both alike); the table gives the median over repeats of the mean step time in a repeat,
+and the speed-up as the median [quartiles] of the per-repeat ratios original / ours.
 ``--frozen`` gives the weights no gradient, as under LoRA.
 ``saved MB`` is what autograd keeps for backward (distinct storages, parameters excluded).
 
@@ -103,7 +104,7 @@ def main() -> None:
         f"{args.threads} threads, {'frozen' if args.frozen else 'trainable'} weights, median of {args.repeats} repeats x {args.iters} steps, torch {torch.__version__}"
     )
     print(
-        "| op | module | original ms | torch ms | speed-up | saved MB original | saved MB torch | max diff |"
+        "| op | module | original ms | torch ms | speed-up [IQR] | saved MB original | saved MB torch | max diff |"
     )
     print("|---|---|---|---|---|---|---|---|")
     for op, (target, original) in _modules().items():
@@ -123,8 +124,10 @@ def main() -> None:
             times["original"].append(_time(original, x, grad, args.iters))
             times["torch"].append(_time(ours, x, grad, args.iters))
         base, mine = statistics.median(times["original"]), statistics.median(times["torch"])
+        ratios = sorted(a / b for a, b in zip(times["original"], times["torch"], strict=True))
+        q1, q2, q3 = statistics.quantiles(ratios, n=4)
         print(
-            f"| {op} | {target} | {base:.3f} | {mine:.3f} | {base / mine:.2f}x | "
+            f"| {op} | {target} | {base:.3f} | {mine:.3f} | {q2:.2f}x [{q1:.2f}-{q3:.2f}] | "
             f"{_saved_mb(original, x):.2f} | {_saved_mb(ours, x):.2f} | {diff:.1e} |"
         )
 

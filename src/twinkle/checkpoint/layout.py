@@ -11,6 +11,7 @@
 """
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,22 @@ def is_complete(folder: str | Path) -> bool:
     return (Path(folder) / MARKER).is_file()
 
 
+def check_output_dir(output_dir: str | Path) -> None:
+    """Raise ``UserError`` at start-up if checkpoints could not be written under ``output_dir``
+    (its nearest existing ancestor is a file, or not writable), rather than after hours of
+    training. Creates nothing."""
+    path = Path(output_dir).expanduser().absolute()
+    existing = next(folder for folder in (path, *path.parents) if folder.exists())
+    if not existing.is_dir():
+        raise UserError(
+            f"--output-dir {output_dir}: {existing} is a file, not a folder; choose another --output-dir"
+        )
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UserError(
+            f"--output-dir {output_dir}: {existing} is not writable; choose a writable --output-dir"
+        )
+
+
 def read_trainer_state(folder: str | Path) -> dict[str, Any]:
     """Validate that ``folder`` is a complete checkpoint and return its trainer state."""
     folder = Path(folder)
@@ -45,21 +62,27 @@ def read_trainer_state(folder: str | Path) -> dict[str, Any]:
     return json.loads((folder / TRAINER_STATE).read_text())
 
 
-def latest_checkpoint(output_dir: str | Path) -> Path | None:
-    """The complete checkpoint under ``output_dir`` with the most training steps (newest on a tie);
-    folders without the completion marker (interrupted saves) are never chosen."""
+def complete_checkpoints(output_dir: str | Path) -> list[Path]:
+    """The complete checkpoint folders directly under ``output_dir``, oldest first: ordered by
+    training steps, then by the time their save finished. Folders without the completion marker
+    (interrupted saves) and hidden folders (saves in progress) are left out."""
     root = Path(output_dir).expanduser()
     if not root.is_dir():
-        return None
-    best: tuple[int, float, Path] | None = None
+        return []
+    found: list[tuple[int, float, Path]] = []
     for folder in root.iterdir():
         if folder.name.startswith(".") or not is_complete(folder):
             continue
         try:
             step = int(json.loads((folder / TRAINER_STATE).read_text())["cur_step"])
+            found.append((step, (folder / MARKER).stat().st_mtime, folder))
         except (OSError, ValueError, KeyError):
             continue
-        key = (step, (folder / MARKER).stat().st_mtime, folder)
-        if best is None or key[:2] > best[:2]:
-            best = key
-    return best[2] if best else None
+    return [folder for _, _, folder in sorted(found, key=lambda item: item[:2])]
+
+
+def latest_checkpoint(output_dir: str | Path) -> Path | None:
+    """The complete checkpoint under ``output_dir`` with the most training steps (newest on a tie);
+    folders without the completion marker (interrupted saves) are never chosen."""
+    folders = complete_checkpoints(output_dir)
+    return folders[-1] if folders else None

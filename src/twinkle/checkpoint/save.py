@@ -1,5 +1,6 @@
 """Write a checkpoint from every rank into a temporary folder, then rename it into place."""
 
+import io
 import json
 import os
 import random
@@ -9,7 +10,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import save as safetensors_bytes
 
 from twinkle.checkpoint import layout
 from twinkle.distributed.collectives import barrier
@@ -42,6 +43,19 @@ def full_adapter_state(model: Any, adapter_name: str) -> dict[str, torch.Tensor]
     return out
 
 
+def _write_bytes(path: Path, data: bytes | memoryview) -> None:
+    with open(path, "wb") as handle:
+        handle.write(data)
+
+
+def _torch_save(obj: Any, path: Path) -> None:
+    """``torch.save`` through memory: written to a file directly, a full disk surfaces as an opaque
+    ``RuntimeError`` from its zip writer; Python's own write raises ``OSError(ENOSPC)``."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    _write_bytes(path, buffer.getbuffer())
+
+
 def _publish(tmp: Path, final: Path) -> None:
     """Swap ``tmp`` into ``final``; an older ``final`` survives until the new one is in place."""
     if final.exists():
@@ -71,12 +85,14 @@ def save_checkpoint(
     tmp = final.with_name(f".{final.name}.tmp")
     try:
         _write(tmp, final, model, tokenizer, adapter_name, group, trainer_state, save_optimizer, rank, grads)
-    except OSError as exc:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise UserError(
-            f"could not write checkpoint {final} ({exc.strerror or exc}); nothing was replaced, an earlier "
-            "checkpoint of that name is intact; free disk space or choose a writable --output-dir"
-        ) from exc
+    except BaseException as exc:
+        shutil.rmtree(tmp, ignore_errors=True)  # whatever failed, leave no half-written folder
+        if isinstance(exc, OSError):
+            raise UserError(
+                f"could not write checkpoint {final} ({exc.strerror or exc}); nothing was replaced, an earlier "
+                "checkpoint of that name is intact; free disk space or choose a writable --output-dir"
+            ) from exc
+        raise
     return final
 
 
@@ -88,15 +104,17 @@ def _write(tmp, final, model, tokenizer, adapter_name, group, trainer_state, sav
     adapter = full_adapter_state(model, adapter_name)
     # The open window's token count differs per rank (trainer_state.json holds rank 0's only).
     rank_state = {"rng": rng_state(), "grads": grads, "window_tokens": group.window_tokens}
-    torch.save(rank_state, tmp / layout.rank_state_file(rank))
+    # Every file is written by Python's own ``write``, so a full disk is an ``OSError`` whatever
+    # the serialiser (safetensors and torch.save report it as their own exception types).
+    _torch_save(rank_state, tmp / layout.rank_state_file(rank))
     if rank == 0:
         if save_optimizer and group.optimizer is not None:
-            torch.save(group.optimizer.state_dict(), tmp / layout.OPTIMIZER)
-        save_file(adapter, tmp / layout.ADAPTER_WEIGHTS, metadata={"format": "pt"})
+            _torch_save(group.optimizer.state_dict(), tmp / layout.OPTIMIZER)
+        _write_bytes(tmp / layout.ADAPTER_WEIGHTS, safetensors_bytes(adapter, metadata={"format": "pt"}))
         model.peft_config[adapter_name].save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         if group.lr_scheduler is not None:
-            torch.save(group.lr_scheduler.state_dict(), tmp / layout.SCHEDULER)
+            _torch_save(group.lr_scheduler.state_dict(), tmp / layout.SCHEDULER)
         state = {**trainer_state, "format_version": layout.FORMAT_VERSION, "saved_optimizer": save_optimizer}
         (tmp / layout.TRAINER_STATE).write_text(json.dumps(state, indent=2))
     barrier()

@@ -164,8 +164,10 @@ def parse(argv: Sequence[str], env: Mapping[str, str]) -> Args:
     for name, value in values.items():
         setattr(getattr(args, FIELD_GROUP[name]), name, value)
     _warn(args, cli_extra)
+    from twinkle.checkpoint import check_output_dir, latest_checkpoint
+
+    check_output_dir(args.training.output_dir)  # fail now, not at the first save hours later
     if args.training.resume_from_checkpoint in ("auto", "latest"):
-        from twinkle.checkpoint import latest_checkpoint
 
         found = latest_checkpoint(args.training.output_dir)
         get_logger().info(

@@ -38,9 +38,15 @@ class DeviceMesh:
         elif dp_size is None:
             dp_size = world // fsdp_size if world % fsdp_size == 0 else 0
         if fsdp_size * dp_size != world:
+            if fsdp_size and dp_size:
+                problem = (
+                    f"--fsdp-size {fsdp_size} x --dp-size {dp_size} = {fsdp_size * dp_size} does not match"
+                )
+            else:  # a size left to be inferred came out 0: the given one does not divide the world
+                flag, given = ("--fsdp-size", fsdp_size) if fsdp_size else ("--dp-size", dp_size)
+                problem = f"{flag} {given} does not divide"
             raise UserError(
-                f"--fsdp-size {fsdp_size or '?'} x --dp-size {dp_size or '?'} does not match the "
-                f"{world} process(es) of this job; launch with torchrun --nproc_per_node "
+                f"{problem} the {world} process(es) of this job; launch with torchrun --nproc_per_node "
                 f"{max(1, (fsdp_size or 1) * (dp_size or 1))} or change the sizes"
             )
         return cls(fsdp_size=fsdp_size, dp_size=dp_size)

@@ -2,7 +2,7 @@
 
 Each computes exactly what the Hugging Face module computes (same casts, same rounding points);
 only the kernels differ. Whether an op is in ``DEFAULT_KERNEL_CONFIG``'s chains depends on the
-measurements in ``README.md`` (``bench/kernels.py``), not on this file.
+measurements in ``README.md`` (``bench/kernel_bench.py``), not on this file.
 
 - ``rms_norm``: an autograd function with a hand-written backward (fewer full-size passes than
   autograd through ``LlamaRMSNorm``'s six elementwise ops, and less saved for backward).
@@ -16,8 +16,8 @@ There is no ``rotary`` op: Hugging Face applies rotary embeddings through a modu
 called from inside each attention forward, so replacing it per instance would mean copying every
 family's attention forward (see ``README.md``).
 
-Forwards are module-level functions bound with ``types.MethodType``: a bound method deep-copies
-and pickles with its module, where a closure would keep pointing at the original's weights."""
+Forwards are module-level functions bound with ``types.MethodType``: ``copy.deepcopy`` copies a
+bound method along with its module, where a closure would keep pointing at the original's weights."""
 
 import types
 from collections.abc import Callable

@@ -6,12 +6,13 @@ window's supervised-token count over all ranks right before the optimizer step, 
 is the mean over every supervised token of the global batch, whatever the padding or sharding."""
 
 import math
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from twinkle.checkpoint import load_checkpoint, read_trainer_state, save_checkpoint
+from twinkle.checkpoint import load_checkpoint, read_trainer_state, rotate_checkpoints, save_checkpoint
 from twinkle.distributed.collectives import all_reduce_sum
 from twinkle.distributed.fsdp import apply_fsdp2
 from twinkle.loss import build_loss
@@ -254,9 +255,21 @@ class TransformersModel:
         adapter_name: str | None = None,
         save_optimizer: bool = True,
         consumed_train_samples: int = 0,
+        save_total_limit: int | None = None,
+        metric: float | None = None,
+        keep: Sequence[str] = (),
     ) -> Path:
-        """Write ``output_dir/name`` completely under a temporary name, then rename it into place."""
+        """Write ``output_dir/name`` completely under a temporary name, then rename it into place.
+
+        ``metric`` (an eval loss, lower is better) is stored with the checkpoint. With
+        ``save_total_limit``, the oldest complete ``checkpoint-*`` folders beyond it are then
+        deleted, except the newest, the one with the lowest stored metric and those in ``keep``
+        (``twinkle.checkpoint.rotate_checkpoints``)."""
         group = self._group(adapter_name)
+        if save_total_limit is not None and save_total_limit < 1:
+            raise UserError(
+                f"save_total_limit must be at least 1 (or None to keep all), got {save_total_limit}"
+            )
         out = Path(output_dir).expanduser()
         try:
             out.mkdir(parents=True, exist_ok=True)
@@ -271,12 +284,15 @@ class TransformersModel:
             tokenizer=self.tokenizer,
             adapter_name=group.adapter_name,
             group=group,
-            trainer_state=self._trainer_state(group, consumed_train_samples),
+            trainer_state={**self._trainer_state(group, consumed_train_samples), "metric": metric},
             save_optimizer=save_optimizer,
             rank=self.runtime.rank,
             grads=grads,
         )
         logger.info(f"saved checkpoint {path}")
+        if save_total_limit is not None and self.runtime.rank == 0:
+            for deleted in rotate_checkpoints(out, save_total_limit, keep=keep):
+                logger.info(f"deleted checkpoint {deleted} (save_total_limit={save_total_limit})")
         return path
 
     def resume_from_checkpoint(

@@ -11,8 +11,11 @@ def require_fields(row: dict[str, Any], fields: tuple[str, ...], index: int | No
     missing = [f for f in fields if not isinstance(row.get(f), str)]
     if missing:
         where = f"row {index}" if index is not None else "a row"
+        # Rows of one file share columns (a key missing from a row reads as None): list only
+        # the fields this row really fills.
+        present = sorted(key for key, value in row.items() if value is not None)
         raise UserError(
-            f"{where} has no text field(s) {', '.join(missing)} (it has {', '.join(sorted(row)) or 'no fields'}); "
+            f"{where} has no text field(s) {', '.join(missing)} (it has {', '.join(present) or 'no fields'}); "
             f"every row needs {', '.join(fields)}"
         )
 

@@ -1,0 +1,49 @@
+"""Helpers of the hardening tests: run the contract script in a subprocess, snapshot weights."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+SCRIPT = Path(__file__).resolve().parents[2] / "cookbook" / "transformers" / "fsdp2.py"
+
+
+def script_env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    """One thread (two shared cores), a private cache, and no network for the hub clients."""
+    return {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "TWINKLE_CACHE": str(tmp_path / "twinkle-cache"),
+        "HF_HUB_OFFLINE": "1",
+        **extra,
+    }
+
+
+def script_command(model_dir: Path, output_dir: Path, *flags: str) -> list[str]:
+    return [
+        sys.executable,
+        str(SCRIPT),
+        "--model-id",
+        str(model_dir),
+        "--output-dir",
+        str(output_dir),
+        *flags,
+    ]
+
+
+def run_script(tmp_path: Path, model_dir: Path, output_dir: Path, *flags: str, **env: str):
+    return subprocess.run(
+        script_command(model_dir, output_dir, *flags),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env=script_env(tmp_path, **env),
+        timeout=300,
+    )
+
+
+def trainable(model) -> dict[str, torch.Tensor]:
+    """Copies of the trainable (LoRA) weights of a ``TransformersModel``."""
+    return {n: p.detach().clone() for n, p in model.model.named_parameters() if p.requires_grad}
