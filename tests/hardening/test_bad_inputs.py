@@ -304,3 +304,13 @@ def test_real_write_failure_is_a_user_error_and_leaves_the_old_checkpoint(tiny_m
     assert sorted(p.name for p in out.iterdir()) == ["ck"]
     assert json.loads((out / "ck" / "trainer_state.json").read_text())["consumed_train_samples"] == 1
     load_file(out / "ck" / "adapter_model.safetensors")  # still loadable
+
+
+@pytest.mark.slow
+def test_debug_shows_the_traceback(tmp_path, tiny_model_dir):
+    result = run_script(
+        tmp_path, tiny_model_dir, tmp_path / "out", *FAST, "--model-id", str(tmp_path / "nope"), "--debug"
+    )
+    assert result.returncode != 0
+    assert "Traceback" in result.stderr and "UserError: model path" in result.stderr
+    assert _no_checkpoint_written(tmp_path / "out")

@@ -124,7 +124,7 @@ def test_kill_and_resume_equals_an_uninterrupted_run(tmp_path, tiny_model_dir):
         for step, loss in logged_losses(text).items():
             assert loss == expected_losses[step], (plan, step, loss, expected_losses[step])
         if code == -signal.SIGKILL:
-            kills.append((plan, _steps_seen(log)[-1:]))
+            kills.append((plan, _steps_seen(log)[-1:], "mid-save" if _saving(out) else ""))
         else:
             assert code == 0, text[-3000:]
             if plan is None:
