@@ -41,7 +41,7 @@ def test_defaults():
     assert args.training.batch_size == 4 and args.training.output_dir == "output"
     assert args.training.eval_interval is None
     assert (args.lora.lora_rank, args.lora.lora_alpha, args.lora.target_modules) == (8, 32, "all-linear")
-    assert args.optimizer.learning_rate == 1e-4
+    assert args.optimizer.learning_rate == 1e-3
     assert args.scheduler.scheduler_cls == "CosineWarmupScheduler" and args.scheduler.num_warmup_steps == 5
     assert args.extra == {}
     assert last_args() is args
