@@ -8,6 +8,7 @@ import torch
 from harness import trainable
 
 from twinkle.dataloader import DataLoader
+from twinkle.utils.errors import UserError
 
 
 class PoisonedLoss:
@@ -96,7 +97,7 @@ def test_n_nonfinite_steps_in_a_row_stop_training(make_model, dataset):
     group.loss_fn = PoisonedLoss(group.loss_fn, bad={1, 3, 5, 6, 7})
     stepped = []
     with pytest.raises(
-        RuntimeError, match=r"training diverged: 3 optimizer steps in a row had a NaN/inf loss"
+        UserError, match=r"training diverged: 3 optimizer steps in a row had a NaN/inf loss"
     ) as info:
         for batch in _batches(dataset, 6) + _batches(dataset, 6):
             model.forward_backward(inputs=batch)

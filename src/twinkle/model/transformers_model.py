@@ -182,7 +182,7 @@ class TransformersModel:
             f"({group.consecutive_nonfinite} in a row, {group.nonfinite_steps} in all)"
         )
         if group.consecutive_nonfinite >= limit:
-            raise RuntimeError(
+            raise UserError(
                 f"training diverged: {limit} optimizer steps in a row had a NaN/inf loss or gradient "
                 f"(last at step {group.cur_step}); lower --lr, check the data, or resume from an earlier checkpoint"
             )
