@@ -22,6 +22,7 @@ from flops import model_shape
 
 import twinkle
 from twinkle.dataloader import DataLoader
+from twinkle.kernel import kernelize
 from twinkle.model import TransformersModel
 
 SIDE = "twinkle"
@@ -35,7 +36,7 @@ def main() -> None:
     dataset = build_dataset(spec)
     digest = samples_digest([dataset[i] for i in range(len(dataset))])
     dataloader = DataLoader(dataset=dataset, batch_size=spec.batch_size)
-    model = TransformersModel(model_id=None)  # bf16 on CUDA, fp32 on CPU
+    model = kernelize(TransformersModel(model_id=None))  # as the cookbook does; bf16 on CUDA, fp32 on CPU
     torch.manual_seed(spec.seed)  # the same LoRA initialisation as the Trainer side
     model.add_adapter_to_model("default", lora_config())
     model.set_optimizer("AdamW", lr=spec.lr, weight_decay=0.0)
