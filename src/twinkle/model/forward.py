@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from twinkle.loss import LossOutput
 from twinkle.loss.cross_entropy import finish
+from twinkle.model.packing import choose_packing, pack
 from twinkle.template.base import IGNORE_INDEX
 
 
@@ -25,7 +26,10 @@ def causal_lm_of(model: Any) -> Any:
 def has_logit_transform(lm: Any) -> bool:
     """Models that post-process logits (soft-capping, scaling) need their real head in the forward."""
     cfg = lm.config
-    return bool(getattr(cfg, "final_logit_softcapping", None)) or getattr(cfg, "logit_scale", None) not in (None, 1.0)
+    return bool(getattr(cfg, "final_logit_softcapping", None)) or getattr(cfg, "logit_scale", None) not in (
+        None,
+        1.0,
+    )
 
 
 def _identity(x: torch.Tensor) -> torch.Tensor:
@@ -52,7 +56,7 @@ def full_weight(weight: torch.Tensor) -> torch.Tensor:
     return weight.full_tensor() if hasattr(weight, "full_tensor") else weight
 
 
-def _run(lm: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+def _run(lm: Any, batch: dict[str, Any]) -> torch.Tensor:
     return lm(
         input_ids=batch["input_ids"],
         attention_mask=batch["attention_mask"],
@@ -61,9 +65,16 @@ def _run(lm: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     ).logits
 
 
-def compute_loss(model: Any, batch: dict[str, torch.Tensor], loss_fn: Any) -> LossOutput:
-    """Summed token loss of ``batch`` (labels aligned with ``input_ids``, shifted here)."""
+def compute_loss(
+    model: Any, batch: dict[str, torch.Tensor], loss_fn: Any, padding_free: bool = True
+) -> LossOutput:
+    """Summed token loss of ``batch`` (labels aligned with ``input_ids``, shifted here).
+
+    With ``padding_free`` the batch runs packed into one row when that is cheaper (see
+    ``twinkle.model.packing``); the loss is the same either way."""
     lm = causal_lm_of(model)
+    if padding_free and choose_packing(lm.config, batch["attention_mask"].sum(1)):
+        batch = pack(batch)
     targets_2d = batch["labels"][:, 1:]
     mask = targets_2d != IGNORE_INDEX
     targets = targets_2d[mask]

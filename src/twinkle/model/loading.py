@@ -13,7 +13,9 @@ def default_dtype(device: torch.device) -> torch.dtype:
     return torch.float32 if device.type == "cpu" else torch.bfloat16
 
 
-def load_causal_lm(model_id: str | None, device: torch.device, dtype: torch.dtype | None = None) -> tuple[Any, Any, Path]:
+def load_causal_lm(
+    model_id: str | None, device: torch.device, dtype: torch.dtype | None = None
+) -> tuple[Any, Any, Path]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from twinkle.hub import resolve_model

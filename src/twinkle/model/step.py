@@ -27,7 +27,12 @@ def restore_grad(param: torch.nn.Parameter, local: torch.Tensor) -> None:
         from torch.distributed.tensor import DTensor
 
         param.grad = DTensor.from_local(
-            local, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
+            local,
+            param.device_mesh,
+            param.placements,
+            run_check=False,
+            shape=param.shape,
+            stride=param.stride(),
         )
     else:
         param.grad = local

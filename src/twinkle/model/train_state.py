@@ -54,7 +54,14 @@ class OptimizerGroup:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        for key in ("cur_step", "optimizer_steps", "window_tokens", "window_batches", "skipped_steps", "nonfinite_steps"):
+        for key in (
+            "cur_step",
+            "optimizer_steps",
+            "window_tokens",
+            "window_batches",
+            "skipped_steps",
+            "nonfinite_steps",
+        ):
             setattr(self, key, int(state[key]))
         self.last_grad_norm = float(state["last_grad_norm"])
         self.last_lr = float(state["last_lr"])

@@ -34,8 +34,13 @@ logger = get_logger()
 
 
 class TransformersModel:
-    def __init__(self, model_id: str | None = None, dtype: torch.dtype | None = None):
+    def __init__(
+        self, model_id: str | None = None, dtype: torch.dtype | None = None, padding_free: bool = True
+    ):
+        """``padding_free``: run a batch packed into one row whenever that costs fewer FLOPs than
+        the padded batch (same loss; see ``twinkle.model.packing``)."""
         runtime = get_runtime()
+        self.padding_free = padding_free
         self.runtime = runtime
         self.device = runtime.device
         self.model_id = model_id
@@ -51,12 +56,18 @@ class TransformersModel:
                 raise UserError(f"name the adapter (adapter_name=...); adapters: {names}")
             return next(iter(self.optimizer_group.values()))
         if adapter_name not in self.optimizer_group:
-            raise UserError(f"unknown adapter {adapter_name!r}; adapters: {', '.join(self.optimizer_group) or 'none'}")
+            raise UserError(
+                f"unknown adapter {adapter_name!r}; adapters: {', '.join(self.optimizer_group) or 'none'}"
+            )
         return self.optimizer_group[adapter_name]
 
-    def add_adapter_to_model(self, adapter_name: str, config: Any, gradient_accumulation_steps: int = 1) -> None:
+    def add_adapter_to_model(
+        self, adapter_name: str, config: Any, gradient_accumulation_steps: int = 1
+    ) -> None:
         if gradient_accumulation_steps < 1:
-            raise UserError(f"--gradient-accumulation-steps must be at least 1, got {gradient_accumulation_steps}")
+            raise UserError(
+                f"--gradient-accumulation-steps must be at least 1, got {gradient_accumulation_steps}"
+            )
         self.model = add_lora(self.model, adapter_name, config)
         if self.runtime.is_distributed and not self.optimizer_group:
             lm = causal_lm_of(self.model)
@@ -65,7 +76,9 @@ class TransformersModel:
             adapter_name, gradient_accumulation_steps, loss_fn=build_loss("CrossEntropyLoss")
         )
 
-    def set_optimizer(self, optimizer_cls: Any, lr: float, adapter_name: str | None = None, **kwargs: Any) -> None:
+    def set_optimizer(
+        self, optimizer_cls: Any, lr: float, adapter_name: str | None = None, **kwargs: Any
+    ) -> None:
         """``optimizer_cls`` is a class or a ``torch.optim`` name; ``kwargs`` reach its constructor."""
         group = self._group(adapter_name)
         params = trainable_parameters(self.model)
@@ -106,7 +119,12 @@ class TransformersModel:
             # every collective: run one pad token that carries no label.
             pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
             one = torch.ones((1, 1), dtype=torch.long, device=self.device)
-            batch = {"input_ids": one * pad, "labels": one * IGNORE_INDEX, "attention_mask": one, "position_ids": one * 0}
+            batch = {
+                "input_ids": one * pad,
+                "labels": one * IGNORE_INDEX,
+                "attention_mask": one,
+                "position_ids": one * 0,
+            }
         return batch
 
     def _loss_fn(self, group: OptimizerGroup, task: str) -> Any:
@@ -116,13 +134,15 @@ class TransformersModel:
             return build_loss("FusedLinearCrossEntropyLoss")
         return group.loss_fn
 
-    def forward_backward(self, inputs: dict[str, torch.Tensor], task: str = "causal_lm", adapter_name: str | None = None) -> float:
+    def forward_backward(
+        self, inputs: dict[str, torch.Tensor], task: str = "causal_lm", adapter_name: str | None = None
+    ) -> float:
         """One micro-batch: forward, summed loss, backward. Returns this rank's mean token loss."""
         group = self._group(adapter_name)
         group.train_metrics.start_batch()
         batch = self._to_device(inputs)
         self.model.train()
-        out = compute_loss(self.model, batch, self._loss_fn(group, task))
+        out = compute_loss(self.model, batch, self._loss_fn(group, task), self.padding_free)
         out.loss_sum.backward()  # even when not finite: under FSDP every rank must run backward
         loss_sum = float(out.loss_sum.detach())
         if not math.isfinite(loss_sum):
@@ -132,7 +152,11 @@ class TransformersModel:
         group.window_batches += 1
         group.window_tokens += out.num_tokens
         group.train_metrics.update(
-            loss_sum, out.num_tokens, int(out.num_correct), int(inputs["attention_mask"].sum()), inputs["input_ids"].shape[0]
+            loss_sum,
+            out.num_tokens,
+            int(out.num_correct),
+            int(inputs["attention_mask"].sum()),
+            inputs["input_ids"].shape[0],
         )
         return loss_sum / max(1, out.num_tokens)
 
@@ -188,14 +212,21 @@ class TransformersModel:
             )
 
     @torch.no_grad()
-    def forward_only(self, inputs: dict[str, torch.Tensor], task: str = "causal_lm", adapter_name: str | None = None) -> float:
+    def forward_only(
+        self, inputs: dict[str, torch.Tensor], task: str = "causal_lm", adapter_name: str | None = None
+    ) -> float:
         """Evaluate one batch (no gradients, dropout off); ``calculate_loss()`` records it."""
         group = self._group(adapter_name)
         group.eval_metrics.start_batch()
         batch = self._to_device(inputs)
         self.model.eval()
-        out = compute_loss(self.model, batch, self._loss_fn(group, task))
-        self._pending_eval = (group.adapter_name, out, int(inputs["attention_mask"].sum()), inputs["input_ids"].shape[0])
+        out = compute_loss(self.model, batch, self._loss_fn(group, task), self.padding_free)
+        self._pending_eval = (
+            group.adapter_name,
+            out,
+            int(inputs["attention_mask"].sum()),
+            inputs["input_ids"].shape[0],
+        )
         return float(out.loss_sum) / max(1, out.num_tokens)
 
     def calculate_loss(self) -> float:
@@ -205,7 +236,9 @@ class TransformersModel:
         name, out, input_tokens, samples = self._pending_eval
         self._pending_eval = None
         loss_sum = float(out.loss_sum)
-        self.optimizer_group[name].eval_metrics.update(loss_sum, out.num_tokens, int(out.num_correct), input_tokens, samples)
+        self.optimizer_group[name].eval_metrics.update(
+            loss_sum, out.num_tokens, int(out.num_correct), input_tokens, samples
+        )
         return loss_sum / max(1, out.num_tokens)
 
     def calculate_metric(self, is_training: bool = True, adapter_name: str | None = None) -> dict[str, float]:
@@ -274,7 +307,9 @@ class TransformersModel:
         try:
             out.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
-            raise UserError(f"cannot create --output-dir {out} ({exc.strerror}); choose a writable folder") from exc
+            raise UserError(
+                f"cannot create --output-dir {out} ({exc.strerror}); choose a writable folder"
+            ) from exc
         grads = {}
         if group.window_batches:  # an open accumulation window: keep its partial gradients
             grads = {n: local_grad(p) for n, p in self.model.named_parameters() if p.grad is not None}
@@ -304,16 +339,24 @@ class TransformersModel:
         current = lora_signature(self.model.peft_config[group.adapter_name])
         saved_lora = state.get("lora", current)
         if saved_lora != current:
-            raise UserError(f"checkpoint {folder} was trained with LoRA {saved_lora}, this run uses {current}; use the same LoRA flags")
+            raise UserError(
+                f"checkpoint {folder} was trained with LoRA {saved_lora}, this run uses {current}; use the same LoRA flags"
+            )
         if state.get("base_model") != self._trainer_state(group, 0)["base_model"]:
-            raise UserError(f"checkpoint {folder} was trained on {state.get('base_model')}; pass that --model-id")
+            raise UserError(
+                f"checkpoint {folder} was trained on {state.get('base_model')}; pass that --model-id"
+            )
         if not resume_only_model and state["world_size"] != self.runtime.world_size:
             raise UserError(
                 f"checkpoint {folder} was saved by {state['world_size']} process(es), this job has "
                 f"{self.runtime.world_size}; resume with the same world size or pass --resume-only-model"
             )
         window = load_checkpoint(
-            folder, model=self.model, adapter_name=group.adapter_name, group=group, rank=self.runtime.rank,
+            folder,
+            model=self.model,
+            adapter_name=group.adapter_name,
+            group=group,
+            rank=self.runtime.rank,
             only_model=resume_only_model,
         )
         if not resume_only_model:
