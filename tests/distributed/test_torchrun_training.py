@@ -104,6 +104,14 @@ def test_fsdp2_matches_one_process(train, optimizer):
     compare(single, sharded, TOL[optimizer], f"fsdp=2 {optimizer}")
 
 
+def test_fused_ce_under_fsdp2_matches_one_process(train):
+    # The chunked fused loss reads the tied head weight after the root forward: under FSDP2 it
+    # must gather the sharded embedding (full_tensor) and give the gradients of one process.
+    single = train(1, task="fused_lm_ce")
+    assert_trained(single)
+    compare(single, train(2, fsdp_size=2, dp_size=1, task="fused_lm_ce"), TOL["AdamW"], "fsdp=2 fused CE")
+
+
 def test_dp2_matches_one_process(train):
     compare(train(1), train(2, fsdp_size=1, dp_size=2), TOL["AdamW"], "dp=2 AdamW")
 

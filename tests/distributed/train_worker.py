@@ -34,6 +34,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--steps", type=int, required=True, help="micro-batches in the whole run (the data)")
     p.add_argument("--out", required=True)
     p.add_argument("--grad-accum", type=int, default=1)
+    p.add_argument("--task", choices=("causal_lm", "fused_lm_ce"), default="causal_lm")
     p.add_argument("--save-at", type=int, default=None, help="also save OUT/step-S after micro-batch S")
     p.add_argument("--resume", default=None, help="checkpoint folder to resume from")
     p.add_argument("--resume-only-model", action="store_true")
@@ -84,7 +85,7 @@ def main() -> None:
     for batch in dataloader:
         if runtime.rank == args.fail_rank and group.cur_step + 1 == args.fail_at_step:
             raise RuntimeError(f"injected failure on rank {runtime.rank} at step {args.fail_at_step}")
-        model.forward_backward(inputs=batch)
+        model.forward_backward(inputs=batch, task=args.task)
         model.clip_grad_and_step()
         metric = model.calculate_metric(is_training=True)
         steps.append({"step": group.cur_step, "loss": metric["loss"], "grad_norm": metric["grad_norm"]})
