@@ -22,7 +22,10 @@ def _corpus() -> list[str]:
         for line in bundled.read_text(encoding="utf-8").splitlines():
             row = json.loads(line)
             lines += [row["query"], row["response"]]
-    lines += ["system user assistant You are a helpful assistant.", "twinkle大模型 ModelScope社区 Paris France"]
+    lines += [
+        "system user assistant You are a helpful assistant.",
+        "twinkle大模型 ModelScope社区 Paris France",
+    ]
     return lines
 
 

@@ -1,13 +1,13 @@
 """File names of a checkpoint folder, and the completion marker that makes it loadable.
 
-    <name>/
-      adapter_config.json, adapter_model.safetensors   the LoRA adapter, PEFT format (full tensors)
-      tokenizer files                                   so the folder is usable on its own
-      trainer_state.json                                counters, data position, mesh, base model
-      scheduler.pt                                      LR schedule position
-      optimizer.pt                                      optimizer state (the same on every rank)
-      rank_state_rank{r}.pt                             RNG states, open-window gradients and token count of rank r
-      .twinkle-complete                                 written last; without it the folder is ignored
+<name>/
+  adapter_config.json, adapter_model.safetensors   the LoRA adapter, PEFT format (full tensors)
+  tokenizer files                                   so the folder is usable on its own
+  trainer_state.json                                counters, data position, mesh, base model
+  scheduler.pt                                      LR schedule position
+  optimizer.pt                                      optimizer state (the same on every rank)
+  rank_state_rank{r}.pt                             RNG states, open-window gradients and token count of rank r
+  .twinkle-complete                                 written last; without it the folder is ignored
 """
 
 import json
@@ -56,9 +56,13 @@ def read_trainer_state(folder: str | Path) -> dict[str, Any]:
     if not folder.exists():
         raise UserError(f"checkpoint {folder} does not exist; check --resume-from-checkpoint")
     if not (folder / TRAINER_STATE).is_file() and not (folder / MARKER).exists():
-        raise UserError(f"{folder} is not a Twinkle checkpoint (no {TRAINER_STATE}); point to a checkpoint folder")
+        raise UserError(
+            f"{folder} is not a Twinkle checkpoint (no {TRAINER_STATE}); point to a checkpoint folder"
+        )
     if not is_complete(folder):
-        raise UserError(f"checkpoint {folder} is incomplete (its save was interrupted); resume from an earlier one")
+        raise UserError(
+            f"checkpoint {folder} is incomplete (its save was interrupted); resume from an earlier one"
+        )
     return json.loads((folder / TRAINER_STATE).read_text())
 
 

@@ -31,7 +31,9 @@ def load_adapter_weights(model: Any, folder: Path, adapter_name: str) -> None:
         raise UserError(f"checkpoint {folder} holds weights this model does not have (e.g. {unexpected[0]})")
 
 
-def load_checkpoint(folder: Path, *, model: Any, adapter_name: str, group: Any, rank: int, only_model: bool) -> dict:
+def load_checkpoint(
+    folder: Path, *, model: Any, adapter_name: str, group: Any, rank: int, only_model: bool
+) -> dict:
     """Load weights (and, unless ``only_model``, optimizer, schedule, RNG). Returns this rank's
     open-window state for the caller to place: ``grads`` (name -> local gradient) and, in
     checkpoints that have it, ``window_tokens``; ``{}`` when ``only_model``."""
@@ -40,7 +42,9 @@ def load_checkpoint(folder: Path, *, model: Any, adapter_name: str, group: Any, 
         return {}
     rank_file = folder / layout.rank_state_file(rank)
     if not rank_file.is_file():
-        raise UserError(f"checkpoint {folder} has no state for rank {rank}; resume with the world size it was saved with")
+        raise UserError(
+            f"checkpoint {folder} has no state for rank {rank}; resume with the world size it was saved with"
+        )
     rank_state = torch.load(rank_file, weights_only=False)
     opt_file = folder / layout.OPTIMIZER
     if group.optimizer is not None and opt_file.is_file():

@@ -22,7 +22,13 @@ def rng_state() -> dict[str, Any]:
     kind, keys, pos, has_gauss, gauss = np.random.get_state()
     state = {
         "python": random.getstate(),
-        "numpy": {"kind": kind, "keys": torch.from_numpy(keys.copy()), "pos": pos, "has_gauss": has_gauss, "gauss": gauss},
+        "numpy": {
+            "kind": kind,
+            "keys": torch.from_numpy(keys.copy()),
+            "pos": pos,
+            "has_gauss": has_gauss,
+            "gauss": gauss,
+        },
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available():
@@ -96,7 +102,9 @@ def save_checkpoint(
     return final
 
 
-def _write(tmp, final, model, tokenizer, adapter_name, group, trainer_state, save_optimizer, rank, grads) -> None:  # noqa: ANN001
+def _write(
+    tmp, final, model, tokenizer, adapter_name, group, trainer_state, save_optimizer, rank, grads
+) -> None:  # noqa: ANN001
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)

@@ -12,7 +12,9 @@ def _build_parser() -> argparse.ArgumentParser:
     chat = sub.add_parser("chat", help="generate replies with a model and an optional LoRA checkpoint")
     chat.add_argument("--adapter", help="a checkpoint folder written by model.save(...)")
     chat.add_argument("--model-id", help="base model (default: the bundled SmolLM2-135M-Instruct)")
-    chat.add_argument("--prompt", action="append", help="a question; repeat for several (default: read stdin)")
+    chat.add_argument(
+        "--prompt", action="append", help="a question; repeat for several (default: read stdin)"
+    )
     chat.add_argument("--system", default=None, help="system prompt (default: the one used in training)")
     chat.add_argument("--max-new-tokens", type=int, default=64)
     return parser

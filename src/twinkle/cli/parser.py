@@ -168,11 +168,14 @@ def parse(argv: Sequence[str], env: Mapping[str, str]) -> Args:
 
     check_output_dir(args.training.output_dir)  # fail now, not at the first save hours later
     if args.training.resume_from_checkpoint in ("auto", "latest"):
-
         found = latest_checkpoint(args.training.output_dir)
         get_logger().info(
             f"--resume-from-checkpoint {args.training.resume_from_checkpoint}: "
-            + (f"resuming from {found}" if found else f"no complete checkpoint under {args.training.output_dir}; starting fresh")
+            + (
+                f"resuming from {found}"
+                if found
+                else f"no complete checkpoint under {args.training.output_dir}; starting fresh"
+            )
         )
         args.training.resume_from_checkpoint = str(found) if found else None
     return args

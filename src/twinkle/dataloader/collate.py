@@ -25,4 +25,9 @@ def collate(samples: Sequence[dict[str, Any]], pad_token_id: int) -> dict[str, t
         labels[i, :k] = torch.tensor(s["labels"])
         attention_mask[i, :k] = 1
         position_ids[i, :k] = torch.arange(k)
-    return {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask, "position_ids": position_ids}
+    return {
+        "input_ids": input_ids,
+        "labels": labels,
+        "attention_mask": attention_mask,
+        "position_ids": position_ids,
+    }

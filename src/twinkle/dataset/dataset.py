@@ -36,7 +36,9 @@ class Dataset:
         from twinkle.hub import resolve_dataset
 
         self.meta = dataset_meta
-        data = resolve_dataset(dataset_meta.dataset_id, subset_name=dataset_meta.subset_name, split=dataset_meta.split)
+        data = resolve_dataset(
+            dataset_meta.dataset_id, subset_name=dataset_meta.subset_name, split=dataset_meta.split
+        )
         if dataset_meta.data_slice is not None:
             indices = [int(i) % len(data) for i in dataset_meta.data_slice]
             if not indices:
@@ -75,7 +77,9 @@ class Dataset:
             with_indices=True,
             remove_columns=self.data.column_names,
             keep_in_memory=True,
-            new_fingerprint=_fingerprint(self.data._fingerprint, type(preprocessor).__name__, vars(preprocessor)),
+            new_fingerprint=_fingerprint(
+                self.data._fingerprint, type(preprocessor).__name__, vars(preprocessor)
+            ),
             desc="preprocess",
         )
         return self
@@ -99,7 +103,10 @@ class Dataset:
             remove_columns=self.data.column_names,
             keep_in_memory=True,
             new_fingerprint=_fingerprint(
-                self.data._fingerprint, type(template).__name__, template.max_length, template.truncation_strategy,
+                self.data._fingerprint,
+                type(template).__name__,
+                template.max_length,
+                template.truncation_strategy,
                 template.tokenizer.name_or_path,
             ),
             desc="encode",

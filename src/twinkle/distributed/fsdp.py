@@ -10,7 +10,6 @@ Order (each step assumes the ones before it):
 The mesh is always 2-D ``(dp, fsdp)``: ``dp`` replicas of an ``fsdp``-way shard (HSDP). A size
 of 1 degenerates cleanly: ``(1, N)`` is plain FSDP, ``(N, 1)`` plain data parallelism."""
 
-
 import torch
 
 from twinkle.distributed.mesh import DeviceMesh

@@ -42,7 +42,11 @@ class CrossEntropyLoss:
         self.reduction = check_reduction(reduction)
 
     def __call__(
-        self, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, bias: torch.Tensor | None = None
+        self,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        targets: torch.Tensor,
+        bias: torch.Tensor | None = None,
     ) -> LossOutput:
         logits = F.linear(hidden, weight, bias).float()
         loss_sum = F.cross_entropy(logits, targets, reduction="sum")

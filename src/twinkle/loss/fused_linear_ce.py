@@ -39,14 +39,14 @@ class _FusedLinearCE(torch.autograd.Function):
                 grad_logits = torch.exp(logits - lse[:, None])  # softmax, in place of the logits
                 grad_logits[torch.arange(t.numel(), device=t.device), t] -= 1
                 if need_h:
-                    grad_h[start : start + chunk_rows] = (grad_logits.to(weight.dtype) @ weight).to(hidden.dtype)
+                    grad_h[start : start + chunk_rows] = (grad_logits.to(weight.dtype) @ weight).to(
+                        hidden.dtype
+                    )
                 if need_w:
                     grad_w += grad_logits.t() @ h.float()
                 if need_b:
                     grad_b += grad_logits.sum(0)
-        ctx.save_for_backward(
-            *(g if g is not None else torch.empty(0) for g in (grad_h, grad_w, grad_b))
-        )
+        ctx.save_for_backward(*(g if g is not None else torch.empty(0) for g in (grad_h, grad_w, grad_b)))
         ctx.flags = (need_h, need_w, need_b)
         ctx.dtypes = (hidden.dtype, weight.dtype, bias.dtype if bias is not None else None)
         ctx.mark_non_differentiable(correct)
@@ -89,7 +89,11 @@ class FusedLinearCrossEntropyLoss:
         self.chunk_rows = chunk_rows
 
     def __call__(
-        self, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, bias: torch.Tensor | None = None
+        self,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        targets: torch.Tensor,
+        bias: torch.Tensor | None = None,
     ) -> LossOutput:
         loss_sum, correct = fused_linear_cross_entropy(hidden, weight, targets, bias, self.chunk_rows)
         return finish(loss_sum, targets.numel(), correct, self.reduction)

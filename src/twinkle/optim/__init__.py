@@ -6,4 +6,10 @@ Public names: ``build_optimizer``, ``build_scheduler``, ``CosineWarmupScheduler`
 from twinkle.optim.optimizer import build_optimizer
 from twinkle.optim.scheduler import SCHEDULERS, CosineWarmupScheduler, LinearWarmupScheduler, build_scheduler
 
-__all__ = ["build_optimizer", "build_scheduler", "CosineWarmupScheduler", "LinearWarmupScheduler", "SCHEDULERS"]
+__all__ = [
+    "build_optimizer",
+    "build_scheduler",
+    "CosineWarmupScheduler",
+    "LinearWarmupScheduler",
+    "SCHEDULERS",
+]

@@ -13,7 +13,9 @@ def optimizer_names() -> list[str]:
     return sorted(
         name
         for name, obj in vars(torch.optim).items()
-        if inspect.isclass(obj) and issubclass(obj, torch.optim.Optimizer) and obj is not torch.optim.Optimizer
+        if inspect.isclass(obj)
+        and issubclass(obj, torch.optim.Optimizer)
+        and obj is not torch.optim.Optimizer
     )
 
 

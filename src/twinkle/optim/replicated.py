@@ -25,7 +25,9 @@ class ReplicatedOptimizer:
     def __init__(self, params: list[torch.nn.Parameter], build: Callable[[list[torch.nn.Parameter]], Any]):
         self.params = params
         self.copies = [
-            torch.nn.Parameter(p.full_tensor().detach().clone() if hasattr(p, "full_tensor") else p.detach().clone())
+            torch.nn.Parameter(
+                p.full_tensor().detach().clone() if hasattr(p, "full_tensor") else p.detach().clone()
+            )
             for p in params
         ]
         self.optimizer = build(self.copies)

@@ -26,7 +26,10 @@ def _warmup_then(decay: Callable[[float], float], warmup: int, total: int, min_r
 
 
 def CosineWarmupScheduler(  # noqa: N802 - a class-like name is the public API
-    optimizer: torch.optim.Optimizer, num_warmup_steps: int, num_training_steps: int, min_lr_ratio: float = 0.0
+    optimizer: torch.optim.Optimizer,
+    num_warmup_steps: int,
+    num_training_steps: int,
+    min_lr_ratio: float = 0.0,
 ) -> LambdaLR:
     """Linear warm-up, then half a cosine."""
     decay = lambda p: 0.5 * (1 + math.cos(math.pi * p))  # noqa: E731
@@ -34,10 +37,15 @@ def CosineWarmupScheduler(  # noqa: N802 - a class-like name is the public API
 
 
 def LinearWarmupScheduler(  # noqa: N802
-    optimizer: torch.optim.Optimizer, num_warmup_steps: int, num_training_steps: int, min_lr_ratio: float = 0.0
+    optimizer: torch.optim.Optimizer,
+    num_warmup_steps: int,
+    num_training_steps: int,
+    min_lr_ratio: float = 0.0,
 ) -> LambdaLR:
     """Linear warm-up, then a straight line down."""
-    return LambdaLR(optimizer, _warmup_then(lambda p: 1 - p, num_warmup_steps, num_training_steps, min_lr_ratio))
+    return LambdaLR(
+        optimizer, _warmup_then(lambda p: 1 - p, num_warmup_steps, num_training_steps, min_lr_ratio)
+    )
 
 
 SCHEDULERS: dict[str, Callable[..., LRScheduler]] = {
@@ -49,7 +57,9 @@ SCHEDULERS: dict[str, Callable[..., LRScheduler]] = {
 def _torch_scheduler_names() -> list[str]:
     module = torch.optim.lr_scheduler
     return sorted(
-        n for n, o in vars(module).items() if inspect.isclass(o) and issubclass(o, LRScheduler) and o is not LRScheduler
+        n
+        for n, o in vars(module).items()
+        if inspect.isclass(o) and issubclass(o, LRScheduler) and o is not LRScheduler
     )
 
 

@@ -37,5 +37,7 @@ class MessagesProcessor(Preprocessor):
             raise UserError(f"{where} has no 'messages' list")
         for m in messages:
             if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
-                raise UserError(f"{where}: each message needs a role in {ROLES} and a text content, got {m!r}")
+                raise UserError(
+                    f"{where}: each message needs a role in {ROLES} and a text content, got {m!r}"
+                )
         return {"messages": [{"role": m["role"], "content": m["content"]} for m in messages]}

@@ -80,7 +80,9 @@ def initialize(
     if mode not in MODES:
         raise UserError(f"--mode: {mode!r} is not one of {', '.join(MODES)}")
     if mode == "ray":
-        raise UserError("--mode ray is not supported yet; use --mode local (with torchrun for several processes)")
+        raise UserError(
+            "--mode ray is not supported yet; use --mode local (with torchrun for several processes)"
+        )
     world = int(os.environ.get("WORLD_SIZE", "1"))
     mesh = global_device_mesh or DeviceMesh.from_sizes(world_size=world)
     if mesh.world_size != world:
