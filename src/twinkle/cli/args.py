@@ -45,8 +45,8 @@ class InfraArgs:
     )
     dp_size: int | None = _opt(None, "data-parallel replicate size; None infers it", check=_AT_LEAST_1)
     mode: str = _opt("local", "runtime backend", choices=("local", "ray"))
-    seed: int = _opt(42, "global random seed (each rank derives its own streams from it)")
-    debug: bool = _opt(False, "show full tracebacks and verbose logs")
+    seed: int = _opt(42, "random seed, the same on every rank (so LoRA weights start identical)")
+    debug: bool = _opt(False, "show the full traceback of an error instead of one line")
     process_group_timeout: int = _opt(600, "collective timeout in seconds", check=_AT_LEAST_1)
 
 
@@ -94,7 +94,10 @@ class TrainingArgs:
     log_interval: int = _opt(5, "log metrics every N steps", check=_AT_LEAST_1)
     eval_interval: int | None = _opt(None, "evaluate every N steps; None = script default", check=_AT_LEAST_1)
     output_dir: str = _opt("output", "where checkpoints are written")
-    resume_from_checkpoint: str | None = _opt(None, "checkpoint directory to resume from")
+    resume_from_checkpoint: str | None = _opt(
+        None,
+        "checkpoint folder to resume from, or auto|latest for the newest complete one under --output-dir",
+    )
     resume_only_model: bool = _opt(False, "restore adapter weights only, not optimizer/scheduler/RNG")
     ignore_data_skip: bool = _opt(False, "on resume, restart the data from the beginning")
 
