@@ -98,11 +98,21 @@ def test_resume_restores_weights_and_counters(checkpoint, make_model, dataset):
             torch.testing.assert_close(ours[name], p, atol=0, rtol=0)
 
 
-def test_resume_only_model_keeps_counters_at_zero(checkpoint, make_model):
+def test_resume_only_model_keeps_the_place_but_not_the_optimizer(checkpoint, make_model):
+    # Weights and step counters come back (the script then skips the consumed data, so step,
+    # data and LR schedule stay in agreement); the optimizer state starts fresh.
     _, path = checkpoint
+    saved = json.loads((path / "trainer_state.json").read_text())
     model = make_model(gradient_accumulation_steps=2)
+    model.set_lr_scheduler("CosineWarmupScheduler", num_warmup_steps=4, num_training_steps=20)
+    fresh = model.optimizer_group["default"].lr_scheduler.get_last_lr()
     progress = model.resume_from_checkpoint(str(path), resume_only_model=True, adapter_name="default")
-    assert progress["cur_step"] == 0 and model.optimizer_group["default"].optimizer_steps == 0
+    group = model.optimizer_group["default"]
+    assert progress["cur_step"] == saved["cur_step"] > 0
+    assert group.optimizer_steps == saved["optimizer_steps"] and group.window_batches == 0
+    assert group.lr_scheduler.last_epoch == saved["optimizer_steps"]  # the schedule was advanced
+    assert group.lr_scheduler.get_last_lr() != fresh
+    assert group.optimizer.optimizer.state == {}  # no optimizer state was loaded
 
 
 def test_resume_errors(checkpoint, make_model, tmp_path):

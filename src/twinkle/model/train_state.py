@@ -13,7 +13,9 @@ class OptimizerGroup:
     ``cur_step`` counts micro-batches (the script keys its log/eval cadence off it);
     ``optimizer_steps`` counts optimizer updates, one per ``gradient_accumulation_steps``
     micro-batches. ``window_tokens`` is this rank's supervised-token count of the open
-    accumulation window: the gradients are sums until the step divides them by the global count."""
+    accumulation window: the gradients are token sums (under FSDP, averaged over the ranks)
+    until the step rescales them by the global count. Without a scheduler the horizon is
+    unknown, so a last partial window is only stepped if ``set_lr_scheduler`` gave it."""
 
     adapter_name: str
     gradient_accumulation_steps: int = 1
@@ -36,7 +38,7 @@ class OptimizerGroup:
 
     def window_is_full(self) -> bool:
         """Step after exactly ``gradient_accumulation_steps`` micro-batches, and at the end of the data."""
-        at_end = self.num_training_steps is not None and self.cur_step >= self.num_training_steps
+        at_end = self.num_training_steps is not None and self.cur_step == self.num_training_steps
         return self.window_batches >= self.gradient_accumulation_steps or (at_end and self.window_batches > 0)
 
     def state_dict(self) -> dict[str, Any]:

@@ -20,6 +20,7 @@ from twinkle.loss.registry import FUSED_LOSSES
 from twinkle.model.forward import causal_lm_of, compute_loss
 from twinkle.model.loading import load_causal_lm
 from twinkle.model.lora import add_lora, lora_signature, trainable_parameters
+from twinkle.model.resume import check_resumable, fast_forward_scheduler
 from twinkle.model.step import clip_gradients, local_grad, restore_grad
 from twinkle.model.train_state import OptimizerGroup
 from twinkle.optim import build_optimizer, build_scheduler
@@ -277,6 +278,8 @@ class TransformersModel:
             **group.state_dict(),
             "consumed_train_samples": consumed_train_samples,
             "world_size": self.runtime.world_size,
+            "mesh": [self.runtime.mesh.dp_size, self.runtime.mesh.fsdp_size],
+            "model_path": str(self.model_path),
             "base_model": self.model_id or "bundled:SmolLM2-135M-Instruct",
             "lora": lora_signature(self.model.peft_config[group.adapter_name]),
         }
@@ -336,20 +339,10 @@ class TransformersModel:
         group = self._group(adapter_name)
         folder = Path(checkpoint_dir).expanduser()
         state = read_trainer_state(folder)
-        current = lora_signature(self.model.peft_config[group.adapter_name])
-        saved_lora = state.get("lora", current)
-        if saved_lora != current:
-            raise UserError(
-                f"checkpoint {folder} was trained with LoRA {saved_lora}, this run uses {current}; use the same LoRA flags"
-            )
-        if state.get("base_model") != self._trainer_state(group, 0)["base_model"]:
-            raise UserError(
-                f"checkpoint {folder} was trained on {state.get('base_model')}; pass that --model-id"
-            )
-        if not resume_only_model and state["world_size"] != self.runtime.world_size:
-            raise UserError(
-                f"checkpoint {folder} was saved by {state['world_size']} process(es), this job has "
-                f"{self.runtime.world_size}; resume with the same world size or pass --resume-only-model"
+        check_resumable(folder, state, self._trainer_state(group, 0), resume_only_model)
+        if group.optimizer is None or group.lr_scheduler is None:
+            logger.warning(
+                "resume_from_checkpoint before set_optimizer/set_lr_scheduler: their state is not restored"
             )
         window = load_checkpoint(
             folder,
@@ -359,7 +352,13 @@ class TransformersModel:
             rank=self.runtime.rank,
             only_model=resume_only_model,
         )
-        if not resume_only_model:
+        if resume_only_model:
+            # Fresh optimizer state, but the run keeps its place: the step counters continue and
+            # the schedule is advanced to them, so data skipping, logging and the LR agree. The
+            # gradients of an open accumulation window are not restored.
+            group.cur_step, group.optimizer_steps = int(state["cur_step"]), int(state["optimizer_steps"])
+            fast_forward_scheduler(group.lr_scheduler, group.optimizer_steps)
+        else:
             group.load_state_dict(state)
             # trainer_state.json holds rank 0's count of the open window; each rank needs its own,
             # or the step divides the window's gradients by the wrong global token count.

@@ -19,8 +19,11 @@ def _warmup_then(decay: Callable[[float], float], warmup: int, total: int, min_r
     def factor(k: int) -> float:
         if k < warmup:
             return (k + 1) / warmup
-        progress = (k - warmup) / max(1, total - warmup)  # in [0, 1) for every step we take
-        return min_ratio + (1 - min_ratio) * decay(min(progress, 1.0))
+        span = max(1, total - warmup)
+        # In [0, 1) for every step of the horizon; a run that goes past it (e.g. resumed with
+        # --ignore-data-skip) stays at the last step's rate instead of stepping at 0.
+        progress = min((k - warmup) / span, (span - 1) / span)
+        return min_ratio + (1 - min_ratio) * decay(progress)
 
     return factor
 

@@ -15,8 +15,9 @@ class Template:
 
     The conversation is rendered once per assistant turn to find where each reply starts and
     ends; each piece is tokenised on its own so the label mask falls exactly on token borders.
-    System, user and template tokens get label ``-100``; the assistant's reply and its
-    end-of-turn tokens are supervised."""
+    System, user and template tokens get label ``-100``; the assistant's reply and everything
+    the template writes after it up to the next turn (its end-of-turn tokens, a newline) are
+    supervised."""
 
     def __init__(self, tokenizer: Any, max_length: int = 1024, truncation_strategy: str = "right"):
         if truncation_strategy not in TRUNCATION_STRATEGIES:
@@ -51,9 +52,12 @@ class Template:
         for i, message in enumerate(messages):
             if message["role"] != "assistant" or i == 0:
                 continue
-            start = len(self.render(messages[:i], add_generation_prompt=True))
-            end = len(self.render(messages[: i + 1]))
-            if not (pos <= start <= end <= len(full)):
+            prompt = self.render(messages[:i], add_generation_prompt=True)
+            upto = self.render(messages[: i + 1])
+            start, end = len(prompt), len(upto)
+            # Offsets are only valid if each partial render is a prefix of the whole: templates
+            # that render the last turn differently (e.g. an empty <think> block) are not.
+            if not (pos <= start <= end and full.startswith(upto) and upto.startswith(prompt)):
                 raise UserError(
                     "this chat template does not render a conversation as a sequence of its turns; "
                     "choose another --template-cls"
