@@ -73,7 +73,10 @@ class TemplateArgs:
 @dataclass
 class ModelArgs:
     model_id: str | None = _opt(None, "model path or ms:// / hf:// id; None = bundled SmolLM2-135M-Instruct")
-    enable_liger: bool = _opt(False, "use Liger fused kernels (gates the fused cross-entropy loss)")
+    enable_liger: bool = _opt(
+        False,
+        "use the fused linear cross-entropy loss (Liger's name; our chunked version runs on every device); per-layer kernels come from kernelize regardless",
+    )
     enable_fused_ce: bool = _opt(
         True, "fused linear cross-entropy when Liger is enabled", aliases=("fused-ce",)
     )
@@ -123,7 +126,11 @@ class OptimizerArgs:
 @dataclass
 class SchedulerArgs:
     scheduler_cls: str = _opt("CosineWarmupScheduler", "learning-rate scheduler class")
-    num_warmup_steps: int = _opt(5, "linear warmup steps", check=_AT_LEAST_0)
+    num_warmup_steps: int = _opt(
+        5,
+        "linear warm-up, in optimizer steps (one per --gradient-accumulation-steps micro-batches)",
+        check=_AT_LEAST_0,
+    )
 
 
 # Group name -> dataclass; the order is the order of ``--help``.

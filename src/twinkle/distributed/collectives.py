@@ -9,10 +9,12 @@ def is_distributed() -> bool:
 
 
 def _comm_device() -> torch.device:
-    backend = dist.get_backend()
-    if backend == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    """gloo reduces CPU tensors; nccl (CUDA) and hccl (Ascend) reduce tensors on this rank's device."""
+    if dist.get_backend() == "gloo":
+        return torch.device("cpu")
+    from twinkle.runtime import get_runtime
+
+    return get_runtime().device
 
 
 def all_reduce_sum(values: list[float]) -> list[float]:
@@ -21,14 +23,6 @@ def all_reduce_sum(values: list[float]) -> list[float]:
         return [float(v) for v in values]
     t = torch.tensor(values, dtype=torch.float64, device=_comm_device())
     dist.all_reduce(t)
-    return t.tolist()
-
-
-def all_reduce_max(values: list[float]) -> list[float]:
-    if not is_distributed():
-        return [float(v) for v in values]
-    t = torch.tensor(values, dtype=torch.float64, device=_comm_device())
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.tolist()
 
 

@@ -59,19 +59,6 @@ class DeviceMesh:
         """(replica index, shard index) of ``rank``."""
         return divmod(rank, self.fsdp_size)
 
-    def to_torch(self, device_type: str):
-        """The matching ``torch.distributed.DeviceMesh`` (needs an initialised process group).
-
-        1-D ``('fsdp',)`` when only sharding, 1-D ``('dp',)`` when only replicating, else 2-D
-        ``('dp', 'fsdp')`` for HSDP."""
-        from torch.distributed.device_mesh import init_device_mesh
-
-        if self.dp_size == 1:
-            return init_device_mesh(device_type, (self.fsdp_size,), mesh_dim_names=("fsdp",))
-        if self.fsdp_size == 1:
-            return init_device_mesh(device_type, (self.dp_size,), mesh_dim_names=("dp",))
-        return init_device_mesh(device_type, (self.dp_size, self.fsdp_size), mesh_dim_names=("dp", "fsdp"))
-
     def describe(self) -> str:
         if self.world_size == 1:
             return "single process (no sharding)"

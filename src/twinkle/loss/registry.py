@@ -13,7 +13,6 @@ LOSSES: dict[str, type] = {
     "FusedLinearCrossEntropyLoss": FusedLinearCrossEntropyLoss,
     "LigerFusedLinearCrossEntropyLoss": FusedLinearCrossEntropyLoss,
 }
-FUSED_LOSSES = ("FusedLinearCrossEntropyLoss", "LigerFusedLinearCrossEntropyLoss")
 
 
 def build_loss(name: str, **kwargs: Any):

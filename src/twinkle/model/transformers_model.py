@@ -15,8 +15,7 @@ import torch
 from twinkle.checkpoint import load_checkpoint, read_trainer_state, rotate_checkpoints, save_checkpoint
 from twinkle.distributed.collectives import all_reduce_sum
 from twinkle.distributed.fsdp import apply_fsdp2
-from twinkle.loss import build_loss
-from twinkle.loss.registry import FUSED_LOSSES
+from twinkle.loss import FusedLinearCrossEntropyLoss, build_loss
 from twinkle.model.forward import causal_lm_of, compute_loss
 from twinkle.model.loading import load_causal_lm
 from twinkle.model.lora import add_lora, lora_signature, trainable_parameters
@@ -73,6 +72,9 @@ class TransformersModel:
         if self.runtime.is_distributed and not self.optimizer_group:
             lm = causal_lm_of(self.model)
             apply_fsdp2(lm, self.runtime.mesh, self.device, getattr(lm, "_no_split_modules", None))
+            # Every rank drew the same LoRA initialisation (one seed); from here on each rank
+            # needs its own stream, or all ranks would draw the same dropout masks.
+            torch.manual_seed(self.runtime.seed + 1_000_003 * self.runtime.rank)
         self.optimizer_group[adapter_name] = OptimizerGroup(
             adapter_name, gradient_accumulation_steps, loss_fn=build_loss("CrossEntropyLoss")
         )
@@ -131,8 +133,8 @@ class TransformersModel:
     def _loss_fn(self, group: OptimizerGroup, task: str) -> Any:
         if task not in TASKS:
             raise UserError(f"unknown task {task!r}; valid tasks: {', '.join(TASKS)}")
-        if task == "fused_lm_ce" and type(group.loss_fn).__name__ not in FUSED_LOSSES:
-            return build_loss("FusedLinearCrossEntropyLoss")
+        if task == "fused_lm_ce" and not isinstance(group.loss_fn, FusedLinearCrossEntropyLoss):
+            group.loss_fn = FusedLinearCrossEntropyLoss(reduction=group.loss_fn.reduction)
         return group.loss_fn
 
     def forward_backward(
@@ -146,12 +148,12 @@ class TransformersModel:
         out = compute_loss(self.model, batch, self._loss_fn(group, task), self.padding_free)
         out.loss_sum.backward()  # even when not finite: under FSDP every rank must run backward
         loss_sum = float(out.loss_sum.detach())
-        if not math.isfinite(loss_sum):
-            group.window_nonfinite = True
-            loss_sum = 0.0
         group.cur_step += 1
         group.window_batches += 1
         group.window_tokens += out.num_tokens
+        if not math.isfinite(loss_sum):
+            group.window_nonfinite = True
+            return loss_sum  # kept out of the metrics, whose loss would otherwise read low
         group.train_metrics.update(
             loss_sum,
             out.num_tokens,

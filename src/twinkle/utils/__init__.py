@@ -1,4 +1,5 @@
-"""Small shared utilities: ``get_logger``, ``Torch`` (device queries), atomic file helpers."""
+"""Small shared utilities. Public here: ``get_logger``; see also ``utils.framework.Torch``
+(device queries), ``utils.fileio`` (atomic writes, locks) and ``utils.errors.UserError``."""
 
 from twinkle.utils.logger import get_logger
 
