@@ -288,3 +288,11 @@ def test_bad_flag_from_sys_argv_exits_2_with_one_line():
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert lines == ["error: --batch-size: expected an integer, got 'x'"]
+
+
+def test_env_accepts_flag_aliases():
+    args = CLI.from_args(
+        [], env={"TWINKLE_LR": "2e-5", "TWINKLE_LORA_R": "16", "TWINKLE_TORCH_BASELINE": "1"}
+    )
+    assert args.optimizer.learning_rate == 2e-5 and args.lora.lora_rank == 16
+    assert CLI.from_args(["--lr", "3e-5"], env={"TWINKLE_LR": "2e-5"}).optimizer.learning_rate == 3e-5

@@ -86,12 +86,14 @@ def parse_argv(argv: Sequence[str]) -> tuple[dict[str, Any], dict[str, Any], str
 
 
 def read_env(env: Mapping[str, str]) -> dict[str, Any]:
-    """``TWINKLE_<FIELD>`` -> typed values. Other names, and empty values, are ignored."""
+    """``TWINKLE_<FLAG>`` (a field name or any of its flag names, e.g. ``TWINKLE_LR``) -> typed
+    values. Other names, and empty values, are ignored."""
     values: dict[str, Any] = {}
     for key, raw in env.items():
         if not key.startswith(ENV_PREFIX) or raw == "":
             continue
-        spec = SPECS.get(key[len(ENV_PREFIX) :].lower())
+        field = FLAGS.get(key[len(ENV_PREFIX) :].lower().replace("_", "-"))
+        spec = SPECS.get(field) if field else None
         if spec is not None:
             values[spec.name] = coerce(spec, raw, f"{key} (--{spec.flag})")
     return values
