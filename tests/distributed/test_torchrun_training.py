@@ -191,3 +191,16 @@ def test_failing_rank_ends_the_job(tiny_model_dir, tmp_path, launcher):
     while any(_alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not any(_alive(p) for p in pids), f"workers {pids} outlived the job"
+
+
+def test_a_save_failing_on_one_rank_fails_every_rank_at_once(tiny_model_dir, tmp_path, launcher):
+    # Rank 1's disk is full: both ranks must stop with the error right away, not rank 0 waiting
+    # in a collective for the process-group timeout (30 s in the worker).
+    args = ["--model-id", str(tiny_model_dir), "--out", str(tmp_path), "--steps", "2", "--save-at", "1"]
+    args += ["--fsdp-size", "2", "--dp-size", "1", "--fail-save-rank", "1"]
+    job = launcher.run(WORKER, args, nproc=2, timeout_s=90)
+    print(f"\n[failing save] exit {job.returncode} after {job.wall_s:.1f} s")
+    assert job.returncode != 0
+    assert "No space left on device" in job.output and "another rank failed" in job.output
+    assert "Timeout" not in job.output and "timed out" not in job.output
+    assert not list(tmp_path.glob(".step-1*")) and not (tmp_path / "step-1").exists()

@@ -34,6 +34,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--steps", type=int, required=True, help="micro-batches in the whole run (the data)")
     p.add_argument("--out", required=True)
     p.add_argument("--grad-accum", type=int, default=1)
+    p.add_argument(
+        "--fail-save-rank", type=int, default=None, help="this rank's checkpoint writes hit a full disk"
+    )
     p.add_argument("--task", choices=("causal_lm", "fused_lm_ce"), default="causal_lm")
     p.add_argument("--save-at", type=int, default=None, help="also save OUT/step-S after micro-batch S")
     p.add_argument("--resume", default=None, help="checkpoint folder to resume from")
@@ -67,6 +70,15 @@ def main() -> None:
     mesh = DeviceMesh.from_sizes(fsdp_size=args.fsdp_size, dp_size=args.dp_size)
     # A short collective timeout: a dead peer must end the job in seconds, not in 10 minutes.
     runtime = twinkle.initialize(mode="local", global_device_mesh=mesh, timeout_s=30)
+    if runtime.rank == args.fail_save_rank:
+        import errno
+
+        import twinkle.checkpoint.save as save_module
+
+        def disk_full(obj, path):
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+        save_module._torch_save = disk_full
     (out / f"pid_rank{runtime.rank}").write_text(str(os.getpid()))
 
     dataset = Dataset(dataset_meta=DatasetMeta(None, data_slice=range(args.steps * GLOBAL_BATCH)))

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import save as safetensors_bytes
 
 from twinkle.checkpoint import layout
-from twinkle.distributed.collectives import barrier
+from twinkle.distributed.collectives import all_reduce_sum
 from twinkle.utils.errors import UserError
 from twinkle.utils.fileio import fsync_tree
 
@@ -86,30 +86,54 @@ def save_checkpoint(
     rank: int,
     grads: dict[str, torch.Tensor],
 ) -> Path:
-    """Every rank calls this. Rank 0 owns the folder; each rank writes its own files."""
+    """Every rank calls this. Rank 0 owns the folder; each rank writes its own files.
+
+    The ranks agree after each phase (an all-reduce of failures, in place of a barrier), so a
+    write that fails on one rank fails the save on all of them at once instead of leaving the
+    others waiting for the process-group timeout."""
     final = Path(final)
     tmp = final.with_name(f".{final.name}.tmp")
-    try:
-        _write(tmp, final, model, tokenizer, adapter_name, group, trainer_state, save_optimizer, rank, grads)
-    except BaseException as exc:
-        shutil.rmtree(tmp, ignore_errors=True)  # whatever failed, leave no half-written folder
-        if isinstance(exc, OSError):
-            raise UserError(
-                f"could not write checkpoint {final} ({exc.strerror or exc}); nothing was replaced, an earlier "
-                "checkpoint of that name is intact; free disk space or choose a writable --output-dir"
-            ) from exc
-        raise
+    phases = (
+        lambda: _prepare(tmp) if rank == 0 else None,
+        lambda: _write_files(
+            tmp, model, tokenizer, adapter_name, group, trainer_state, save_optimizer, rank, grads
+        ),
+        lambda: _finish(tmp, final) if rank == 0 else None,
+    )
+    for phase in phases:
+        error = _run_phase(phase)
+        (failures,) = all_reduce_sum([error is not None])
+        if failures:
+            if rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)  # whatever failed, leave no half-written folder
+            if error is None:
+                raise UserError(f"could not write checkpoint {final}: another rank failed (see its error)")
+            if isinstance(error, OSError):
+                raise UserError(
+                    f"could not write checkpoint {final} ({error.strerror or error}); nothing was replaced, an "
+                    "earlier checkpoint of that name is intact; free disk space or choose a writable --output-dir"
+                ) from error
+            raise error
     return final
 
 
-def _write(
-    tmp, final, model, tokenizer, adapter_name, group, trainer_state, save_optimizer, rank, grads
+def _run_phase(phase) -> BaseException | None:  # noqa: ANN001
+    try:
+        phase()
+    except Exception as exc:  # reported to every rank, then re-raised by this one
+        return exc
+    return None
+
+
+def _prepare(tmp: Path) -> None:
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+
+
+def _write_files(
+    tmp, model, tokenizer, adapter_name, group, trainer_state, save_optimizer, rank, grads
 ) -> None:  # noqa: ANN001
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    barrier()
-    adapter = full_adapter_state(model, adapter_name)
+    adapter = full_adapter_state(model, adapter_name)  # a collective: every rank, before any early exit
     # The open window's token count differs per rank (trainer_state.json holds rank 0's only).
     rank_state = {"rng": rng_state(), "grads": grads, "window_tokens": group.window_tokens}
     # Every file is written by Python's own ``write``, so a full disk is an ``OSError`` whatever
@@ -125,9 +149,9 @@ def _write(
             _torch_save(group.lr_scheduler.state_dict(), tmp / layout.SCHEDULER)
         state = {**trainer_state, "format_version": layout.FORMAT_VERSION, "saved_optimizer": save_optimizer}
         (tmp / layout.TRAINER_STATE).write_text(json.dumps(state, indent=2))
-    barrier()
-    if rank == 0:
-        (tmp / layout.MARKER).write_text("complete\n")
-        fsync_tree(tmp)
-        _publish(tmp, final)
-    barrier()
+
+
+def _finish(tmp: Path, final: Path) -> None:
+    (tmp / layout.MARKER).write_text("complete\n")
+    fsync_tree(tmp)
+    _publish(tmp, final)
