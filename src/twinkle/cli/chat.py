@@ -36,15 +36,19 @@ def chat(
     prompts: list[str],
     system: str | None = None,
     max_new_tokens: int = 64,
+    template_cls: str = "Template",
 ) -> Iterator[tuple[str, str]]:
+    """Render each prompt with the template class used in training (``--template-cls``)."""
+    from twinkle.template import get_template
+
     model, tokenizer = load_for_chat(model_id, adapter)
+    template = get_template(template_cls, tokenizer)
     for prompt in prompts:
         messages = [
             {"role": "system", "content": system or SYSTEM_PROMPT},
             {"role": "user", "content": prompt},
         ]
-        ids = tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
-        )
+        text = template.render(messages, add_generation_prompt=True)
+        ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")
         out = model.generate(**ids, max_new_tokens=max_new_tokens, do_sample=False)
         yield prompt, tokenizer.decode(out[0, ids["input_ids"].shape[1] :], skip_special_tokens=True).strip()

@@ -17,6 +17,7 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     chat.add_argument("--system", default=None, help="system prompt (default: the one used in training)")
     chat.add_argument("--max-new-tokens", type=int, default=64)
+    chat.add_argument("--template-cls", default="Template", help="the template the adapter was trained with")
     return parser
 
 
@@ -26,7 +27,9 @@ def main(argv: list[str] | None = None) -> int:
         from twinkle.cli.chat import chat
 
         prompts = args.prompt or [line.strip() for line in sys.stdin if line.strip()]
-        for prompt, reply in chat(args.model_id, args.adapter, prompts, args.system, args.max_new_tokens):
+        for prompt, reply in chat(
+            args.model_id, args.adapter, prompts, args.system, args.max_new_tokens, args.template_cls
+        ):
             print(f"> {prompt}\n{reply}\n", flush=True)
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
