@@ -72,9 +72,21 @@ def test_delete_drops_only_long_rows(jsonl, tiny_model_dir):
 
 
 def test_right_truncation_caps_every_row(jsonl, tiny_model_dir):
-    dataset = build(jsonl, tiny_model_dir, max_length=16, strategy="right").encode()
+    full = build(jsonl, tiny_model_dir, max_length=4096, strategy="right").encode()
+    prompt = max(next(j for j, t in enumerate(full[i]["labels"]) if t != -100) for i in range(len(full)))
+    shortest = min(full[i]["length"] for i in range(len(full)))
+    assert prompt + 1 < shortest  # a cap between them keeps part of every reply
+    cap = prompt + 1
+    dataset = build(jsonl, tiny_model_dir, max_length=cap, strategy="right").encode()
     assert len(dataset) == len(ROWS)
-    assert all(dataset[i]["length"] == 16 for i in range(len(ROWS)))
+    assert all(dataset[i]["length"] == cap for i in range(len(ROWS)))
+
+
+def test_samples_truncated_to_no_reply_token_are_dropped(jsonl, tiny_model_dir):
+    # 16 tokens hold only the prompt of every row: nothing would be learnt from them.
+    dataset = build(jsonl, tiny_model_dir, max_length=16, strategy="right")
+    with pytest.raises(UserError, match="no sample is left"):
+        dataset.encode()
 
 
 def test_all_rows_deleted_is_an_error(jsonl, tiny_model_dir):

@@ -8,9 +8,12 @@ from typing import Any
 import datasets
 
 from twinkle.template import Template, get_template
+from twinkle.template.base import IGNORE_INDEX
 from twinkle.template.tokenizer import load_tokenizer
 from twinkle.utils.errors import UserError
+from twinkle.utils.logger import get_logger
 
+logger = get_logger()
 ENCODED_COLUMNS = ("input_ids", "labels", "attention_mask", "position_ids", "length")
 
 
@@ -45,6 +48,10 @@ class Dataset:
                 raise UserError(
                     f"data_slice selects no rows of dataset {dataset_meta.dataset_id or 'self-cognition'}; "
                     "ask for at least one sample (e.g. --train-samples 1)"
+                )
+            if len(indices) > len(data):
+                logger.info(
+                    f"data_slice asks for {len(indices)} samples of a {len(data)}-row dataset: rows repeat"
                 )
             data = data.select(indices)
         self.data: datasets.Dataset = data
@@ -111,7 +118,19 @@ class Dataset:
             ),
             desc="encode",
         )
-        encoded = encoded.filter(lambda n: n > 0, input_columns="length", keep_in_memory=True)
+        before = len(encoded)
+        # Dropped by 'delete', or truncated so that no reply token is left: such a sample
+        # costs a forward and backward and teaches nothing.
+        encoded = encoded.filter(
+            lambda n, labels: n > 0 and any(t != IGNORE_INDEX for t in labels),
+            input_columns=["length", "labels"],
+            keep_in_memory=True,
+        )
+        if 0 < len(encoded) < before:
+            logger.warning(
+                f"{before - len(encoded)} of {before} samples dropped: no supervised token left after "
+                f"--max-length {template.max_length} with --truncation-strategy {template.truncation_strategy}"
+            )
         if len(encoded) == 0:
             raise UserError(
                 f"no sample is left after encoding with --max-length {template.max_length} and "
