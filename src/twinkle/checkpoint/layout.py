@@ -16,8 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from twinkle.utils.errors import UserError
+from twinkle.utils.fileio import COMPLETE_MARKER, is_complete
 
-MARKER = ".twinkle-complete"
+MARKER = COMPLETE_MARKER
 TRAINER_STATE = "trainer_state.json"
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -28,10 +29,6 @@ FORMAT_VERSION = 1
 
 def rank_state_file(rank: int) -> str:
     return f"rank_state_rank{rank}.pt"
-
-
-def is_complete(folder: str | Path) -> bool:
-    return (Path(folder) / MARKER).is_file()
 
 
 def check_output_dir(output_dir: str | Path) -> None:

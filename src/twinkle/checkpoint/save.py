@@ -2,7 +2,6 @@
 
 import io
 import json
-import os
 import random
 import shutil
 from pathlib import Path
@@ -15,7 +14,7 @@ from safetensors.torch import save as safetensors_bytes
 from twinkle.checkpoint import layout
 from twinkle.distributed.collectives import all_reduce_sum
 from twinkle.utils.errors import UserError
-from twinkle.utils.fileio import fsync_tree
+from twinkle.utils.fileio import fsync_tree, swap_into_place
 
 
 def rng_state() -> dict[str, Any]:
@@ -60,18 +59,6 @@ def _torch_save(obj: Any, path: Path) -> None:
     buffer = io.BytesIO()
     torch.save(obj, buffer)
     _write_bytes(path, buffer.getbuffer())
-
-
-def _publish(tmp: Path, final: Path) -> None:
-    """Swap ``tmp`` into ``final``; an older ``final`` survives until the new one is in place."""
-    if final.exists():
-        old = final.with_name(f".{final.name}.old")
-        shutil.rmtree(old, ignore_errors=True)
-        os.rename(final, old)
-        os.rename(tmp, final)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.rename(tmp, final)
 
 
 def save_checkpoint(
@@ -154,4 +141,4 @@ def _write_files(
 def _finish(tmp: Path, final: Path) -> None:
     (tmp / layout.MARKER).write_text("complete\n")
     fsync_tree(tmp)
-    _publish(tmp, final)
+    swap_into_place(tmp, final)

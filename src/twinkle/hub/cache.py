@@ -10,20 +10,13 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
-from twinkle.utils.fileio import atomic_dir, atomic_write_text, file_lock
-
-COMPLETE_MARKER = ".twinkle-complete"
+from twinkle.utils.fileio import COMPLETE_MARKER, atomic_dir, atomic_write_text, file_lock, is_complete
 
 
 def cache_root() -> Path:
     """``$TWINKLE_CACHE`` if set, else ``~/.cache/twinkle`` (read at call time)."""
     configured = os.environ.get("TWINKLE_CACHE")
     return Path(configured).expanduser() if configured else Path.home() / ".cache" / "twinkle"
-
-
-def is_complete(folder: Path) -> bool:
-    """Whether ``folder`` was fully built (it holds the completion marker)."""
-    return (folder / COMPLETE_MARKER).is_file()
 
 
 def ensure_converted(final: str | os.PathLike, build_fn: Callable[[Path], None]) -> Path:

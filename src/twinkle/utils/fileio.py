@@ -8,6 +8,14 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+# Written last into a folder built in several steps (a converted model, a checkpoint): a folder
+# without it was interrupted and counts as absent.
+COMPLETE_MARKER = ".twinkle-complete"
+
+
+def is_complete(folder: str | os.PathLike) -> bool:
+    return (Path(folder) / COMPLETE_MARKER).is_file()
+
 
 @contextlib.contextmanager
 def file_lock(path: str | os.PathLike) -> Iterator[None]:
@@ -35,6 +43,19 @@ def fsync_tree(folder: str | os.PathLike) -> None:
             os.close(dir_fd)
 
 
+def swap_into_place(tmp: Path, final: Path) -> None:
+    """Rename the finished folder ``tmp`` to ``final``; an existing ``final`` is moved aside
+    first and removed only once the new one is in place."""
+    if final.exists():
+        old = final.with_name(f".{final.name}.old-{os.getpid()}")
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(final, old)
+        os.rename(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(tmp, final)
+
+
 @contextlib.contextmanager
 def atomic_dir(final: str | os.PathLike) -> Iterator[Path]:
     """Yield a temporary sibling folder; on success flush it and rename it to ``final``.
@@ -48,13 +69,7 @@ def atomic_dir(final: str | os.PathLike) -> Iterator[Path]:
     try:
         yield tmp
         fsync_tree(tmp)
-        if final.exists():
-            old = final.with_name(f".{final.name}.old-{os.getpid()}")
-            os.rename(final, old)
-            os.rename(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, final)
+        swap_into_place(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
