@@ -68,8 +68,13 @@ class TransformersModel:
             raise UserError(
                 f"--gradient-accumulation-steps must be at least 1, got {gradient_accumulation_steps}"
             )
+        if self.runtime.is_distributed and self.optimizer_group:
+            raise UserError(
+                "under FSDP a model takes one LoRA adapter (its weights are sharded with the model); "
+                f"it already has {', '.join(self.optimizer_group)}"
+            )
         self.model = add_lora(self.model, adapter_name, config)
-        if self.runtime.is_distributed and not self.optimizer_group:
+        if self.runtime.is_distributed:
             lm = causal_lm_of(self.model)
             apply_fsdp2(lm, self.runtime.mesh, self.device, getattr(lm, "_no_split_modules", None))
             # Every rank drew the same LoRA initialisation (one seed); from here on each rank
