@@ -13,6 +13,10 @@ CHATML = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# The shape of every tiny Llama in the tests: 2 layers, grouped-query attention, small widths.
+TINY_LLAMA_SHAPE = dict(
+    hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
+)
 
 
 def _corpus() -> list[str]:
@@ -57,11 +61,7 @@ def build_tiny_model(out: str | Path, seed: int = 0) -> Path:
     tok = build_tokenizer(out)
     config = LlamaConfig(
         vocab_size=len(tok),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        **TINY_LLAMA_SHAPE,
         max_position_embeddings=512,
         tie_word_embeddings=True,
         eos_token_id=tok.eos_token_id,

@@ -1,5 +1,6 @@
 import pytest
 import torch
+from tiny import TINY_LLAMA_SHAPE
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from twinkle.kernel import KernelChoice
@@ -14,14 +15,7 @@ TORCH_MAPPING = {
 def _tiny_llama(seed: int = 0, **overrides) -> LlamaForCausalLM:
     """A 2-layer Llama from a config (no files), with non-trivial norm weights so that a kernel
     ignoring them would be caught. In eval mode; ``.train()`` it to train."""
-    config = dict(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=100,
-    )
+    config = dict(TINY_LLAMA_SHAPE, vocab_size=100)
     torch.manual_seed(seed)
     model = LlamaForCausalLM(LlamaConfig(**(config | overrides)))
     for name, param in model.named_parameters():

@@ -16,9 +16,10 @@ def default_dtype(device: torch.device) -> torch.dtype:
 def load_causal_lm(
     model_id: str | None, device: torch.device, dtype: torch.dtype | None = None
 ) -> tuple[Any, Any, Path]:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     from twinkle.hub import resolve_model
+    from twinkle.template.tokenizer import load_tokenizer
 
     path = resolve_model(model_id)
     dtype = dtype or default_dtype(device)
@@ -26,5 +27,5 @@ def load_causal_lm(
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
     except (OSError, ValueError) as exc:
         raise UserError(f"cannot load a causal language model from {path} ({exc})") from exc
-    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    tokenizer = load_tokenizer(model_id)  # the one the dataset's template already loaded, if any
     return model.to(device), tokenizer, path
