@@ -1,10 +1,15 @@
 """Padding-free batches give the loss and gradients of the padded batch."""
 
+import pytest
 import torch
-from transformers import LlamaConfig
+import torch.nn.functional as F
 
+import twinkle.model.packing as packing
 from twinkle.dataloader import DataLoader
-from twinkle.model.packing import choose_packing, pack
+from twinkle.model.attention import Segments, segment_attention
+from twinkle.model.packing import pack
+
+IGNORE = -100
 
 
 def _loss_and_grads(make_model, batch, padding_free: bool):
@@ -15,10 +20,16 @@ def _loss_and_grads(make_model, batch, padding_free: bool):
     return loss, grads
 
 
-def test_packed_equals_padded(make_model, dataset):
+@pytest.mark.parametrize("share_prefix", [True, False])
+def test_packed_equals_padded(make_model, dataset, monkeypatch, share_prefix):
     batch = next(iter(DataLoader(dataset, batch_size=4)))
     lengths = batch["attention_mask"].sum(1)
     assert lengths.min() < lengths.max()  # the batch really has padding
+    layout = pack(batch)["twinkle_segments"]
+    assert layout.prefix >= packing.MIN_SHARED_PREFIX  # the chat markup every row starts with
+    if not share_prefix:
+        monkeypatch.setattr(packing, "MIN_SHARED_PREFIX", 10**6)
+        assert pack(batch)["twinkle_segments"].prefix == 0
     loss_padded, grads_padded = _loss_and_grads(make_model, batch, padding_free=False)
     loss_packed, grads_packed = _loss_and_grads(make_model, batch, padding_free=True)
     # fp32, different matmul shapes: only summation order differs.
@@ -28,29 +39,100 @@ def test_packed_equals_padded(make_model, dataset):
         torch.testing.assert_close(grads_packed[name], grad, atol=1e-5, rtol=1e-4, msg=name)
 
 
-def test_pack_layout():
-    batch = {
-        "input_ids": torch.tensor([[5, 6, 7], [8, 9, 0]]),
-        "labels": torch.tensor([[5, 6, 7], [8, 9, -100]]),
-        "attention_mask": torch.tensor([[1, 1, 1], [1, 1, 0]]),
-        "position_ids": torch.tensor([[0, 1, 2], [0, 1, 0]]),
-    }
-    packed = pack(batch)
-    assert packed["input_ids"].tolist() == [[5, 6, 7, 8, 9]]
-    assert packed["position_ids"].tolist() == [[0, 1, 2, 0, 1]]
-    # each sample's first token is no target: the shift never crosses a sample border
-    assert packed["labels"].tolist() == [[-100, 6, 7, -100, 9]]
-    assert packed["attention_mask"] is None
+def _batch(rows: list[tuple[list[int], list[int]]]) -> dict[str, torch.Tensor]:
+    """Right-padded batch of (input_ids, labels) rows."""
+    width = max(len(ids) for ids, _ in rows)
+    out = {"input_ids": [], "labels": [], "attention_mask": [], "position_ids": []}
+    for ids, labels in rows:
+        pad = width - len(ids)
+        out["input_ids"].append(ids + [0] * pad)
+        out["labels"].append(labels + [IGNORE] * pad)
+        out["attention_mask"].append([1] * len(ids) + [0] * pad)
+        out["position_ids"].append(list(range(len(ids))) + [0] * pad)
+    return {k: torch.tensor(v) for k, v in out.items()}
 
 
-def test_packing_is_chosen_only_when_cheaper():
-    config = LlamaConfig(
-        hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3
+def test_pack_layout_shares_the_prefix_and_drops_unscored_tails():
+    x = IGNORE
+    batch = _batch(
+        [
+            ([1, 2, 3, 4, 5, 6, 7, 8], [x, x, x, x, x, 6, 7, x]),  # last token scores nothing
+            ([1, 2, 3, 4, 5, 9], [x, x, x, x, x, 9]),
+            ([1, 2, 3, 4, 7, 7, 7], [x, x, x, x, x, x, x]),  # no target: the row drops out
+        ]
     )
-    assert choose_packing(config, torch.tensor([57, 40, 45, 50]))  # short rows: padding dominates
-    assert not choose_packing(
-        config, torch.tensor([1024, 1000, 700, 600])
-    )  # long rows: T^2 attention dominates
-    assert not choose_packing(config, torch.tensor([64]))  # nothing to pack
-    config.model_type = "gemma2"
-    assert not choose_packing(config, torch.tensor([57, 40]))  # unknown masking: never pack
+    packed = pack(batch)
+    # Row 0 keeps positions 0..5 (position 5 predicts 7), row 1 positions 0..4. Both start with
+    # [1, 2, 3, 4, 5], but position 4 has a target (6 and 9): only [1, 2, 3, 4] is shared.
+    assert packed["twinkle_segments"] == Segments(spans=((4, 6), (6, 7)), prefix=4)
+    assert packed["input_ids"].tolist() == [[1, 2, 3, 4, 5, 6, 5]]
+    assert packed["position_ids"].tolist() == [[0, 1, 2, 3, 4, 5, 4]]
+    assert packed["targets"].tolist() == [[x, x, x, x, 6, 7, 9]]
+    assert packed["attention_mask"].tolist() == [[1] * 7]
+
+
+def test_pack_without_a_shared_prefix_or_targets():
+    x = IGNORE
+    batch = _batch([([1, 2, 3], [x, 2, 3]), ([4, 5], [x, 5])])
+    packed = pack(batch)
+    assert packed["twinkle_segments"] == Segments(spans=((0, 2), (2, 3)), prefix=0)
+    assert packed["input_ids"].tolist() == [[1, 2, 4]]
+    assert packed["targets"].tolist() == [[2, 3, 5]]
+    assert pack(_batch([([1, 2], [x, x])])) is None
+    left_padded = _batch([([1, 2, 3], [x, 2, 3]), ([4, 5], [x, 5])])
+    left_padded["attention_mask"][1] = torch.tensor([0, 1, 1])
+    assert pack(left_padded) is None
+
+
+def _reference(query, key, value, segments, window):
+    """Attention with an explicit (T, T) mask built from sample ids and positions."""
+    t = query.shape[2]
+    owner = torch.full((t,), -1)
+    pos = torch.arange(t)
+    for i, (start, end) in enumerate(segments.spans):
+        owner[start:end] = i
+        pos[start:end] = torch.arange(segments.prefix, segments.prefix + end - start)
+    same = (owner[:, None] == owner[None, :]) | (owner[None, :] == -1)
+    allowed = same & (pos[None, :] <= pos[:, None])
+    allowed &= (owner[:, None] == -1) <= (owner[None, :] == -1)  # the prefix sees only itself
+    if window is not None:
+        allowed &= pos[:, None] - pos[None, :] < window
+    rep = query.shape[1] // key.shape[1]
+    out = F.scaled_dot_product_attention(
+        query, key.repeat_interleave(rep, 1), value.repeat_interleave(rep, 1), attn_mask=allowed
+    )
+    return out.transpose(1, 2)
+
+
+@pytest.mark.parametrize("prefix", [0, 3])
+@pytest.mark.parametrize("window", [None, 2])
+def test_segment_attention_equals_a_masked_row(prefix, window):
+    torch.manual_seed(0)
+    segments = Segments(
+        spans=((prefix, prefix + 4), (prefix + 4, prefix + 5), (prefix + 5, prefix + 8)), prefix=prefix
+    )
+    t = segments.length
+    query = torch.randn(1, 4, t, 8, requires_grad=True)
+    key = torch.randn(1, 2, t, 8, requires_grad=True)
+    value = torch.randn(1, 2, t, 8, requires_grad=True)
+    out = segment_attention(None, query, key, value, segments, sliding_window=window)
+    ref = _reference(query, key, value, segments, window)
+    torch.testing.assert_close(out, ref)
+    grads = torch.autograd.grad(out.square().sum(), (query, key, value))
+    ref_grads = torch.autograd.grad(ref.square().sum(), (query, key, value))
+    for g, r in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(g, r)
+
+
+def test_padded_forward_is_unchanged_after_packing(make_model, dataset):
+    """The wrapped attention is the model's own without segments (evaluation, generation)."""
+    model = make_model(init_lora_weights=False)
+    batch = next(iter(DataLoader(dataset, batch_size=4)))
+    inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids")}
+    before = model.model(**inputs).logits
+    name = model.model.config._attn_implementation
+    model.forward_backward(inputs=batch)
+    assert model.model.config._attn_implementation != name  # packing wrapped it
+    after = model.model(**inputs).logits
+    keep = batch["attention_mask"].bool()
+    torch.testing.assert_close(after[keep], before[keep])

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from twinkle.loss import LossOutput
 from twinkle.loss.cross_entropy import finish
-from twinkle.model.packing import choose_packing, pack
+from twinkle.model.packing import can_pack, pack, shifted_targets
 from twinkle.template.base import IGNORE_INDEX
 
 
@@ -56,13 +56,13 @@ def full_weight(weight: torch.Tensor) -> torch.Tensor:
     return weight.full_tensor() if hasattr(weight, "full_tensor") else weight
 
 
-def _run(lm: Any, batch: dict[str, Any]) -> torch.Tensor:
-    return lm(
-        input_ids=batch["input_ids"],
-        attention_mask=batch["attention_mask"],
-        position_ids=batch["position_ids"],
-        use_cache=False,
-    ).logits
+def _model_inputs(lm: Any, batch: dict[str, Any], padding_free: bool) -> tuple[dict[str, Any], torch.Tensor]:
+    """The forward's keyword arguments and each position's target (``IGNORE_INDEX`` where none)."""
+    packed = pack(batch) if padding_free and can_pack(lm) else None
+    if packed is not None:
+        return packed, packed.pop("targets")
+    inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids")}
+    return inputs, shifted_targets(batch["labels"])
 
 
 def compute_loss(
@@ -70,21 +70,19 @@ def compute_loss(
 ) -> LossOutput:
     """Summed token loss of ``batch`` (labels aligned with ``input_ids``, shifted here).
 
-    With ``padding_free`` the batch runs packed into one row when that is cheaper (see
-    ``twinkle.model.packing``); the loss is the same either way."""
+    With ``padding_free`` the batch runs packed into one row (see ``twinkle.model.packing``);
+    the loss is the same either way."""
     lm = causal_lm_of(model)
-    if padding_free and choose_packing(lm.config, batch["attention_mask"].sum(1)):
-        batch = pack(batch)
-    targets_2d = batch["labels"][:, 1:]
+    inputs, targets_2d = _model_inputs(lm, batch, padding_free)
     mask = targets_2d != IGNORE_INDEX
     targets = targets_2d[mask]
     if has_logit_transform(lm):
-        logits = _run(lm, batch)[:, :-1][mask].float()
+        logits = lm(**inputs, use_cache=False).logits[mask].float()
         loss_sum = F.cross_entropy(logits, targets, reduction="sum")
         correct = (logits.detach().argmax(-1) == targets).sum()
         return finish(loss_sum, targets.numel(), correct, loss_fn.reduction)
     head = lm.get_output_embeddings()
     with head_as_identity(head):
-        hidden = _run(lm, batch)[:, :-1][mask]
+        hidden = lm(**inputs, use_cache=False).logits[mask]
     bias = getattr(head, "bias", None)
     return loss_fn(hidden, full_weight(head.weight), targets, None if bias is None else full_weight(bias))

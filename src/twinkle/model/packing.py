@@ -1,51 +1,97 @@
-"""Padding-free batches: the rows of a right-padded batch laid end to end in one row.
+"""Padding-free batches: the samples of a right-padded batch laid end to end in one row.
 
-Position ids restart at 0 for each sample; with no attention mask, Hugging Face's masking
-builds a block-diagonal causal mask from them, so every sample attends only to itself and the
-result equals the padded batch. No FLOPs go to padding in the linear layers, but attention
-over the packed row covers all pairs (``T^2`` instead of ``sum(L_max^2)``), so packing pays
-only when padding costs more than that: ``choose_packing`` decides per batch."""
+Each position carries its own target (the next token's label), so nothing crosses a sample
+border. Three things are left out of the row because no loss depends on them:
+
+- padding;
+- each sample's tail after its last position with a target (causal attention: later tokens
+  influence nothing that is scored);
+- all but one copy of a prefix every sample shares (system prompt, chat markup) when no target
+  lies inside it: the row holds it once and every sample attends to it.
+
+``twinkle.model.attention`` runs attention per sample, so the loss and gradients equal those of
+the padded batch up to summation order."""
 
 from typing import Any
 
 import torch
 
+from twinkle.model.attention import Segments, enable_segment_attention
 from twinkle.template.base import IGNORE_INDEX
 
-# Decoder families whose masking honours packed position ids (create_causal_mask).
+# Decoder families that mix tokens only in attention (through Hugging Face's attention
+# interface) and take positions from ``position_ids``.
 PACKABLE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
+MIN_SHARED_PREFIX = 4  # shorter shared prefixes are not worth an extra attention call per sample
 
 
-def pack(batch: dict[str, torch.Tensor]) -> dict[str, Any]:
-    """``(B, L)`` right-padded -> ``(1, T)`` with ``T`` the number of real tokens."""
-    keep = batch["attention_mask"].bool()
-    labels = batch["labels"].clone()
-    labels[:, 0] = IGNORE_INDEX  # never a target in the padded layout either (it has no predecessor)
+def shifted_targets(labels: torch.Tensor) -> torch.Tensor:
+    """``(B, L)`` labels aligned with the inputs -> the target of each position (its next label)."""
+    ignore = torch.full_like(labels[:, :1], IGNORE_INDEX)
+    return torch.cat([labels[:, 1:], ignore], dim=1)
+
+
+def can_pack(lm: Any) -> bool:
+    return getattr(lm.config, "model_type", None) in PACKABLE_MODEL_TYPES and enable_segment_attention(
+        lm.config
+    )
+
+
+def _common_prefix(rows: list[torch.Tensor]) -> int:
+    first, limit = rows[0], min(len(r) for r in rows)
+    same = torch.ones(limit, dtype=torch.bool)
+    for row in rows[1:]:
+        same &= row[:limit] == first[:limit]
+    differ = (~same).nonzero()
+    return int(differ[0]) if len(differ) else limit
+
+
+def pack(batch: dict[str, torch.Tensor], share_prefix: bool = True) -> dict[str, Any] | None:
+    """``(B, L)`` right-padded -> model inputs for one row, with ``targets (1, T)``; None when the
+    batch has no target or is not right-padded samples starting at position 0."""
+    mask = batch["attention_mask"].bool()
+    lengths = mask.sum(1)
+    positions = batch["position_ids"]
+    arange = torch.arange(mask.shape[1], device=mask.device)
+    right_padded = bool((mask == (arange[None, :] < lengths[:, None])).all())
+    if not right_padded or not bool((positions[mask] == arange.expand_as(positions)[mask]).all()):
+        return None
+    targets = shifted_targets(batch["labels"]).masked_fill(~mask, IGNORE_INDEX)
+    scored = targets != IGNORE_INDEX
+    # keep each row up to its last position with a target; rows without one drop out
+    keep = torch.where(scored.any(1), mask.shape[1] - scored.flip(1).int().argmax(1), 0).tolist()
+    rows = [i for i, n in enumerate(keep) if n > 0]
+    if not rows:
+        return None
+    ids = batch["input_ids"]
+    shared = 0
+    if share_prefix and len(rows) > 1:
+        first_target = int(scored[rows].int().argmax(1).min())
+        shared = min(
+            _common_prefix([ids[i, : keep[i]] for i in rows]), first_target, min(keep[i] for i in rows) - 1
+        )
+        if shared < MIN_SHARED_PREFIX:
+            shared = 0
+    pieces_ids, pieces_pos, pieces_tgt, spans = (
+        [ids[rows[0], :shared]],
+        [arange[:shared]],
+        [targets[rows[0], :shared]],
+        [],
+    )
+    start = shared
+    for i in rows:
+        n = keep[i]
+        pieces_ids.append(ids[i, shared:n])
+        pieces_pos.append(arange[shared:n])
+        pieces_tgt.append(targets[i, shared:n])
+        spans.append((start, start + n - shared))
+        start += n - shared
+    input_ids = torch.cat(pieces_ids)[None]
     return {
-        "input_ids": batch["input_ids"][keep][None],
-        "labels": labels[keep][None],
-        "position_ids": batch["position_ids"][keep][None],
-        "attention_mask": None,
+        "input_ids": input_ids,
+        "position_ids": torch.cat(pieces_pos)[None],
+        # all ones: Hugging Face's masking then builds no mask; attention follows the segments
+        "attention_mask": torch.ones_like(input_ids),
+        "targets": torch.cat(pieces_tgt)[None],
+        "twinkle_segments": Segments(tuple(spans), shared),
     }
-
-
-def _costs(config: Any) -> tuple[float, float]:
-    """FLOPs per token in one layer's linear maps, and per (query, key) pair in its attention."""
-    hidden = config.hidden_size
-    heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or hidden // heads
-    kv = getattr(config, "num_key_value_heads", None) or heads
-    inter = getattr(config, "intermediate_size", 4 * hidden)
-    linear = 2 * (hidden * heads * head_dim * 2 + hidden * kv * head_dim * 2 + 3 * hidden * inter)
-    return float(linear), float(4 * heads * head_dim)
-
-
-def choose_packing(config: Any, lengths: torch.Tensor) -> bool:
-    """Pack when the padded batch would cost more than the packed row (forward FLOPs model)."""
-    if getattr(config, "model_type", None) not in PACKABLE_MODEL_TYPES or lengths.numel() < 2:
-        return False
-    linear, pair = _costs(config)
-    b, width, total = lengths.numel(), int(lengths.max()), int(lengths.sum())
-    padded = b * width * linear + b * width * width * pair
-    packed = total * linear + total * total * pair
-    return packed < padded

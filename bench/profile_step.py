@@ -1,0 +1,81 @@
+"""Where a Twinkle training step goes: torch.profiler over a few steps of a workload.
+
+    python bench/profile_step.py --workload W1 --steps 4
+    python bench/profile_step.py --workload W2 --steps 1 --memory
+
+Runs the Twinkle side of ``run.py`` (same data, model, adapter and loss) and prints the ops by
+self CPU time; ``--memory`` prints the peak of the allocator instead (CPU: ``ru_maxrss``)."""
+
+import argparse
+import resource
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from common import build_dataset, lora_config
+from run import WORKLOADS, prepare
+
+import twinkle
+from twinkle.dataloader import DataLoader
+from twinkle.kernel import kernelize
+from twinkle.model import TransformersModel
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workload", choices=list(WORKLOADS), default="W1")
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rows", type=int, default=30)
+    parser.add_argument("--memory", action="store_true")
+    parser.add_argument("--shapes", action="store_true", help="group the ops by input shape")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    folder = Path(tempfile.mkdtemp(prefix="twinkle-profile-"))
+    spec = prepare(
+        args.workload,
+        argparse.Namespace(steps=args.steps, warmup=args.warmup, seed=42, threads=args.threads),
+        folder,
+    )
+    twinkle.initialize(seed=42)
+    dataset = build_dataset(spec)
+    model = kernelize(TransformersModel(model_id=None))
+    torch.manual_seed(42)
+    model.add_adapter_to_model("default", lora_config())
+    model.set_optimizer("AdamW", lr=1e-4, weight_decay=0.0)
+    model.set_loss("FusedLinearCrossEntropyLoss")
+    batches = iter(DataLoader(dataset=dataset, batch_size=4))
+
+    def step() -> None:
+        model.forward_backward(inputs=next(batches), task="fused_lm_ce")
+        model.clip_grad_and_step(max_grad_norm=1.0)
+
+    for _ in range(args.warmup):
+        step()
+    if args.memory:
+        start = time.perf_counter()
+        for _ in range(args.steps):
+            step()
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        print(f"{args.steps} steps {time.perf_counter() - start:.2f} s, peak RSS {rss:.0f} MiB")
+        return
+    with torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=args.shapes
+    ) as prof:
+        start = time.perf_counter()
+        for _ in range(args.steps):
+            step()
+        elapsed = time.perf_counter() - start
+    print(f"{args.steps} steps in {elapsed:.2f} s (profiled)", file=sys.stderr)
+    print(
+        prof.key_averages(group_by_input_shape=args.shapes).table(
+            sort_by="self_cpu_time_total", row_limit=args.rows
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

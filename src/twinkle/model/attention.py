@@ -1,0 +1,140 @@
+"""Attention over a packed row, one sample at a time.
+
+A packed batch is one row holding every sample end to end (see ``twinkle.model.packing``).
+``Segments`` says where each sample lies; ``segment_attention`` runs SDPA once per sample, causal
+and without a mask, so no FLOPs go to pairs across samples and no ``(T, T)`` mask or score
+matrix is built (the ``T^2`` cost of a block-diagonal mask is what made packing lose on long
+rows). Samples may share a prefix held once at the start of the row: a sample's queries then
+attend to the prefix keys and causally to their own.
+
+The function is registered with Hugging Face's attention interface under a name derived from
+the model's own implementation; without ``twinkle_segments`` in the call it is exactly that
+implementation (evaluation of padded batches, generation)."""
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+PREFIX = "twinkle_segments:"
+
+
+@dataclass(frozen=True)
+class Segments:
+    """Samples in a packed row: ``spans[i] = (start, end)`` of sample ``i``'s own tokens; the
+    first ``prefix`` tokens of the row, if any, are a prefix every sample continues."""
+
+    spans: tuple[tuple[int, int], ...]
+    prefix: int = 0
+
+    @property
+    def length(self) -> int:
+        return self.spans[-1][1] if self.spans else self.prefix
+
+
+def _window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """Causal (and sliding-window) mask by absolute position: ``(queries, keys)`` booleans."""
+    allowed = k_pos[None, :] <= q_pos[:, None]
+    if window is not None:
+        allowed &= q_pos[:, None] - k_pos[None, :] < window
+    return allowed
+
+
+def _attend(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    shared: int,
+    window: int | None,
+    dropout: float,
+    scaling: float | None,
+) -> torch.Tensor:
+    """SDPA of ``query`` (the last ``L`` keys' positions) over ``key``: the first ``shared`` keys
+    are a prefix all queries see, the rest are causal with the queries."""
+    queries, keys = query.shape[2], key.shape[2]
+    gqa = query.shape[1] != key.shape[1]
+    if shared == 0 and (window is None or keys <= window):
+        return F.scaled_dot_product_attention(
+            query, key, value, dropout_p=dropout, is_causal=queries > 1, scale=scaling, enable_gqa=gqa
+        )
+    k_pos = torch.arange(keys, device=query.device)
+    mask = _window_mask(k_pos[keys - queries :], k_pos, window)
+    return F.scaled_dot_product_attention(
+        query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling, enable_gqa=gqa
+    )
+
+
+def segment_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    segments: Segments,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """``query (1, H, T, D)``, ``key``/``value (1, KV, T, D)`` -> ``(1, T, H, D)``."""
+    if query.shape[0] != 1 or query.shape[2] != segments.length:
+        raise ValueError(
+            f"packed attention expects one row of {segments.length} tokens, got {tuple(query.shape)}"
+        )
+    p = segments.prefix
+    outputs = []
+    if p:
+        outputs.append(
+            _attend(query[:, :, :p], key[:, :, :p], value[:, :, :p], 0, sliding_window, dropout, scaling)
+        )
+    for start, end in segments.spans:
+        k, v = key[:, :, start:end], value[:, :, start:end]
+        if p:
+            k = torch.cat([key[:, :, :p], k], dim=2)
+            v = torch.cat([value[:, :, :p], v], dim=2)
+        outputs.append(_attend(query[:, :, start:end], k, v, p, sliding_window, dropout, scaling))
+    return torch.cat(outputs, dim=2).transpose(1, 2).contiguous()
+
+
+def _dispatcher(base_name: str) -> Any:
+    def attention(
+        module: torch.nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: Any,
+        dropout: float = 0.0,
+        scaling: float | None = None,
+        twinkle_segments: Segments | None = None,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, None]:
+        if twinkle_segments is None:
+            base = ALL_ATTENTION_FUNCTIONS[base_name]
+            return base(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+        out = segment_attention(
+            module, query, key, value, twinkle_segments, dropout, scaling, kwargs.get("sliding_window")
+        )
+        return out, None
+
+    return attention
+
+
+def enable_segment_attention(config: Any) -> bool:
+    """Route ``config``'s attention through ``segment_attention`` when a call passes
+    ``twinkle_segments``. False when the model's implementation cannot be wrapped (``eager``:
+    each family has its own). Idempotent."""
+    current = config._attn_implementation or "sdpa"
+    if current.startswith(PREFIX):
+        return True
+    if current not in ALL_ATTENTION_FUNCTIONS:
+        return False
+    name = PREFIX + current
+    if name not in ALL_ATTENTION_FUNCTIONS:
+        AttentionInterface.register(name, _dispatcher(current))
+        mask = ALL_MASK_ATTENTION_FUNCTIONS._global_mapping.get(current)
+        if mask is not None:
+            AttentionMaskInterface.register(name, mask)
+    config._attn_implementation = name
+    return True
