@@ -6,19 +6,24 @@ from twinkle.utils.errors import UserError
 
 
 def add_lora(model: Any, adapter_name: str, config: Any) -> Any:
-    """Wrap ``model`` with PEFT (or add a further adapter to a PEFT model) and make it active."""
+    """Wrap ``model`` with PEFT (or add a further adapter to a PEFT model) and make it active.
+    Its LoRA linear layers run as one autograd node each (``twinkle.model.lora_linear``)."""
     from peft import PeftModel, get_peft_model
+
+    from twinkle.model.lora_linear import fuse_lora_linears
 
     if isinstance(model, PeftModel):
         if adapter_name in model.peft_config:
             raise UserError(f"adapter {adapter_name!r} already exists; pick another --adapter-name")
         model.add_adapter(adapter_name, config)
         model.set_adapter(adapter_name)
-        return model
-    try:
-        return get_peft_model(model, config, adapter_name=adapter_name)
-    except ValueError as exc:
-        raise UserError(f"cannot add LoRA adapter {adapter_name!r}: {exc}") from exc
+    else:
+        try:
+            model = get_peft_model(model, config, adapter_name=adapter_name)
+        except ValueError as exc:
+            raise UserError(f"cannot add LoRA adapter {adapter_name!r}: {exc}") from exc
+    fuse_lora_linears(model)
+    return model
 
 
 def trainable_parameters(model: Any) -> list[Any]:

@@ -1,0 +1,116 @@
+"""A LoRA linear layer as one autograd node.
+
+PEFT computes ``base(x) + lora_B(lora_A(dropout(x))) * scaling`` as five modules and
+elementwise ops, each a node in the graph with its own output tensor. ``lora_linear`` does the
+same math in one autograd function: the scaled rank-r product is accumulated straight into the
+base output (``addmm``), and backward accumulates both input gradients into one tensor. Outputs
+and gradients equal PEFT's up to summation order.
+
+``fuse_lora_linears`` routes every PEFT ``lora.Linear`` of a model through it whenever the call
+is plain LoRA: one active adapter, not merged, no dropout (or eval mode), no DoRA or other
+variant, no LoRA bias, an unhooked ``nn.Linear`` base and one dtype throughout. Any other call
+runs PEFT's own forward."""
+
+from typing import Any
+
+import torch
+from peft.tuners.lora.layer import Linear as PeftLoraLinear
+from torch import nn
+
+
+class _LoraLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, lora_a, lora_b, scaling):
+        flat = x.reshape(-1, x.shape[-1])
+        low = flat @ lora_a.t()  # (tokens, r)
+        out = flat @ weight.t() if bias is None else torch.addmm(bias, flat, weight.t())
+        out.addmm_(low, lora_b.t(), alpha=scaling)
+        ctx.save_for_backward(flat, weight, lora_a, lora_b, low)
+        ctx.scaling = scaling
+        ctx.has_bias = bias is not None
+        ctx.x_shape = x.shape
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        flat, weight, lora_a, lora_b, low = ctx.saved_tensors
+        need_x, need_w, need_bias, need_a, need_b, _ = ctx.needs_input_grad
+        g = grad_out.reshape(-1, grad_out.shape[-1])
+        g_low = (g @ lora_b).mul_(ctx.scaling)  # (tokens, r)
+        grad_x = grad_w = grad_bias = grad_a = grad_b = None
+        if need_x:
+            grad_x = (g @ weight).addmm_(g_low, lora_a).view(ctx.x_shape)
+        if need_w:
+            grad_w = g.t() @ flat
+        if need_bias and ctx.has_bias:
+            grad_bias = g.sum(0)
+        if need_a:
+            grad_a = g_low.t() @ flat
+        if need_b:
+            grad_b = (g.t() @ low).mul_(ctx.scaling)
+        return grad_x, grad_w, grad_bias, grad_a, grad_b, None
+
+
+def lora_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    scaling: float,
+) -> torch.Tensor:
+    """``x @ weight.T + bias + scaling * (x @ lora_a.T) @ lora_b.T`` in one autograd node."""
+    return _LoraLinear.apply(x, weight, bias, lora_a, lora_b, float(scaling))
+
+
+def _plain_linear(module: nn.Module) -> bool:
+    return type(module) is nn.Linear and not (module._forward_hooks or module._forward_pre_hooks)
+
+
+def _fusable(layer: Any, x: torch.Tensor, args: tuple, kwargs: dict) -> str | None:
+    """The active adapter's name when this call is plain LoRA, else None."""
+    if args or kwargs or layer.disable_adapters or layer.merged or len(layer.active_adapters) != 1:
+        return None
+    name = layer.active_adapters[0]
+    if name not in layer.lora_A or name in getattr(layer, "lora_variant", {}):
+        return None
+    if layer.use_dora.get(name, False) or getattr(layer, "fan_in_fan_out", False):
+        return None
+    dropout = layer.lora_dropout[name]
+    if not (isinstance(dropout, nn.Identity) or not dropout.training or dropout.p == 0):
+        return None
+    base, a, b = layer.base_layer, layer.lora_A[name], layer.lora_B[name]
+    if (
+        not (_plain_linear(base) and _plain_linear(a) and _plain_linear(b))
+        or a.bias is not None
+        or b.bias is not None
+    ):
+        return None
+    if not (x.dtype == base.weight.dtype == a.weight.dtype == b.weight.dtype):
+        return None
+    return name
+
+
+class FusedLoraLinear(PeftLoraLinear):
+    """PEFT's LoRA linear layer whose plain-LoRA calls run as one autograd node."""
+
+    def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        name = _fusable(self, x, args, kwargs)
+        if name is None:
+            return super().forward(x, *args, **kwargs)
+        base = self.base_layer
+        a, b = self.lora_A[name].weight, self.lora_B[name].weight
+        return lora_linear(x, base.weight, base.bias, a, b, self.scaling[name])
+
+
+def fuse_lora_linears(model: nn.Module) -> int:
+    """Give each PEFT ``lora.Linear`` in ``model`` the one-node forward; returns how many.
+
+    The layers' class becomes a subclass of PEFT's, so ``isinstance`` checks, ``deepcopy`` and
+    pickling keep working. Idempotent."""
+    count = 0
+    for module in model.modules():
+        if type(module) is PeftLoraLinear:
+            module.__class__ = FusedLoraLinear
+            count += 1
+    return count

@@ -1,0 +1,117 @@
+"""The one-node LoRA linear layer equals PEFT's, and steps aside where it does not apply."""
+
+import copy
+import pickle
+
+import torch
+from peft import LoraConfig, get_peft_model
+from peft.tuners.lora.layer import Linear as PeftLoraLinear
+from torch import nn
+
+from twinkle.model.lora_linear import FusedLoraLinear, fuse_lora_linears
+
+
+class _Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(6, 10, bias=True)
+        self.down = nn.Linear(10, 6, bias=False)
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(x)))
+
+
+def _pair(**lora):
+    """The same LoRA model twice: PEFT's forward and the fused one."""
+    torch.manual_seed(0)
+    config = LoraConfig(r=3, lora_alpha=6, target_modules=["up", "down"], init_lora_weights=False, **lora)
+    peft_model = get_peft_model(_Net(), config)
+    fused = copy.deepcopy(peft_model)
+    assert fuse_lora_linears(fused) == 2
+    return peft_model, fused
+
+
+def _run(model, x):
+    x = x.clone().requires_grad_()
+    out = model(x)
+    out.square().sum().backward()
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    return out, x.grad, grads
+
+
+def test_fused_equals_peft_in_outputs_and_gradients():
+    peft_model, fused = _pair()
+    assert isinstance(fused.base_model.model.up, FusedLoraLinear)
+    x = torch.randn(2, 5, 6)
+    out_ref, gx_ref, grads_ref = _run(peft_model, x)
+    out, gx, grads = _run(fused, x)
+    torch.testing.assert_close(out, out_ref)
+    torch.testing.assert_close(gx, gx_ref)
+    assert grads.keys() == grads_ref.keys() and len(grads) == 4  # lora_A and lora_B of both layers
+    for name, grad in grads_ref.items():
+        torch.testing.assert_close(grads[name], grad, msg=name)
+
+
+def test_frozen_base_gets_gradients_when_trainable():
+    peft_model, fused = _pair()
+    for model in (peft_model, fused):
+        model.base_model.model.up.base_layer.weight.requires_grad_(True)
+        model.base_model.model.up.base_layer.bias.requires_grad_(True)
+    x = torch.randn(4, 6)
+    _, _, grads_ref = _run(peft_model, x)
+    _, _, grads = _run(fused, x)
+    for name in ("base_model.model.up.base_layer.weight", "base_model.model.up.base_layer.bias"):
+        torch.testing.assert_close(grads[name], grads_ref[name], msg=name)
+
+
+def test_calls_that_are_not_plain_lora_run_peft(monkeypatch):
+    calls = []
+    original = PeftLoraLinear.forward
+
+    def spy(self, *args, **kwargs):
+        calls.append(self)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(PeftLoraLinear, "forward", spy)
+    peft_model, fused = _pair(lora_dropout=0.5)
+    x = torch.randn(3, 6)
+    fused(x)
+    assert len(calls) == 2  # dropout while training: PEFT's forward
+    reference = peft_model.eval()(x)
+    calls.clear()
+    fused.eval()
+    torch.testing.assert_close(fused(x), reference)
+    assert not calls  # eval: dropout is off, fused
+    net = fused.base_model.model
+    base_only = net.down.base_layer(torch.relu(net.up.base_layer(x)))
+    with fused.disable_adapter():
+        torch.testing.assert_close(fused(x), base_only)
+    assert len(calls) == 2  # adapters disabled: PEFT's forward
+
+
+def test_adapter_in_another_dtype_runs_peft(monkeypatch):
+    calls = []
+    original = PeftLoraLinear.forward
+
+    def spy(self, *args, **kwargs):
+        calls.append(self)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(PeftLoraLinear, "forward", spy)
+    peft_model, fused = _pair()
+    for model in (peft_model, fused):
+        model.base_model.model.up.lora_A["default"].double()
+        model.base_model.model.up.lora_B["default"].double()
+    x = torch.randn(3, 6)
+    out = fused(x)
+    assert calls == [fused.base_model.model.up]  # fp64 adapter on a fp32 base: PEFT's forward
+    torch.testing.assert_close(out, peft_model(x))
+
+
+def test_fused_model_survives_deepcopy_and_pickle():
+    _, fused = _pair()
+    x = torch.randn(3, 6)
+    clone = pickle.loads(pickle.dumps(fused))
+    torch.testing.assert_close(clone(x), fused(x))
+    assert type(copy.deepcopy(fused).base_model.model.up) is FusedLoraLinear
+    assert fuse_lora_linears(fused) == 0  # already fused
