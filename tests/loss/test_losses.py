@@ -18,8 +18,9 @@ TOLERANCES = [
     # two bf16 ulps of the largest element (2 * 2**-8 ~ 0.8%), so 1.6e-2 of the max.
     (torch.bfloat16, 1.6e-2, 1.6e-2),
 ]
-# (rows, hidden, vocab, chunk_rows): one row; chunks that do not divide the rows; one chunk.
-SHAPES = [(1, 8, 16, 4), (37, 16, 50, 8), (300, 32, 600, 64), (64, 32, 600, 1024)]
+# (rows, hidden, vocab, chunk_rows): one row; chunks that do not divide the rows; one chunk;
+# a vocabulary the CPU path splits into blocks, the last one partial (5000 = 2 x 2048 + 904).
+SHAPES = [(1, 8, 16, 4), (37, 16, 50, 8), (300, 32, 600, 64), (64, 32, 600, 1024), (20, 16, 5000, 8)]
 
 
 def reference(hidden, weight, targets, bias, reduction):
