@@ -24,12 +24,17 @@ class ReplicatedOptimizer:
 
     def __init__(self, params: list[torch.nn.Parameter], build: Callable[[list[torch.nn.Parameter]], Any]):
         self.params = params
-        self.copies = [
-            torch.nn.Parameter(
-                p.full_tensor().detach().clone() if hasattr(p, "full_tensor") else p.detach().clone()
-            )
-            for p in params
-        ]
+        # Nothing sharded (one process, or plain DDP-style replicas): step the parameters themselves.
+        self.direct = not any(hasattr(p, "full_tensor") for p in params)
+        if self.direct:
+            self.copies = list(params)
+        else:
+            self.copies = [
+                torch.nn.Parameter(
+                    p.full_tensor().detach().clone() if hasattr(p, "full_tensor") else p.detach().clone()
+                )
+                for p in params
+            ]
         self.optimizer = build(self.copies)
 
     # what the training step reads
@@ -39,6 +44,11 @@ class ReplicatedOptimizer:
 
     def gather_grads(self, scale: float) -> None:
         """Full-size gradients onto the copies, multiplied by ``scale``."""
+        if self.direct:
+            grads = [p.grad for p in self.params if p.grad is not None]
+            if grads:
+                torch._foreach_mul_(grads, scale)
+            return
         for p, c in zip(self.params, self.copies, strict=True):
             if p.grad is None:
                 c.grad = None
@@ -49,6 +59,8 @@ class ReplicatedOptimizer:
     @torch.no_grad()
     def step(self) -> None:
         self.optimizer.step()
+        if self.direct:
+            return
         for p, c in zip(self.params, self.copies, strict=True):
             if hasattr(p, "to_local"):
                 p.to_local().copy_(_local_shard(c.detach(), p))
@@ -68,6 +80,8 @@ class ReplicatedOptimizer:
 
     def sync_copies(self) -> None:
         """Refresh the copies from the (possibly just loaded) model weights."""
+        if self.direct:
+            return
         with torch.no_grad():
             for p, c in zip(self.params, self.copies, strict=True):
                 c.copy_(p.full_tensor() if hasattr(p, "full_tensor") else p)
