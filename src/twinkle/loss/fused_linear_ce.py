@@ -50,7 +50,7 @@ class _FusedLinearCE(torch.autograd.Function):
             loss_sum += (lse - logits.gather(1, t[:, None]).squeeze(1)).sum()
             correct += (logits.argmax(-1) == t).sum()
             if need_h or need_w or need_b:
-                grad_logits = torch.exp(logits - lse[:, None])  # softmax, in place of the logits
+                grad_logits = logits.sub_(lse[:, None]).exp_()  # softmax, in place of the logits
                 grad_logits[torch.arange(t.numel(), device=t.device), t] -= 1
                 if need_h:
                     grad_h[start : start + chunk_rows] = (grad_logits.to(weight.dtype) @ weight).to(
