@@ -6,14 +6,18 @@ FLOPs of one step of frozen-base LoRA (a multiply-add counts 2):
       + P_head * 4 * V * H                         LM head on the positions a side computes
       + 12 * L * d_attn * S                        attention scores and their use
 
-- ``P_body``: positions through the decoder layers, pads included (batch rows x padded width).
+- ``P_body``: positions through the decoder layers. The Trainer route runs the padded batch
+  (rows x padded width); Twinkle runs one packed row: no pads, no tail after a sample's last
+  target, and the prefix all samples share once (``twinkle.model.packing``).
 - ``N_frozen``: weights of the frozen linears LoRA wraps (q, k, v, o, gate, up, down in every
   layer). Forward 2N, backward 2N for the activation gradients; no weight gradients: 4N.
 - ``N_lora``: LoRA A and B weights. Forward 2, activation gradients 2, weight gradients 2: 6N.
 - ``P_head``: Twinkle applies the head only where the next token is supervised; the Trainer
   route computes logits on every position. ``V x H`` is the head (tied to the frozen embedding,
   so again no weight gradient): 4VH.
-- ``S``: causal (query, key) pairs, ``width * (width + 1) / 2`` per row of the padded batch.
+- ``S``: causal (query, key) pairs: ``width * (width + 1) / 2`` per row of the padded batch
+  (Trainer); per sample of the packed row, its own causal pairs plus its pairs with the shared
+  prefix (Twinkle).
   Per pair and layer, ``QK^T`` and ``PV`` cost 2 * 2 * d_attn forward and twice that backward
   (gradients for Q, K, V and P): 12 * d_attn. ``d_attn`` = query heads x head size.
 

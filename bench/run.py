@@ -23,7 +23,7 @@ FLOPs of a step (details and what is left out: ``flops.py``):
 
     P_body * (4 * N_frozen + 6 * N_lora) + P_head * 4 * V * H + 12 * L * d_attn * S
 
-``P_body`` positions through the decoder (pads included), ``N_frozen`` frozen linear weights
+``P_body`` positions through the decoder (Trainer: pads included; Twinkle: the packed row), ``N_frozen`` frozen linear weights
 (forward 2N, activation gradients 2N, no weight gradients), ``N_lora`` LoRA weights (6N),
 ``P_head`` positions the LM head runs on (Twinkle: supervised positions only; Trainer: all),
 ``V x H`` the head (frozen, tied), ``S`` causal (query, key) pairs over the padded width,

@@ -24,8 +24,23 @@ import twinkle
 from twinkle.dataloader import DataLoader
 from twinkle.kernel import kernelize
 from twinkle.model import TransformersModel
+from twinkle.model.packing import pack
 
 SIDE = "twinkle"
+
+
+def count_packed(record, batch) -> None:
+    """What the packed row really runs: its length through the layers, and per-sample causal
+    pairs plus each sample's pairs with the shared prefix (``twinkle.model.packing``)."""
+    packed = pack(batch)
+    if packed is None:
+        return
+    layout = packed["twinkle_segments"]
+    p = layout.prefix
+    record.body_positions = layout.length
+    record.attention_pairs = p * (p + 1) // 2 + sum(
+        (e - s) * p + (e - s) * (e - s + 1) // 2 for s, e in layout.spans
+    )
 
 
 def main() -> None:
@@ -51,6 +66,7 @@ def main() -> None:
         record = batch_record(
             batch["input_ids"], batch["labels"], batch["attention_mask"], head_positions="supervised"
         )
+        count_packed(record, batch)
         record.begin = time.perf_counter()
         record.loss = model.forward_backward(inputs=batch, task="fused_lm_ce")
         model.clip_grad_and_step(max_grad_norm=spec.max_grad_norm)

@@ -64,7 +64,22 @@ def test_frozen_base_gets_gradients_when_trainable():
         torch.testing.assert_close(grads[name], grads_ref[name], msg=name)
 
 
-def test_calls_that_are_not_plain_lora_run_peft(monkeypatch):
+def test_dropout_draws_the_masks_peft_draws():
+    peft_model, fused = _pair(lora_dropout=0.5)
+    x = torch.randn(4, 3, 6)
+    torch.manual_seed(1)
+    out_ref, gx_ref, grads_ref = _run(peft_model, x)
+    torch.manual_seed(1)
+    out, gx, grads = _run(fused, x)
+    torch.testing.assert_close(out, out_ref)
+    torch.testing.assert_close(gx, gx_ref)
+    for name, grad in grads_ref.items():
+        torch.testing.assert_close(grads[name], grad, msg=name)
+    torch.manual_seed(2)
+    assert not torch.allclose(fused(x), out)  # the masks are really random
+
+
+def _spy(monkeypatch) -> list:
     calls = []
     original = PeftLoraLinear.forward
 
@@ -73,31 +88,28 @@ def test_calls_that_are_not_plain_lora_run_peft(monkeypatch):
         return original(self, *args, **kwargs)
 
     monkeypatch.setattr(PeftLoraLinear, "forward", spy)
-    peft_model, fused = _pair(lora_dropout=0.5)
+    return calls
+
+
+def test_calls_that_are_not_plain_lora_run_peft(monkeypatch):
+    calls = _spy(monkeypatch)
+    _, fused = _pair()
     x = torch.randn(3, 6)
     fused(x)
-    assert len(calls) == 2  # dropout while training: PEFT's forward
-    reference = peft_model.eval()(x)
-    calls.clear()
-    fused.eval()
-    torch.testing.assert_close(fused(x), reference)
-    assert not calls  # eval: dropout is off, fused
+    assert not calls  # plain LoRA: fused
     net = fused.base_model.model
     base_only = net.down.base_layer(torch.relu(net.up.base_layer(x)))
     with fused.disable_adapter():
         torch.testing.assert_close(fused(x), base_only)
     assert len(calls) == 2  # adapters disabled: PEFT's forward
+    calls.clear()
+    _, dora = _pair(use_dora=True)
+    dora(x)
+    assert len(calls) == 2  # DoRA: PEFT's forward
 
 
 def test_adapter_in_another_dtype_runs_peft(monkeypatch):
-    calls = []
-    original = PeftLoraLinear.forward
-
-    def spy(self, *args, **kwargs):
-        calls.append(self)
-        return original(self, *args, **kwargs)
-
-    monkeypatch.setattr(PeftLoraLinear, "forward", spy)
+    calls = _spy(monkeypatch)
     peft_model, fused = _pair()
     for model in (peft_model, fused):
         model.base_model.model.up.lora_A["default"].double()

@@ -7,7 +7,7 @@ base output (``addmm``), and backward accumulates both input gradients into one 
 and gradients equal PEFT's up to summation order.
 
 ``fuse_lora_linears`` routes every PEFT ``lora.Linear`` of a model through it whenever the call
-is plain LoRA: one active adapter, not merged, no dropout (or eval mode), no DoRA or other
+is plain LoRA: one active adapter, not merged, dropout (if any) ``nn.Dropout``, no DoRA or other
 variant, no LoRA bias, an unhooked ``nn.Linear`` base and one dtype throughout. Any other call
 runs PEFT's own forward."""
 
@@ -20,35 +20,42 @@ from torch import nn
 
 class _LoraLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, lora_a, lora_b, scaling):
+    def forward(ctx, x, x_lora, weight, bias, lora_a, lora_b, scaling):
         flat = x.reshape(-1, x.shape[-1])
-        low = flat @ lora_a.t()  # (tokens, r)
+        flat_lora = flat if x_lora is None else x_lora.reshape(flat.shape)
+        low = flat_lora @ lora_a.t()  # (tokens, r)
         out = flat @ weight.t() if bias is None else torch.addmm(bias, flat, weight.t())
         out.addmm_(low, lora_b.t(), alpha=scaling)
-        ctx.save_for_backward(flat, weight, lora_a, lora_b, low)
+        ctx.save_for_backward(flat, flat_lora, weight, lora_a, lora_b, low)
         ctx.scaling = scaling
         ctx.has_bias = bias is not None
+        ctx.separate = x_lora is not None
         ctx.x_shape = x.shape
         return out.view(*x.shape[:-1], out.shape[-1])
 
     @staticmethod
     def backward(ctx, grad_out):
-        flat, weight, lora_a, lora_b, low = ctx.saved_tensors
-        need_x, need_w, need_bias, need_a, need_b, _ = ctx.needs_input_grad
+        flat, flat_lora, weight, lora_a, lora_b, low = ctx.saved_tensors
+        need_x, need_x_lora, need_w, need_bias, need_a, need_b, _ = ctx.needs_input_grad
         g = grad_out.reshape(-1, grad_out.shape[-1])
         g_low = (g @ lora_b).mul_(ctx.scaling)  # (tokens, r)
-        grad_x = grad_w = grad_bias = grad_a = grad_b = None
-        if need_x:
+        grad_x = grad_x_lora = grad_w = grad_bias = grad_a = grad_b = None
+        if ctx.separate:
+            if need_x:
+                grad_x = (g @ weight).view(ctx.x_shape)
+            if need_x_lora:
+                grad_x_lora = (g_low @ lora_a).view(ctx.x_shape)
+        elif need_x:
             grad_x = (g @ weight).addmm_(g_low, lora_a).view(ctx.x_shape)
         if need_w:
             grad_w = g.t() @ flat
         if need_bias and ctx.has_bias:
             grad_bias = g.sum(0)
         if need_a:
-            grad_a = g_low.t() @ flat
+            grad_a = g_low.t() @ flat_lora
         if need_b:
             grad_b = (g.t() @ low).mul_(ctx.scaling)
-        return grad_x, grad_w, grad_bias, grad_a, grad_b, None
+        return grad_x, grad_x_lora, grad_w, grad_bias, grad_a, grad_b, None
 
 
 def lora_linear(
@@ -58,9 +65,11 @@ def lora_linear(
     lora_a: torch.Tensor,
     lora_b: torch.Tensor,
     scaling: float,
+    x_lora: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``x @ weight.T + bias + scaling * (x @ lora_a.T) @ lora_b.T`` in one autograd node."""
-    return _LoraLinear.apply(x, weight, bias, lora_a, lora_b, float(scaling))
+    """``x @ weight.T + bias + scaling * (x_lora @ lora_a.T) @ lora_b.T`` in one autograd node;
+    ``x_lora`` (the LoRA branch's input, e.g. after dropout) defaults to ``x``."""
+    return _LoraLinear.apply(x, x_lora, weight, bias, lora_a, lora_b, float(scaling))
 
 
 def _plain_linear(module: nn.Module) -> bool:
@@ -77,7 +86,7 @@ def _fusable(layer: Any, x: torch.Tensor, args: tuple, kwargs: dict) -> str | No
     if layer.use_dora.get(name, False) or getattr(layer, "fan_in_fan_out", False):
         return None
     dropout = layer.lora_dropout[name]
-    if not (isinstance(dropout, nn.Identity) or not dropout.training or dropout.p == 0):
+    if not isinstance(dropout, (nn.Identity, nn.Dropout)):
         return None
     base, a, b = layer.base_layer, layer.lora_A[name], layer.lora_B[name]
     if (
@@ -100,7 +109,12 @@ class FusedLoraLinear(PeftLoraLinear):
             return super().forward(x, *args, **kwargs)
         base = self.base_layer
         a, b = self.lora_A[name].weight, self.lora_B[name].weight
-        return lora_linear(x, base.weight, base.bias, a, b, self.scaling[name])
+        dropout = self.lora_dropout[name]
+        # PEFT draws the same mask: the base layer uses no random numbers
+        x_lora = (
+            dropout(x) if isinstance(dropout, nn.Dropout) and dropout.training and dropout.p > 0 else None
+        )
+        return lora_linear(x, base.weight, base.bias, a, b, self.scaling[name], x_lora)
 
 
 def fuse_lora_linears(model: nn.Module) -> int:
