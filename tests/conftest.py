@@ -29,3 +29,13 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(autouse=True)
+def _forget_parsed_args():
+    """``initialize`` and ``TransformersModel`` read the last parsed command line; one test's
+    flags must not reach the next test's model."""
+    import twinkle.cli.cli as cli
+
+    yield
+    cli._last = None

@@ -72,6 +72,7 @@ def test_upstream_run_line():
         "model_id": "ms://Qwen/Qwen3.5-4B",
         "enable_liger": True,
         "enable_fused_ce": False,
+        "activation_checkpointing": "auto",
     }
     assert d["training"] == {
         "batch_size": 8,
@@ -296,3 +297,12 @@ def test_env_accepts_flag_aliases():
     )
     assert args.optimizer.learning_rate == 2e-5 and args.lora.lora_rank == 16
     assert CLI.from_args(["--lr", "3e-5"], env={"TWINKLE_LR": "2e-5"}).optimizer.learning_rate == 3e-5
+
+
+def test_activation_checkpointing_flag_and_variable():
+    assert parse().model.activation_checkpointing == "auto"
+    assert parse("--activation-checkpointing", "on").model.activation_checkpointing == "on"
+    env = {"TWINKLE_ACTIVATION_CHECKPOINTING": "off"}
+    assert parse(env=env).model.activation_checkpointing == "off"
+    with pytest.raises(UserError, match="'sometimes' is not one of auto, on, off"):
+        parse("--activation-checkpointing", "sometimes")

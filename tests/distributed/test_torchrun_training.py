@@ -112,6 +112,13 @@ def test_fused_ce_under_fsdp2_matches_one_process(train):
     compare(single, train(2, fsdp_size=2, dp_size=1, task="fused_lm_ce"), TOL["AdamW"], "fsdp=2 fused CE")
 
 
+def test_activation_checkpointing_under_fsdp2_matches_one_process(train):
+    # Recomputed layers inside FSDP2's unshard/reshard hooks give one process's results.
+    single = train(1)
+    sharded = train(2, fsdp_size=2, dp_size=1, activation_checkpointing="on")
+    compare(single, sharded, TOL["AdamW"], "fsdp=2 activation checkpointing")
+
+
 def test_dp2_matches_one_process(train):
     compare(train(1), train(2, fsdp_size=1, dp_size=2), TOL["AdamW"], "dp=2 AdamW")
 

@@ -38,6 +38,7 @@ def parse_args() -> argparse.Namespace:
         "--fail-save-rank", type=int, default=None, help="this rank's checkpoint writes hit a full disk"
     )
     p.add_argument("--task", choices=("causal_lm", "fused_lm_ce"), default="causal_lm")
+    p.add_argument("--activation-checkpointing", choices=("auto", "on", "off"), default="auto")
     p.add_argument("--save-at", type=int, default=None, help="also save OUT/step-S after micro-batch S")
     p.add_argument("--resume", default=None, help="checkpoint folder to resume from")
     p.add_argument("--resume-only-model", action="store_true")
@@ -47,7 +48,7 @@ def parse_args() -> argparse.Namespace:
 
 
 def build_model(args: argparse.Namespace, num_training_steps: int) -> TransformersModel:
-    model = TransformersModel(model_id=args.model_id)
+    model = TransformersModel(model_id=args.model_id, activation_checkpointing=args.activation_checkpointing)
     discovered = {
         type(m).__name__ for m in model.model.modules() if type(m).__name__.endswith("DecoderLayer")
     }

@@ -80,6 +80,11 @@ class ModelArgs:
     enable_fused_ce: bool = _opt(
         True, "fused linear cross-entropy when Liger is enabled", aliases=("fused-ce",)
     )
+    activation_checkpointing: str = _opt(
+        "auto",
+        "recompute decoder layers in backward: auto (only for a batch whose activations would not fit in free memory), on, off",
+        choices=("auto", "on", "off"),
+    )
 
 
 @dataclass

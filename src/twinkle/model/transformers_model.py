@@ -16,6 +16,7 @@ from twinkle.checkpoint import load_checkpoint, read_trainer_state, rotate_check
 from twinkle.distributed.collectives import all_reduce_sum
 from twinkle.distributed.fsdp import apply_fsdp2
 from twinkle.loss import FusedLinearCrossEntropyLoss, build_loss
+from twinkle.model.checkpointing import LayerCheckpointing
 from twinkle.model.forward import causal_lm_of, compute_loss
 from twinkle.model.loading import load_causal_lm
 from twinkle.model.lora import add_lora, lora_signature, trainable_parameters
@@ -35,16 +36,29 @@ logger = get_logger()
 
 class TransformersModel:
     def __init__(
-        self, model_id: str | None = None, dtype: torch.dtype | None = None, padding_free: bool = True
+        self,
+        model_id: str | None = None,
+        dtype: torch.dtype | None = None,
+        padding_free: bool = True,
+        activation_checkpointing: str | None = None,
     ):
-        """``padding_free``: run a batch packed into one row whenever that costs fewer FLOPs than
-        the padded batch (same loss; see ``twinkle.model.packing``)."""
+        """``padding_free``: run each batch packed into one row (same loss; see
+        ``twinkle.model.packing``). ``activation_checkpointing``: ``auto`` (only for a batch whose
+        activations would not fit), ``on`` or ``off``; None takes ``--activation-checkpointing``
+        from the last parsed command line, else ``auto`` (see ``twinkle.model.checkpointing``)."""
         runtime = get_runtime()
         self.padding_free = padding_free
+        if activation_checkpointing is None:
+            from twinkle.cli import last_args
+
+            args = last_args()
+            activation_checkpointing = args.model.activation_checkpointing if args is not None else "auto"
+        self.activation_checkpointing = activation_checkpointing
         self.runtime = runtime
         self.device = runtime.device
         self.model_id = model_id
         self.model, self.tokenizer, self.model_path = load_causal_lm(model_id, self.device, dtype)
+        self.checkpointing = LayerCheckpointing(self.model, activation_checkpointing)
         self.optimizer_group: dict[str, OptimizerGroup] = {}
         self._pending_eval: tuple[str, Any, int, int] | None = None
 
@@ -150,6 +164,7 @@ class TransformersModel:
         group.train_metrics.start_batch()
         batch = self._to_device(inputs)
         self.model.train()
+        self.checkpointing.decide(int(batch["attention_mask"].sum()), self.device)
         out = compute_loss(self.model, batch, self._loss_fn(group, task), self.padding_free)
         out.loss_sum.backward()  # even when not finite: under FSDP every rank must run backward
         loss_sum = float(out.loss_sum.detach())
