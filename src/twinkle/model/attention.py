@@ -84,17 +84,20 @@ def segment_attention(
             f"packed attention expects one row of {segments.length} tokens, got {tuple(query.shape)}"
         )
     p = segments.prefix
-    # one split per tensor (a single backward node) rather than a slice per sample
-    sizes = ([p] if p else []) + [end - start for start, end in segments.spans]
-    queries, keys, values = (t.split(sizes, dim=2) for t in (query, key, value))
+    lengths = [end - start for start, end in segments.spans]
+    if not p:
+        # one split per tensor (a single backward node) rather than a slice per sample
+        pieces = zip(*(t.split(lengths, dim=2) for t in (query, key, value)), strict=True)
+        outputs = [_attend(q, k, v, 0, sliding_window, dropout, scaling) for q, k, v in pieces]
+        return torch.cat(outputs, dim=2).transpose(1, 2).contiguous()
+    # The prefix and the first sample are contiguous: together one plain causal attention.
+    queries = query.split([p + lengths[0], *lengths[1:]], dim=2)
+    keys, values = (t.split([p, *lengths], dim=2) for t in (key, value))
     outputs = []
-    if p:
-        outputs.append(_attend(queries[0], keys[0], values[0], 0, sliding_window, dropout, scaling))
-        queries, own_keys, own_values = queries[1:], keys[1:], values[1:]
-        keys = [torch.cat([keys[0], k], dim=2) for k in own_keys]
-        values = [torch.cat([values[0], v], dim=2) for v in own_values]
-    for q, k, v in zip(queries, keys, values, strict=True):
-        outputs.append(_attend(q, k, v, p, sliding_window, dropout, scaling))
+    for i, q in enumerate(queries):
+        k = torch.cat([keys[0], keys[i + 1]], dim=2)
+        v = torch.cat([values[0], values[i + 1]], dim=2)
+        outputs.append(_attend(q, k, v, 0 if i == 0 else p, sliding_window, dropout, scaling))
     return torch.cat(outputs, dim=2).transpose(1, 2).contiguous()
 
 
