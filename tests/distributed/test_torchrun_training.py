@@ -148,7 +148,12 @@ def test_two_rank_checkpoint_in_one_process(train, tiny_model_dir):
     full = train(2, fsdp_size=2, dp_size=1, save_at=SAVE_AT)
     checkpoint = full["out"] / f"step-{SAVE_AT}"
     worker = _import_worker()
-    args = worker.argparse.Namespace(model_id=str(tiny_model_dir), optimizer="AdamW", grad_accum=GRAD_ACCUM)
+    args = worker.argparse.Namespace(
+        model_id=str(tiny_model_dir),
+        optimizer="AdamW",
+        grad_accum=GRAD_ACCUM,
+        activation_checkpointing="auto",
+    )
 
     model = worker.build_model(args, STEPS)
     with pytest.raises(UserError, match=r"saved by 2 process\(es\).*1.*same world size.*--resume-only-model"):

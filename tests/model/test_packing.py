@@ -115,7 +115,7 @@ def test_segment_attention_equals_a_masked_row(prefix, window):
     query = torch.randn(1, 4, t, 8, requires_grad=True)
     key = torch.randn(1, 2, t, 8, requires_grad=True)
     value = torch.randn(1, 2, t, 8, requires_grad=True)
-    out = segment_attention(None, query, key, value, segments, sliding_window=window)
+    out = segment_attention(query, key, value, segments, sliding_window=window)
     ref = _reference(query, key, value, segments, window)
     torch.testing.assert_close(out, ref)
     grads = torch.autograd.grad(out.square().sum(), (query, key, value))

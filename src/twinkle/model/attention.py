@@ -69,7 +69,6 @@ def _attend(
 
 
 def segment_attention(
-    module: torch.nn.Module,
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
@@ -117,7 +116,7 @@ def _dispatcher(base_name: str) -> Any:
             base = ALL_ATTENTION_FUNCTIONS[base_name]
             return base(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
         out = segment_attention(
-            module, query, key, value, twinkle_segments, dropout, scaling, kwargs.get("sliding_window")
+            query, key, value, twinkle_segments, dropout, scaling, kwargs.get("sliding_window")
         )
         return out, None
 
