@@ -35,6 +35,7 @@ class Spec:
     max_grad_norm: float = 1.0
     seed: int = 42
     threads: int = 2
+    model_path: str | None = None  # None: the bundled SmolLM2-135M-Instruct (see shapes.py)
 
     @property
     def total_steps(self) -> int:

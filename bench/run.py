@@ -47,6 +47,7 @@ import torch
 from common import Spec, build_dataset, write_encoded
 from flops import matmul_peak_gflops, step_flops
 from long_rows import write_long_rows
+from shapes import CHOICES, model_path
 
 HERE = Path(__file__).resolve().parent
 SIDES = {"twinkle": HERE / "twinkle_side.py", "hf_trainer": HERE / "trainer_side.py"}
@@ -73,6 +74,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first")
     parser.add_argument("--sides", default=",".join(SIDES), help=f"comma-separated, of {', '.join(SIDES)}")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--model",
+        choices=CHOICES,
+        default="smollm2",
+        help="the bundled SmolLM2-135M (default), or a seeded random model built from a config (shapes.py)",
+    )
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--out", type=Path, default=HERE / "results.json")
     args = parser.parse_args()
@@ -103,6 +110,7 @@ def prepare(name: str, args: argparse.Namespace, folder: Path) -> Spec:
         encoded_path=str(folder / f"{name}_encoded.jsonl"),
         seed=args.seed,
         threads=args.threads,
+        model_path=model_path(getattr(args, "model", "smollm2"), folder, args.seed),
     )
     write_encoded(build_dataset(spec), Path(spec.encoded_path))
     return spec

@@ -108,7 +108,7 @@ def main() -> None:
     dtype = torch.bfloat16 if cuda else torch.float32
 
     samples = read_encoded(spec.encoded_path)
-    path = str(resolve_model(None))
+    path = str(resolve_model(spec.model_path))
     tokenizer = AutoTokenizer.from_pretrained(path)
     tokenizer.padding_side = "right"  # as Twinkle pads; position ids then match
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)

@@ -1,0 +1,71 @@
+"""Models for the benchmark: the bundled SmolLM2-135M-Instruct, or a randomly initialised model
+of another architecture and size built from a config (no download), with SmolLM2's tokenizer.
+
+- ``smollm2``: the bundled weights (the default; W1/W2 as specified).
+- ``qwen2.5-0.5b``: Qwen2 at Qwen2.5-0.5B's sizes (24 layers, hidden 896, MLP 4864, 14 query and
+  2 key/value heads, tied embeddings) over SmolLM2's 49152-token vocabulary: a Qwen-sized step
+  for a GPU run.
+- ``tiny``: a 2-layer Qwen2, to check the harness end to end in seconds.
+
+Random weights train as well as real ones for timing and memory; the loss starts near ``ln V``."""
+
+import shutil
+from pathlib import Path
+
+import torch
+
+SHAPES = {
+    "qwen2.5-0.5b": dict(
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        rope_theta=1_000_000.0,
+        rms_norm_eps=1e-6,
+    ),
+    "tiny": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    ),
+}
+CHOICES = ("smollm2", *SHAPES)
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+)
+
+
+def model_path(shape: str, folder: Path, seed: int) -> str | None:
+    """None for the bundled model; else a folder holding a seeded random model of ``shape``."""
+    if shape == "smollm2":
+        return None
+    from transformers import AutoConfig, AutoModelForCausalLM, Qwen2Config
+
+    from twinkle.hub import resolve_model
+
+    bundled = resolve_model(None)
+    target = folder / f"model-{shape}"
+    if (target / "config.json").exists():
+        return str(target)
+    reference = AutoConfig.from_pretrained(bundled)
+    config = Qwen2Config(
+        vocab_size=reference.vocab_size,
+        bos_token_id=reference.bos_token_id,
+        eos_token_id=reference.eos_token_id,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        **SHAPES[shape],
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(target)
+    for name in TOKENIZER_FILES:
+        if (bundled / name).exists():
+            shutil.copy(bundled / name, target / name)
+    return str(target)
