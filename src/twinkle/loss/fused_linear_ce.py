@@ -8,8 +8,10 @@ import torch
 
 from twinkle.loss.cross_entropy import LossOutput, check_reduction, finish
 
-# A chunk holds about this many logits (fp32): 8M = 32 MiB, i.e. ~170 rows at a 49k vocabulary.
-CHUNK_ELEMENTS = 2**23
+# A chunk holds about this many logits (fp32): 32M = 128 MiB, i.e. ~680 rows at a 49k vocabulary.
+# On 2 CPU cores 2048 rows of SmolLM2's head took 1.89 s in chunks of 170 rows, 1.67 s of 680 and
+# 1.61 s of 2048: larger chunks keep the head's matmuls efficient, for memory that stays small.
+CHUNK_ELEMENTS = 2**25
 
 
 def auto_chunk_rows(vocab_size: int) -> int:
@@ -72,7 +74,7 @@ def fused_linear_cross_entropy(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed cross-entropy of ``hidden @ weight.T (+ bias)`` against ``targets`` and the number
     of correct argmax predictions, without materialising more than ``chunk_rows`` logit rows
-    (default: about 32 MiB of logits)."""
+    (default: about 128 MiB of logits)."""
     if hidden.shape[0] == 0:
         zero = (hidden.sum() * 0 + weight.sum() * 0).float()
         if bias is not None:  # zero gradients for every input, like CrossEntropyLoss
