@@ -72,26 +72,20 @@ def pack(batch: dict[str, torch.Tensor], share_prefix: bool = True) -> dict[str,
         )
         if shared < MIN_SHARED_PREFIX:
             shared = 0
-    pieces_ids, pieces_pos, pieces_tgt, spans = (
-        [ids[rows[0], :shared]],
-        [arange[:shared]],
-        [targets[rows[0], :shared]],
-        [],
-    )
-    start = shared
+    # (ids, positions, targets) of the shared prefix, then of each sample's own part
+    pieces = [(ids[rows[0], :shared], arange[:shared], targets[rows[0], :shared])]
+    spans, start = [], shared
     for i in rows:
         n = keep[i]
-        pieces_ids.append(ids[i, shared:n])
-        pieces_pos.append(arange[shared:n])
-        pieces_tgt.append(targets[i, shared:n])
+        pieces.append((ids[i, shared:n], arange[shared:n], targets[i, shared:n]))
         spans.append((start, start + n - shared))
         start += n - shared
-    input_ids = torch.cat(pieces_ids)[None]
+    input_ids, position_ids, row_targets = (torch.cat(column)[None] for column in zip(*pieces, strict=True))
     return {
         "input_ids": input_ids,
-        "position_ids": torch.cat(pieces_pos)[None],
+        "position_ids": position_ids,
         # all ones: Hugging Face's masking then builds no mask; attention follows the segments
         "attention_mask": torch.ones_like(input_ids),
-        "targets": torch.cat(pieces_tgt)[None],
+        "targets": row_targets,
         "twinkle_segments": Segments(tuple(spans), shared),
     }
