@@ -119,7 +119,8 @@ def build_dataset(spec: Spec) -> Any:
 
     datasets.disable_progress_bars()
     dataset = Dataset(DatasetMeta(spec.dataset_id, data_slice=range(spec.num_samples)))
-    dataset.set_template("Template", model_id=None, max_length=spec.max_length)
+    # the model's own folder for a random shape (its tokenizer); None: the bundled model
+    dataset.set_template("Template", model_id=spec.model_path, max_length=spec.max_length)
     dataset.map(SelfCognitionProcessor(MODEL_NAME, MODEL_AUTHOR))
     dataset.encode()
     return dataset

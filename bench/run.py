@@ -80,6 +80,11 @@ def parse_args() -> argparse.Namespace:
         default="smollm2",
         help="the bundled SmolLM2-135M (default), or a seeded random model built from a config (shapes.py)",
     )
+    parser.add_argument(
+        "--tokenizer",
+        default=None,
+        help="with a random --model: a folder holding only tokenizer files (default: the bundled model's)",
+    )
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--out", type=Path, default=HERE / "results.json")
     args = parser.parse_args()
@@ -110,7 +115,9 @@ def prepare(name: str, args: argparse.Namespace, folder: Path) -> Spec:
         encoded_path=str(folder / f"{name}_encoded.jsonl"),
         seed=args.seed,
         threads=args.threads,
-        model_path=model_path(getattr(args, "model", "smollm2"), folder, args.seed),
+        model_path=model_path(
+            getattr(args, "model", "smollm2"), folder, args.seed, getattr(args, "tokenizer", None)
+        ),
     )
     write_encoded(build_dataset(spec), Path(spec.encoded_path))
     return spec

@@ -9,7 +9,6 @@ of another architecture and size built from a config (no download), with SmolLM2
 
 Random weights train as well as real ones for timing and memory; the loss starts near ``ln V``."""
 
-import shutil
 from pathlib import Path
 
 import torch
@@ -41,23 +40,28 @@ TOKENIZER_FILES = (
 )
 
 
-def model_path(shape: str, folder: Path, seed: int) -> str | None:
-    """None for the bundled model; else a folder holding a seeded random model of ``shape``."""
+def model_path(shape: str, folder: Path, seed: int, tokenizer: str | None = None) -> str | None:
+    """None for the bundled model; else a folder holding a seeded random model of ``shape`` and a
+    tokenizer: ``tokenizer`` (a folder with the tokenizer files; no model weights needed, so a
+    machine without the bundled GGUF can run it) or the bundled model's."""
     if shape == "smollm2":
+        if tokenizer is not None:
+            raise SystemExit("--tokenizer goes with a random --model shape; smollm2 uses the bundled weights")
         return None
-    from transformers import AutoConfig, AutoModelForCausalLM, Qwen2Config
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config
 
-    from twinkle.hub import resolve_model
+    if tokenizer is None:
+        from twinkle.hub import resolve_model
 
-    bundled = resolve_model(None)
+        tokenizer = str(resolve_model(None))
     target = folder / f"model-{shape}"
     if (target / "config.json").exists():
         return str(target)
-    reference = AutoConfig.from_pretrained(bundled)
+    tok = AutoTokenizer.from_pretrained(tokenizer)
     config = Qwen2Config(
-        vocab_size=reference.vocab_size,
-        bos_token_id=reference.bos_token_id,
-        eos_token_id=reference.eos_token_id,
+        vocab_size=len(tok),
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
         max_position_embeddings=4096,
         tie_word_embeddings=True,
         **SHAPES[shape],
@@ -65,7 +69,5 @@ def model_path(shape: str, folder: Path, seed: int) -> str | None:
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)
     model.save_pretrained(target)
-    for name in TOKENIZER_FILES:
-        if (bundled / name).exists():
-            shutil.copy(bundled / name, target / name)
+    tok.save_pretrained(target)
     return str(target)
