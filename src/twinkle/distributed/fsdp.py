@@ -4,7 +4,8 @@ Order (each step assumes the ones before it):
   1. LoRA is already attached, so the frozen base weight and its trainable LoRA matrices shard
      together inside one unit.
   2. Kernels are already in place (``kernelize`` patches forwards; sharding is indifferent).
-  3. Optional activation checkpointing wraps each decoder layer before it is sharded.
+  3. Activation checkpointing (``twinkle.model.checkpointing``) already wraps each decoder
+     layer's forward, deciding per micro-batch; sharding keeps the wrapper.
   4. ``fully_shard`` every module whose class is in ``_no_split_modules`` (the decoder layers),
      then the root, which owns the embedding, the final norm and the tied head.
 The mesh is always 2-D ``(dp, fsdp)``: ``dp`` replicas of an ``fsdp``-way shard (HSDP). A size
@@ -30,7 +31,6 @@ def apply_fsdp2(
     mesh: DeviceMesh,
     device: torch.device,
     no_split_modules: list[str] | None,
-    activation_checkpointing: bool = False,
 ) -> torch.nn.Module:
     """Shard ``root`` in place over ``mesh`` and return it (now an ``FSDPModule``)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -42,10 +42,6 @@ def apply_fsdp2(
             f"no module of the model is one of _no_split_modules {sorted(names)}; set "
             "model.model._no_split_modules to the decoder-layer class name"
         )
-    if activation_checkpointing:
-        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
-
-        apply_activation_checkpointing(root, check_fn=lambda m: type(m).__name__ in names)
     # bf16 compute with fp32 gradient reduction on accelerators; fp32 throughout on CPU, where
     # bf16 matmuls are ~25x slower.
     policy = MixedPrecisionPolicy()

@@ -53,7 +53,6 @@ class TransformersModel:
 
             args = last_args()
             activation_checkpointing = args.model.activation_checkpointing if args is not None else "auto"
-        self.activation_checkpointing = activation_checkpointing
         self.runtime = runtime
         self.device = runtime.device
         self.model_id = model_id
