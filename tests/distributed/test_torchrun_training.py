@@ -96,6 +96,21 @@ def assert_trained(result: dict) -> None:
     assert min(lora_b) > 1e-3
 
 
+def test_shutdown_stops_every_gloo_thread(train):
+    """After ``shutdown`` no gloo worker or socket thread is left to run into the interpreter's
+    teardown (where a peer closing its sockets once aborted rank 0 of a finished run)."""
+    runs = {
+        "fsdp=2": (2, train(2, optimizer="AdamW", fsdp_size=2, dp_size=1, save_at=SAVE_AT)["out"]),
+        "fsdp=2 x dp=2": (4, train(4, fsdp_size=2, dp_size=2)["out"]),
+    }
+    for label, (nproc, out) in runs.items():
+        for rank in range(nproc):
+            names = json.loads((out / f"threads_rank{rank}.json").read_text())
+            assert names, "no thread listed: /proc/self/task was not read"
+            left = [n for n in names if "gloo" in n]
+            assert not left, f"{label}, rank {rank}: threads left after shutdown: {names}"
+
+
 @pytest.mark.parametrize("optimizer", ["AdamW", "Muon"])
 def test_fsdp2_matches_one_process(train, optimizer):
     single = train(1, optimizer=optimizer)

@@ -4,7 +4,9 @@ Run it as one process (``python train_worker.py ...``) or under torchrun
 (``python -m torch.distributed.run --nproc_per_node N train_worker.py --fsdp-size F --dp-size D ...``).
 Rank 0 writes ``OUT/result.json``: the per-step losses (reduced over ranks) and the final LoRA
 weights, read back from the checkpoint ``OUT/final`` (``model.save`` writes full tensors). Every
-rank writes ``OUT/pid_rank{r}`` first, so a test can check that no worker outlives the job."""
+rank writes ``OUT/pid_rank{r}`` first, so a test can check that no worker outlives the job, and
+at the end ``OUT/threads_rank{r}.json``: the names of its threads still running after
+``twinkle.runtime.shutdown()``."""
 
 import argparse
 import json
@@ -64,7 +66,7 @@ def build_model(args: argparse.Namespace, num_training_steps: int) -> Transforme
     return model
 
 
-def main() -> None:
+def main() -> tuple[Path, int]:
     args = parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -112,7 +114,19 @@ def main() -> None:
         weights = {k: v.tolist() for k, v in sorted(load_file(final / "adapter_model.safetensors").items())}
         result = {"world_size": runtime.world_size, "steps": steps, "weights": weights}
         (out / "result.json").write_text(json.dumps(result))
+    return out, runtime.rank
+
+
+def thread_names() -> list[str]:
+    """The kernel's name of every thread of this process (gloo names its threads)."""
+    names = []
+    for task in Path("/proc/self/task").iterdir():
+        names.append((task / "comm").read_text().strip())
+    return names
 
 
 if __name__ == "__main__":
-    main()
+    # As in the contract, the model goes with main's frame; torch's caches still hold the mesh.
+    out, rank = main()
+    twinkle.runtime.shutdown()
+    (out / f"threads_rank{rank}.json").write_text(json.dumps(thread_names()))

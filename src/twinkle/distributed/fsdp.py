@@ -11,6 +11,9 @@ Order (each step assumes the ones before it):
 The mesh is always 2-D ``(dp, fsdp)``: ``dp`` replicas of an ``fsdp``-way shard (HSDP). A size
 of 1 degenerates cleanly: ``(1, N)`` is plain FSDP, ``(N, 1)`` plain data parallelism."""
 
+import gc
+import weakref
+
 import torch
 
 from twinkle.distributed.mesh import DeviceMesh
@@ -19,11 +22,33 @@ from twinkle.utils.logger import get_logger
 
 logger = get_logger()
 
+_TORCH_MESHES: "weakref.WeakSet" = weakref.WeakSet()
+
 
 def torch_mesh(mesh: DeviceMesh, device_type: str):
     from torch.distributed.device_mesh import init_device_mesh
 
-    return init_device_mesh(device_type, (mesh.dp_size, mesh.fsdp_size), mesh_dim_names=("dp", "fsdp"))
+    dmesh = init_device_mesh(device_type, (mesh.dp_size, mesh.fsdp_size), mesh_dim_names=("dp", "fsdp"))
+    _TORCH_MESHES.add(dmesh)
+    return dmesh
+
+
+def release_process_groups() -> None:
+    """Drop the process groups that the torch meshes built here still hold.
+
+    ``destroy_process_group`` forgets the groups, but a mesh keeps its own references, and
+    torch's DTensor caches keep the mesh alive after the model is gone. The gloo backends (their
+    worker and socket threads) then live on into interpreter teardown, where a peer closing its
+    sockets can wake them while the process is half torn down: the contract's 2-rank run once
+    ended in ``terminate called without an active exception`` (SIGABRT) after its last save.
+    Call only after ``destroy_process_group``; the backends stop here, while Python is whole.
+    A model that is gone but sits in a reference cycle (FSDP's hooks make some) also holds
+    groups, so the cycles are collected first."""
+    gc.collect()
+    for dmesh in list(_TORCH_MESHES):
+        registry = getattr(dmesh, "_pg_registry", None)
+        if isinstance(registry, dict):
+            registry.clear()
 
 
 def apply_fsdp2(

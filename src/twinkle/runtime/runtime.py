@@ -10,6 +10,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from twinkle.distributed.fsdp import release_process_groups
 from twinkle.distributed.mesh import DeviceMesh
 from twinkle.utils.errors import UserError
 from twinkle.utils.framework import Torch
@@ -115,9 +116,10 @@ def get_runtime() -> Runtime:
 
 
 def shutdown() -> None:
-    """Destroy the process group, if any. Safe to call twice."""
+    """Destroy the process groups, if any, and stop their backends' threads. Safe to call twice."""
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+        release_process_groups()
 
 
 def get_device_placement() -> str:
