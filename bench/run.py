@@ -41,7 +41,7 @@ import time
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
-from statistics import mean
+from statistics import mean, median
 
 import torch
 from common import Spec, build_dataset, write_encoded
@@ -85,6 +85,12 @@ def parse_args() -> argparse.Namespace:
         default=None,
         help="with a random --model: a folder holding only tokenizer files (default: the bundled model's)",
     )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run the sides this many times, alternating which goes first; the ratio is the median of the rounds",
+    )
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--out", type=Path, default=HERE / "results.json")
     args = parser.parse_args()
@@ -92,8 +98,8 @@ def parse_args() -> argparse.Namespace:
     unknown = [s for s in args.sides if s not in SIDES]
     if unknown or not args.sides:
         parser.error(f"--sides: unknown {unknown}; valid: {', '.join(SIDES)}")
-    if args.warmup < 0 or (args.steps is not None and args.steps < 1):
-        parser.error("need --warmup >= 0 and --steps >= 1")
+    if args.warmup < 0 or (args.steps is not None and args.steps < 1) or args.rounds < 1:
+        parser.error("need --warmup >= 0, --steps >= 1 and --rounds >= 1")
     return args
 
 
@@ -202,23 +208,29 @@ def _cpuinfo() -> list[str]:
 
 
 def table(report: dict) -> str:
-    gpu = any(
-        s["peak_gpu_mib"] is not None for w in report["workloads"].values() for s in w["sides"].values()
-    )
-    head = ["workload", "side", "tokens/s", "supervised tokens/s", "s/step", "peak RSS MiB"]
+    runs = [s for w in report["workloads"].values() for r in w["rounds"] for s in r.values()]
+    gpu = any(s["peak_gpu_mib"] is not None for s in runs)
+    head = ["workload", "round", "side", "tokens/s", "supervised tokens/s", "s/step", "peak RSS MiB"]
     head += ["peak GPU MiB"] * gpu + ["final loss", "model GFLOP/s", "% of peak"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, w in report["workloads"].items():
-        for side, s in w["sides"].items():
-            cells = [name, side, f"{s['tokens_per_s']:.1f}", f"{s['supervised_tokens_per_s']:.1f}"]
-            cells += [f"{s['s_per_step']:.2f}", f"{s['peak_rss_mib']:.0f}"]
-            cells += [f"{s['peak_gpu_mib']:.0f}" if s["peak_gpu_mib"] is not None else "-"] * gpu
-            cells += [
-                f"{s['final_loss']:.4f}",
-                f"{s['model_gflops_per_s']:.1f}",
-                f"{100 * s['fraction_of_peak']:.1f}",
-            ]
-            lines.append("| " + " | ".join(cells) + " |")
+        for number, sides in enumerate(w["rounds"], 1):
+            for side, s in sides.items():
+                cells = [
+                    name,
+                    str(number),
+                    side,
+                    f"{s['tokens_per_s']:.1f}",
+                    f"{s['supervised_tokens_per_s']:.1f}",
+                ]
+                cells += [f"{s['s_per_step']:.2f}", f"{s['peak_rss_mib']:.0f}"]
+                cells += [f"{s['peak_gpu_mib']:.0f}" if s["peak_gpu_mib"] is not None else "-"] * gpu
+                cells += [
+                    f"{s['final_loss']:.4f}",
+                    f"{s['model_gflops_per_s']:.1f}",
+                    f"{100 * s['fraction_of_peak']:.1f}",
+                ]
+                lines.append("| " + " | ".join(cells) + " |")
     peak = report["matmul_peak"]
     lines.append(
         f"\nmatmul peak: {peak['gflops']:.1f} GFLOP/s ({peak['dtype']}, {peak['device']}, "
@@ -228,11 +240,24 @@ def table(report: dict) -> str:
         r = w.get("twinkle_over_hf_trainer")
         if r:
             same = "same samples" if r["same_samples"] else "WARNING: the sides saw different samples"
+            each = ", ".join(f"{x['tokens_per_s']:.2f}x" for x in r["rounds"])
             lines.append(
-                f"{name}: twinkle / hf_trainer tokens/s {r['tokens_per_s']:.2f}x, peak RSS "
-                f"{r['peak_rss']:.2f}x, final loss diff {r['final_loss_diff']:+.4f} ({same})"
+                f"{name}: twinkle / hf_trainer tokens/s {r['tokens_per_s']:.2f}x (median of rounds: {each}), "
+                f"peak RSS {r['peak_rss']:.2f}x, final loss diff {r['final_loss_diff']:+.4f} ({same})"
             )
     return "\n".join(lines)
+
+
+def ratios(rounds: list[dict]) -> dict:
+    """Each round's back-to-back ratios and their medians (the machine drifts between rounds)."""
+    each = [compare(sides) for sides in rounds]
+    return {
+        "tokens_per_s": median(r["tokens_per_s"] for r in each),
+        "peak_rss": median(r["peak_rss"] for r in each),
+        "final_loss_diff": max((r["final_loss_diff"] for r in each), key=abs),
+        "same_samples": all(r["same_samples"] for r in each),
+        "rounds": each,
+    }
 
 
 def main() -> None:
@@ -246,13 +271,16 @@ def main() -> None:
         folder = Path(tmp)
         for name in names:
             spec = prepare(name, args, folder)
-            sides = {}
-            for side in args.sides:
-                raw = run_side(side, spec, folder, args.threads)
-                sides[side] = {**summarize(raw, spec.warmup, peak["gflops"]), "raw": raw}
-            entry = {"spec": vars(spec), "sides": sides}
-            if len(sides) == 2:
-                entry["twinkle_over_hf_trainer"] = compare(sides)
+            rounds = []
+            for number in range(args.rounds):
+                sides = {}
+                for side in args.sides if number % 2 == 0 else args.sides[::-1]:
+                    raw = run_side(side, spec, folder, args.threads)
+                    sides[side] = {**summarize(raw, spec.warmup, peak["gflops"]), "raw": raw}
+                rounds.append({side: sides[side] for side in args.sides})
+            entry = {"spec": vars(spec), "rounds": rounds}
+            if len(args.sides) == 2:
+                entry["twinkle_over_hf_trainer"] = ratios(rounds)
             report["workloads"][name] = entry
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1))
