@@ -11,6 +11,7 @@ at the end ``OUT/threads_rank{r}.json``: the names of its threads still running 
 import argparse
 import json
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -117,12 +118,21 @@ def main() -> tuple[Path, int]:
     return out, runtime.rank
 
 
-def thread_names() -> list[str]:
-    """The kernel's name of every thread of this process (gloo names its threads)."""
-    names = []
-    for task in Path("/proc/self/task").iterdir():
-        names.append((task / "comm").read_text().strip())
-    return names
+def thread_names(settle_s: float = 5.0) -> list[str]:
+    """The kernel's name of every thread of this process (gloo names its threads). A joined
+    thread can linger in ``/proc/self/task`` for a moment after ``join`` returns, so this waits
+    up to ``settle_s`` for the gloo names to go; a thread still running stays and is listed."""
+    deadline = time.monotonic() + settle_s
+    while True:
+        names = []
+        for task in Path("/proc/self/task").iterdir():
+            try:
+                names.append((task / "comm").read_text().strip())
+            except FileNotFoundError:  # gone between the listing and the read
+                pass
+        if not any("gloo" in n for n in names) or time.monotonic() > deadline:
+            return names
+        time.sleep(0.05)
 
 
 if __name__ == "__main__":

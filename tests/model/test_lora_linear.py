@@ -120,6 +120,18 @@ def test_adapter_in_another_dtype_runs_peft(monkeypatch):
     torch.testing.assert_close(out, peft_model(x))
 
 
+def test_autocast_runs_peft(monkeypatch):
+    # autocast recasts the matmuls to bf16 while the adapter stays fp32: one node cannot mix them
+    calls = _spy(monkeypatch)
+    peft_model, fused = _pair()
+    x = torch.randn(3, 6)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, expected = fused(x), peft_model(x)
+    assert len(calls) == 4  # both layers of both models: PEFT's forward
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, expected)
+
+
 def test_fused_model_survives_deepcopy_and_pickle():
     _, fused = _pair()
     x = torch.randn(3, 6)

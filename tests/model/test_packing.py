@@ -71,6 +71,23 @@ def test_pack_layout_shares_the_prefix_and_drops_unscored_tails():
     assert packed["attention_mask"].tolist() == [[1] * 7]
 
 
+def test_pack_makes_every_tensor_on_the_batch_device():
+    # On a GPU the batch is on the device while a factory call without device= lands on the CPU.
+    # Here the batch is on the CPU and the default device is meta: any such call would fail.
+    x = IGNORE
+    batch = _batch([([1, 2, 3, 4, 5, 6, 7], [x, x, x, x, x, 6, 7]), ([1, 2, 3, 4, 5, 9], [x, x, x, x, x, 9])])
+    expected = pack(batch)
+    assert expected["twinkle_segments"].prefix == 4  # the prefix is shared: _common_prefix ran
+    with torch.device("meta"):
+        got = pack(batch)
+    assert got.keys() == expected.keys()
+    for key, value in expected.items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(got[key], value), key
+        else:
+            assert got[key] == value, key
+
+
 def test_pack_without_a_shared_prefix_or_targets():
     x = IGNORE
     batch = _batch([([1, 2, 3], [x, 2, 3]), ([4, 5], [x, 5])])

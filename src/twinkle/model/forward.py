@@ -32,6 +32,12 @@ def has_logit_transform(lm: Any) -> bool:
     )
 
 
+def head_is_plain(head: torch.nn.Module) -> bool:
+    """True when the head's output is ``hidden @ head.weight.T (+ bias)``: a plain ``Linear``
+    with no hooks. An adapter on the head (a LoRA ``lm_head``) or a wrapper is not."""
+    return type(head) is torch.nn.Linear and not (head._forward_hooks or head._forward_pre_hooks)
+
+
 def _identity(x: torch.Tensor) -> torch.Tensor:
     # A copy, not a view: FSDP2 warns that in-place ops on a root output view would skip its
     # backward hook. The copy is one (batch, seq, hidden) tensor, small beside the layers.
@@ -62,7 +68,7 @@ def _model_inputs(lm: Any, batch: dict[str, Any], padding_free: bool) -> tuple[d
     if packed is not None:
         return packed, packed.pop("targets")
     inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids")}
-    return inputs, shifted_targets(batch["labels"])
+    return inputs, shifted_targets(batch["labels"], batch["attention_mask"])
 
 
 def compute_loss(
@@ -76,12 +82,12 @@ def compute_loss(
     inputs, targets_2d = _model_inputs(lm, batch, padding_free)
     mask = targets_2d != IGNORE_INDEX
     targets = targets_2d[mask]
-    if has_logit_transform(lm):
+    head = lm.get_output_embeddings()
+    if has_logit_transform(lm) or not head_is_plain(head):
         logits = lm(**inputs, use_cache=False).logits[mask].float()
         loss_sum = F.cross_entropy(logits, targets, reduction="sum")
         correct = (logits.detach().argmax(-1) == targets).sum()
         return finish(loss_sum, targets.numel(), correct, loss_fn.reduction)
-    head = lm.get_output_embeddings()
     with head_as_identity(head):
         hidden = lm(**inputs, use_cache=False).logits[mask]
     bias = getattr(head, "bias", None)

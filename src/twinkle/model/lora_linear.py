@@ -97,6 +97,8 @@ def _fusable(layer: Any, x: torch.Tensor, args: tuple, kwargs: dict) -> str | No
         return None
     if not (x.dtype == base.weight.dtype == a.weight.dtype == b.weight.dtype):
         return None
+    if torch.is_autocast_enabled(x.device.type):  # autocast would recast inside the node
+        return None
     return name
 
 

@@ -25,10 +25,15 @@ PACKABLE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen
 MIN_SHARED_PREFIX = 4  # shorter shared prefixes are not worth an extra attention call per sample
 
 
-def shifted_targets(labels: torch.Tensor) -> torch.Tensor:
-    """``(B, L)`` labels aligned with the inputs -> the target of each position (its next label)."""
+def shifted_targets(labels: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """``(B, L)`` labels aligned with the inputs -> the target of each position (its next label).
+
+    A position has a target only if it and the next one are real tokens: a pad is never predicted
+    and never predicts, whatever label a hand-made batch gave it."""
     ignore = torch.full_like(labels[:, :1], IGNORE_INDEX)
-    return torch.cat([labels[:, 1:], ignore], dim=1)
+    real = attention_mask.bool()
+    both = torch.cat([real[:, :-1] & real[:, 1:], torch.zeros_like(real[:, :1])], dim=1)
+    return torch.cat([labels[:, 1:], ignore], dim=1).masked_fill(~both, IGNORE_INDEX)
 
 
 def can_pack(lm: Any) -> bool:
@@ -38,12 +43,10 @@ def can_pack(lm: Any) -> bool:
 
 
 def _common_prefix(rows: list[torch.Tensor]) -> int:
-    first, limit = rows[0], min(len(r) for r in rows)
-    same = torch.ones(limit, dtype=torch.bool)
-    for row in rows[1:]:
-        same &= row[:limit] == first[:limit]
-    differ = (~same).nonzero()
-    return int(differ[0]) if len(differ) else limit
+    limit = min(len(r) for r in rows)
+    heads = torch.stack([r[:limit] for r in rows])  # on the rows' device, like everything here
+    same = (heads == heads[:1]).all(0)
+    return int(same.int().cumprod(0).sum())
 
 
 def pack(batch: dict[str, torch.Tensor], share_prefix: bool = True) -> dict[str, Any] | None:
@@ -56,7 +59,7 @@ def pack(batch: dict[str, torch.Tensor], share_prefix: bool = True) -> dict[str,
     right_padded = bool((mask == (arange[None, :] < lengths[:, None])).all())
     if not right_padded or not bool((positions[mask] == arange.expand_as(positions)[mask]).all()):
         return None
-    targets = shifted_targets(batch["labels"]).masked_fill(~mask, IGNORE_INDEX)
+    targets = shifted_targets(batch["labels"], mask)
     scored = targets != IGNORE_INDEX
     # keep each row up to its last position with a target; rows without one drop out
     keep = torch.where(scored.any(1), mask.shape[1] - scored.flip(1).int().argmax(1), 0).tolist()

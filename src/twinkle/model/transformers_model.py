@@ -163,7 +163,8 @@ class TransformersModel:
         group.train_metrics.start_batch()
         batch = self._to_device(inputs)
         self.model.train()
-        self.checkpointing.decide(int(batch["attention_mask"].sum()), self.device)
+        # positions the layers may run: the padded batch (a packed row is never longer)
+        self.checkpointing.decide(batch["input_ids"].numel(), self.device)
         out = compute_loss(self.model, batch, self._loss_fn(group, task), self.padding_free)
         out.loss_sum.backward()  # even when not finite: under FSDP every rank must run backward
         loss_sum = float(out.loss_sum.detach())

@@ -1,0 +1,80 @@
+"""``compute_loss`` equals the cross-entropy of the model's own logits, whatever the head and
+the labels at padding."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+from peft import LoraConfig, get_peft_model
+
+from twinkle.loss import CrossEntropyLoss, FusedLinearCrossEntropyLoss
+from twinkle.model.forward import compute_loss
+from twinkle.model.lora_linear import fuse_lora_linears
+
+VOCAB, IGNORE = 64, -100
+
+
+def _llama(tied: bool) -> transformers.LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=tied,
+        attn_implementation="sdpa",
+    )
+    return transformers.LlamaForCausalLM(config)
+
+
+def _batch(lengths: list[int], label_pads: bool) -> dict[str, torch.Tensor]:
+    """Right-padded rows, prompt (3 tokens) unscored; pads labelled -100 or, as a user's own
+    batch might have them, with the pad token itself."""
+    width = max(lengths)
+    torch.manual_seed(1)
+    ids = torch.randint(1, VOCAB, (len(lengths), width))
+    mask = (torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]).long()
+    ids = ids * mask
+    labels = ids.clone() if label_pads else ids.masked_fill(mask == 0, IGNORE)
+    labels[:, :3] = IGNORE
+    positions = (torch.arange(width)[None, :] * mask).long()
+    return {"input_ids": ids, "labels": labels, "attention_mask": mask, "position_ids": positions}
+
+
+def _reference(model, batch) -> torch.Tensor:
+    """Summed CE of the model's real logits over real (non-pad) positions with a label."""
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    targets = batch["labels"][:, 1:].masked_fill(batch["attention_mask"][:, 1:] == 0, IGNORE)
+    return F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), targets.reshape(-1), reduction="sum")
+
+
+@pytest.mark.parametrize("padding_free", [False, True])
+def test_a_lora_on_the_head_is_in_the_loss_and_trains(padding_free):
+    model = get_peft_model(
+        _llama(tied=False),
+        LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "lm_head"], init_lora_weights=False),
+    )
+    fuse_lora_linears(model)
+    batch = _batch([10, 8, 10], label_pads=False)
+    expected = _reference(model, batch)
+    for loss_fn in (CrossEntropyLoss(), FusedLinearCrossEntropyLoss()):
+        model.zero_grad()
+        out = compute_loss(model, batch, loss_fn, padding_free=padding_free)
+        torch.testing.assert_close(out.loss_sum, expected, atol=1e-4, rtol=1e-5)
+        out.loss_sum.backward()
+        grad = model.base_model.model.lm_head.lora_B["default"].weight.grad
+        assert grad is not None and grad.abs().sum() > 0, "the head's LoRA got no gradient"
+
+
+@pytest.mark.parametrize("padding_free", [False, True])
+def test_pads_are_never_targets_whatever_their_label(padding_free):
+    model = _llama(tied=True)
+    clean, labelled = _batch([10, 7, 9], label_pads=False), _batch([10, 7, 9], label_pads=True)
+    assert (labelled["labels"] != clean["labels"]).any()  # pads carry labels in one of them
+    expected = _reference(model, clean)
+    for batch in (clean, labelled):
+        out = compute_loss(model, batch, CrossEntropyLoss(), padding_free=padding_free)
+        torch.testing.assert_close(out.loss_sum, expected, atol=1e-4, rtol=1e-5)
+        assert out.num_tokens == int((clean["labels"][:, 1:] != IGNORE).sum())
