@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 import transformers
 from peft import LoraConfig, get_peft_model
+from tiny import TINY_LLAMA_SHAPE
 
 from twinkle.loss import CrossEntropyLoss, FusedLinearCrossEntropyLoss
 from twinkle.model.forward import compute_loss
@@ -17,14 +18,7 @@ VOCAB, IGNORE = 64, -100
 def _llama(tied: bool) -> transformers.LlamaForCausalLM:
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=tied,
-        attn_implementation="sdpa",
+        **TINY_LLAMA_SHAPE, vocab_size=VOCAB, tie_word_embeddings=tied, attn_implementation="sdpa"
     )
     return transformers.LlamaForCausalLM(config)
 

@@ -4,22 +4,14 @@ Mistral's sliding window shorter than the rows."""
 import pytest
 import torch
 import transformers
+from tiny import TINY_LLAMA_SHAPE
 
 from twinkle.loss import CrossEntropyLoss
 from twinkle.model.forward import compute_loss
 from twinkle.model.packing import PACKABLE_MODEL_TYPES
 
 IGNORE = -100
-SMALL = dict(
-    vocab_size=64,
-    hidden_size=32,
-    intermediate_size=48,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=64,
-    attn_implementation="sdpa",
-)
+SMALL = dict(TINY_LLAMA_SHAPE, vocab_size=64, max_position_embeddings=64, attn_implementation="sdpa")
 FAMILIES = {
     "llama": (transformers.LlamaConfig, {}),
     "mistral": (transformers.MistralConfig, {"sliding_window": 5}),

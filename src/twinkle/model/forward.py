@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from twinkle.loss import LossOutput
 from twinkle.loss.cross_entropy import finish
+from twinkle.model.lora_linear import plain_linear
 from twinkle.model.packing import can_pack, pack, shifted_targets
 from twinkle.template.base import IGNORE_INDEX
 
@@ -30,12 +31,6 @@ def has_logit_transform(lm: Any) -> bool:
         None,
         1.0,
     )
-
-
-def head_is_plain(head: torch.nn.Module) -> bool:
-    """True when the head's output is ``hidden @ head.weight.T (+ bias)``: a plain ``Linear``
-    with no hooks. An adapter on the head (a LoRA ``lm_head``) or a wrapper is not."""
-    return type(head) is torch.nn.Linear and not (head._forward_hooks or head._forward_pre_hooks)
 
 
 def _identity(x: torch.Tensor) -> torch.Tensor:
@@ -83,7 +78,8 @@ def compute_loss(
     mask = targets_2d != IGNORE_INDEX
     targets = targets_2d[mask]
     head = lm.get_output_embeddings()
-    if has_logit_transform(lm) or not head_is_plain(head):
+    # a head that is not a plain Linear (a LoRA on lm_head, a wrapper) runs as the model's own
+    if has_logit_transform(lm) or not plain_linear(head):
         logits = lm(**inputs, use_cache=False).logits[mask].float()
         loss_sum = F.cross_entropy(logits, targets, reduction="sum")
         correct = (logits.detach().argmax(-1) == targets).sum()

@@ -72,7 +72,9 @@ def lora_linear(
     return _LoraLinear.apply(x, x_lora, weight, bias, lora_a, lora_b, float(scaling))
 
 
-def _plain_linear(module: nn.Module) -> bool:
+def plain_linear(module: nn.Module) -> bool:
+    """An ``nn.Linear`` itself (no adapter, subclass or wrapper) with no hooks: its output is
+    ``x @ weight.T (+ bias)``."""
     return type(module) is nn.Linear and not (module._forward_hooks or module._forward_pre_hooks)
 
 
@@ -90,7 +92,7 @@ def _fusable(layer: Any, x: torch.Tensor, args: tuple, kwargs: dict) -> str | No
         return None
     base, a, b = layer.base_layer, layer.lora_A[name], layer.lora_B[name]
     if (
-        not (_plain_linear(base) and _plain_linear(a) and _plain_linear(b))
+        not (plain_linear(base) and plain_linear(a) and plain_linear(b))
         or a.bias is not None
         or b.bias is not None
     ):
