@@ -36,6 +36,11 @@ class Spec:
     seed: int = 42
     threads: int = 2
     model_path: str | None = None  # None: the bundled SmolLM2-135M-Instruct (see shapes.py)
+    dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU; or float32 / bfloat16
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return resolve_dtype(self.dtype)
 
     @property
     def total_steps(self) -> int:
@@ -93,6 +98,13 @@ def lora_config() -> Any:
 
 def use_cuda() -> bool:
     return torch.cuda.is_available()
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    """``auto`` is what each route picks by itself: bf16 on CUDA, fp32 on CPU."""
+    if name == "auto":
+        return torch.bfloat16 if use_cuda() else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
 
 
 def set_up_process(spec: Spec) -> None:
@@ -166,7 +178,7 @@ def write_result(
         "side": side,
         "workload": spec.workload,
         "device": "cuda" if use_cuda() else "cpu",
-        "dtype": "bfloat16" if use_cuda() else "float32",
+        "dtype": str(spec.torch_dtype).removeprefix("torch."),
         "threads": torch.get_num_threads(),
         "samples_digest": digest,
         "model_shape": model_shape,

@@ -64,11 +64,12 @@ def step_flops(shape: dict[str, int], step: dict[str, int]) -> float:
     return float(body + head + attention)
 
 
-def matmul_peak_gflops(threads: int, rounds: int = 5) -> dict[str, Any]:
-    """Time square matmuls on this machine: fp32 on CPU with ``threads`` threads, bf16 on CUDA."""
+def matmul_peak_gflops(threads: int, rounds: int = 5, dtype: torch.dtype | None = None) -> dict[str, Any]:
+    """Time square matmuls on this machine in the run's dtype (default: fp32 on CPU with
+    ``threads`` threads, bf16 on CUDA)."""
     cuda = torch.cuda.is_available()
     size = 8192 if cuda else 2048
-    dtype = torch.bfloat16 if cuda else torch.float32
+    dtype = dtype or (torch.bfloat16 if cuda else torch.float32)
     device = "cuda" if cuda else "cpu"
     per_round = 20 if cuda else 4  # about half a second a round either way
     previous = torch.get_num_threads()

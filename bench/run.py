@@ -44,7 +44,7 @@ from pathlib import Path
 from statistics import mean, median
 
 import torch
-from common import Spec, build_dataset, write_encoded
+from common import Spec, build_dataset, resolve_dtype, write_encoded
 from flops import matmul_peak_gflops, step_flops
 from long_rows import write_long_rows
 from shapes import CHOICES, model_path
@@ -91,6 +91,13 @@ def parse_args() -> argparse.Namespace:
         default=1,
         help="run the sides this many times, alternating which goes first; the ratio is the median of the rounds",
     )
+    parser.add_argument(
+        "--dtype",
+        choices=["auto", "float32", "bfloat16"],
+        default="auto",
+        help="both sides' precision: auto (bf16 on CUDA, fp32 on CPU), or force one; bfloat16 on a CPU "
+        "is the Trainer's bf16 autocast against Twinkle's bf16 weights",
+    )
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--out", type=Path, default=HERE / "results.json")
     args = parser.parse_args()
@@ -121,6 +128,7 @@ def prepare(name: str, args: argparse.Namespace, folder: Path) -> Spec:
         encoded_path=str(folder / f"{name}_encoded.jsonl"),
         seed=args.seed,
         threads=args.threads,
+        dtype=getattr(args, "dtype", "auto"),
         model_path=model_path(
             getattr(args, "model", "smollm2"), folder, args.seed, getattr(args, "tokenizer", None)
         ),
@@ -264,7 +272,7 @@ def main() -> None:
     args = parse_args()
     torch.set_num_threads(args.threads)
     names = list(WORKLOADS) if args.workload == "all" else [args.workload]
-    peak = matmul_peak_gflops(args.threads)
+    peak = matmul_peak_gflops(args.threads, dtype=resolve_dtype(args.dtype))
     print(f"matmul peak: {peak['gflops']:.1f} GFLOP/s ({peak['dtype']}, {peak['device']})", flush=True)
     report = {**environment(peak), "args": {k: str(v) for k, v in vars(args).items()}, "workloads": {}}
     with tempfile.TemporaryDirectory(prefix="twinkle-bench-") as tmp:

@@ -105,7 +105,7 @@ def main() -> None:
     spec, out = side_args()
     set_up_process(spec)
     cuda = use_cuda()
-    dtype = torch.bfloat16 if cuda else torch.float32
+    dtype = spec.torch_dtype
 
     samples = read_encoded(spec.encoded_path)
     path = str(resolve_model(spec.model_path))
@@ -135,7 +135,7 @@ def main() -> None:
             disable_tqdm=True,
             seed=spec.seed,
             use_cpu=not cuda,
-            bf16=cuda,
+            bf16=dtype == torch.bfloat16,  # autocast; on the CPU too when --dtype bfloat16
             use_liger_kernel=cuda and importlib.util.find_spec("liger_kernel") is not None,
         )
         trainer = Trainer(

@@ -51,9 +51,8 @@ def main() -> None:
     dataset = build_dataset(spec)
     digest = samples_digest([dataset[i] for i in range(len(dataset))])
     dataloader = DataLoader(dataset=dataset, batch_size=spec.batch_size)
-    model = kernelize(
-        TransformersModel(model_id=spec.model_path)
-    )  # as the cookbook does; bf16 on CUDA, fp32 on CPU
+    # as the cookbook does (its default dtype is bf16 on CUDA, fp32 on CPU, which --dtype auto picks)
+    model = kernelize(TransformersModel(model_id=spec.model_path, dtype=spec.torch_dtype))
     torch.manual_seed(spec.seed)  # the same LoRA initialisation as the Trainer side
     model.add_adapter_to_model("default", lora_config())
     model.set_optimizer("AdamW", lr=spec.lr, weight_decay=0.0)
