@@ -3,6 +3,7 @@
 import copy
 import pickle
 
+import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 from peft.tuners.lora.layer import Linear as PeftLoraLinear
@@ -108,16 +109,70 @@ def test_calls_that_are_not_plain_lora_run_peft(monkeypatch):
     assert len(calls) == 2  # DoRA: PEFT's forward
 
 
-def test_adapter_in_another_dtype_runs_peft(monkeypatch):
+def _bf16_base(*models):
+    """A bf16 model with fp32 adapters, as PEFT leaves a bf16 model (``autocast_adapter_dtype``)."""
+    for model in models:
+        for layer in (model.base_model.model.up, model.base_model.model.down):
+            layer.base_layer.to(torch.bfloat16)
+
+
+def _close_in_bf16(actual, expected, name=""):
+    """Equal up to the rounding of one bf16 sum: the fp32 parts add in another order."""
+    torch.testing.assert_close(actual, expected, rtol=1.6e-2, atol=1e-3, msg=name)
+
+
+def test_fp32_adapter_on_a_bf16_base_is_fused_and_equals_peft(monkeypatch):
+    calls = _spy(monkeypatch)
+    peft_model, fused = _pair()
+    _bf16_base(peft_model, fused)
+    x = torch.randn(2, 5, 6).to(torch.bfloat16)
+    out, gx, grads = _run(fused, x)
+    assert not calls  # fused, though the adapter is fp32 and the base bf16
+    out_ref, gx_ref, grads_ref = _run(peft_model, x)
+    assert out.dtype == out_ref.dtype == torch.bfloat16 and gx.dtype == torch.bfloat16
+    _close_in_bf16(out, out_ref)
+    _close_in_bf16(gx, gx_ref)
+    assert grads.keys() == grads_ref.keys() and len(grads) == 4
+    for name, grad in grads_ref.items():
+        assert grads[name].dtype == torch.float32, name
+        _close_in_bf16(grads[name], grad, name)
+    # the adapter really runs in fp32: a bf16 adapter branch would lose this small update
+    layer = fused.base_model.model.up
+    with torch.no_grad():
+        layer.lora_B["default"].weight.mul_(1e-3)
+        peft_model.base_model.model.up.lora_B["default"].weight.mul_(1e-3)
+    torch.testing.assert_close(layer(x[0]), peft_model.base_model.model.up(x[0]), rtol=0, atol=0)
+
+
+def test_dropout_on_a_bf16_base_draws_the_masks_peft_draws():
+    peft_model, fused = _pair(lora_dropout=0.5)
+    _bf16_base(peft_model, fused)
+    x = torch.randn(4, 3, 6).to(torch.bfloat16)
+    torch.manual_seed(1)
+    out_ref, gx_ref, grads_ref = _run(peft_model, x)
+    torch.manual_seed(1)
+    out, gx, grads = _run(fused, x)
+    _close_in_bf16(out, out_ref)
+    _close_in_bf16(gx, gx_ref)
+    for name, grad in grads_ref.items():
+        _close_in_bf16(grads[name], grad, name)
+
+
+def test_adapter_that_takes_x_uncast_runs_peft(monkeypatch):
     calls = _spy(monkeypatch)
     peft_model, fused = _pair()
     for model in (peft_model, fused):
-        model.base_model.model.up.lora_A["default"].double()
-        model.base_model.model.up.lora_B["default"].double()
+        for layer in (model.base_model.model.up, model.base_model.model.down):
+            layer.lora_A["default"].double()
+            layer.lora_B["default"].double()
+        model.base_model.model.up.cast_input_dtype_enabled = False
     x = torch.randn(3, 6)
-    out = fused(x)
-    assert calls == [fused.base_model.model.up]  # fp64 adapter on a fp32 base: PEFT's forward
-    torch.testing.assert_close(out, peft_model(x))
+    with pytest.raises(RuntimeError):  # PEFT itself: a fp32 x into a fp64 adapter
+        peft_model(x)
+    calls.clear()
+    with pytest.raises(RuntimeError):
+        fused(x)
+    assert calls == [fused.base_model.model.up]  # that layer ran PEFT's forward, as asked
 
 
 def test_autocast_runs_peft(monkeypatch):

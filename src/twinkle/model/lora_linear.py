@@ -8,8 +8,9 @@ and gradients equal PEFT's up to summation order.
 
 ``fuse_lora_linears`` routes every PEFT ``lora.Linear`` of a model through it whenever the call
 is plain LoRA: one active adapter, not merged, dropout (if any) ``nn.Dropout``, no DoRA or other
-variant, no LoRA bias, an unhooked ``nn.Linear`` base and one dtype throughout. Any other call
-runs PEFT's own forward."""
+variant, no LoRA bias, an unhooked ``nn.Linear`` base in x's dtype and no autocast. The adapter
+may have its own dtype (PEFT keeps it fp32 on a bf16 model): its branch then runs in that dtype
+and the sum is rounded once, as PEFT does. Any other call runs PEFT's own forward."""
 
 from typing import Any
 
@@ -23,9 +24,17 @@ class _LoraLinear(torch.autograd.Function):
     def forward(ctx, x, x_lora, weight, bias, lora_a, lora_b, scaling):
         flat = x.reshape(-1, x.shape[-1])
         flat_lora = flat if x_lora is None else x_lora.reshape(flat.shape)
+        # A low-precision base with fp32 adapters (PEFT's default on a bf16 model): the adapter
+        # runs in its own dtype and the sum is rounded once to the base's dtype, as PEFT does.
+        mixed = lora_a.dtype != x.dtype
+        if mixed and x_lora is None:
+            flat_lora = flat.to(lora_a.dtype)
         low = flat_lora @ lora_a.t()  # (tokens, r)
         out = flat @ weight.t() if bias is None else torch.addmm(bias, flat, weight.t())
-        out.addmm_(low, lora_b.t(), alpha=scaling)
+        if mixed:
+            out = out.to(lora_a.dtype).addmm_(low, lora_b.t(), alpha=scaling).to(x.dtype)
+        else:
+            out.addmm_(low, lora_b.t(), alpha=scaling)
         ctx.save_for_backward(flat, flat_lora, weight, lora_a, lora_b, low)
         ctx.scaling = scaling
         ctx.has_bias = bias is not None
@@ -38,13 +47,16 @@ class _LoraLinear(torch.autograd.Function):
         flat, flat_lora, weight, lora_a, lora_b, low = ctx.saved_tensors
         need_x, need_x_lora, need_w, need_bias, need_a, need_b, _ = ctx.needs_input_grad
         g = grad_out.reshape(-1, grad_out.shape[-1])
-        g_low = (g @ lora_b).mul_(ctx.scaling)  # (tokens, r)
+        g_lora = g.to(lora_b.dtype)  # g itself unless the adapter's dtype differs
+        g_low = (g_lora @ lora_b).mul_(ctx.scaling)  # (tokens, r)
         grad_x = grad_x_lora = grad_w = grad_bias = grad_a = grad_b = None
         if ctx.separate:
             if need_x:
                 grad_x = (g @ weight).view(ctx.x_shape)
             if need_x_lora:
                 grad_x_lora = (g_low @ lora_a).view(ctx.x_shape)
+        elif need_x and g_lora is not g:  # each branch's gradient in x's dtype, then summed
+            grad_x = (g @ weight).add_((g_low @ lora_a).to(g.dtype)).view(ctx.x_shape)
         elif need_x:
             grad_x = (g @ weight).addmm_(g_low, lora_a).view(ctx.x_shape)
         if need_w:
@@ -54,7 +66,7 @@ class _LoraLinear(torch.autograd.Function):
         if need_a:
             grad_a = g_low.t() @ flat_lora
         if need_b:
-            grad_b = (g.t() @ low).mul_(ctx.scaling)
+            grad_b = (g_lora.t() @ low).mul_(ctx.scaling)
         return grad_x, grad_x_lora, grad_w, grad_bias, grad_a, grad_b, None
 
 
@@ -97,8 +109,10 @@ def _fusable(layer: Any, x: torch.Tensor, args: tuple, kwargs: dict) -> str | No
         or b.bias is not None
     ):
         return None
-    if not (x.dtype == base.weight.dtype == a.weight.dtype == b.weight.dtype):
+    if not (x.dtype == base.weight.dtype and a.weight.dtype == b.weight.dtype):
         return None
+    if a.weight.dtype != x.dtype and not getattr(layer, "cast_input_dtype_enabled", True):
+        return None  # PEFT would hand the adapter x uncast
     if torch.is_autocast_enabled(x.device.type):  # autocast would recast inside the node
         return None
     return name
@@ -114,9 +128,11 @@ class FusedLoraLinear(PeftLoraLinear):
         base = self.base_layer
         a, b = self.lora_A[name].weight, self.lora_B[name].weight
         dropout = self.lora_dropout[name]
-        # PEFT draws the same mask: the base layer uses no random numbers
+        # PEFT draws the same mask, on x cast to the adapter's dtype: the base uses no random numbers
         x_lora = (
-            dropout(x) if isinstance(dropout, nn.Dropout) and dropout.training and dropout.p > 0 else None
+            dropout(x.to(a.dtype))
+            if isinstance(dropout, nn.Dropout) and dropout.training and dropout.p > 0
+            else None
         )
         return lora_linear(x, base.weight, base.bias, a, b, self.scaling[name], x_lora)
 
