@@ -141,6 +141,27 @@ def test_segment_attention_equals_a_masked_row(prefix, window):
         torch.testing.assert_close(g, r)
 
 
+@pytest.mark.parametrize("prefix", [0, 3])
+def test_bf16_segment_attention_runs_in_fp32_on_cpu(prefix):
+    """bf16 on the CPU: the fp32 attention of the same inputs, rounded once (torch's bf16 CPU
+    kernel is slower and rounds more), and gradients back in bf16."""
+    torch.manual_seed(0)
+    segments = Segments(spans=((prefix, prefix + 5), (prefix + 5, prefix + 9)), prefix=prefix)
+    t = segments.length
+    inputs = [torch.randn(1, heads, t, 16).to(torch.bfloat16) for heads in (4, 2, 2)]
+    leaves = [x.clone().requires_grad_() for x in inputs]
+    out = segment_attention(*leaves, segments)
+    assert out.dtype == torch.bfloat16
+    upcast = [x.float().requires_grad_() for x in inputs]
+    expected = segment_attention(*upcast, segments)
+    torch.testing.assert_close(out, expected.to(torch.bfloat16), rtol=0, atol=0)
+    out.float().square().sum().backward()
+    expected.to(torch.bfloat16).float().square().sum().backward()
+    for leaf, ref in zip(leaves, upcast, strict=True):  # the prefix's gradients add up in bf16
+        assert leaf.grad.dtype == torch.bfloat16
+        torch.testing.assert_close(leaf.grad.float(), ref.grad, rtol=2e-2, atol=2e-2)
+
+
 def test_padded_forward_is_unchanged_after_packing(make_model, dataset):
     """The wrapped attention is the model's own without segments (evaluation, generation)."""
     model = make_model(init_lora_weights=False)
