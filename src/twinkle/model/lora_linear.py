@@ -19,6 +19,13 @@ from peft.tuners.lora.layer import Linear as PeftLoraLinear
 from torch import nn
 
 
+def _thin(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
+    """``(left @ right).T`` for a ``left`` of r rows: the rank-r products computed r rows tall.
+    CPU BLAS runs a product r columns wide (``right.T @ left.T``, the same sums) 2.5-3x slower:
+    221 vs 83 us for (235, 1536) @ (1536, 8) in fp32 on two cores."""
+    return torch.mm(left, right).t()
+
+
 class _LoraLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, x_lora, weight, bias, lora_a, lora_b, scaling):
@@ -29,7 +36,7 @@ class _LoraLinear(torch.autograd.Function):
         mixed = lora_a.dtype != x.dtype
         if mixed and x_lora is None:
             flat_lora = flat.to(lora_a.dtype)
-        low = flat_lora @ lora_a.t()  # (tokens, r)
+        low = _thin(lora_a, flat_lora.t())  # (tokens, r)
         out = flat @ weight.t() if bias is None else torch.addmm(bias, flat, weight.t())
         if mixed:
             out = out.to(lora_a.dtype).addmm_(low, lora_b.t(), alpha=scaling).to(x.dtype)
@@ -48,7 +55,7 @@ class _LoraLinear(torch.autograd.Function):
         need_x, need_x_lora, need_w, need_bias, need_a, need_b, _ = ctx.needs_input_grad
         g = grad_out.reshape(-1, grad_out.shape[-1])
         g_lora = g.to(lora_b.dtype)  # g itself unless the adapter's dtype differs
-        g_low = (g_lora @ lora_b).mul_(ctx.scaling)  # (tokens, r)
+        g_low = _thin(lora_b.t(), g_lora.t()).mul_(ctx.scaling)  # (tokens, r)
         grad_x = grad_x_lora = grad_w = grad_bias = grad_a = grad_b = None
         if ctx.separate:
             if need_x:
@@ -66,7 +73,7 @@ class _LoraLinear(torch.autograd.Function):
         if need_a:
             grad_a = g_low.t() @ flat_lora
         if need_b:
-            grad_b = (g_lora.t() @ low).mul_(ctx.scaling)
+            grad_b = _thin(low.t(), g_lora).mul_(ctx.scaling)
         return grad_x, grad_x_lora, grad_w, grad_bias, grad_a, grad_b, None
 
 
