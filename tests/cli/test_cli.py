@@ -72,6 +72,7 @@ def test_upstream_run_line():
         "model_id": "ms://Qwen/Qwen3.5-4B",
         "enable_liger": True,
         "enable_fused_ce": False,
+        "dtype": "auto",
         "activation_checkpointing": "auto",
     }
     assert d["training"] == {
@@ -297,6 +298,14 @@ def test_env_accepts_flag_aliases():
     )
     assert args.optimizer.learning_rate == 2e-5 and args.lora.lora_rank == 16
     assert CLI.from_args(["--lr", "3e-5"], env={"TWINKLE_LR": "2e-5"}).optimizer.learning_rate == 3e-5
+
+
+def test_dtype_flag_and_variable():
+    assert parse().model.dtype == "auto"
+    assert parse("--dtype", "bfloat16").model.dtype == "bfloat16"
+    assert parse(env={"TWINKLE_DTYPE": "float32"}).model.dtype == "float32"
+    with pytest.raises(UserError, match="'fp16' is not one of auto, float32, bfloat16"):
+        parse("--dtype", "fp16")
 
 
 def test_activation_checkpointing_flag_and_variable():

@@ -42,6 +42,7 @@ def parse_args() -> argparse.Namespace:
     )
     p.add_argument("--task", choices=("causal_lm", "fused_lm_ce"), default="causal_lm")
     p.add_argument("--activation-checkpointing", choices=("auto", "on", "off"), default="auto")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--save-at", type=int, default=None, help="also save OUT/step-S after micro-batch S")
     p.add_argument("--resume", default=None, help="checkpoint folder to resume from")
     p.add_argument("--resume-only-model", action="store_true")
@@ -51,7 +52,11 @@ def parse_args() -> argparse.Namespace:
 
 
 def build_model(args: argparse.Namespace, num_training_steps: int) -> TransformersModel:
-    model = TransformersModel(model_id=args.model_id, activation_checkpointing=args.activation_checkpointing)
+    model = TransformersModel(
+        model_id=args.model_id,
+        dtype=getattr(torch, args.dtype),
+        activation_checkpointing=args.activation_checkpointing,
+    )
     discovered = {
         type(m).__name__ for m in model.model.modules() if type(m).__name__.endswith("DecoderLayer")
     }

@@ -198,3 +198,32 @@ def test_unknown_task_and_loss(make_model, dataset):
     assert "causal_lm" in str(err.value) and "fused_lm_ce" in str(err.value)
     with pytest.raises(UserError, match="CrossEntropyLoss"):
         model.set_loss("NoSuchLoss", adapter_name="default")
+
+
+@pytest.mark.parametrize("flag, base_dtype", [("auto", torch.float32), ("bfloat16", torch.bfloat16)])
+def test_dtype_flag_sets_the_base_weights_and_keeps_lora_fp32(
+    tiny_model_dir, dataset, monkeypatch, flag, base_dtype
+):
+    from peft import LoraConfig
+
+    import twinkle.model.lora_linear as lora_linear
+    from twinkle.cli import CLI
+    from twinkle.model import TransformersModel
+
+    CLI.from_args(["--dtype", flag])
+    model = TransformersModel(str(tiny_model_dir))
+    model.add_adapter_to_model("default", LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    model.set_optimizer("AdamW", lr=1e-2)
+    frozen = {p.dtype for p in model.model.parameters() if not p.requires_grad}
+    trainable = {p.dtype for p in model.model.parameters() if p.requires_grad}
+    assert frozen == {base_dtype} and trainable == {torch.float32}
+    fused = []
+    original = lora_linear._LoraLinear.apply
+    monkeypatch.setattr(lora_linear._LoraLinear, "apply", lambda *a: fused.append(1) or original(*a))
+    before = lora_weights(model)
+    batch = next(iter(DataLoader(dataset=dataset, batch_size=4)))
+    loss = model.forward_backward(inputs=batch)
+    model.clip_grad_and_step()
+    assert math.isfinite(float(loss)) and fused  # the one-node LoRA ran, in both dtypes
+    after = lora_weights(model)
+    assert any(not torch.equal(before[k], after[k]) for k in before)

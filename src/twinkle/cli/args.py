@@ -80,6 +80,11 @@ class ModelArgs:
     enable_fused_ce: bool = _opt(
         True, "fused linear cross-entropy when Liger is enabled", aliases=("fused-ce",)
     )
+    dtype: str = _opt(
+        "auto",
+        "the model weights' dtype: auto (bfloat16 on GPU/NPU, float32 on CPU), float32, or bfloat16 (also on a CPU with native bf16 matmuls, AVX512-BF16 or AMX; LoRA weights stay float32)",
+        choices=("auto", "float32", "bfloat16"),
+    )
     activation_checkpointing: str = _opt(
         "auto",
         "recompute decoder layers in backward: auto (only for a batch whose activations would not fit in free memory), on, off",

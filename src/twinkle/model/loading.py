@@ -7,10 +7,23 @@ import torch
 
 from twinkle.utils.errors import UserError
 
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
 
 def default_dtype(device: torch.device) -> torch.dtype:
-    """bf16 on accelerators; fp32 on CPU, where bf16 matmuls are ~25x slower."""
+    """bf16 on accelerators; fp32 on CPU. A CPU without native bf16 runs bf16 matmuls ~25x slower
+    than fp32; one with AVX512-BF16 (or AMX) runs them ~2.5x faster, but the loss then differs
+    from fp32 by bf16 rounding, so bf16 there is a choice (``--dtype bfloat16``), not a default."""
     return torch.float32 if device.type == "cpu" else torch.bfloat16
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """``--dtype``: ``auto`` (``default_dtype``), ``float32`` or ``bfloat16``."""
+    if name == "auto":
+        return default_dtype(device)
+    if name not in DTYPES:
+        raise UserError(f"unknown dtype {name!r}; use auto, {', '.join(DTYPES)}")
+    return DTYPES[name]
 
 
 def load_causal_lm(

@@ -18,7 +18,7 @@ from twinkle.distributed.fsdp import apply_fsdp2
 from twinkle.loss import FusedLinearCrossEntropyLoss, build_loss
 from twinkle.model.checkpointing import LayerCheckpointing
 from twinkle.model.forward import causal_lm_of, compute_loss
-from twinkle.model.loading import load_causal_lm
+from twinkle.model.loading import load_causal_lm, resolve_dtype
 from twinkle.model.lora import add_lora, lora_signature, trainable_parameters
 from twinkle.model.resume import check_resumable, fast_forward_scheduler
 from twinkle.model.step import clip_gradients, local_grad, restore_grad
@@ -42,17 +42,20 @@ class TransformersModel:
         padding_free: bool = True,
         activation_checkpointing: str | None = None,
     ):
-        """``padding_free``: run each batch packed into one row (same loss; see
+        """``dtype``: the weights' dtype; None takes ``--dtype`` from the last parsed command line,
+        else bf16 on accelerators and fp32 on CPU. ``padding_free``: run each batch packed into one row (same loss; see
         ``twinkle.model.packing``). ``activation_checkpointing``: ``auto`` (only for a batch whose
         activations would not fit), ``on`` or ``off``; None takes ``--activation-checkpointing``
         from the last parsed command line, else ``auto`` (see ``twinkle.model.checkpointing``)."""
         runtime = get_runtime()
         self.padding_free = padding_free
-        if activation_checkpointing is None:
-            from twinkle.cli import last_args
+        from twinkle.cli import last_args
 
-            args = last_args()
+        args = last_args()
+        if activation_checkpointing is None:
             activation_checkpointing = args.model.activation_checkpointing if args is not None else "auto"
+        if dtype is None and args is not None:
+            dtype = resolve_dtype(args.model.dtype, runtime.device)
         self.runtime = runtime
         self.device = runtime.device
         self.model_id = model_id
