@@ -67,8 +67,8 @@ def apply_fsdp2(
             f"no module of the model is one of _no_split_modules {sorted(names)}; set "
             "model.model._no_split_modules to the decoder-layer class name"
         )
-    # bf16 compute with fp32 gradient reduction on accelerators; fp32 throughout on CPU, where
-    # bf16 matmuls are ~25x slower.
+    # bf16 compute with fp32 gradient reduction on accelerators. On CPU each weight keeps its own
+    # dtype: fp32 by default, or (--dtype bfloat16) a bf16 base beside fp32 LoRA weights.
     policy = MixedPrecisionPolicy()
     if device.type != "cpu":
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
