@@ -11,6 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import twinkle.model.resume as resume_module
 from twinkle.dataloader import DataLoader
 from twinkle.utils.errors import UserError
 
@@ -113,6 +114,26 @@ def test_resume_only_model_keeps_the_place_but_not_the_optimizer(checkpoint, mak
     assert group.lr_scheduler.last_epoch == saved["optimizer_steps"]  # the schedule was advanced
     assert group.lr_scheduler.get_last_lr() != fresh
     assert group.optimizer.optimizer.state == {}  # no optimizer state was loaded
+
+
+def test_resume_in_another_dtype_warns_and_loads(checkpoint, make_model, monkeypatch):
+    # The adapter and optimizer state are fp32 either way, so the run can go on; the user hears
+    # that its numerics changed and how to keep them.
+    trained, path = checkpoint
+    assert json.loads((path / "trainer_state.json").read_text())["base_dtype"] == "torch.float32"
+    model = make_model(gradient_accumulation_steps=2)
+    for param in model.model.parameters():
+        if not param.requires_grad:
+            param.data = param.data.to(torch.bfloat16)
+    warnings = []
+    monkeypatch.setattr(resume_module.logger, "warning", warnings.append)
+    model.resume_from_checkpoint(str(path), adapter_name="default")
+    (said,) = [w for w in warnings if "base weights" in w]
+    assert "trained on float32 base weights, this run has bfloat16" in said and "--dtype float32" in said
+    ours = {n: p for n, p in model.model.named_parameters() if p.requires_grad}
+    for name, p in trained.model.named_parameters():
+        if p.requires_grad:
+            torch.testing.assert_close(ours[name], p, atol=0, rtol=0)
 
 
 def test_resume_errors(checkpoint, make_model, tmp_path):

@@ -60,6 +60,18 @@ def test_auto_turns_on_only_when_activations_would_not_fit(make_model, monkeypat
     assert not model.checkpointing.decide(10, torch.device("cpu"))  # a short batch: full speed again
 
 
+def test_auto_counts_fp32_lora_inputs_on_a_bf16_base(make_model, monkeypatch):
+    # fp32 adapters on a bf16 base keep fp32 copies of their inputs: estimate in fp32
+    model = make_model()
+    lm = model.model.get_base_model()
+    for name, param in lm.named_parameters():
+        if "lora_" not in name:
+            param.data = param.data.to(torch.bfloat16)
+    need_fp32 = activation_bytes(lm.config, 1000, torch.float32)
+    monkeypatch.setattr(checkpointing, "available_bytes", lambda device: int(0.9 * need_fp32 / 0.8))
+    assert model.checkpointing.decide(1000, torch.device("cpu"))  # a bf16 estimate would say it fits
+
+
 def test_activation_estimate_matches_the_measured_scale():
     from transformers import LlamaConfig
 

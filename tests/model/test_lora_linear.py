@@ -9,7 +9,7 @@ from peft import LoraConfig, get_peft_model
 from peft.tuners.lora.layer import Linear as PeftLoraLinear
 from torch import nn
 
-from twinkle.model.lora_linear import FusedLoraLinear, fuse_lora_linears
+from twinkle.model.lora_linear import FusedLoraLinear, fuse_lora_linears, lora_linear
 
 
 class _Net(nn.Module):
@@ -136,22 +136,53 @@ def test_fp32_adapter_on_a_bf16_base_is_fused_and_equals_peft(monkeypatch):
     for name, grad in grads_ref.items():
         assert grads[name].dtype == torch.float32, name
         _close_in_bf16(grads[name], grad, name)
-    # the adapter really runs in fp32: a bf16 adapter branch would lose this small update
-    layer = fused.base_model.model.up
-    with torch.no_grad():
-        layer.lora_B["default"].weight.mul_(1e-3)
-        peft_model.base_model.model.up.lora_B["default"].weight.mul_(1e-3)
-    torch.testing.assert_close(layer(x[0]), peft_model.base_model.model.up(x[0]), rtol=0, atol=0)
 
 
-def test_dropout_on_a_bf16_base_draws_the_masks_peft_draws():
+def test_a_bf16_base_with_fp32_adapter_rounds_once_as_peft_does():
+    """Bit for bit PEFT's output on a wider layer, where an adapter branch run in bf16 (or a sum
+    rounded twice) would differ in about half the elements."""
+    torch.manual_seed(0)
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["0"], init_lora_weights=False)
+    peft_model = get_peft_model(nn.Sequential(nn.Linear(64, 48)), config)
+    fused = copy.deepcopy(peft_model)
+    fuse_lora_linears(fused)
+    for model in (peft_model, fused):
+        model.base_model.model[0].base_layer.to(torch.bfloat16)
+    x = torch.randn(16, 64).to(torch.bfloat16)
+    expected = peft_model(x)
+    torch.testing.assert_close(fused(x), expected, rtol=0, atol=0)
+    layer = fused.base_model.model[0]
+    a, b = (layer.lora_A["default"].weight, layer.lora_B["default"].weight)
+    in_bf16 = lora_linear(
+        x, layer.base_layer.weight, None, a.bfloat16(), b.bfloat16(), layer.scaling["default"]
+    )
+    assert (in_bf16 != expected).sum() > expected.numel() // 4  # so the check above can fail
+
+
+def test_adapter_narrower_than_the_base_runs_peft(monkeypatch):
+    # PEFT adds a bf16 adapter's output to a fp32 base in fp32; the node would round to bf16
+    calls = _spy(monkeypatch)
+    peft_model, fused = _pair()
+    for model in (peft_model, fused):
+        model.base_model.model.up.lora_A["default"].bfloat16()
+        model.base_model.model.up.lora_B["default"].bfloat16()
+    x = torch.randn(3, 6)
+    out = fused(x)
+    assert calls == [fused.base_model.model.up]
+    torch.testing.assert_close(out, peft_model(x))
+
+
+def test_dropout_on_a_bf16_base_draws_the_masks_peft_draws(monkeypatch):
+    calls = _spy(monkeypatch)
     peft_model, fused = _pair(lora_dropout=0.5)
     _bf16_base(peft_model, fused)
     x = torch.randn(4, 3, 6).to(torch.bfloat16)
     torch.manual_seed(1)
     out_ref, gx_ref, grads_ref = _run(peft_model, x)
     torch.manual_seed(1)
+    calls.clear()
     out, gx, grads = _run(fused, x)
+    assert not calls  # fused
     _close_in_bf16(out, out_ref)
     _close_in_bf16(gx, gx_ref)
     for name, grad in grads_ref.items():

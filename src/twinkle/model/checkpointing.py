@@ -77,7 +77,9 @@ class LayerCheckpointing:
         if self.mode != "auto" or not self.layers:
             self.active = self.mode == "on" and bool(self.layers)
             return self.active
-        dtype = next(self.lm.parameters()).dtype
+        # the widest: fp32 LoRA layers on a bf16 base keep fp32 copies of their inputs
+        floats = {p.dtype for p in self.lm.parameters() if p.is_floating_point()} or {torch.float32}
+        dtype = max(floats, key=lambda d: torch.finfo(d).bits)
         need = activation_bytes(self.lm.config, tokens, dtype)
         free = available_bytes(device)
         self.active = need > HEADROOM * free

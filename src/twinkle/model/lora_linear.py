@@ -42,7 +42,9 @@ class _LoraLinear(torch.autograd.Function):
             out = out.to(lora_a.dtype).addmm_(low, lora_b.t(), alpha=scaling).to(x.dtype)
         else:
             out.addmm_(low, lora_b.t(), alpha=scaling)
-        ctx.save_for_backward(flat, flat_lora, weight, lora_a, lora_b, low)
+        # x itself only for the base weight's gradient (PEFT keeps none for a frozen base)
+        keep = flat if ctx.needs_input_grad[2] else None
+        ctx.save_for_backward(keep, flat_lora, weight, lora_a, lora_b, low)
         ctx.scaling = scaling
         ctx.has_bias = bias is not None
         ctx.separate = x_lora is not None
@@ -118,6 +120,8 @@ def _fusable(layer: Any, x: torch.Tensor, args: tuple, kwargs: dict) -> str | No
         return None
     if not (x.dtype == base.weight.dtype and a.weight.dtype == b.weight.dtype):
         return None
+    if torch.promote_types(x.dtype, a.weight.dtype) != a.weight.dtype:
+        return None  # an adapter narrower than the base: PEFT adds in the base's dtype
     if a.weight.dtype != x.dtype and not getattr(layer, "cast_input_dtype_enabled", True):
         return None  # PEFT would hand the adapter x uncast
     if torch.is_autocast_enabled(x.device.type):  # autocast would recast inside the node

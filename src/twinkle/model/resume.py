@@ -22,6 +22,13 @@ def check_resumable(folder: Path, saved: dict[str, Any], current: dict[str, Any]
     )
     if not same_model:
         raise UserError(f"checkpoint {folder} was trained on {saved.get('base_model')}; pass that --model-id")
+    if saved.get("base_dtype", current["base_dtype"]) != current["base_dtype"]:
+        dtype = saved["base_dtype"].removeprefix("torch.")
+        logger.warning(
+            f"checkpoint {folder} was trained on {dtype} base weights, this run has "
+            f"{current['base_dtype'].removeprefix('torch.')}; it continues with other numerics "
+            f"(pass --dtype {dtype} to keep them)"
+        )
     if only_model:
         return
     if saved["world_size"] != current["world_size"] or saved.get("mesh", current["mesh"]) != current["mesh"]:

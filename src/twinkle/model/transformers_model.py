@@ -306,6 +306,7 @@ class TransformersModel:
             "mesh": [self.runtime.mesh.dp_size, self.runtime.mesh.fsdp_size],
             "model_path": str(self.model_path),
             "base_model": self.model_id or "bundled:SmolLM2-135M-Instruct",
+            "base_dtype": str(next(p.dtype for p in self.model.parameters() if not p.requires_grad)),
             "lora": lora_signature(self.model.peft_config[group.adapter_name]),
         }
 
