@@ -13,6 +13,7 @@ of 1 degenerates cleanly: ``(1, N)`` is plain FSDP, ``(N, 1)`` plain data parall
 
 import gc
 import weakref
+from typing import Any
 
 import torch
 
@@ -51,6 +52,18 @@ def release_process_groups() -> None:
             registry.clear()
 
 
+def precision_policy(device: torch.device, root: torch.nn.Module) -> Any:
+    """FSDP2's mixed precision: bf16 compute with fp32 gradient reduction on an accelerator where
+    the model is bf16 (the default there; fp32 LoRA weights are cast for the compute). Each
+    weight in its own dtype otherwise: ``--dtype float32`` on a GPU, and any model on the CPU
+    (fp32, or with ``--dtype bfloat16`` a bf16 base beside fp32 LoRA weights)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if device.type != "cpu" and any(p.dtype == torch.bfloat16 for p in root.parameters()):
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
+
+
 def apply_fsdp2(
     root: torch.nn.Module,
     mesh: DeviceMesh,
@@ -58,7 +71,7 @@ def apply_fsdp2(
     no_split_modules: list[str] | None,
 ) -> torch.nn.Module:
     """Shard ``root`` in place over ``mesh`` and return it (now an ``FSDPModule``)."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import fully_shard
 
     names = set(no_split_modules or [])
     layers = [m for m in root.modules() if type(m).__name__ in names]
@@ -67,11 +80,7 @@ def apply_fsdp2(
             f"no module of the model is one of _no_split_modules {sorted(names)}; set "
             "model.model._no_split_modules to the decoder-layer class name"
         )
-    # bf16 compute with fp32 gradient reduction on accelerators. On CPU each weight keeps its own
-    # dtype: fp32 by default, or (--dtype bfloat16) a bf16 base beside fp32 LoRA weights.
-    policy = MixedPrecisionPolicy()
-    if device.type != "cpu":
-        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    policy = precision_policy(device, root)
     dmesh = torch_mesh(mesh, device.type)
     for layer in layers:
         fully_shard(layer, mesh=dmesh, mp_policy=policy)
