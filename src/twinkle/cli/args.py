@@ -82,7 +82,7 @@ class ModelArgs:
     )
     dtype: str = _opt(
         "auto",
-        "the model weights' dtype: auto (bfloat16 on GPU/NPU, float32 on CPU), float32, or bfloat16 (also on a CPU with native bf16 matmuls, AVX512-BF16 or AMX; LoRA weights stay float32; FSDP2 on GPU computes in bf16 whatever this says)",
+        "the model weights' dtype: auto (bfloat16 on GPU/NPU, float32 on CPU), float32, or bfloat16 (also on a CPU with native bf16 matmuls, AVX512-BF16 or AMX; LoRA weights stay float32)",
         choices=("auto", "float32", "bfloat16"),
     )
     activation_checkpointing: str = _opt(
