@@ -101,10 +101,11 @@ def use_cuda() -> bool:
 
 
 def resolve_dtype(name: str) -> torch.dtype:
-    """``auto`` is what each route picks by itself: bf16 on CUDA, fp32 on CPU."""
-    if name == "auto":
-        return torch.bfloat16 if use_cuda() else torch.float32
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
+    """``--dtype`` as Twinkle reads it; ``auto`` is what each route picks by itself (bf16 on
+    CUDA, fp32 on CPU)."""
+    from twinkle.model.loading import resolve_dtype as twinkle_dtype
+
+    return twinkle_dtype(name, torch.device("cuda" if use_cuda() else "cpu"))
 
 
 def set_up_process(spec: Spec) -> None:

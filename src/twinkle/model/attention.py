@@ -56,11 +56,6 @@ def _attend(
 ) -> torch.Tensor:
     """SDPA of ``query`` (the last ``L`` keys' positions) over ``key``: the first ``shared`` keys
     are a prefix all queries see, the rest are causal with the queries."""
-    if query.device.type == "cpu" and query.dtype in _CPU_UPCAST:
-        # torch's CPU flash kernel in bf16 takes ~2x as long as in fp32 on a sample of ~50
-        # tokens (forward + backward; even at ~700): run it in fp32, round the output once
-        out = _attend(query.float(), key.float(), value.float(), shared, window, dropout, scaling)
-        return out.to(query.dtype)
     queries, keys = query.shape[2], key.shape[2]
     gqa = query.shape[1] != key.shape[1]
     if shared == 0 and (window is None or keys <= window):
@@ -84,6 +79,13 @@ def segment_attention(
     sliding_window: int | None = None,
 ) -> torch.Tensor:
     """``query (1, H, T, D)``, ``key``/``value (1, KV, T, D)`` -> ``(1, T, H, D)``."""
+    if query.device.type == "cpu" and query.dtype in _CPU_UPCAST:
+        # torch's CPU flash kernel in bf16 takes ~2x as long as in fp32 on a sample of ~50
+        # tokens (forward + backward; even at ~700): run the row in fp32, round the output once
+        out = segment_attention(
+            query.float(), key.float(), value.float(), segments, dropout, scaling, sliding_window
+        )
+        return out.to(query.dtype)
     if query.shape[0] != 1 or query.shape[2] != segments.length:
         raise ValueError(
             f"packed attention expects one row of {segments.length} tokens, got {tuple(query.shape)}"

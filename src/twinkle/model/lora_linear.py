@@ -46,6 +46,7 @@ class _LoraLinear(torch.autograd.Function):
         keep = flat if ctx.needs_input_grad[2] else None
         ctx.save_for_backward(keep, flat_lora, weight, lora_a, lora_b, low)
         ctx.scaling = scaling
+        ctx.mixed = mixed
         ctx.has_bias = bias is not None
         ctx.separate = x_lora is not None
         ctx.x_shape = x.shape
@@ -56,7 +57,7 @@ class _LoraLinear(torch.autograd.Function):
         flat, flat_lora, weight, lora_a, lora_b, low = ctx.saved_tensors
         need_x, need_x_lora, need_w, need_bias, need_a, need_b, _ = ctx.needs_input_grad
         g = grad_out.reshape(-1, grad_out.shape[-1])
-        g_lora = g.to(lora_b.dtype)  # g itself unless the adapter's dtype differs
+        g_lora = g.to(lora_b.dtype) if ctx.mixed else g
         g_low = _thin(lora_b.t(), g_lora.t()).mul_(ctx.scaling)  # (tokens, r)
         grad_x = grad_x_lora = grad_w = grad_bias = grad_a = grad_b = None
         if ctx.separate:
@@ -64,7 +65,7 @@ class _LoraLinear(torch.autograd.Function):
                 grad_x = (g @ weight).view(ctx.x_shape)
             if need_x_lora:
                 grad_x_lora = (g_low @ lora_a).view(ctx.x_shape)
-        elif need_x and g_lora is not g:  # each branch's gradient in x's dtype, then summed
+        elif need_x and ctx.mixed:  # each branch's gradient in x's dtype, then summed
             grad_x = (g @ weight).add_((g_low @ lora_a).to(g.dtype)).view(ctx.x_shape)
         elif need_x:
             grad_x = (g @ weight).addmm_(g_low, lora_a).view(ctx.x_shape)

@@ -42,11 +42,12 @@ class TransformersModel:
         padding_free: bool = True,
         activation_checkpointing: str | None = None,
     ):
-        """``dtype``: the weights' dtype; None takes ``--dtype`` from the last parsed command line,
-        else bf16 on accelerators and fp32 on CPU. ``padding_free``: run each batch packed into one row (same loss; see
-        ``twinkle.model.packing``). ``activation_checkpointing``: ``auto`` (only for a batch whose
-        activations would not fit), ``on`` or ``off``; None takes ``--activation-checkpointing``
-        from the last parsed command line, else ``auto`` (see ``twinkle.model.checkpointing``)."""
+        """``dtype``: the weights' dtype; None takes ``--dtype`` from the last parsed command
+        line, else bf16 on accelerators and fp32 on CPU. ``padding_free``: run each batch packed
+        into one row (same loss; see ``twinkle.model.packing``). ``activation_checkpointing``:
+        ``auto`` (only for a batch whose activations would not fit), ``on`` or ``off``; None takes
+        ``--activation-checkpointing`` from the last parsed command line, else ``auto`` (see
+        ``twinkle.model.checkpointing``)."""
         runtime = get_runtime()
         self.padding_free = padding_free
         from twinkle.cli import last_args
