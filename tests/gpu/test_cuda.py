@@ -1,0 +1,190 @@
+"""The CUDA paths: the same equalities the CPU tests prove, on a GPU, in fp32 and in bf16.
+
+CI has no GPU, so these skip there; the CPU tests are the proof, these check that nothing in the
+device handling (tensors made on the wrong device, bf16 kernels, Liger) breaks them on CUDA.
+Run on a GPU machine with ``python -m pytest tests/gpu``."""
+
+import copy
+import importlib.util
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from torch import nn
+
+from twinkle.dataloader import DataLoader
+from twinkle.dataset import Dataset, DatasetMeta
+from twinkle.model import TransformersModel
+from twinkle.model.lora_linear import FusedLoraLinear, fuse_lora_linears
+from twinkle.preprocessor import SelfCognitionProcessor
+
+# ``TWINKLE_GPU_TEST_DEVICE=cpu`` runs them on the CPU, to check the tests themselves.
+DEVICE = os.environ.get("TWINKLE_GPU_TEST_DEVICE", "cuda")
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(DEVICE == "cuda" and not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "cookbook" / "transformers" / "fsdp2.py"
+
+
+def _model(model_dir: Path, dtype: torch.dtype, padding_free: bool) -> TransformersModel:
+    model = TransformersModel(str(model_dir), dtype=dtype, padding_free=padding_free)
+    torch.manual_seed(0)
+    config = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)
+    model.add_adapter_to_model("default", config)
+    model.set_optimizer("AdamW", lr=1e-2)
+    return model
+
+
+def _loss_and_grads(model: TransformersModel, batch, task: str = "causal_lm"):
+    loss = model.forward_backward(inputs=batch, task=task)
+    grads = {n: p.grad.float().clone() for n, p in model.model.named_parameters() if p.grad is not None}
+    return float(loss), grads
+
+
+def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float(torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0))
+
+
+@pytest.fixture(scope="module")
+def batch(tiny_model_dir):
+    dataset = Dataset(DatasetMeta(None, data_slice=range(8)))
+    dataset.set_template("Template", model_id=str(tiny_model_dir), max_length=128)
+    dataset.map(SelfCognitionProcessor("Twinkle", "Acme"))
+    dataset.encode()
+    return next(iter(DataLoader(dataset, batch_size=4)))
+
+
+def test_model_lands_on_the_gpu_in_the_asked_dtype(tiny_model_dir):
+    model = _model(tiny_model_dir, torch.bfloat16, padding_free=True)
+    base = [p for n, p in model.model.named_parameters() if "lora_" not in n]
+    assert all(p.device.type == DEVICE for p in model.model.parameters())
+    assert {p.dtype for p in base} == {torch.bfloat16}
+
+
+def test_packed_equals_padded_in_fp32(tiny_model_dir, batch):
+    padded = _loss_and_grads(_model(tiny_model_dir, torch.float32, padding_free=False), batch)
+    packed = _loss_and_grads(_model(tiny_model_dir, torch.float32, padding_free=True), batch)
+    assert abs(padded[0] - packed[0]) < 1e-4
+    assert padded[1].keys() == packed[1].keys() and padded[1]
+    for name, grad in padded[1].items():
+        torch.testing.assert_close(packed[1][name], grad, atol=1e-4, rtol=1e-3, msg=name)
+
+
+def test_packed_equals_padded_in_bf16(tiny_model_dir, batch):
+    padded = _loss_and_grads(_model(tiny_model_dir, torch.bfloat16, padding_free=False), batch)
+    packed = _loss_and_grads(_model(tiny_model_dir, torch.bfloat16, padding_free=True), batch)
+    assert math.isfinite(packed[0]) and abs(padded[0] - packed[0]) < 2e-2 * abs(padded[0])
+    assert padded[1].keys() == packed[1].keys() and padded[1]
+    for name, grad in padded[1].items():
+        assert _cosine(packed[1][name], grad) > 0.99, name
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_linear_ce_equals_the_full_logits_loss(tiny_model_dir, batch, dtype):
+    full = _loss_and_grads(_model(tiny_model_dir, dtype, padding_free=True), batch)
+    model = _model(tiny_model_dir, dtype, padding_free=True)
+    model.set_loss("FusedLinearCrossEntropyLoss")
+    fused = _loss_and_grads(model, batch, task="fused_lm_ce")
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert abs(full[0] - fused[0]) <= tol * abs(full[0])
+    for name, grad in full[1].items():
+        assert _cosine(fused[1][name], grad) > (0.99999 if dtype == torch.float32 else 0.99), name
+
+
+class _Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(64, 96, bias=True)
+        self.down = nn.Linear(96, 64, bias=False)
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(x)))
+
+
+def test_lora_node_on_a_bf16_base_equals_peft():
+    """fp32 adapters on a bf16 base (what PEFT leaves on a bf16 model), on the GPU."""
+    torch.manual_seed(0)
+    config = LoraConfig(r=8, lora_alpha=16, target_modules=["up", "down"], init_lora_weights=False)
+    reference = get_peft_model(_Net().to(torch.bfloat16), config).to(DEVICE)
+    assert {p.dtype for n, p in reference.named_parameters() if "lora_" in n} == {torch.float32}
+    fused = copy.deepcopy(reference)
+    assert fuse_lora_linears(fused) == 2
+    assert isinstance(fused.base_model.model.up, FusedLoraLinear)
+    x = torch.randn(3, 17, 64, device=DEVICE, dtype=torch.bfloat16)
+    results = []
+    for model in (reference, fused):
+        xi = x.clone().requires_grad_()
+        out = model(xi)
+        out.float().square().sum().backward()
+        grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+        results.append((out, xi.grad, grads))
+    (out_ref, gx_ref, grads_ref), (out, gx, grads) = results
+    assert out.dtype == out_ref.dtype == torch.bfloat16
+    torch.testing.assert_close(out, out_ref)
+    torch.testing.assert_close(gx, gx_ref)
+    assert grads.keys() == grads_ref.keys() and len(grads) == 4
+    for name, grad in grads_ref.items():
+        torch.testing.assert_close(grads[name], grad, atol=1e-3, rtol=1e-2, msg=name)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("liger_kernel") is None, reason="needs liger_kernel")
+def test_kernelize_takes_liger_on_cuda_and_keeps_the_logits(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    from twinkle.kernel import kernelize
+
+    plain = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16).to(DEVICE).eval()
+    for name, param in plain.named_parameters():  # norm weights away from 1, so ignoring them shows
+        if "norm" in name:
+            torch.nn.init.normal_(param, mean=1.0, std=0.2)
+    patched = kernelize(copy.deepcopy(plain))
+    kernels = {getattr(m, "_twinkle_kernel", None) for m in patched.modules()}
+    assert ("rms_norm", "liger") in kernels and ("swiglu_mlp", "liger") in kernels, kernels
+    ids = torch.randint(0, 500, (2, 33), device=DEVICE, generator=torch.Generator(DEVICE).manual_seed(1))
+    with torch.no_grad():
+        expected, actual = plain(input_ids=ids).logits.float(), patched(input_ids=ids).logits.float()
+    assert _cosine(actual, expected) > 0.999
+    torch.testing.assert_close(actual, expected, atol=5e-2, rtol=5e-2)
+
+
+def _contract(tmp_path: Path, model_dir: Path, launcher: list[str], *flags: str) -> str:
+    command = [
+        *launcher,
+        str(SCRIPT),
+        *("--model-id", str(model_dir), "--output-dir", str(tmp_path / "out")),
+        *("--train-samples", "32", "--batch-size", "4", "--eval-samples", "8"),
+        *("--eval-interval", "4", "--log-interval", "1", "--lr", "1e-2", "--num-warmup-steps", "1"),
+        *flags,
+    ]
+    result = subprocess.run(
+        command, cwd=tmp_path, capture_output=True, text=True, timeout=300, env=os.environ
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert (tmp_path / "out" / "last-checkpoint" / ".twinkle-complete").is_file()
+    return result.stderr
+
+
+def _losses(log: str) -> list[float]:
+    return [float(x) for x in re.findall(r"Current is step \d+ of \d+, metric: \{.*?'loss': ([^,}]+)", log)]
+
+
+def test_contract_trains_on_one_gpu(tmp_path, tiny_model_dir):
+    losses = _losses(_contract(tmp_path, tiny_model_dir, [sys.executable]))
+    assert len(losses) == 8 and all(math.isfinite(x) for x in losses)
+    assert losses[-1] < losses[0], losses
+
+
+def test_contract_under_torchrun_with_fsdp2_on_one_gpu(tmp_path, tiny_model_dir):
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1"]
+    losses = _losses(_contract(tmp_path, tiny_model_dir, launcher, "--fsdp-size", "1"))
+    assert len(losses) == 8 and all(math.isfinite(x) for x in losses)
+    assert losses[-1] < losses[0], losses
