@@ -32,10 +32,12 @@ def _long_text(pieces: list[str], sizes: dict[str, int], target: int, joiner: st
     return joiner.join(chosen)
 
 
-def make_long_rows(num_rows: int, seed: int = 0) -> list[dict[str, str]]:
-    """``num_rows`` long rows, alternating English and Chinese; the same rows for the same seed."""
+def make_long_rows(num_rows: int, seed: int = 0, tokenizer_path: str | None = None) -> list[dict[str, str]]:
+    """``num_rows`` long rows, alternating English and Chinese; the same rows for the same seed
+    and tokenizer. ``tokenizer_path``: a folder with the tokenizer that sizes the pieces (None: the
+    bundled model's)."""
     bundled = read_json_rows(bundled_dataset_path())
-    tokenizer = load_tokenizer(None)
+    tokenizer = load_tokenizer(tokenizer_path)
     rng = random.Random(seed)
     by_tag = {tag: [r for r in bundled if r.get("tag") == tag] for tag in JOINERS}
     sizes = {
@@ -54,9 +56,9 @@ def make_long_rows(num_rows: int, seed: int = 0) -> list[dict[str, str]]:
     return rows
 
 
-def write_long_rows(path: Path, num_rows: int, seed: int = 0) -> Path:
+def write_long_rows(path: Path, num_rows: int, seed: int = 0, tokenizer_path: str | None = None) -> Path:
     with open(path, "w", encoding="utf-8") as handle:
-        for row in make_long_rows(num_rows, seed):
+        for row in make_long_rows(num_rows, seed, tokenizer_path):
             handle.write(json.dumps(row, ensure_ascii=False) + "\n")
     return path
 

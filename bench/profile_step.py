@@ -14,8 +14,9 @@ import time
 from pathlib import Path
 
 import torch
-from common import build_dataset, lora_config
+from common import build_dataset, lora_config, sync, use_cuda
 from run import WORKLOADS, prepare
+from shapes import CHOICES
 
 import twinkle
 from twinkle.dataloader import DataLoader
@@ -32,17 +33,28 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=30)
     parser.add_argument("--memory", action="store_true")
     parser.add_argument("--shapes", action="store_true", help="group the ops by input shape")
+    parser.add_argument("--model", choices=CHOICES, default="smollm2")
+    parser.add_argument("--tokenizer", help="with a random --model: a folder of tokenizer files")
+    parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     folder = Path(tempfile.mkdtemp(prefix="twinkle-profile-"))
     spec = prepare(
         args.workload,
-        argparse.Namespace(steps=args.steps, warmup=args.warmup, seed=42, threads=args.threads),
+        argparse.Namespace(
+            steps=args.steps,
+            warmup=args.warmup,
+            seed=42,
+            threads=args.threads,
+            model=args.model,
+            tokenizer=args.tokenizer,
+            dtype=args.dtype,
+        ),
         folder,
     )
     twinkle.initialize(seed=42)
     dataset = build_dataset(spec)
-    model = kernelize(TransformersModel(model_id=None))
+    model = kernelize(TransformersModel(model_id=spec.model_path, dtype=spec.torch_dtype))
     torch.manual_seed(42)
     model.add_adapter_to_model("default", lora_config())
     model.set_optimizer("AdamW", lr=1e-4, weight_decay=0.0)
@@ -52,6 +64,7 @@ def main() -> None:
     def step() -> None:
         model.forward_backward(inputs=next(batches), task="fused_lm_ce")
         model.clip_grad_and_step(max_grad_norm=1.0)
+        sync()
 
     for _ in range(args.warmup):
         step()
@@ -62,19 +75,19 @@ def main() -> None:
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         print(f"{args.steps} steps {time.perf_counter() - start:.2f} s, peak RSS {rss:.0f} MiB")
         return
-    with torch.profiler.profile(
-        activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=args.shapes
-    ) as prof:
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if use_cuda():
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities, record_shapes=args.shapes) as prof:
         start = time.perf_counter()
         for _ in range(args.steps):
             step()
         elapsed = time.perf_counter() - start
     print(f"{args.steps} steps in {elapsed:.2f} s (profiled)", file=sys.stderr)
-    print(
-        prof.key_averages(group_by_input_shape=args.shapes).table(
-            sort_by="self_cpu_time_total", row_limit=args.rows
-        )
-    )
+    table = prof.key_averages(group_by_input_shape=args.shapes)
+    print(table.table(sort_by="self_cpu_time_total", row_limit=args.rows))
+    if use_cuda():
+        print(table.table(sort_by="self_cuda_time_total", row_limit=args.rows))
 
 
 if __name__ == "__main__":

@@ -115,9 +115,11 @@ def prepare(name: str, args: argparse.Namespace, folder: Path) -> Spec:
     workload = WORKLOADS[name]
     steps = args.steps or workload.default_steps
     num_samples = 4 * (args.warmup + steps)
+    path = model_path(getattr(args, "model", "smollm2"), folder, args.seed, getattr(args, "tokenizer", None))
     dataset_id = None
-    if workload.long_rows:
-        dataset_id = str(write_long_rows(folder / f"{name}_rows.jsonl", num_samples, seed=args.seed))
+    if workload.long_rows:  # sized by the model's own tokenizer (a random shape's folder holds one)
+        rows = folder / f"{name}_rows.jsonl"
+        dataset_id = str(write_long_rows(rows, num_samples, seed=args.seed, tokenizer_path=path))
     spec = Spec(
         workload=name,
         dataset_id=dataset_id,
@@ -129,9 +131,7 @@ def prepare(name: str, args: argparse.Namespace, folder: Path) -> Spec:
         seed=args.seed,
         threads=args.threads,
         dtype=getattr(args, "dtype", "auto"),
-        model_path=model_path(
-            getattr(args, "model", "smollm2"), folder, args.seed, getattr(args, "tokenizer", None)
-        ),
+        model_path=path,
     )
     write_encoded(build_dataset(spec), Path(spec.encoded_path))
     return spec

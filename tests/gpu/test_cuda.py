@@ -129,8 +129,11 @@ def test_lora_node_on_a_bf16_base_equals_peft():
         results.append((out, xi.grad, grads))
     (out_ref, gx_ref, grads_ref), (out, gx, grads) = results
     assert out.dtype == out_ref.dtype == torch.bfloat16
-    torch.testing.assert_close(out, out_ref)
-    torch.testing.assert_close(gx, gx_ref)
+    # Not bit for bit as on the CPU: cuBLAS may pick another kernel for the node's 2-D call of the
+    # base product than for PEFT's 3-D one, and the bf16 base output then rounds one step apart.
+    # Measured on an H200: 1 of 3264 outputs differs, by 0.002 (one bf16 step near 0.3).
+    torch.testing.assert_close(out, out_ref, atol=4e-3, rtol=1.6e-2)
+    torch.testing.assert_close(gx, gx_ref, atol=4e-3, rtol=1.6e-2)
     assert grads.keys() == grads_ref.keys() and len(grads) == 4
     for name, grad in grads_ref.items():
         torch.testing.assert_close(grads[name], grad, atol=1e-3, rtol=1e-2, msg=name)
