@@ -40,7 +40,7 @@ EOF
 
 bench all 240 --workload all
 echo "== CUDA tests ($(left) s left)"
-timeout 150 "$py" -m pytest tests/gpu -q -rs -p no:cacheprovider 2>&1 | tee "$out/gpu_tests.log" | tail -30
+timeout 100 "$py" -m pytest tests/gpu -q -rs -p no:cacheprovider 2>&1 | tee "$out/gpu_tests.log" | tail -30
 if (($(left) > 150)); then
     bench rounds $(($(left) - 10)) --workload all --rounds 2
 fi

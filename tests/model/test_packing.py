@@ -174,3 +174,22 @@ def test_padded_forward_is_unchanged_after_packing(make_model, dataset):
     after = model.model(**inputs).logits
     keep = batch["attention_mask"].bool()
     torch.testing.assert_close(after[keep], before[keep])
+
+
+def test_bottom_right_causal_bias_is_the_prefix_mask():
+    """On CUDA a sample after a shared prefix attends with ``causal_lower_right`` (no mask tensor,
+    so flash attention takes it); it must be the mask the other devices build."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    from twinkle.model.attention import _window_mask
+
+    queries, keys = 5, 9  # 4 prefix keys, then the sample's own 5
+    positions = torch.arange(keys)
+    mask = _window_mask(positions[keys - queries :], positions, None)
+    assert torch.equal(causal_lower_right(queries, keys)._materialize(torch.device("cpu")), mask)
+    q, k, v = torch.randn(1, 4, queries, 8), torch.randn(1, 2, keys, 8), torch.randn(1, 2, keys, 8)
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    actual = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=causal_lower_right(queries, keys), enable_gqa=True
+    )
+    torch.testing.assert_close(actual, expected)

@@ -16,12 +16,18 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.bias import causal_lower_right
 from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 PREFIX = "twinkle_segments:"
 _CPU_UPCAST = (torch.bfloat16, torch.float16)
+# Not cuDNN: it builds an execution plan for every new sequence length, and a packed row's samples
+# have new lengths every batch. Measured on an H200 (torch 2.11, Qwen2.5-0.5B shape, batch 4):
+# 2.85 ms of CPU per forward call and 2.4 ms per backward, against ~30 ms of GPU work per step.
+_GPU_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 @dataclass(frozen=True)
@@ -62,6 +68,13 @@ def _attend(
         return F.scaled_dot_product_attention(
             query, key, value, dropout_p=dropout, is_causal=queries > 1, scale=scaling, enable_gqa=gqa
         )
+    if window is None and query.device.type == "cuda":
+        # the queries are the last keys: causal aligned to the bottom right, which flash and
+        # efficient attention take without a mask
+        mask = causal_lower_right(queries, keys)
+        return F.scaled_dot_product_attention(
+            query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling, enable_gqa=gqa
+        )
     k_pos = torch.arange(keys, device=query.device)
     mask = _window_mask(k_pos[keys - queries :], k_pos, window)
     return F.scaled_dot_product_attention(
@@ -90,6 +103,21 @@ def segment_attention(
         raise ValueError(
             f"packed attention expects one row of {segments.length} tokens, got {tuple(query.shape)}"
         )
+    if query.device.type == "cuda":
+        with sdpa_kernel(_GPU_BACKENDS):
+            return _segments(query, key, value, segments, dropout, scaling, sliding_window)
+    return _segments(query, key, value, segments, dropout, scaling, sliding_window)
+
+
+def _segments(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    segments: Segments,
+    dropout: float,
+    scaling: float | None,
+    sliding_window: int | None,
+) -> torch.Tensor:
     p = segments.prefix
     lengths = [end - start for start, end in segments.spans]
     if not p:
