@@ -129,11 +129,16 @@ def test_lora_node_on_a_bf16_base_equals_peft():
         results.append((out, xi.grad, grads))
     (out_ref, gx_ref, grads_ref), (out, gx, grads) = results
     assert out.dtype == out_ref.dtype == torch.bfloat16
-    # Not bit for bit as on the CPU: cuBLAS may pick another kernel for the node's 2-D call of the
-    # base product than for PEFT's 3-D one, and the bf16 base output then rounds one step apart.
-    # Measured on an H200: 1 of 3264 outputs differs, by 0.002 (one bf16 step near 0.3).
-    torch.testing.assert_close(out, out_ref, atol=4e-3, rtol=1.6e-2)
-    torch.testing.assert_close(gx, gx_ref, atol=4e-3, rtol=1.6e-2)
+    # Not bit for bit as on the CPU: cuBLAS may pick other kernels for the node's 2-D products
+    # than for PEFT's 3-D ones, so a bf16 addend can round one step apart, and the sum of the two
+    # branches keeps that step even where it cancels to ~0. Measured on an H200: 1 of 3264
+    # outputs off by 0.002, and 3 of 3264 input gradients by 0.0078 where PEFT's is 0 (its
+    # largest is ~10). Allowed: such strays in under 1% of the elements, each within half a bf16
+    # step of the tensor's largest value.
+    for actual, expected in ((out.detach(), out_ref.detach()), (gx, gx_ref)):
+        strays = ~torch.isclose(actual, expected, rtol=1.6e-2, atol=1e-5)
+        assert strays.float().mean() < 0.01, f"{int(strays.sum())} of {strays.numel()} differ"
+        torch.testing.assert_close(actual, expected, atol=2**-8 * float(expected.abs().max()), rtol=0)
     assert grads.keys() == grads_ref.keys() and len(grads) == 4
     for name, grad in grads_ref.items():
         torch.testing.assert_close(grads[name], grad, atol=1e-3, rtol=1e-2, msg=name)
