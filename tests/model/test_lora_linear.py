@@ -159,6 +159,27 @@ def test_a_bf16_base_with_fp32_adapter_rounds_once_as_peft_does():
     assert (in_bf16 != expected).sum() > expected.numel() // 4  # so the check above can fail
 
 
+def test_a_bf16_base_keeps_x_not_a_wider_copy():
+    """The fp32 cast of a bf16 input is exact, so the node keeps x and casts again in backward:
+    a model's LoRA layers hold no fp32 copies of their inputs (2x the memory of x, per layer)."""
+    peft_model, fused = _pair()
+    _bf16_base(peft_model, fused)
+    x = torch.randn(4, 5, 6).to(torch.bfloat16)
+    saved = []
+
+    def keep(t):
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        out = fused.base_model.model.up(x)
+    assert [t for t in saved if t.dtype == torch.float32 and t.numel() >= x.numel()] == []
+    assert any(t.dtype == torch.bfloat16 and t.numel() == x.numel() for t in saved)
+    out.float().sum().backward()
+    layer = fused.base_model.model.up
+    assert layer.lora_A["default"].weight.grad is not None and layer.lora_B["default"].weight.grad is not None
+
+
 def test_adapter_narrower_than_the_base_runs_peft(monkeypatch):
     # PEFT adds a bf16 adapter's output to a fp32 base in fp32; the node would round to bf16
     calls = _spy(monkeypatch)

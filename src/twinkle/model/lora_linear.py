@@ -34,7 +34,10 @@ class _LoraLinear(torch.autograd.Function):
         # A low-precision base with fp32 adapters (PEFT's default on a bf16 model): the adapter
         # runs in its own dtype and the sum is rounded once to the base's dtype, as PEFT does.
         mixed = lora_a.dtype != x.dtype
-        if mixed and x_lora is None:
+        # x in the adapter's dtype is an exact cast of x: backward casts again rather than keep
+        # the wider copy (on a bf16 model, an fp32 copy of every LoRA layer's input)
+        recast = mixed and x_lora is None
+        if recast:
             flat_lora = flat.to(lora_a.dtype)
         low = _thin(lora_a, flat_lora.t())  # (tokens, r)
         out = flat @ weight.t() if bias is None else torch.addmm(bias, flat, weight.t())
@@ -44,9 +47,10 @@ class _LoraLinear(torch.autograd.Function):
             out.addmm_(low, lora_b.t(), alpha=scaling)
         # x itself only for the base weight's gradient (PEFT keeps none for a frozen base)
         keep = flat if ctx.needs_input_grad[2] else None
-        ctx.save_for_backward(keep, flat_lora, weight, lora_a, lora_b, low)
+        ctx.save_for_backward(keep, flat if recast else flat_lora, weight, lora_a, lora_b, low)
         ctx.scaling = scaling
         ctx.mixed = mixed
+        ctx.recast = recast
         ctx.has_bias = bias is not None
         ctx.separate = x_lora is not None
         ctx.x_shape = x.shape
@@ -56,6 +60,8 @@ class _LoraLinear(torch.autograd.Function):
     def backward(ctx, grad_out):
         flat, flat_lora, weight, lora_a, lora_b, low = ctx.saved_tensors
         need_x, need_x_lora, need_w, need_bias, need_a, need_b, _ = ctx.needs_input_grad
+        if ctx.recast and need_a:
+            flat_lora = flat_lora.to(lora_a.dtype)
         g = grad_out.reshape(-1, grad_out.shape[-1])
         g_lora = g.to(lora_b.dtype) if ctx.mixed else g
         g_low = _thin(lora_b.t(), g_lora.t()).mul_(ctx.scaling)  # (tokens, r)
