@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from nets import TwoLinear
 from peft import LoraConfig, get_peft_model
-from torch import nn
 
 from twinkle.dataloader import DataLoader
 from twinkle.dataset import Dataset, DatasetMeta
@@ -100,21 +100,11 @@ def test_fused_linear_ce_equals_the_full_logits_loss(tiny_model_dir, batch, dtyp
         assert _cosine(fused[1][name], grad) > (0.99999 if dtype == torch.float32 else 0.99), name
 
 
-class _Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.up = nn.Linear(64, 96, bias=True)
-        self.down = nn.Linear(96, 64, bias=False)
-
-    def forward(self, x):
-        return self.down(torch.relu(self.up(x)))
-
-
 def test_lora_node_on_a_bf16_base_equals_peft():
     """fp32 adapters on a bf16 base (what PEFT leaves on a bf16 model), on the GPU."""
     torch.manual_seed(0)
     config = LoraConfig(r=8, lora_alpha=16, target_modules=["up", "down"], init_lora_weights=False)
-    reference = get_peft_model(_Net().to(torch.bfloat16), config).to(DEVICE)
+    reference = get_peft_model(TwoLinear(64, 96).to(torch.bfloat16), config).to(DEVICE)
     assert {p.dtype for n, p in reference.named_parameters() if "lora_" in n} == {torch.float32}
     fused = copy.deepcopy(reference)
     assert fuse_lora_linears(fused) == 2

@@ -5,6 +5,7 @@ import pickle
 
 import pytest
 import torch
+from nets import TwoLinear
 from peft import LoraConfig, get_peft_model
 from peft.tuners.lora.layer import Linear as PeftLoraLinear
 from torch import nn
@@ -12,21 +13,11 @@ from torch import nn
 from twinkle.model.lora_linear import FusedLoraLinear, fuse_lora_linears, lora_linear
 
 
-class _Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.up = nn.Linear(6, 10, bias=True)
-        self.down = nn.Linear(10, 6, bias=False)
-
-    def forward(self, x):
-        return self.down(torch.relu(self.up(x)))
-
-
 def _pair(**lora):
     """The same LoRA model twice: PEFT's forward and the fused one."""
     torch.manual_seed(0)
     config = LoraConfig(r=3, lora_alpha=6, target_modules=["up", "down"], init_lora_weights=False, **lora)
-    peft_model = get_peft_model(_Net(), config)
+    peft_model = get_peft_model(TwoLinear(), config)
     fused = copy.deepcopy(peft_model)
     assert fuse_lora_linears(fused) == 2
     return peft_model, fused
