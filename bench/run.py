@@ -160,6 +160,9 @@ def summarize(result: dict, warmup: int, peak_gflops: float) -> dict:
         "tokens_per_s": sum(s["tokens"] for s in timed) / elapsed,
         "supervised_tokens_per_s": sum(s["supervised"] for s in timed) / elapsed,
         "s_per_step": elapsed / len(timed),
+        # robust to a few slow steps (a JIT compile for a new shape, a collection): same batches
+        # on both sides, so the medians compare the same work
+        "median_s_per_step": median(s["end"] - s["begin"] for s in timed),
         "peak_rss_mib": result["peak_rss_mib"],
         "peak_gpu_mib": result["peak_gpu_mib"],
         "final_loss": mean(s["loss"] for s in steps[-LOSS_STEPS:]),
@@ -174,6 +177,7 @@ def compare(sides: dict[str, dict]) -> dict:
     counts = [[(s["rows"], s["tokens"], s["supervised"]) for s in r["raw"]["steps"]] for r in (ours, theirs)]
     return {
         "tokens_per_s": ours["tokens_per_s"] / theirs["tokens_per_s"],
+        "median_step": theirs["median_s_per_step"] / ours["median_s_per_step"],
         "peak_rss": ours["peak_rss_mib"] / theirs["peak_rss_mib"],
         "final_loss_diff": ours["final_loss"] - theirs["final_loss"],
         "same_samples": ours["raw"]["samples_digest"] == theirs["raw"]["samples_digest"]
@@ -218,7 +222,8 @@ def _cpuinfo() -> list[str]:
 def table(report: dict) -> str:
     runs = [s for w in report["workloads"].values() for r in w["rounds"] for s in r.values()]
     gpu = any(s["peak_gpu_mib"] is not None for s in runs)
-    head = ["workload", "round", "side", "tokens/s", "supervised tokens/s", "s/step", "peak RSS MiB"]
+    head = ["workload", "round", "side", "tokens/s", "supervised tokens/s", "s/step", "median s/step"]
+    head += ["peak RSS MiB"]
     head += ["peak GPU MiB"] * gpu + ["final loss", "model GFLOP/s", "% of peak"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, w in report["workloads"].items():
@@ -231,7 +236,11 @@ def table(report: dict) -> str:
                     f"{s['tokens_per_s']:.1f}",
                     f"{s['supervised_tokens_per_s']:.1f}",
                 ]
-                cells += [f"{s['s_per_step']:.2f}", f"{s['peak_rss_mib']:.0f}"]
+                cells += [
+                    f"{s['s_per_step']:.2f}",
+                    f"{s['median_s_per_step']:.2f}",
+                    f"{s['peak_rss_mib']:.0f}",
+                ]
                 cells += [f"{s['peak_gpu_mib']:.0f}" if s["peak_gpu_mib"] is not None else "-"] * gpu
                 cells += [
                     f"{s['final_loss']:.4f}",
@@ -251,7 +260,8 @@ def table(report: dict) -> str:
             each = ", ".join(f"{x['tokens_per_s']:.2f}x" for x in r["rounds"])
             lines.append(
                 f"{name}: twinkle / hf_trainer tokens/s {r['tokens_per_s']:.2f}x (median of rounds: {each}), "
-                f"peak RSS {r['peak_rss']:.2f}x, final loss diff {r['final_loss_diff']:+.4f} ({same})"
+                f"by median step {r['median_step']:.2f}x, peak RSS {r['peak_rss']:.2f}x, "
+                f"final loss diff {r['final_loss_diff']:+.4f} ({same})"
             )
     return "\n".join(lines)
 
@@ -261,6 +271,7 @@ def ratios(rounds: list[dict]) -> dict:
     each = [compare(sides) for sides in rounds]
     return {
         "tokens_per_s": median(r["tokens_per_s"] for r in each),
+        "median_step": median(r["median_step"] for r in each),
         "peak_rss": median(r["peak_rss"] for r in each),
         "final_loss_diff": max((r["final_loss_diff"] for r in each), key=abs),
         "same_samples": all(r["same_samples"] for r in each),
