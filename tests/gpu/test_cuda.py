@@ -181,7 +181,9 @@ def test_contract_trains_on_one_gpu(tmp_path, tiny_model_dir):
     assert losses[-1] < losses[0], losses
 
 
-def test_contract_under_torchrun_with_fsdp2_on_one_gpu(tmp_path, tiny_model_dir):
+def test_contract_under_torchrun_on_one_gpu(tmp_path, tiny_model_dir):
+    """The launcher's path (rank environment, process group) on one GPU. One rank does not shard:
+    FSDP2 runs only where the world has more than one rank, so it needs a machine of 2 GPUs."""
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1"]
     losses = _losses(_contract(tmp_path, tiny_model_dir, launcher, "--fsdp-size", "1"))
     assert len(losses) == 8 and all(math.isfinite(x) for x in losses)
