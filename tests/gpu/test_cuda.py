@@ -188,3 +188,50 @@ def test_contract_under_torchrun_on_one_gpu(tmp_path, tiny_model_dir):
     losses = _losses(_contract(tmp_path, tiny_model_dir, launcher, "--fsdp-size", "1"))
     assert len(losses) == 8 and all(math.isfinite(x) for x in losses)
     assert losses[-1] < losses[0], losses
+
+
+def test_fsdp2_sharding_on_one_gpu_equals_the_unsharded_model(tiny_model_dir, batch):
+    """``apply_fsdp2`` on a 1-rank mesh (training shards only in a world of 2 or more, so this
+    calls it directly): on CUDA the bf16 policy (compute in bf16, reduce in fp32) with fp32 LoRA
+    weights gives the unsharded model's loss and LoRA gradients, to bf16 rounding."""
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+
+    from twinkle.distributed import DeviceMesh
+    from twinkle.distributed.fsdp import apply_fsdp2, release_process_groups
+    from twinkle.model.lora import add_lora
+
+    config = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)
+    models = []
+    for _ in range(2):
+        base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16).to(DEVICE)
+        torch.manual_seed(0)
+        models.append(add_lora(base, "default", config))
+    plain, sharded = models
+    inputs = {k: batch[k].to(DEVICE) for k in ("input_ids", "attention_mask", "labels")}
+    dist.init_process_group(
+        "nccl" if DEVICE == "cuda" else "gloo", store=dist.HashStore(), rank=0, world_size=1
+    )
+    try:
+        lm = sharded.base_model.model
+        apply_fsdp2(lm, DeviceMesh(fsdp_size=1, dp_size=1), torch.device(DEVICE), lm._no_split_modules)
+        losses, grads = [], []
+        for model in (plain, sharded):
+            loss = model(**inputs).loss
+            loss.backward()
+            losses.append(float(loss.detach()))
+            grads.append(
+                {
+                    n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).float()
+                    for n, p in model.named_parameters()
+                    if p.grad is not None
+                }
+            )
+    finally:
+        dist.destroy_process_group()
+        release_process_groups()
+    assert any(type(p).__name__ == "DTensor" for p in sharded.parameters())  # it really was sharded
+    assert abs(losses[0] - losses[1]) < 2e-2 * abs(losses[0]), losses
+    assert grads[0].keys() == grads[1].keys() and grads[0]
+    for name, grad in grads[0].items():
+        assert _cosine(grads[1][name], grad) > 0.99, name
