@@ -11,6 +11,7 @@ The function is registered with Hugging Face's attention interface under a name 
 the model's own implementation; without ``twinkle_segments`` in the call it is exactly that
 implementation (evaluation of padded batches, generation)."""
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -103,37 +104,24 @@ def segment_attention(
         raise ValueError(
             f"packed attention expects one row of {segments.length} tokens, got {tuple(query.shape)}"
         )
-    if query.device.type == "cuda":
-        with sdpa_kernel(_GPU_BACKENDS):
-            return _segments(query, key, value, segments, dropout, scaling, sliding_window)
-    return _segments(query, key, value, segments, dropout, scaling, sliding_window)
-
-
-def _segments(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    segments: Segments,
-    dropout: float,
-    scaling: float | None,
-    sliding_window: int | None,
-) -> torch.Tensor:
-    p = segments.prefix
-    lengths = [end - start for start, end in segments.spans]
-    if not p:
-        # one split per tensor (a single backward node) rather than a slice per sample
-        pieces = zip(*(t.split(lengths, dim=2) for t in (query, key, value)), strict=True)
-        outputs = [_attend(q, k, v, 0, sliding_window, dropout, scaling) for q, k, v in pieces]
+    backends = sdpa_kernel(_GPU_BACKENDS) if query.device.type == "cuda" else nullcontext()
+    with backends:
+        p = segments.prefix
+        lengths = [end - start for start, end in segments.spans]
+        if not p:
+            # one split per tensor (a single backward node) rather than a slice per sample
+            pieces = zip(*(t.split(lengths, dim=2) for t in (query, key, value)), strict=True)
+            outputs = [_attend(q, k, v, 0, sliding_window, dropout, scaling) for q, k, v in pieces]
+            return torch.cat(outputs, dim=2).transpose(1, 2).contiguous()
+        # The prefix and the first sample are contiguous: together one plain causal attention.
+        queries = query.split([p + lengths[0], *lengths[1:]], dim=2)
+        keys, values = (t.split([p, *lengths], dim=2) for t in (key, value))
+        outputs = []
+        for i, q in enumerate(queries):
+            k = torch.cat([keys[0], keys[i + 1]], dim=2)
+            v = torch.cat([values[0], values[i + 1]], dim=2)
+            outputs.append(_attend(q, k, v, 0 if i == 0 else p, sliding_window, dropout, scaling))
         return torch.cat(outputs, dim=2).transpose(1, 2).contiguous()
-    # The prefix and the first sample are contiguous: together one plain causal attention.
-    queries = query.split([p + lengths[0], *lengths[1:]], dim=2)
-    keys, values = (t.split([p, *lengths], dim=2) for t in (key, value))
-    outputs = []
-    for i, q in enumerate(queries):
-        k = torch.cat([keys[0], keys[i + 1]], dim=2)
-        v = torch.cat([values[0], values[i + 1]], dim=2)
-        outputs.append(_attend(q, k, v, 0 if i == 0 else p, sliding_window, dropout, scaling))
-    return torch.cat(outputs, dim=2).transpose(1, 2).contiguous()
 
 
 def _dispatcher(base_name: str) -> Any:
