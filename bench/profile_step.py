@@ -2,11 +2,16 @@
 
     python bench/profile_step.py --workload W1 --steps 4
     python bench/profile_step.py --workload W2 --steps 1 --memory
+    python bench/profile_step.py --workload W1 --steps 10 --python
 
 Runs the Twinkle side of ``run.py`` (same data, model, adapter and loss) and prints the ops by
-self CPU time; ``--memory`` prints the peak of the allocator instead (CPU: ``ru_maxrss``)."""
+self CPU time; ``--memory`` prints the peak of the allocator instead (CPU: ``ru_maxrss``), and
+``--python`` the Python functions by cumulative time (where the host's time goes when the device
+waits on it)."""
 
 import argparse
+import cProfile
+import pstats
 import resource
 import sys
 import tempfile
@@ -33,6 +38,9 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=30)
     parser.add_argument("--memory", action="store_true")
     parser.add_argument("--shapes", action="store_true", help="group the ops by input shape")
+    parser.add_argument(
+        "--python", action="store_true", help="cProfile instead: the Python functions, the host's share"
+    )
     parser.add_argument("--model", choices=CHOICES, default="smollm2")
     parser.add_argument("--tokenizer", help="with a random --model: a folder of tokenizer files")
     parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto")
@@ -74,6 +82,11 @@ def main() -> None:
             step()
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         print(f"{args.steps} steps {time.perf_counter() - start:.2f} s, peak RSS {rss:.0f} MiB")
+        return
+    if args.python:
+        profile = cProfile.Profile()
+        profile.runcall(lambda: [step() for _ in range(args.steps)])
+        pstats.Stats(profile).sort_stats("cumulative").print_stats(args.rows)
         return
     activities = [torch.profiler.ProfilerActivity.CPU]
     if use_cuda():

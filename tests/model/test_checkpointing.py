@@ -60,6 +60,23 @@ def test_auto_turns_on_only_when_activations_would_not_fit(make_model, monkeypat
     assert not model.checkpointing.decide(10, torch.device("cpu"))  # a short batch: full speed again
 
 
+def test_auto_reads_no_parameter_when_even_float64_activations_fit(make_model, monkeypatch):
+    model = make_model()
+    lm = model.model.get_base_model()
+    need64 = activation_bytes(lm.config, 1000, torch.float64)
+
+    def no_walk(*args, **kwargs):
+        raise AssertionError("decide() walked the parameters")
+
+    monkeypatch.setattr(lm, "parameters", no_walk)
+    monkeypatch.setattr(checkpointing, "available_bytes", lambda device: int(need64 / 0.8) + 10**6)
+    assert not model.checkpointing.decide(1000, torch.device("cpu"))
+    # a float64 estimate that does not fit is not the answer: the walk decides (fp32 fits here)
+    monkeypatch.setattr(checkpointing, "available_bytes", lambda device: need64)
+    with pytest.raises(AssertionError, match="walked"):
+        model.checkpointing.decide(1000, torch.device("cpu"))
+
+
 def test_auto_counts_fp32_lora_inputs_on_a_bf16_base(make_model, monkeypatch):
     # fp32 adapters on a bf16 base keep fp32 copies of their inputs: estimate in fp32
     model = make_model()

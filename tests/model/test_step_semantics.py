@@ -148,6 +148,17 @@ def test_eval_metrics(make_model, dataset):
     assert all(torch.equal(before[n], p) for n, p in lora_weights(model).items())
 
 
+def test_forward_only_evaluates_and_forward_backward_trains_again(make_model, dataset):
+    model = make_model()
+    batch = next(iter(DataLoader(dataset, batch_size=2)))
+    model.forward_backward(inputs=batch)
+    assert all(m.training for m in model.model.modules())
+    model.forward_only(inputs=batch)
+    assert not any(m.training for m in model.model.modules())  # dropout off while evaluating
+    model.forward_backward(inputs=batch)
+    assert all(m.training for m in model.model.modules())
+
+
 def test_calculate_loss_needs_forward_only(make_model, dataset):
     model = make_model()
     with pytest.raises(UserError, match="forward_only"):

@@ -162,11 +162,15 @@ class TransformersModel:
     def forward_backward(
         self, inputs: dict[str, torch.Tensor], task: str = "causal_lm", adapter_name: str | None = None
     ) -> float:
-        """One micro-batch: forward, summed loss, backward. Returns this rank's mean token loss."""
+        """One micro-batch: forward, summed loss, backward. Returns this rank's mean token loss.
+
+        A model in eval mode (after ``forward_only``) is put back in training mode first."""
         group = self._group(adapter_name)
         group.train_metrics.start_batch()
         batch = self._to_device(inputs)
-        self.model.train()
+        # train() sets the flag on every module (~5 ms for 24 layers); reading them is a third
+        if not all(m.training for m in self.model.modules()):
+            self.model.train()
         # positions the layers may run: the padded batch (a packed row is never longer)
         self.checkpointing.decide(batch["input_ids"].numel(), self.device)
         out = compute_loss(self.model, batch, self._loss_fn(group, task), self.padding_free)
@@ -246,7 +250,8 @@ class TransformersModel:
         group = self._group(adapter_name)
         group.eval_metrics.start_batch()
         batch = self._to_device(inputs)
-        self.model.eval()
+        if any(m.training for m in self.model.modules()):
+            self.model.eval()
         out = compute_loss(self.model, batch, self._loss_fn(group, task), self.padding_free)
         self._pending_eval = (
             group.adapter_name,
