@@ -9,7 +9,9 @@ For each op, two instances of the same module with the same weights: the origina
 both computed. Original and ours alternate inside each repeat (so load from other processes
 hits both alike); the table gives the median over repeats of the mean step time in a repeat,
 and the speed-up as the median [quartiles] of the per-repeat ratios original / ours.
-``--frozen`` gives the weights no gradient, as under LoRA.
+``--frozen`` gives the weights no gradient, as under LoRA. ``--lora`` runs the MLP with LoRA (r=8)
+on its three projections and frozen base weights, as Twinkle trains it: the original is PEFT's
+layers (each one autograd node, as ``TransformersModel`` fuses them), ours the one-node MLP.
 ``saved MB`` is what autograd keeps for backward (distinct storages, parameters excluded).
 
 An op enters ``DEFAULT_KERNEL_CONFIG``'s chains only if ours is more than 5% faster here.
@@ -60,6 +62,21 @@ def _time(module: torch.nn.Module, x: torch.Tensor, grad: torch.Tensor, iters: i
     return (time.perf_counter() - start) / iters * 1e3
 
 
+def _with_lora(mlp: torch.nn.Module) -> torch.nn.Module:
+    from peft import LoraConfig, get_peft_model
+
+    from twinkle.model.lora_linear import fuse_lora_linears
+
+    torch.manual_seed(0)
+    config = LoraConfig(r=8, lora_alpha=32, target_modules=["gate_proj", "up_proj", "down_proj"])
+    model = get_peft_model(mlp, config)
+    for name, param in model.named_parameters():  # B away from zero, so every gradient is non-trivial
+        if "lora_B" in name:
+            torch.nn.init.normal_(param, std=0.02)
+    assert fuse_lora_linears(model) == 3
+    return model
+
+
 def _saved_mb(module: torch.nn.Module, x: torch.Tensor) -> float:
     params = {p.untyped_storage().data_ptr() for p in module.parameters()}
     storages: dict[int, int] = {}
@@ -96,12 +113,13 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=10, help="steps per repeat")
     parser.add_argument("--ops", nargs="*", default=None, help="a subset of the ops")
     parser.add_argument("--frozen", action="store_true", help="weights without gradients, as under LoRA")
+    parser.add_argument("--lora", action="store_true", help="the MLP only, with LoRA on its projections")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     print(
         f"batch {args.batch} x seq {args.seq}, hidden {HIDDEN}, intermediate {INTERMEDIATE}, {args.dtype}, "
-        f"{args.threads} threads, {'frozen' if args.frozen else 'trainable'} weights, median of {args.repeats} repeats x {args.iters} steps, torch {torch.__version__}"
+        f"{args.threads} threads, {'LoRA on frozen' if args.lora else 'frozen' if args.frozen else 'trainable'} weights, median of {args.repeats} repeats x {args.iters} steps, torch {torch.__version__}"
     )
     print(
         "| op | module | original ms | torch ms | speed-up [IQR] | saved MB original | saved MB torch | max diff |"
@@ -110,9 +128,14 @@ def main() -> None:
     for op, (target, original) in _modules().items():
         if args.ops and op not in args.ops:
             continue
-        original = original.to(dtype).requires_grad_(not args.frozen)
+        if args.lora and op != "swiglu_mlp":
+            continue
+        original = original.to(dtype).requires_grad_(not (args.frozen or args.lora))
+        if args.lora:
+            original = _with_lora(original)
         ours = kernelize(copy.deepcopy(original), {target: KernelChoice(op, ("torch",))})
-        assert getattr(ours, "_twinkle_kernel", None) == (op, "torch"), f"{target} was not patched"
+        patched = [getattr(m, "_twinkle_kernel", None) for m in ours.modules() if type(m).__name__ == target]
+        assert patched == [(op, "torch")], f"{target} was not patched"
         gen = torch.Generator().manual_seed(1)
         x = torch.randn(args.batch, args.seq, HIDDEN, generator=gen).to(dtype).requires_grad_()
         grad = torch.randn(args.batch, args.seq, HIDDEN, generator=gen).to(dtype)

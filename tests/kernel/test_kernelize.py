@@ -107,14 +107,15 @@ def test_deep_copy_reads_its_own_weights(tiny_llama, torch_mapping):
     assert not torch.allclose(_logits(clone), _logits(model))
 
 
-def test_default_config_on_cpu_patches_norms_only(twinkle_log, tiny_llama):
-    """On CPU the default chains end in 'torch' for RMSNorm only (the measured win)."""
+def test_default_config_on_cpu_takes_the_torch_backend(twinkle_log, tiny_llama):
+    """On CPU the default chains end in 'torch': RMSNorm (faster) and the MLP (keeps less)."""
     model = kernelize(tiny_llama())
     assert all(m._twinkle_kernel == ("rms_norm", "torch") for m in _modules(model, "LlamaRMSNorm"))
-    assert all(not hasattr(m, "_twinkle_kernel") for m in _modules(model, "LlamaMLP"))
+    mlps = _modules(model, "LlamaMLP")
+    assert mlps and all(m._twinkle_kernel == ("swiglu_mlp", "torch") for m in mlps)
     assert _records(twinkle_log, logging.INFO) == [
+        f"kernelize: {len(mlps)} x LlamaMLP -> swiglu_mlp [torch]",
         f"kernelize: {N_NORMS} x LlamaRMSNorm -> rms_norm [torch]",
-        "kernelize: no backend available here for LlamaMLP; they keep their own forward",
     ]
 
 

@@ -11,6 +11,8 @@ measurements in ``README.md`` (``bench/kernel_bench.py``), not on this file.
   instead of saved (one ``tokens x intermediate`` activation less per layer). The projections
   stay the module's own ``Linear`` children, looked up at call time, so LoRA wrappers attached
   before or after ``kernelize`` are used; fusing gate and up into one matmul would bypass them.
+  When all three are plain LoRA layers the whole MLP runs as one node (``model/lora_mlp.py``)
+  that also recomputes the product ``down``'s adapter needs: two such activations less.
 
 There is no ``rotary`` op: Hugging Face applies rotary embeddings through a module-level function
 called from inside each attention forward, so replacing it per instance would mean copying every
@@ -28,6 +30,7 @@ import torch.nn.functional as F
 
 from twinkle.kernel.module_checks import require_silu, rms_norm_eps
 from twinkle.kernel.registry import register_op
+from twinkle.model.lora_mlp import lora_mlp
 
 
 def _always() -> bool:
@@ -120,6 +123,9 @@ def _rms_norm_zero_centered_forward(self: torch.nn.Module, hidden_states: torch.
 
 
 def _swiglu_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    fused = lora_mlp(self, x)  # three plain LoRA projections: one node that saves gate and up only
+    if fused is not None:
+        return fused
     return self.down_proj(SiLUMul.apply(self.gate_proj(x), self.up_proj(x)))
 
 

@@ -26,30 +26,78 @@ def _thin(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
     return torch.mm(left, right).t()
 
 
+def adapter_input(flat: torch.Tensor, lora_a: torch.Tensor) -> torch.Tensor:
+    """x as the adapter takes it: cast to the adapter's dtype (an exact cast to a wider one)."""
+    return flat if flat.dtype == lora_a.dtype else flat.to(lora_a.dtype)
+
+
+def project(
+    flat: torch.Tensor,
+    flat_lora: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    scaling: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(flat W^T + bias + scaling (flat_lora A^T) B^T, flat_lora A^T)`` for 2-D ``flat``. An
+    adapter wider than the base (PEFT's fp32 adapters on a bf16 model) runs in its own dtype and
+    the sum is rounded once to the base's dtype, as PEFT does."""
+    low = _thin(lora_a, flat_lora.t())  # (tokens, r)
+    out = flat @ weight.t() if bias is None else torch.addmm(bias, flat, weight.t())
+    if lora_a.dtype != flat.dtype:
+        return out.to(lora_a.dtype).addmm_(low, lora_b.t(), alpha=scaling).to(flat.dtype), low
+    return out.addmm_(low, lora_b.t(), alpha=scaling), low
+
+
+def project_grads(
+    g: torch.Tensor,
+    flat: torch.Tensor | None,
+    flat_lora: torch.Tensor | None,
+    weight: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    low: torch.Tensor,
+    scaling: float,
+    needs: tuple[bool, bool, bool, bool, bool, bool],
+    split: bool = False,
+) -> tuple[torch.Tensor | None, ...]:
+    """``project``'s gradients for the output gradient ``g`` (2-D): ``(x, x_lora, weight, bias,
+    lora_a, lora_b)``, each None unless ``needs`` asks for it. ``split``: x_lora is a tensor of its
+    own (after dropout); else the two branches' gradients for x are summed into the first (in x's
+    dtype, as autograd sums PEFT's)."""
+    need_x, need_x_lora, need_w, need_bias, need_a, need_b = needs
+    mixed = lora_a.dtype != g.dtype
+    g_lora = g.to(lora_b.dtype) if mixed else g
+    g_low = _thin(lora_b.t(), g_lora.t()).mul_(scaling)  # (tokens, r)
+    grad_x = grad_x_lora = None
+    if split:
+        grad_x = g @ weight if need_x else None
+        grad_x_lora = g_low @ lora_a if need_x_lora else None
+    elif need_x and mixed:  # each branch's gradient in x's dtype, then summed
+        grad_x = (g @ weight).add_((g_low @ lora_a).to(g.dtype))
+    elif need_x:
+        grad_x = (g @ weight).addmm_(g_low, lora_a)
+    grad_w = g.t() @ flat if need_w else None
+    grad_bias = g.sum(0) if need_bias else None
+    grad_a = g_low.t() @ flat_lora if need_a else None
+    grad_b = _thin(low.t(), g_lora).mul_(scaling) if need_b else None
+    return grad_x, grad_x_lora, grad_w, grad_bias, grad_a, grad_b
+
+
 class _LoraLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, x_lora, weight, bias, lora_a, lora_b, scaling):
         flat = x.reshape(-1, x.shape[-1])
-        flat_lora = flat if x_lora is None else x_lora.reshape(flat.shape)
-        # A low-precision base with fp32 adapters (PEFT's default on a bf16 model): the adapter
-        # runs in its own dtype and the sum is rounded once to the base's dtype, as PEFT does.
-        mixed = lora_a.dtype != x.dtype
         # x in the adapter's dtype is an exact cast of x: backward casts again rather than keep
         # the wider copy (on a bf16 model, an fp32 copy of every LoRA layer's input)
-        recast = mixed and x_lora is None
-        if recast:
-            flat_lora = flat.to(lora_a.dtype)
-        low = _thin(lora_a, flat_lora.t())  # (tokens, r)
-        out = flat @ weight.t() if bias is None else torch.addmm(bias, flat, weight.t())
-        if mixed:
-            out = out.to(lora_a.dtype).addmm_(low, lora_b.t(), alpha=scaling).to(x.dtype)
-        else:
-            out.addmm_(low, lora_b.t(), alpha=scaling)
+        recast = x_lora is None and lora_a.dtype != x.dtype
+        flat_lora = adapter_input(flat, lora_a) if x_lora is None else x_lora.reshape(flat.shape)
+        out, low = project(flat, flat_lora, weight, bias, lora_a, lora_b, scaling)
         # x itself only for the base weight's gradient (PEFT keeps none for a frozen base)
         keep = flat if ctx.needs_input_grad[2] else None
         ctx.save_for_backward(keep, flat if recast else flat_lora, weight, lora_a, lora_b, low)
         ctx.scaling = scaling
-        ctx.mixed = mixed
         ctx.recast = recast
         ctx.has_bias = bias is not None
         ctx.separate = x_lora is not None
@@ -61,28 +109,15 @@ class _LoraLinear(torch.autograd.Function):
         flat, flat_lora, weight, lora_a, lora_b, low = ctx.saved_tensors
         need_x, need_x_lora, need_w, need_bias, need_a, need_b, _ = ctx.needs_input_grad
         if ctx.recast and need_a:
-            flat_lora = flat_lora.to(lora_a.dtype)
+            flat_lora = adapter_input(flat_lora, lora_a)
+        needs = (need_x, need_x_lora, need_w, need_bias and ctx.has_bias, need_a, need_b)
         g = grad_out.reshape(-1, grad_out.shape[-1])
-        g_lora = g.to(lora_b.dtype) if ctx.mixed else g
-        g_low = _thin(lora_b.t(), g_lora.t()).mul_(ctx.scaling)  # (tokens, r)
-        grad_x = grad_x_lora = grad_w = grad_bias = grad_a = grad_b = None
-        if ctx.separate:
-            if need_x:
-                grad_x = (g @ weight).view(ctx.x_shape)
-            if need_x_lora:
-                grad_x_lora = (g_low @ lora_a).view(ctx.x_shape)
-        elif need_x and ctx.mixed:  # each branch's gradient in x's dtype, then summed
-            grad_x = (g @ weight).add_((g_low @ lora_a).to(g.dtype)).view(ctx.x_shape)
-        elif need_x:
-            grad_x = (g @ weight).addmm_(g_low, lora_a).view(ctx.x_shape)
-        if need_w:
-            grad_w = g.t() @ flat
-        if need_bias and ctx.has_bias:
-            grad_bias = g.sum(0)
-        if need_a:
-            grad_a = g_low.t() @ flat_lora
-        if need_b:
-            grad_b = _thin(low.t(), g_lora).mul_(ctx.scaling)
+        grads = project_grads(
+            g, flat, flat_lora, weight, lora_a, lora_b, low, ctx.scaling, needs, ctx.separate
+        )
+        grad_x, grad_x_lora, grad_w, grad_bias, grad_a, grad_b = grads
+        grad_x = grad_x.view(ctx.x_shape) if grad_x is not None else None
+        grad_x_lora = grad_x_lora.view(ctx.x_shape) if grad_x_lora is not None else None
         return grad_x, grad_x_lora, grad_w, grad_bias, grad_a, grad_b, None
 
 

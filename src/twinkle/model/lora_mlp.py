@@ -1,0 +1,87 @@
+"""A SwiGLU MLP whose three projections are plain LoRA layers, as one autograd node.
+
+``down(silu(gate(x)) * up(x))`` run as PEFT's LoRA layers and autograd keeps, per token, four
+``intermediate``-wide tensors for backward: ``gate`` (for silu), ``silu(gate)`` and ``up`` (for
+the product), and the product itself (the input ``down``'s adapter needs for its gradient).
+This node keeps only ``gate`` and ``up`` and recomputes the other two in backward, one silu and
+one product: for SmolLM2-135M that is half the MLP's saved activations, about a quarter of a
+layer's. The recomputation repeats the forward's ops on the same inputs, and every gradient is
+computed with the ops autograd uses on the unfused layers, so results are bit-identical.
+
+``lora_mlp`` returns None where the MLP is not three plain-LoRA calls (see ``lora_linear``) or
+an adapter dropout is active (the masks would have to be drawn in PEFT's order and saved); the
+caller then runs the layers one by one."""
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from twinkle.model.lora_linear import FusedLoraLinear, _fusable, adapter_input, project, project_grads
+
+
+class _LoraMLP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, scalings, *params):
+        # params: (weight, bias, lora_a, lora_b) of gate, up and down, in that order
+        gate_p, up_p, down_p = params[0:4], params[4:8], params[8:12]
+        flat = x.reshape(-1, x.shape[-1])
+        gate, low_gate = project(flat, adapter_input(flat, gate_p[2]), *gate_p, scalings[0])
+        up, low_up = project(flat, adapter_input(flat, up_p[2]), *up_p, scalings[1])
+        act = F.silu(gate) * up
+        out, low_down = project(act, adapter_input(act, down_p[2]), *down_p, scalings[2])
+        ctx.save_for_backward(flat, gate, up, low_gate, low_up, low_down, *params)
+        ctx.scalings = scalings
+        ctx.x_shape = x.shape
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        flat, gate, up, low_gate, low_up, low_down, *params = ctx.saved_tensors
+        need_x = ctx.needs_input_grad[0]
+        needs = ctx.needs_input_grad[2:]
+        scalings = ctx.scalings
+        silu = F.silu(gate)
+        act = silu * up
+        g = grad_out.reshape(-1, grad_out.shape[-1])
+
+        def layer_grads(i: int, grad: torch.Tensor, x_in: torch.Tensor, low: torch.Tensor, want_x: bool):
+            weight, _, lora_a, lora_b = params[4 * i : 4 * i + 4]
+            flags = needs[4 * i : 4 * i + 4]  # weight, bias, lora_a, lora_b
+            x_lora = adapter_input(x_in, lora_a) if flags[2] else None
+            want = (want_x, False, flags[0], flags[1] and params[4 * i + 1] is not None, flags[2], flags[3])
+            grads = project_grads(grad, x_in, x_lora, weight, lora_a, lora_b, low, scalings[i], want)
+            return grads[0], grads[2:]
+
+        grad_act, down_grads = layer_grads(2, g, act, low_down, True)
+        # the product's and silu's backward, as autograd runs them on the unfused expression
+        grad_up = grad_act * silu
+        grad_gate = torch.ops.aten.silu_backward(grad_act * up, gate)
+        grad_x_gate, gate_grads = layer_grads(0, grad_gate, flat, low_gate, need_x)
+        grad_x_up, up_grads = layer_grads(1, grad_up, flat, low_up, need_x)
+        grad_x = (grad_x_up + grad_x_gate).view(ctx.x_shape) if need_x else None
+        return grad_x, None, *gate_grads, *up_grads, *down_grads
+
+
+def _dropout_active(layer: FusedLoraLinear, name: str) -> bool:
+    dropout = layer.lora_dropout[name]
+    return isinstance(dropout, nn.Dropout) and dropout.training and dropout.p > 0
+
+
+def lora_mlp(mlp: Any, x: torch.Tensor) -> torch.Tensor | None:
+    """``mlp.down_proj(silu(mlp.gate_proj(x)) * mlp.up_proj(x))`` as one node, or None when the
+    three projections are not plain LoRA layers without an active dropout. The caller checks
+    that the activation is silu."""
+    layers = (mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+    if any(type(layer) is not FusedLoraLinear for layer in layers):
+        return None
+    names = [_fusable(layer, x, (), {}) for layer in layers]
+    if None in names or any(_dropout_active(layer, n) for layer, n in zip(layers, names, strict=True)):
+        return None
+    params: list[torch.Tensor | None] = []
+    for layer, name in zip(layers, names, strict=True):
+        base = layer.base_layer
+        params += [base.weight, base.bias, layer.lora_A[name].weight, layer.lora_B[name].weight]
+    scalings = tuple(float(layer.scaling[n]) for layer, n in zip(layers, names, strict=True))
+    return _LoraMLP.apply(x, scalings, *params)
