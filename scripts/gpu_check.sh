@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The checks that need a CUDA GPU, in one run: the bench (W1 and W2 on a Qwen2.5-0.5B-shaped model
-# built from a config, bf16, the Trainer side with Liger when it is installed), the CUDA tests, and
-# more bench rounds while the time allows. Each step has its own time limit, so one that hangs
+# built from a config, bf16, the Trainer side with Liger when it is installed), the CUDA tests,
+# Twinkle's W2 with the one-node LoRA MLP (--mlp torch), and more bench rounds while the time allows. Each step has its own time limit, so one that hangs
 # does not take the others with it.
 #
 #   scripts/gpu_check.sh OUT_DIR [TOKENIZER_DIR] [SECONDS]
@@ -41,6 +41,9 @@ EOF
 bench all 240 --workload all
 echo "== CUDA tests ($(left) s left)"
 timeout 100 "$py" -m pytest tests/gpu -q -rs -p no:cacheprovider 2>&1 | tee "$out/gpu_tests.log" | tail -30
+if (($(left) > 90)); then  # the one-node LoRA MLP instead of Liger's SwiGLU: W2's GPU memory
+    bench mlp_torch 80 --workload W2 --sides twinkle --mlp torch
+fi
 if (($(left) > 150)); then
     bench rounds $(($(left) - 10)) --workload all --rounds 2
 fi
