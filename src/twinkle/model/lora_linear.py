@@ -141,7 +141,7 @@ def plain_linear(module: nn.Module) -> bool:
     return type(module) is nn.Linear and not (module._forward_hooks or module._forward_pre_hooks)
 
 
-def _fusable(layer: Any, x: torch.Tensor, args: tuple, kwargs: dict) -> str | None:
+def fusable(layer: Any, x: torch.Tensor, args: tuple, kwargs: dict) -> str | None:
     """The active adapter's name when this call is plain LoRA, else None."""
     if args or kwargs or layer.disable_adapters or layer.merged or len(layer.active_adapters) != 1:
         return None
@@ -175,7 +175,7 @@ class FusedLoraLinear(PeftLoraLinear):
     """PEFT's LoRA linear layer whose plain-LoRA calls run as one autograd node."""
 
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        name = _fusable(self, x, args, kwargs)
+        name = fusable(self, x, args, kwargs)
         if name is None:
             return super().forward(x, *args, **kwargs)
         base = self.base_layer

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from twinkle.model.lora_linear import FusedLoraLinear, _fusable, adapter_input, project, project_grads
+from twinkle.model.lora_linear import FusedLoraLinear, adapter_input, fusable, project, project_grads
 
 
 class _LoraMLP(torch.autograd.Function):
@@ -76,7 +76,7 @@ def lora_mlp(mlp: Any, x: torch.Tensor) -> torch.Tensor | None:
     layers = (mlp.gate_proj, mlp.up_proj, mlp.down_proj)
     if any(type(layer) is not FusedLoraLinear for layer in layers):
         return None
-    names = [_fusable(layer, x, (), {}) for layer in layers]
+    names = [fusable(layer, x, (), {}) for layer in layers]
     if None in names or any(_dropout_active(layer, n) for layer, n in zip(layers, names, strict=True)):
         return None
     params: list[torch.Tensor | None] = []
