@@ -171,6 +171,12 @@ def fusable(layer: Any, x: torch.Tensor, args: tuple, kwargs: dict) -> str | Non
     return name
 
 
+def dropout_active(layer: Any, name: str) -> bool:
+    """Whether adapter ``name``'s dropout draws a mask in this call (``nn.Identity`` never does)."""
+    dropout = layer.lora_dropout[name]
+    return isinstance(dropout, nn.Dropout) and dropout.training and dropout.p > 0
+
+
 class FusedLoraLinear(PeftLoraLinear):
     """PEFT's LoRA linear layer whose plain-LoRA calls run as one autograd node."""
 
@@ -180,13 +186,8 @@ class FusedLoraLinear(PeftLoraLinear):
             return super().forward(x, *args, **kwargs)
         base = self.base_layer
         a, b = self.lora_A[name].weight, self.lora_B[name].weight
-        dropout = self.lora_dropout[name]
         # PEFT draws the same mask, on x cast to the adapter's dtype: the base uses no random numbers
-        x_lora = (
-            dropout(x.to(a.dtype))
-            if isinstance(dropout, nn.Dropout) and dropout.training and dropout.p > 0
-            else None
-        )
+        x_lora = self.lora_dropout[name](x.to(a.dtype)) if dropout_active(self, name) else None
         return lora_linear(x, base.weight, base.bias, a, b, self.scaling[name], x_lora)
 
 

@@ -16,9 +16,15 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
-from twinkle.model.lora_linear import FusedLoraLinear, adapter_input, fusable, project, project_grads
+from twinkle.model.lora_linear import (
+    FusedLoraLinear,
+    adapter_input,
+    dropout_active,
+    fusable,
+    project,
+    project_grads,
+)
 
 
 class _LoraMLP(torch.autograd.Function):
@@ -64,11 +70,6 @@ class _LoraMLP(torch.autograd.Function):
         return grad_x, None, *gate_grads, *up_grads, *down_grads
 
 
-def _dropout_active(layer: FusedLoraLinear, name: str) -> bool:
-    dropout = layer.lora_dropout[name]
-    return isinstance(dropout, nn.Dropout) and dropout.training and dropout.p > 0
-
-
 def lora_mlp(mlp: Any, x: torch.Tensor) -> torch.Tensor | None:
     """``mlp.down_proj(silu(mlp.gate_proj(x)) * mlp.up_proj(x))`` as one node, or None when the
     three projections are not plain LoRA layers without an active dropout. The caller checks
@@ -77,7 +78,7 @@ def lora_mlp(mlp: Any, x: torch.Tensor) -> torch.Tensor | None:
     if any(type(layer) is not FusedLoraLinear for layer in layers):
         return None
     names = [fusable(layer, x, (), {}) for layer in layers]
-    if None in names or any(_dropout_active(layer, n) for layer, n in zip(layers, names, strict=True)):
+    if None in names or any(dropout_active(layer, n) for layer, n in zip(layers, names, strict=True)):
         return None
     params: list[torch.Tensor | None] = []
     for layer, name in zip(layers, names, strict=True):
