@@ -259,7 +259,9 @@ def table(report: dict) -> str:
     peak = report["matmul_peak"]
     lines.append(
         f"\nmatmul peak: {peak['gflops']:.1f} GFLOP/s ({peak['dtype']}, {peak['device']}, "
-        f"{peak['size']}x{peak['size']}, {peak['threads']} threads)"
+        f"{peak['size']}x{peak['size']}, {peak['threads']} threads"
+        + "".join(f"; {name} {rate:.1f}" for name, rate in peak.get("by_library", {}).items())
+        + ")"
     )
     for name, w in report["workloads"].items():
         r = w.get("twinkle_over_hf_trainer")

@@ -18,6 +18,8 @@ import torch
 from peft.tuners.lora.layer import Linear as PeftLoraLinear
 from torch import nn
 
+from twinkle.utils.gemm import linear, times_weight
+
 
 def _thin(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
     """``(left @ right).T`` for a ``left`` of r rows: the rank-r products computed r rows tall.
@@ -44,7 +46,7 @@ def project(
     adapter wider than the base (PEFT's fp32 adapters on a bf16 model) runs in its own dtype and
     the sum is rounded once to the base's dtype, as PEFT does."""
     low = _thin(lora_a, flat_lora.t())  # (tokens, r)
-    out = flat @ weight.t() if bias is None else torch.addmm(bias, flat, weight.t())
+    out = linear(flat, weight, bias)
     if lora_a.dtype != flat.dtype:
         return out.to(lora_a.dtype).addmm_(low, lora_b.t(), alpha=scaling).to(flat.dtype), low
     return out.addmm_(low, lora_b.t(), alpha=scaling), low
@@ -72,12 +74,12 @@ def project_grads(
     g_low = _thin(lora_b.t(), g_lora.t()).mul_(scaling)  # (tokens, r)
     grad_x = grad_x_lora = None
     if split:
-        grad_x = g @ weight if need_x else None
+        grad_x = times_weight(g, weight) if need_x else None
         grad_x_lora = g_low @ lora_a if need_x_lora else None
     elif need_x and mixed:  # each branch's gradient in x's dtype, then summed
-        grad_x = (g @ weight).add_((g_low @ lora_a).to(g.dtype))
+        grad_x = times_weight(g, weight).add_((g_low @ lora_a).to(g.dtype))
     elif need_x:
-        grad_x = (g @ weight).addmm_(g_low, lora_a)
+        grad_x = times_weight(g, weight).addmm_(g_low, lora_a)
     grad_w = g.t() @ flat if need_w else None
     grad_bias = g.sum(0) if need_bias else None
     grad_a = g_low.t() @ flat_lora if need_a else None

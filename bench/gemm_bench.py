@@ -1,0 +1,70 @@
+"""torch.mm (MKL) against oneDNN for a frozen weight's two products, at a model's shapes.
+
+    python bench/gemm_bench.py                       # SmolLM2-135M's shapes, 2 threads
+    python bench/gemm_bench.py --rows 176 1000 --threads 1
+
+For each (rows, in, out) it times the forward ``x @ W.T`` and the input gradient ``g @ W`` both
+ways, alternating, and prints the median GFLOP/s of the repeats, the speed-up, and the largest
+relative difference of the results. As in a training step, each row count is used ``--layers``
+times (once per decoder layer), and each batch brings a row count not seen before (``rows``,
+then one more per batch): oneDNN builds a kernel for each new shape, and those builds are
+counted (in a long run row counts come back, and are then cached)."""
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from twinkle.utils import gemm
+
+# (in, out) of SmolLM2-135M's projections: q/o, k/v, gate/up, down, and the tied head
+SHAPES = [(576, 576), (576, 192), (576, 1536), (1536, 576), (576, 49152)]
+
+
+def rate(product, operands: list[tuple[torch.Tensor, torch.Tensor]], flops: int) -> float:
+    start = time.perf_counter()
+    for a, w in operands:
+        product(a, w)
+    return flops / (time.perf_counter() - start) / 1e9
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, nargs="+", default=[60, 176, 1000, 3000])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--batches", type=int, default=10, help="row counts per repeat")
+    parser.add_argument("--layers", type=int, default=30, help="calls per row count")
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    print(f"oneDNN on: {gemm.onednn_enabled()}, {args.threads} threads, torch {torch.__version__}")
+    print("| rows | in -> out | product | torch.mm GFLOP/s | oneDNN GFLOP/s | speed-up | max rel. diff |")
+    print("|---|---|---|---|---|---|---|")
+    for rows in args.rows:
+        for fan_in, fan_out in SHAPES:
+            w = torch.randn(fan_out, fan_in)
+            for name, width, ours, theirs in [
+                ("x @ W.T", fan_in, gemm.linear, lambda a, w: a @ w.t()),
+                ("g @ W", fan_out, gemm.times_weight, lambda a, w: a @ w),
+            ]:
+                mkl, dnn = [], []
+                for repeat in range(args.repeats):
+                    first = rows + repeat * args.batches
+                    batches = [torch.randn(first + i, width) for i in range(args.batches)]
+                    operands = [(a, w) for a in batches for _ in range(args.layers)]
+                    flops = sum(2 * a.shape[0] * fan_in * fan_out for a, _ in operands)
+                    mkl.append(rate(theirs, operands, flops))
+                    dnn.append(rate(ours, operands, flops))
+                a = operands[0][0]
+                ref = theirs(a, w)
+                diff = ((ours(a, w) - ref).abs().max() / ref.abs().max()).item()
+                m, d = statistics.median(mkl), statistics.median(dnn)
+                print(
+                    f"| {rows} | {fan_in} -> {fan_out} | {name} | {m:.0f} | {d:.0f} | {d / m:.2f}x | {diff:.1e} |"
+                )
+
+
+if __name__ == "__main__":
+    main()

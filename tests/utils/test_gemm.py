@@ -1,0 +1,130 @@
+"""The frozen weight's two products: oneDNN on fp32 CPU tensors, torch everywhere else, the same
+values either way."""
+
+import logging
+
+import pytest
+import torch
+from nets import TwoLinear
+from peft import LoraConfig, get_peft_model
+
+from twinkle.model.lora_linear import fuse_lora_linears
+from twinkle.utils import gemm
+
+needs_onednn = pytest.mark.skipif(
+    not torch.backends.mkldnn.is_available(), reason="this torch build has no oneDNN"
+)
+
+
+@pytest.fixture(autouse=True)
+def fresh_state(monkeypatch):
+    """Each test reads TWINKLE_ONEDNN afresh."""
+    monkeypatch.setitem(gemm._state, "on", None)
+    monkeypatch.delenv("TWINKLE_ONEDNN", raising=False)
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """Counts the oneDNN calls (and still makes them)."""
+    seen = []
+    real = gemm._linear_pointwise
+
+    def spy(x, w, bias):
+        seen.append(tuple(x.shape))
+        return real(x, w, bias)
+
+    monkeypatch.setattr(gemm, "_linear_pointwise", spy)
+    return seen
+
+
+@pytest.mark.parametrize("rows", [1, 7, 176])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_products_equal_torch(rows, with_bias):
+    torch.manual_seed(0)
+    x, w = torch.randn(rows, 48), torch.randn(96, 48)
+    bias = torch.randn(96) if with_bias else None
+    g = torch.randn(rows, 96)
+    expected = x @ w.t() if bias is None else torch.addmm(bias, x, w.t())
+    torch.testing.assert_close(gemm.linear(x, w, bias), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(gemm.times_weight(g, w), g @ w, rtol=1e-5, atol=1e-5)
+
+
+def test_strided_operands_equal_torch():
+    torch.manual_seed(0)
+    x = torch.randn(48, 30).t()  # (30, 48), not contiguous
+    w = torch.randn(96, 48)
+    g = torch.randn(96, 30).t()
+    torch.testing.assert_close(gemm.linear(x, w), x @ w.t(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(gemm.times_weight(g, w), g @ w, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(gemm.linear(x[::2], w[::3]), x[::2] @ w[::3].t(), rtol=1e-5, atol=1e-5)
+
+
+def test_no_rows_give_an_empty_result():
+    x, w = torch.zeros(0, 8), torch.randn(4, 8)
+    assert gemm.linear(x, w).shape == (0, 4)
+    assert gemm.times_weight(torch.zeros(0, 4), w).shape == (0, 8)
+
+
+@needs_onednn
+def test_fp32_cpu_products_go_to_onednn(calls):
+    x, w = torch.randn(5, 8), torch.randn(4, 8)
+    gemm.linear(x, w)
+    gemm.times_weight(torch.randn(5, 4), w)
+    assert calls == [(5, 8), (5, 4)]
+
+
+def test_other_dtypes_take_torch_exactly(calls):
+    x, w = torch.randn(5, 8, dtype=torch.bfloat16), torch.randn(4, 8, dtype=torch.bfloat16)
+    assert torch.equal(gemm.linear(x, w), x @ w.t())
+    assert torch.equal(gemm.times_weight(x @ w.t(), w), (x @ w.t()) @ w)
+    assert calls == []
+
+
+@pytest.mark.parametrize("value", ["0", "off"])
+def test_the_environment_turns_it_off(monkeypatch, calls, value):
+    monkeypatch.setenv("TWINKLE_ONEDNN", value)
+    x, w, g = torch.randn(5, 8), torch.randn(4, 8), torch.randn(5, 4)
+    assert torch.equal(gemm.linear(x, w), x @ w.t())
+    assert torch.equal(gemm.times_weight(g, w), g @ w)
+    assert calls == []
+    assert not gemm.onednn_enabled()
+
+
+@needs_onednn
+def test_a_failing_onednn_call_falls_back_once_with_a_warning(monkeypatch, caplog):
+    attempts = []
+
+    def broken(x, w, bias):
+        attempts.append(1)
+        raise RuntimeError("no primitive for this layout")
+
+    monkeypatch.setattr(gemm, "_linear_pointwise", broken)
+    x, w = torch.randn(5, 8), torch.randn(4, 8)
+    with caplog.at_level(logging.WARNING, logger="twinkle"):
+        assert torch.equal(gemm.linear(x, w), x @ w.t())
+        assert torch.equal(gemm.linear(x, w), x @ w.t())
+    assert attempts == [1]  # turned off after the first failure
+    assert "oneDNN products turned off" in caplog.text
+    assert "no primitive for this layout" in caplog.text
+
+
+@needs_onednn
+def test_the_lora_layer_uses_it_forward_and_backward(calls):
+    torch.manual_seed(0)
+    config = LoraConfig(r=2, target_modules=["up"], init_lora_weights=False)
+    model = get_peft_model(TwoLinear(), config)
+    fuse_lora_linears(model)
+    x = torch.randn(3, 6, requires_grad=True)
+    model(x).sum().backward()
+    # the frozen base weight: once forward, once for x's gradient; the rank-2 products stay torch's
+    assert len(calls) == 2
+    assert x.grad is not None
+
+
+def test_a_product_autograd_would_record_takes_torch(calls):
+    x = torch.randn(5, 8, requires_grad=True)
+    w = torch.randn(4, 8)
+    out = gemm.linear(x, w)
+    out.sum().backward()
+    assert calls == []
+    torch.testing.assert_close(x.grad, w.sum(0).expand(5, 8))
