@@ -2,6 +2,10 @@
 values either way."""
 
 import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -128,3 +132,39 @@ def test_a_product_autograd_would_record_takes_torch(calls):
     out.sum().backward()
     assert calls == []
     torch.testing.assert_close(x.grad, w.sum(0).expand(5, 8))
+
+
+GROWTH = """
+import torch
+import twinkle
+from twinkle.utils import gemm
+
+torch.set_num_threads(2)
+def rss_mib():
+    return int(open("/proc/self/statm").read().split()[1]) * 4096 / 2**20
+w = torch.randn(1536, 576)
+gemm.linear(torch.randn(8, 576), w)
+start = rss_mib()
+for rows in range(16, 416):  # a new row count every call, as packed batches bring
+    gemm.linear(torch.randn(rows, 576), w)
+    gemm.times_weight(torch.randn(rows, 1536), w)
+print(rss_mib() - start)
+"""
+
+
+@needs_onednn
+@pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="reads the RSS from /proc")
+def test_importing_twinkle_bounds_onednns_kernel_caches():
+    def growth(**env):
+        clean = {k: v for k, v in os.environ.items() if k not in gemm_caches}
+        done = subprocess.run(
+            [sys.executable, "-c", GROWTH], env={**clean, **env}, capture_output=True, text=True, check=True
+        )
+        return float(done.stdout.split()[-1])
+
+    gemm_caches = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
+    bounded = growth()
+    # a capacity the user set is kept: torch's default of 1024 shapes
+    unbounded = growth(ONEDNN_PRIMITIVE_CACHE_CAPACITY="1024", LRU_CACHE_CAPACITY="1024")
+    assert bounded < 150, bounded  # measured 66 MiB
+    assert unbounded > 2 * bounded + 100, (bounded, unbounded)  # measured 505 MiB
