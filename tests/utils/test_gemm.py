@@ -14,6 +14,7 @@ from peft import LoraConfig, get_peft_model
 
 from twinkle.model.lora_linear import fuse_lora_linears
 from twinkle.utils import gemm
+from twinkle.utils.errors import UserError
 
 needs_onednn = pytest.mark.skipif(
     not torch.backends.mkldnn.is_available(), reason="this torch build has no oneDNN"
@@ -92,6 +93,13 @@ def test_the_environment_turns_it_off(monkeypatch, calls, value):
     assert torch.equal(gemm.times_weight(g, w), g @ w)
     assert calls == []
     assert not gemm.onednn_enabled()
+
+
+@pytest.mark.parametrize("value", ["2", "maybe"])
+def test_a_value_that_is_not_a_switch_is_refused(monkeypatch, value):
+    monkeypatch.setenv("TWINKLE_ONEDNN", value)
+    with pytest.raises(UserError, match=f"TWINKLE_ONEDNN='{value}' is not a switch: set it to 1"):
+        gemm.linear(torch.randn(2, 3), torch.randn(4, 3))
 
 
 @needs_onednn

@@ -29,6 +29,7 @@ import os
 
 import torch
 
+from twinkle.utils.errors import UserError
 from twinkle.utils.logger import get_logger
 
 CACHE_CAPACITY = "32"
@@ -38,12 +39,21 @@ for _cache in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):
 _state = {"on": None}
 
 
+_ON, _OFF = ("1", "true", "on", "yes"), ("0", "false", "off", "no")
+
+
 def onednn_enabled() -> bool:
-    """Whether fp32 CPU products go to oneDNN in this process (read once)."""
+    """Whether fp32 CPU products go to oneDNN in this process (``TWINKLE_ONEDNN``, read once)."""
     if _state["on"] is None:
-        wanted = os.environ.get("TWINKLE_ONEDNN", "1").strip() not in ("0", "false", "off", "no")
+        raw = os.environ.get("TWINKLE_ONEDNN", "1")
+        value = raw.strip().lower()
+        if value not in _ON + _OFF:
+            raise UserError(
+                f"TWINKLE_ONEDNN={raw!r} is not a switch: set it to 1 (oneDNN for fp32 CPU products, "
+                "the default) or 0 (torch's own, MKL), or unset it"
+            )
         built = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-        _state["on"] = wanted and built
+        _state["on"] = value in _ON and built
     return _state["on"]
 
 
