@@ -133,6 +133,14 @@ def test_the_lora_layer_uses_it_forward_and_backward(calls):
     assert x.grad is not None
 
 
+def test_a_bias_autograd_records_takes_torch(calls):
+    x, w = torch.randn(5, 8), torch.randn(4, 8)
+    bias = torch.zeros(4, requires_grad=True)
+    gemm.linear(x, w, bias).sum().backward()
+    assert calls == []
+    assert torch.equal(bias.grad, torch.full((4,), 5.0))
+
+
 def test_a_product_autograd_would_record_takes_torch(calls):
     x = torch.randn(5, 8, requires_grad=True)
     w = torch.randn(4, 8)

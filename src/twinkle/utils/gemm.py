@@ -7,8 +7,7 @@ same dense weight, with no copy or re-layout kept. ``bench/gemm_bench.py`` on th
 EPYC of our CI, SmolLM2-135M's shapes at 176 rows (a W1 batch): 1.07-1.40x for all but the
 k/v forward (0.90x); 1.01-1.12x at 1000 rows; a 2048-square product 191 vs 220 GFLOP/s. A
 whole W1 step: 0.820 vs 0.953 s median, W2: 13.8 vs 15.1 s (the same batches alternating
-between the two, one process).
-oneDNN builds a kernel per new row count (about half a millisecond), once per step's shape,
+between the two, one process). oneDNN builds a kernel per new row count (about half a millisecond), once per step's shape,
 not per layer. Both are fp32 products with fp32 accumulation; they differ in summation order
 (relative ~1e-6), so results are not bit-identical to ``torch.mm``.
 
@@ -38,8 +37,6 @@ for _cache in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):
     os.environ.setdefault(_cache, CACHE_CAPACITY)
 
 _state = {"on": None}
-
-
 _ON, _OFF = ("1", "true", "on", "yes"), ("0", "false", "off", "no")
 
 
@@ -62,16 +59,12 @@ def _plain(t: torch.Tensor) -> bool:
     return type(t) is torch.Tensor or type(t) is torch.nn.Parameter  # not a DTensor or a subclass
 
 
-def _eligible(x: torch.Tensor, w: torch.Tensor) -> bool:
+def _eligible(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
     """oneDNN's op has no autograd formula: it serves the autograd functions' own products."""
+    operands = (x, w) if bias is None else (x, w, bias)
     return (
-        _plain(x)
-        and _plain(w)
-        and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))
-        and x.dtype == torch.float32
-        and w.dtype == torch.float32
-        and x.device.type == "cpu"
-        and w.device.type == "cpu"
+        all(_plain(t) and t.dtype == torch.float32 and t.device.type == "cpu" for t in operands)
+        and not (torch.is_grad_enabled() and any(t.requires_grad for t in operands))
         and x.dim() == 2
         and w.dim() == 2
         and x.shape[0] > 0
@@ -95,7 +88,7 @@ def _onednn(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torc
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ w.T (+ bias)`` for 2-D ``x`` of shape (rows, in) and ``w`` of shape (out, in)."""
-    if _eligible(x, w) and (bias is None or bias.dtype == torch.float32):
+    if _eligible(x, w, bias):
         out = _onednn(x, w, bias)
         if out is not None:
             return out
