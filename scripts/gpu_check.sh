@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The checks that need a CUDA GPU, in one run: the bench (W1 and W2 on a Qwen2.5-0.5B-shaped model
 # built from a config, bf16, the Trainer side with Liger when it is installed), the CUDA tests,
-# Twinkle's W2 with the one-node LoRA MLP (--mlp torch), and more bench rounds while the time allows. Each step has its own time limit, so one that hangs
-# does not take the others with it.
+# Twinkle's W2 with the one-node LoRA MLP (--mlp torch), and more bench rounds while the time
+# allows. Each step has its own time limit, so one that hangs does not take the others with it.
 #
 #   scripts/gpu_check.sh OUT_DIR [TOKENIZER_DIR] [SECONDS]
 #
