@@ -138,6 +138,23 @@ def test_loss_sum_is_the_sum_whatever_the_reduction():
         torch.testing.assert_close(out.loss_sum / 10, out.loss)
 
 
+def test_large_logits_stay_finite():
+    """Logits in the thousands overflow a plain exp: the fused path must shift by each row's max."""
+    hidden, weight, bias, targets = make_inputs(37, 16, 50, with_bias=True)
+    inputs = (hidden * 300, weight, bias * 300, targets)
+    loss, correct, grads = loss_and_grads(
+        lambda h, w, t, b: fused_linear_cross_entropy(h, w, t, b, chunk_rows=8), inputs, torch.float32
+    )
+    ref_loss, ref_correct, ref_grads = loss_and_grads(
+        lambda h, w, t, b: reference(h, w, t, b, "sum"), inputs, torch.float32
+    )
+    assert ref_loss.item() > 1e3 and torch.isfinite(loss)
+    assert_close(loss, ref_loss, 1e-5, 1e-5, "loss")
+    assert correct == ref_correct
+    for grad, ref_grad in zip(grads, ref_grads, strict=True):
+        assert_close(grad, ref_grad, 1e-5, 1e-5, "gradient")
+
+
 def test_frozen_head_gets_no_gradient():
     """LoRA freezes the head: the fused path must not compute (or return) a weight gradient."""
     hidden, weight, _, targets = make_inputs(12, 8, 16, with_bias=False)

