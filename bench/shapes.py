@@ -6,6 +6,9 @@ of another architecture and size built from a config (no download), with SmolLM2
   2 key/value heads, tied embeddings) over SmolLM2's 49152-token vocabulary: a Qwen-sized step
   for a GPU run.
 - ``tiny``: a 2-layer Qwen2, to check the harness end to end in seconds.
+- ``thin``: SmolLM2-135M's depth and heads (30 layers, 9 query and 3 key/value heads) at widths
+  of 36 and 48: the same number of layers, ops and autograd nodes with almost no arithmetic, so
+  a step's time is each framework's fixed cost per step.
 
 Random weights train as well as real ones for timing and memory; the loss starts near ``ln V``."""
 
@@ -22,6 +25,13 @@ SHAPES = {
         num_key_value_heads=2,
         rope_theta=1_000_000.0,
         rms_norm_eps=1e-6,
+    ),
+    "thin": dict(
+        hidden_size=36,
+        intermediate_size=48,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
     ),
     "tiny": dict(
         hidden_size=64,
