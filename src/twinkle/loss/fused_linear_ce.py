@@ -7,8 +7,8 @@ drops the logits. Backward only scales the stored gradients by the incoming scal
 Each chunk's logits are read by one max (which also gives the predictions), one in-place
 ``exp(x - max)``, one sum and one in-place division: the loss's log-sum-exp and the softmax share
 the exp. ``torch.logsumexp`` followed by a second exp for the softmax made three more passes and
-a temporary the size of the chunk; on 2 CPU cores (SmolLM2's head, 2720 rows in chunks of 682)
-the chunked loss with its gradient took 2249 ms that way and 1990 ms this way."""
+a temporary the size of the chunk. ``bench/ce_bench.py`` on 2 CPU cores (SmolLM2's head, the loss
+with its gradient): 2163 ms that way and 1966 ms this way for 2720 rows, 79.3 and 74.1 ms for 104."""
 
 import torch
 
