@@ -7,8 +7,9 @@ same dense weight, with no copy or re-layout kept. ``bench/gemm_bench.py`` on th
 EPYC of our CI, SmolLM2-135M's shapes at 176 rows (a W1 batch): 1.07-1.40x for all but the
 k/v forward (0.90x); 1.01-1.12x at 1000 rows; a 2048-square product 191 vs 220 GFLOP/s. A
 whole W1 step: 0.820 vs 0.953 s median, W2: 13.8 vs 15.1 s (the same batches alternating
-between the two, one process). oneDNN builds a kernel per new row count (about half a millisecond), once per step's shape,
-not per layer. Both are fp32 products with fp32 accumulation; they differ in summation order
+between the two, one process). oneDNN builds a kernel per new row count, once per step's shape,
+not per layer: 0.7-1.4 ms per SmolLM2 projection shape (``gemm_bench.py --builds``), where MKL
+builds nothing. Both are fp32 products with fp32 accumulation; they differ in summation order
 (relative ~1e-6), so results are not bit-identical to ``torch.mm``.
 
 oneDNN is used when both operands are plain 2-D fp32 CPU tensors that autograd is not
