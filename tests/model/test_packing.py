@@ -141,6 +141,35 @@ def test_segment_attention_equals_a_masked_row(prefix, window):
         torch.testing.assert_close(g, r)
 
 
+def test_long_sample_after_a_prefix_runs_causal_without_a_mask(monkeypatch):
+    """Past one CPU key block a sample after the shared prefix takes the causal kernel (zero
+    queries stand in for the prefix's); its output and gradients are the masked row's."""
+    import twinkle.model.attention as attention
+
+    torch.manual_seed(0)
+    prefix, long = 3, attention.CPU_KEY_BLOCK + 40
+    segments = Segments(spans=((prefix, prefix + 7), (prefix + 7, prefix + 7 + long)), prefix=prefix)
+    t = segments.length
+    leaves = [torch.randn(1, heads, t, 8, requires_grad=True) for heads in (4, 2, 2)]
+    calls = []
+    sdpa = F.scaled_dot_product_attention
+
+    def spy(q, k, v, attn_mask=None, is_causal=False, **kwargs):
+        calls.append((q.shape[2], k.shape[2], attn_mask is None, is_causal))
+        return sdpa(q, k, v, attn_mask=attn_mask, is_causal=is_causal, **kwargs)
+
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", spy)
+    out = segment_attention(*leaves, segments)
+    # the prefix with the first sample (causal), then the long sample: square, causal, no mask
+    assert calls == [(prefix + 7, prefix + 7, True, True), (prefix + long, prefix + long, True, True)]
+    ref = _reference(*leaves, segments, None)
+    torch.testing.assert_close(out, ref)
+    grads = torch.autograd.grad(out.square().sum(), leaves)
+    ref_grads = torch.autograd.grad(ref.square().sum(), leaves)
+    for g, r in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(g, r)
+
+
 @pytest.mark.parametrize("prefix", [0, 3])
 def test_bf16_segment_attention_runs_in_fp32_on_cpu(prefix):
     """bf16 on the CPU: the fp32 attention of the same inputs, rounded once (torch's bf16 CPU

@@ -29,6 +29,10 @@ _CPU_UPCAST = (torch.bfloat16, torch.float16)
 # have new lengths every batch. Measured on an H200 (torch 2.11, Qwen2.5-0.5B shape, batch 4):
 # 2.85 ms of CPU per forward call and 2.4 ms per backward, against ~30 ms of GPU work per step.
 _GPU_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+# Keys beyond which a sample after a shared prefix runs causal (see ``_attend``): the CPU flash
+# kernel's key block. Below it the masked call is as fast or faster (measured: 400 queries after
+# 14 prefix keys 12.5 ms both ways, 480: 17.9 masked vs 18.8; 520: 22.2 vs 19.7).
+CPU_KEY_BLOCK = 512
 
 
 @dataclass(frozen=True)
@@ -69,6 +73,18 @@ def _attend(
         return F.scaled_dot_product_attention(
             query, key, value, dropout_p=dropout, is_causal=queries > 1, scale=scaling, enable_gqa=gqa
         )
+    if window is None and query.device.type == "cpu" and keys > CPU_KEY_BLOCK and not dropout:
+        # torch's CPU flash kernel works through the keys in blocks of 512 and skips the blocks
+        # above the diagonal only for ``is_causal``; with a mask it computes every block. So
+        # once there is more than one block, run the square causal call instead: ``shared``
+        # zero queries in front make query ``i`` see exactly the prefix and its own first ``i``
+        # keys. Their outputs are dropped, so they add nothing to any gradient (measured:
+        # 28.8 -> 24.6 ms forward + backward at 600 queries, 69.3 -> 50.8 at 1000).
+        pad = query.new_zeros(query.shape[0], query.shape[1], shared, query.shape[3])
+        out = F.scaled_dot_product_attention(
+            torch.cat([pad, query], dim=2), key, value, is_causal=True, scale=scaling, enable_gqa=gqa
+        )
+        return out[:, :, shared:]
     if window is None and query.device.type == "cuda":
         # the queries are the last keys: causal aligned to the bottom right, which flash and
         # efficient attention take without a mask
