@@ -23,6 +23,8 @@ from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from twinkle.model import cpu_attention
+
 PREFIX = "twinkle_segments:"
 _CPU_UPCAST = (torch.bfloat16, torch.float16)
 # Not cuDNN: it builds an execution plan for every new sequence length, and a packed row's samples
@@ -120,24 +122,51 @@ def segment_attention(
         raise ValueError(
             f"packed attention expects one row of {segments.length} tokens, got {tuple(query.shape)}"
         )
-    backends = sdpa_kernel(_GPU_BACKENDS) if query.device.type == "cuda" else nullcontext()
-    with backends:
-        p = segments.prefix
-        lengths = [end - start for start, end in segments.spans]
-        if not p:
-            # one split per tensor (a single backward node) rather than a slice per sample
-            pieces = zip(*(t.split(lengths, dim=2) for t in (query, key, value)), strict=True)
-            outputs = [_attend(q, k, v, 0, sliding_window, dropout, scaling) for q, k, v in pieces]
-            return torch.cat(outputs, dim=2).transpose(1, 2).contiguous()
+    p = segments.prefix
+    lengths = [end - start for start, end in segments.spans]
+    if not p:
+        # one split per tensor (a single backward node) rather than a slice per sample
+        calls = [
+            (q, k, v, 0)
+            for q, k, v in zip(*(t.split(lengths, dim=2) for t in (query, key, value)), strict=True)
+        ]
+    else:
         # The prefix and the first sample are contiguous: together one plain causal attention.
         queries = query.split([p + lengths[0], *lengths[1:]], dim=2)
         keys, values = (t.split([p, *lengths], dim=2) for t in (key, value))
-        outputs = []
-        for i, q in enumerate(queries):
-            k = torch.cat([keys[0], keys[i + 1]], dim=2)
-            v = torch.cat([values[0], values[i + 1]], dim=2)
-            outputs.append(_attend(q, k, v, 0 if i == 0 else p, sliding_window, dropout, scaling))
-        return torch.cat(outputs, dim=2).transpose(1, 2).contiguous()
+        calls = [
+            (
+                q,
+                torch.cat([keys[0], keys[i + 1]], dim=2),
+                torch.cat([values[0], values[i + 1]], dim=2),
+                0 if i == 0 else p,
+            )
+            for i, q in enumerate(queries)
+        ]
+    work = sum(q.shape[2] * k.shape[2] for q, k, _, _ in calls)
+    if sliding_window is None and not dropout and cpu_attention.usable(query, work):
+        outputs = _pooled(calls, scaling)
+    else:
+        backends = sdpa_kernel(_GPU_BACKENDS) if query.device.type == "cuda" else nullcontext()
+        with backends:
+            outputs = [
+                _attend(q, k, v, shared, sliding_window, dropout, scaling) for q, k, v, shared in calls
+            ]
+    return torch.cat(outputs, dim=2).transpose(1, 2).contiguous()
+
+
+def _pooled(
+    calls: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]], scaling: float | None
+) -> list[torch.Tensor]:
+    """Every sample as a square causal call (zero queries stand in for a shared prefix's, as in
+    ``_attend``), backward spread over the cores (``twinkle.model.cpu_attention``)."""
+    triples = []
+    for q, k, v, shared in calls:
+        if shared:
+            q = torch.cat([q.new_zeros(q.shape[0], q.shape[1], shared, q.shape[3]), q], dim=2)
+        triples.append((q, k, v))
+    outputs = cpu_attention.pooled_causal_attention(triples, scaling)
+    return [out[:, :, shared:] for out, (_, _, _, shared) in zip(outputs, calls, strict=True)]
 
 
 def _dispatcher(base_name: str) -> Any:
