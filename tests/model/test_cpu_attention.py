@@ -80,6 +80,26 @@ def test_pool_workers_run_one_thread_and_leave_the_process_setting(two_threads):
     assert cpu_attention.pool(1) is None
 
 
+def test_workers_that_cannot_start_leave_every_call_on_the_calling_thread(monkeypatch, two_threads):
+    def fail(barrier):
+        raise RuntimeError("no thread for you")
+
+    monkeypatch.setattr(cpu_attention, "_single_threaded", fail)
+    monkeypatch.setattr(cpu_attention, "START_SECONDS", 0.5)
+    monkeypatch.setattr(cpu_attention, "_pool", None)
+    monkeypatch.setattr(cpu_attention, "_pool_threads", 0)
+    assert cpu_attention.pool(2) is None
+    assert torch.get_num_threads() == 2
+    assert cpu_attention.pool(2) is None  # not tried again
+    torch.manual_seed(3)
+    segments, leaves = _row(3, [20, 9])
+    out = segment_attention(*leaves, segments)  # MIN_WORK aside, the row still runs
+    monkeypatch.setattr(cpu_attention, "MIN_WORK", 0)
+    pooled = segment_attention(*leaves, segments)
+    pooled.sum().backward()
+    torch.testing.assert_close(pooled, out)
+
+
 def test_an_unused_output_gets_a_zero_gradient(two_threads):
     torch.manual_seed(2)
     q0, k0, v0, q1, k1, v1 = (torch.randn(1, h, n, 8, requires_grad=True) for n in (7, 11) for h in (4, 2, 2))

@@ -29,6 +29,8 @@ _BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.
 # tokens 0.91x, of ~400 1.0x, W2's rows 1.10-1.13x, one sample of 1000 1.04x.
 MIN_WORK = 1024 * 1024
 
+START_SECONDS = 60.0  # for the workers to start; past it the pool is given up
+
 _lock = threading.Lock()
 _pool: ThreadPoolExecutor | None = None
 _pool_threads = 0
@@ -69,7 +71,15 @@ def pool(threads: int) -> ThreadPoolExecutor | None:
             new = ThreadPoolExecutor(threads, "twinkle-attention", _single_threaded, (barrier,))
             for _ in range(threads):  # every worker starts now (each waits in the barrier)
                 new.submit(lambda: None)
-            barrier.wait()
+            try:
+                barrier.wait(timeout=START_SECONDS)
+            except threading.BrokenBarrierError:
+                # a worker could not start: every call runs on the calling thread from now on
+                barrier.abort()
+                new.shutdown(wait=False)
+                torch.set_num_threads(threads)
+                _pool, _pool_threads = None, threads
+                return None
             # set_num_threads also wrote the process-wide setting; put it back for everyone else
             torch.set_num_threads(threads)
             _pool, _pool_threads = new, threads
