@@ -117,3 +117,24 @@ def test_only_large_fp32_cpu_rows_with_threads_are_pooled(two_threads):
     assert not cpu_attention.usable(query.bfloat16(), work)
     torch.set_num_threads(1)
     assert not cpu_attention.usable(query, work)
+
+
+def _in_forked_child(queue) -> None:
+    # only the state: a forked child's first OpenMP region after the parent's can hang in
+    # libgomp whatever Twinkle does (hence torch's one-thread DataLoader workers)
+    queue.put((cpu_attention._pool, cpu_attention._pool_threads))
+
+
+def test_a_forked_child_forgets_the_parents_pool(two_threads):
+    """fork copies no thread: a child that used the parent's pool would wait forever."""
+    import multiprocessing
+
+    assert cpu_attention.pool(2) is not None
+    context = multiprocessing.get_context("fork")
+    queue = context.Queue()
+    child = context.Process(target=_in_forked_child, args=(queue,))
+    child.start()
+    child.join(timeout=60)
+    assert child.exitcode == 0
+    assert queue.get(timeout=5) == (None, 0)
+    assert cpu_attention._pool is not None  # the parent keeps its own
