@@ -36,11 +36,7 @@ _pool: ThreadPoolExecutor | None = None
 _pool_threads = 0
 
 
-def _openmp() -> bool:
-    return "OpenMP" in torch.__config__.parallel_info()
-
-
-_OPENMP = _openmp()
+_OPENMP = "OpenMP" in torch.__config__.parallel_info()
 
 
 def _single_threaded(barrier: threading.Barrier) -> None:
@@ -112,14 +108,17 @@ class PooledCausalAttention(torch.autograd.Function):
         # evenly enough; a key/value head's gradient is then the sum of its group's parts
         units = [(i, h) for i in range(len(samples)) for h in range(heads)]
         units.sort(key=lambda u: -(samples[u[0]][0].shape[2] ** 2))  # longest first: the queue balances
+        # an output nobody used has no gradient: zeros, made once per sample, not once per head
+        grads = tuple(
+            g if g is not None else torch.zeros_like(s[3]) for g, s in zip(grads, samples, strict=True)
+        )
 
         def run(unit: tuple[int, int]) -> tuple[torch.Tensor, ...]:
             i, h = unit
             q, k, v, out, lse = samples[i]
             hs, kvs = slice(h, h + 1), slice(h // group, h // group + 1)
-            grad = grads[i] if grads[i] is not None else torch.zeros_like(out)
             return _BACKWARD(
-                grad[:, hs],
+                grads[i][:, hs],
                 q[:, hs],
                 k[:, kvs],
                 v[:, kvs],
