@@ -159,6 +159,15 @@ def test_forward_only_evaluates_and_forward_backward_trains_again(make_model, da
     assert all(m.training for m in model.model.modules())
 
 
+def test_forward_backward_trains_again_after_the_script_calls_eval(make_model, dataset):
+    model = make_model()
+    batch = next(iter(DataLoader(dataset, batch_size=2)))
+    model.forward_backward(inputs=batch)
+    model.model.eval()  # the script's own evaluation, not forward_only
+    model.forward_backward(inputs=batch)
+    assert all(m.training for m in model.model.modules())
+
+
 def test_calculate_loss_needs_forward_only(make_model, dataset):
     model = make_model()
     with pytest.raises(UserError, match="forward_only"):
