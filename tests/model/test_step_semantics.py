@@ -7,6 +7,7 @@ import torch
 
 from twinkle.dataloader import DataLoader
 from twinkle.template.base import IGNORE_INDEX
+from twinkle.utils import gemm
 from twinkle.utils.errors import UserError
 
 LR = 1e-2
@@ -247,3 +248,28 @@ def test_dtype_flag_sets_the_base_weights_and_keeps_lora_fp32(
     assert math.isfinite(float(loss)) and fused  # the one-node LoRA ran, in both dtypes
     after = lora_weights(model)
     assert any(not torch.equal(before[k], after[k]) for k in before)
+
+
+def _train(model, batches) -> list[float]:
+    losses = []
+    for batch in batches:
+        losses.append(model.forward_backward(inputs=batch))
+        model.clip_grad_and_step()
+    return losses
+
+
+@pytest.mark.skipif(not gemm.onednn_enabled(), reason="no oneDNN in this torch")
+def test_a_cpu_model_packs_its_frozen_weights_and_trains_the_same(make_model, dataset, monkeypatch):
+    monkeypatch.setattr(gemm, "_packed", {})
+    batches = list(DataLoader(dataset, batch_size=4))[:3]
+    model = make_model()
+    linears = [m.weight for m in model.model.modules() if isinstance(m, torch.nn.Linear)]
+    frozen = [w for w in linears if not w.requires_grad]
+    assert frozen and all(id(w) in gemm._packed for w in frozen)
+    assert gemm.packed_bytes() == sum(w.nbytes for w in frozen)  # and no trainable weight
+    packed_losses = _train(model, batches)
+
+    monkeypatch.setattr(gemm, "pack_frozen", lambda weights: 0)
+    dense_model = make_model()
+    assert not any(id(w) in gemm._packed for w in dense_model.model.parameters())
+    assert _train(dense_model, batches) == pytest.approx(packed_losses, rel=1e-6)

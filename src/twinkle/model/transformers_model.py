@@ -27,6 +27,7 @@ from twinkle.optim import build_optimizer, build_scheduler
 from twinkle.optim.replicated import ReplicatedOptimizer
 from twinkle.runtime import get_runtime
 from twinkle.template.base import IGNORE_INDEX
+from twinkle.utils import gemm
 from twinkle.utils.errors import UserError
 from twinkle.utils.logger import get_logger
 
@@ -98,9 +99,20 @@ class TransformersModel:
             # Every rank drew the same LoRA initialisation (one seed); from here on each rank
             # needs its own stream, or all ranks would draw the same dropout masks.
             torch.manual_seed(self.runtime.seed + 1_000_003 * self.runtime.rank)
+        elif self.device.type == "cpu":
+            self._pack_frozen_weights()
         self.optimizer_group[adapter_name] = OptimizerGroup(
             adapter_name, gradient_accumulation_steps, loss_fn=build_loss("CrossEntropyLoss")
         )
+
+    def _pack_frozen_weights(self) -> None:
+        """The frozen linear weights' forward products from oneDNN-packed copies (see
+        ``twinkle.utils.gemm.pack_frozen``): unsharded CPU training only, as the copies cost
+        the weights' memory again."""
+        weights = [m.weight for m in self.model.modules() if isinstance(m, torch.nn.Linear)]
+        packed = gemm.pack_frozen(weights)
+        if packed:
+            logger.info("frozen weights packed for oneDNN: %.0f MiB", packed / 2**20)
 
     def set_optimizer(
         self, optimizer_cls: Any, lr: float, adapter_name: str | None = None, **kwargs: Any

@@ -24,9 +24,24 @@ counts of one SmolLM2 weight grew the process by 505 MiB, all ten of its product
 row counts by 2.1 GiB. Importing Twinkle caps both caches at 32 shapes (a step uses about a
 dozen) unless ``ONEDNN_PRIMITIVE_CACHE_CAPACITY`` / ``LRU_CACHE_CAPACITY`` are already set: the
 same 400 row counts then grew it by 66 MiB. The caps take effect only if no oneDNN kernel was
-built in the process before; they also bound torch's own bf16 CPU products, which use oneDNN."""
+built in the process before; they also bound torch's own bf16 CPU products, which use oneDNN.
+
+``pack_frozen(weights)`` keeps, for each frozen weight, a copy in oneDNN's own blocked layout,
+which ``linear`` then uses: from the dense row-major weight oneDNN re-lays the weight out on
+every call. Measured on SmolLM2-135M's forward products: 7-15% faster at 150-235 rows, 3-7%
+at 1000-2544; the head's 49152 x 576 at 40 rows 12.1 vs 17.1 ms. Whole steps, the same batches
+alternating with and without in one process: W1 0.778 vs 0.813 and 0.668 vs 0.685 s median
+(two runs of 16 batches, 3 rounds each), W2 11.76 vs 12.56 s (4 batches, 2 rounds). The results
+equal the dense call's bit for bit at SmolLM2's shapes from 7 rows up (the same kernel on
+another layout); a one-row product takes a matrix-vector kernel and differs by ~1e-7 relative. ``times_weight`` keeps the dense
+weight: its transposed view is already as fast as a packed copy (within 2%, either way). The
+copy costs the weights' size again, so the model packs only when it trains unsharded on the
+CPU, and at most a quarter of the machine's memory (``PACK_SHARE``). A weight changed in place
+(``w._version`` or storage) is packed again on its next use, and a copy is freed with its
+weight."""
 
 import os
+import weakref
 
 import torch
 
@@ -38,6 +53,10 @@ for _cache in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):
     os.environ.setdefault(_cache, CACHE_CAPACITY)
 
 _state = {"on": None}
+PACK_SHARE = 4  # packed copies take at most 1/PACK_SHARE of physical memory
+PACK_ROWS_HINT = 256  # the row count oneDNN picks the layout for (any count runs; 32-2048 measured equal)
+# id(weight) -> (weak reference, weight._version, data_ptr, packed copy)
+_packed: dict[int, tuple[weakref.ref, int, int, torch.Tensor]] = {}
 _ON, _OFF = ("1", "true", "on", "yes"), ("0", "false", "off", "no")
 
 
@@ -87,10 +106,77 @@ def _onednn(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torc
         return None
 
 
+def _physical_bytes() -> int:
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):  # not a POSIX system: no packing
+        return 0
+
+
+def _pack(w: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS_HINT)
+
+
+def _drop(key: int) -> None:
+    _packed.pop(key, None)
+
+
+def _packable(w: torch.Tensor) -> bool:
+    return (
+        _plain(w)
+        and not w.requires_grad
+        and w.dtype == torch.float32
+        and w.device.type == "cpu"
+        and w.dim() == 2
+        and w.is_contiguous()
+        and w.numel() > 0
+    )
+
+
+def pack_frozen(weights: list[torch.Tensor]) -> int:
+    """Keep a oneDNN-packed copy of each frozen (no ``requires_grad``), contiguous 2-D fp32 CPU
+    weight for ``linear``'s products, in order, while their total stays within
+    1/``PACK_SHARE`` of physical memory; returns the bytes packed. Nothing when oneDNN is off."""
+    if not onednn_enabled():
+        return 0
+    budget = _physical_bytes() // PACK_SHARE - sum(e[3].nbytes for e in _packed.values())
+    packed = 0
+    for w in weights:
+        if not _packable(w) or id(w) in _packed:
+            continue
+        if w.nbytes > budget - packed:
+            break
+        try:
+            copy = _pack(w)
+        except RuntimeError as err:  # a build that cannot: the dense weight as before
+            get_logger().warning("oneDNN weight packing unavailable, using dense weights: %s", err)
+            break
+        _packed[id(w)] = (weakref.ref(w), w._version, w.data_ptr(), copy)
+        weakref.finalize(w, _drop, id(w))
+        packed += w.nbytes
+    return packed
+
+
+def packed_bytes() -> int:
+    """The bytes held by packed copies in this process."""
+    return sum(entry[3].nbytes for entry in _packed.values())
+
+
+def _packed_weight(w: torch.Tensor) -> torch.Tensor:
+    """``w``'s packed copy, packed again if ``w`` changed in place since; else ``w``."""
+    entry = _packed.get(id(w))
+    if entry is None or entry[0]() is not w:
+        return w
+    if entry[1] != w._version or entry[2] != w.data_ptr():
+        entry = (entry[0], w._version, w.data_ptr(), _pack(w))
+        _packed[id(w)] = entry
+    return entry[3]
+
+
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ w.T (+ bias)`` for 2-D ``x`` of shape (rows, in) and ``w`` of shape (out, in)."""
     if _eligible(x, w, bias):
-        out = _onednn(x, w, bias)
+        out = _onednn(x, _packed_weight(w) if _packed else w, bias)
         if out is not None:
             return out
     return x @ w.t() if bias is None else torch.addmm(bias, x, w.t())

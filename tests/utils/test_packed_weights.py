@@ -1,0 +1,96 @@
+"""Frozen weights packed for oneDNN: the same products as the dense weight, packed again after an
+in-place change, freed with the weight, within the memory budget, and only where they apply."""
+
+import gc
+
+import pytest
+import torch
+
+from twinkle.utils import gemm
+
+pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this torch")
+
+
+@pytest.fixture(autouse=True)
+def fresh_state(monkeypatch):
+    monkeypatch.setitem(gemm._state, "on", None)
+    monkeypatch.delenv("TWINKLE_ONEDNN", raising=False)
+    monkeypatch.setattr(gemm, "_packed", {})
+
+
+@pytest.fixture
+def weights_seen(monkeypatch):
+    """The weight operand of each oneDNN call (the call is still made)."""
+    seen = []
+    real = gemm._linear_pointwise
+
+    def spy(x, w, bias):
+        seen.append(w)
+        return real(x, w, bias)
+
+    monkeypatch.setattr(gemm, "_linear_pointwise", spy)
+    return seen
+
+
+@pytest.mark.parametrize("rows", [1, 7, 176, 300])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_the_packed_weight_gives_the_dense_weights_products(rows, with_bias, weights_seen):
+    torch.manual_seed(0)
+    x, w = torch.randn(rows, 48), torch.randn(96, 48)
+    bias = torch.randn(96) if with_bias else None
+    dense = gemm.linear(x, w, bias)
+    assert gemm.pack_frozen([w]) == w.nbytes
+    packed = gemm.linear(x, w, bias)
+    assert weights_seen[0] is w and weights_seen[1].is_mkldnn  # the second call used the copy
+    # the same kernel on another layout; one row takes a matrix-vector kernel, ~1e-7 relative
+    torch.testing.assert_close(packed, dense, rtol=1e-6, atol=1e-5)
+    g = torch.randn(rows, 96)
+    torch.testing.assert_close(gemm.times_weight(g, w), g @ w, rtol=1e-5, atol=1e-5)
+    assert not weights_seen[-1].is_mkldnn  # the input gradient keeps the dense weight
+
+
+def test_only_frozen_contiguous_fp32_matrices_are_packed():
+    frozen = torch.randn(8, 4)
+    skipped = [
+        torch.randn(8, 4, requires_grad=True),
+        torch.randn(4, 8).t(),
+        torch.randn(8, 4, dtype=torch.bfloat16),
+        torch.randn(8),
+        torch.zeros(0, 4),
+    ]
+    assert gemm.pack_frozen([*skipped, frozen, frozen]) == frozen.nbytes  # and once only
+    assert gemm.packed_bytes() == frozen.nbytes
+
+
+def test_a_weight_changed_in_place_is_packed_again():
+    torch.manual_seed(0)
+    x, w = torch.randn(5, 16), torch.randn(32, 16)
+    gemm.pack_frozen([w])
+    before = gemm.linear(x, w)
+    with torch.no_grad():
+        w.mul_(-2.0)
+    assert torch.allclose(gemm.linear(x, w), -2.0 * before, atol=1e-5)
+    w.data = torch.randn(32, 16)  # new storage, as a load might give
+    torch.testing.assert_close(gemm.linear(x, w), x @ w.t(), rtol=1e-5, atol=1e-5)
+
+
+def test_the_copy_is_freed_with_its_weight():
+    w = torch.randn(64, 32)
+    gemm.pack_frozen([w])
+    assert gemm.packed_bytes() == w.nbytes
+    del w
+    gc.collect()
+    assert gemm.packed_bytes() == 0
+
+
+def test_packing_stops_at_the_memory_budget(monkeypatch):
+    monkeypatch.setattr(gemm, "_physical_bytes", lambda: gemm.PACK_SHARE * 1000)
+    small, big, other = torch.randn(10, 10), torch.randn(30, 10), torch.randn(5, 10)  # 400, 1200, 200 bytes
+    assert gemm.pack_frozen([small, big, other]) == 400  # big does not fit, and packing stops there
+    assert gemm.pack_frozen([other]) == 200  # the budget counts what is already packed
+    assert gemm.pack_frozen([torch.randn(20, 10)]) == 0
+
+
+def test_nothing_is_packed_with_onednn_off(monkeypatch):
+    monkeypatch.setenv("TWINKLE_ONEDNN", "0")
+    assert gemm.pack_frozen([torch.randn(8, 4)]) == 0
