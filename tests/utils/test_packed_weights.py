@@ -2,6 +2,7 @@
 in-place change, freed with the weight, within the memory budget, and only where they apply."""
 
 import gc
+import logging
 
 import pytest
 import torch
@@ -89,6 +90,18 @@ def test_packing_stops_at_the_memory_budget(monkeypatch):
     assert gemm.pack_frozen([small, big, other]) == 400  # big does not fit, and packing stops there
     assert gemm.pack_frozen([other]) == 200  # the budget counts what is already packed
     assert gemm.pack_frozen([torch.randn(20, 10)]) == 0
+
+
+def test_a_build_that_cannot_pack_keeps_the_dense_weights(monkeypatch, caplog):
+    def refuse(w):
+        raise RuntimeError("no packing in this build")
+
+    monkeypatch.setattr(gemm, "_pack", refuse)
+    x, w = torch.randn(3, 8), torch.randn(4, 8)
+    with caplog.at_level(logging.WARNING, logger="twinkle"):
+        assert gemm.pack_frozen([w]) == 0
+    assert "using dense weights" in caplog.text
+    torch.testing.assert_close(gemm.linear(x, w), x @ w.t(), rtol=1e-5, atol=1e-5)
 
 
 def test_nothing_is_packed_with_onednn_off(monkeypatch):

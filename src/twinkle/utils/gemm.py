@@ -137,7 +137,7 @@ def pack_frozen(weights: list[torch.Tensor]) -> int:
     """Keep a oneDNN-packed copy of each frozen (no ``requires_grad``), contiguous 2-D fp32 CPU
     weight for ``linear``'s products, in order, while their total stays within
     1/``PACK_SHARE`` of physical memory; returns the bytes packed. Nothing when oneDNN is off."""
-    if not onednn_enabled():
+    if not (onednn_enabled() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
         return 0
     budget = _physical_bytes() // PACK_SHARE - sum(e[3].nbytes for e in _packed.values())
     packed = 0
