@@ -75,6 +75,15 @@ def test_a_weight_changed_in_place_is_packed_again():
     torch.testing.assert_close(gemm.linear(x, w), x @ w.t(), rtol=1e-5, atol=1e-5)
 
 
+def test_a_weight_that_stops_being_packable_goes_back_to_dense():
+    torch.manual_seed(0)
+    x, w = torch.randn(5, 16), torch.randn(32, 16)
+    gemm.pack_frozen([w])
+    w.data = torch.randn(16, 32).t()  # not contiguous any more
+    torch.testing.assert_close(gemm.linear(x, w), x @ w.t(), rtol=1e-5, atol=1e-5)
+    assert gemm.packed_bytes() == 0
+
+
 def test_the_copy_is_freed_with_its_weight():
     w = torch.randn(64, 32)
     gemm.pack_frozen([w])

@@ -31,14 +31,14 @@ which ``linear`` then uses: from the dense row-major weight oneDNN re-lays the w
 every call. Measured on SmolLM2-135M's forward products: 7-15% faster at 150-235 rows, 3-7%
 at 1000-2544; the head's 49152 x 576 at 40 rows 12.1 vs 17.1 ms. Whole steps, the same batches
 alternating with and without in one process: W1 0.778 vs 0.813 and 0.668 vs 0.685 s median
-(two runs of 16 batches, 3 rounds each), W2 11.76 vs 12.56 s (4 batches, 2 rounds). The results
-equal the dense call's bit for bit at SmolLM2's shapes from 7 rows up (the same kernel on
-another layout); a one-row product takes a matrix-vector kernel and differs by ~1e-7 relative. ``times_weight`` keeps the dense
-weight: its transposed view is already as fast as a packed copy (within 2%, either way). The
-copy costs the weights' size again, so the model packs only when it trains unsharded on the
-CPU, and at most a quarter of the machine's memory (``PACK_SHARE``). A weight changed in place
-(``w._version`` or storage) is packed again on its next use, and a copy is freed with its
-weight."""
+(two runs of 16 batches, 3 rounds each), W2 11.76 vs 12.56 s (4 batches, 2 rounds). The
+results equal the dense call's bit for bit at SmolLM2's shapes from 7 rows up (the same kernel
+on another layout); a one-row product takes a matrix-vector kernel and differs by ~1e-7
+relative. ``times_weight`` keeps the dense weight: its transposed view is already about as
+fast as a packed copy (0.94-1.02x). The copy costs the weights' size again, so the model packs
+only when it trains unsharded on the CPU, and at most a quarter of the machine's memory
+(``PACK_SHARE``). A weight changed in place (``w._version`` or storage) is packed again on its
+next use, and a copy is freed with its weight."""
 
 import os
 import weakref
@@ -139,7 +139,7 @@ def pack_frozen(weights: list[torch.Tensor]) -> int:
     1/``PACK_SHARE`` of physical memory; returns the bytes packed. Nothing when oneDNN is off."""
     if not (onednn_enabled() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
         return 0
-    budget = _physical_bytes() // PACK_SHARE - sum(e[3].nbytes for e in _packed.values())
+    budget = _physical_bytes() // PACK_SHARE - packed_bytes()
     packed = 0
     for w in weights:
         if not _packable(w) or id(w) in _packed:
@@ -168,7 +168,13 @@ def _packed_weight(w: torch.Tensor) -> torch.Tensor:
     if entry is None or entry[0]() is not w:
         return w
     if entry[1] != w._version or entry[2] != w.data_ptr():
-        entry = (entry[0], w._version, w.data_ptr(), _pack(w))
+        try:
+            entry = (entry[0], w._version, w.data_ptr(), _pack(w) if _packable(w) else None)
+        except RuntimeError:
+            entry = (entry[0], w._version, w.data_ptr(), None)
+        if entry[3] is None:  # no longer packable (or packing failed): the dense weight from now on
+            _drop(id(w))
+            return w
         _packed[id(w)] = entry
     return entry[3]
 
