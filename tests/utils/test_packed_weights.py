@@ -101,6 +101,18 @@ def test_packing_stops_at_the_memory_budget(monkeypatch):
     assert gemm.pack_frozen([torch.randn(20, 10)]) == 0
 
 
+def test_the_budget_is_a_share_of_the_containers_limit_when_lower(monkeypatch, tmp_path):
+    v2, v1 = tmp_path / "memory.max", tmp_path / "limit_in_bytes"
+    monkeypatch.setattr(gemm, "CGROUP_LIMITS", (str(v2), str(v1)))
+    machine = gemm._physical_bytes()
+    assert machine > 0
+    v2.write_text("max\n")  # no limit
+    assert gemm._physical_bytes() == machine
+    v1.write_text(f"{gemm.PACK_SHARE * 1000}\n")
+    assert gemm._physical_bytes() == gemm.PACK_SHARE * 1000
+    assert gemm.pack_frozen([torch.randn(10, 10), torch.randn(30, 10)]) == 400
+
+
 def test_a_build_that_cannot_pack_keeps_the_dense_weights(monkeypatch, caplog):
     def refuse(w):
         raise RuntimeError("no packing in this build")

@@ -36,8 +36,8 @@ results equal the dense call's bit for bit at SmolLM2's shapes from 7 rows up (t
 on another layout); a one-row product takes a matrix-vector kernel and differs by ~1e-7
 relative. ``times_weight`` keeps the dense weight: its transposed view is already about as
 fast as a packed copy (0.94-1.02x). The copy costs the weights' size again, so the model packs
-only when it trains unsharded on the CPU, and at most a quarter of the machine's memory
-(``PACK_SHARE``). A weight changed in place (``w._version`` or storage) is packed again on its
+only when it trains unsharded on the CPU, and at most a quarter of the machine's memory, or
+of its container's limit where that is lower (``PACK_SHARE``). A weight changed in place (``w._version`` or storage) is packed again on its
 next use, and a copy is freed with its weight."""
 
 import os
@@ -106,11 +106,25 @@ def _onednn(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torc
         return None
 
 
+# a container's memory limit, cgroup v2 then v1 ("max" or a huge number: none)
+CGROUP_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
+
+
 def _physical_bytes() -> int:
+    """The machine's memory, or the container's limit where that is lower."""
     try:
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):  # not a POSIX system: no packing
         return 0
+    for path in CGROUP_LIMITS:
+        try:
+            with open(path) as f:
+                raw = f.read().strip()
+        except OSError:
+            continue
+        if raw.isdigit():
+            total = min(total, int(raw))
+    return total
 
 
 def _pack(w: torch.Tensor) -> torch.Tensor:
