@@ -181,8 +181,8 @@ class TransformersModel:
         group = self._group(adapter_name)
         group.train_metrics.start_batch()
         batch = self._to_device(inputs)
-        # train() sets the flag on every module (~5 ms for 24 layers), and so does reading them
-        # all (6 ms a step at 30): only the first call and one after an eval() set them
+        # train() sets the flag on every module and reading them all walks them too (6.9 and
+        # 2.1 ms for SmolLM2-135M with LoRA, 2499 modules): set once, and again after an eval()
         if not (self._in_train_mode and self.model.training):
             self.model.train()
             self._in_train_mode = True
