@@ -28,17 +28,17 @@ built in the process before; they also bound torch's own bf16 CPU products, whic
 
 ``pack_frozen(weights)`` keeps, for each frozen weight, a copy in oneDNN's own blocked layout,
 which ``linear`` then uses: from the dense row-major weight oneDNN re-lays the weight out on
-every call. Measured on SmolLM2-135M's forward products: 7-15% faster at 150-235 rows, 3-7%
-at 1000-2544; the head's 49152 x 576 at 40 rows 12.1 vs 17.1 ms. Whole steps, the same batches
-alternating with and without in one process: W1 0.778 vs 0.813 and 0.668 vs 0.685 s median
-(two runs of 16 batches, 3 rounds each), W2 11.76 vs 12.56 s (4 batches, 2 rounds). The
-results equal the dense call's bit for bit at SmolLM2's shapes from 7 rows up (the same kernel
-on another layout); a one-row product takes a matrix-vector kernel and differs by ~1e-7
-relative. ``times_weight`` keeps the dense weight: its transposed view is already about as
-fast as a packed copy (0.94-1.02x). The copy costs the weights' size again, so the model packs
-only when it trains unsharded on the CPU, and at most a quarter of the machine's memory, or
-of its container's limit where that is lower (``PACK_SHARE``). A weight changed in place (``w._version`` or storage) is packed again on its
-next use, and a copy is freed with its weight."""
+every call. ``bench/packed_bench.py`` on SmolLM2-135M's forward products: 0.92-0.96x the time
+at 150-235 rows, 0.97-0.98x at 1000-2544, the head 0.80x at 40 rows; whole steps, the same
+batches with and without in one process: W1 0.773 vs 0.791 s median (48 steps each), W2 11.75
+vs 12.12 s (8 each). The results equal the dense call's bit for bit at SmolLM2's shapes from 7
+rows up (the same kernel on another layout); a one-row product takes a matrix-vector kernel
+and differs by ~1e-7 relative. ``times_weight`` keeps the dense weight: its transposed view is
+about as fast as a packed copy of ``W.T`` (0.92-1.05x; only the head's would gain 6-16%, for
+another copy). The copy costs the weights' size again, so the model packs only when it trains
+unsharded on the CPU, and at most a quarter of the machine's memory, or of its container's
+limit where that is lower (``PACK_SHARE``). A weight changed in place (``w._version`` or
+storage) is packed again on its next use, and a copy is freed with its weight."""
 
 import os
 import weakref
