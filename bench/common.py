@@ -97,6 +97,20 @@ def lora_config() -> Any:
     )
 
 
+def profiled_model(spec: Spec) -> Any:
+    """The Twinkle side's model as the profiling benches build it: kernelized, the LoRA adapter
+    seeded as on the Trainer side, AdamW at the spec's rate without weight decay, the fused CE."""
+    from twinkle.kernel import kernelize
+    from twinkle.model import TransformersModel
+
+    model = kernelize(TransformersModel(model_id=spec.model_path, dtype=spec.torch_dtype))
+    torch.manual_seed(spec.seed)
+    model.add_adapter_to_model("default", lora_config())
+    model.set_optimizer("AdamW", lr=spec.lr, weight_decay=0.0)
+    model.set_loss("FusedLinearCrossEntropyLoss")
+    return model
+
+
 def use_cuda() -> bool:
     return torch.cuda.is_available()
 

@@ -20,13 +20,11 @@ import time
 from pathlib import Path
 
 import torch
-from common import build_dataset, lora_config, sync
+from common import build_dataset, profiled_model, sync
 from run import WORKLOADS, prepare
 
 import twinkle
 from twinkle.dataloader import DataLoader
-from twinkle.kernel import kernelize
-from twinkle.model import TransformersModel
 from twinkle.utils import gemm
 
 # (in, out) of SmolLM2-135M's projections: q/o, k/v, gate/up, down, and the tied head
@@ -84,11 +82,7 @@ def steps(workload: str, batches: int, rounds: int, threads: int) -> None:
     )
     twinkle.initialize(seed=42)
     dataset = build_dataset(spec)
-    model = kernelize(TransformersModel(model_id=spec.model_path, dtype=spec.torch_dtype))
-    torch.manual_seed(42)
-    model.add_adapter_to_model("default", lora_config())
-    model.set_optimizer("AdamW", lr=1e-4, weight_decay=0.0)
-    model.set_loss("FusedLinearCrossEntropyLoss")
+    model = profiled_model(spec)
     assert gemm.packed_bytes(), "nothing was packed: is TWINKLE_ONEDNN off?"
     data = [b for _, b in zip(range(batches), DataLoader(dataset=dataset, batch_size=4), strict=False)]
     packed_table = gemm._packed

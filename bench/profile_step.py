@@ -19,14 +19,12 @@ import time
 from pathlib import Path
 
 import torch
-from common import build_dataset, lora_config, sync, use_cuda
+from common import build_dataset, profiled_model, sync, use_cuda
 from run import WORKLOADS, prepare
 from shapes import CHOICES
 
 import twinkle
 from twinkle.dataloader import DataLoader
-from twinkle.kernel import kernelize
-from twinkle.model import TransformersModel
 
 
 def main() -> None:
@@ -62,11 +60,7 @@ def main() -> None:
     )
     twinkle.initialize(seed=42)
     dataset = build_dataset(spec)
-    model = kernelize(TransformersModel(model_id=spec.model_path, dtype=spec.torch_dtype))
-    torch.manual_seed(42)
-    model.add_adapter_to_model("default", lora_config())
-    model.set_optimizer("AdamW", lr=1e-4, weight_decay=0.0)
-    model.set_loss("FusedLinearCrossEntropyLoss")
+    model = profiled_model(spec)
     batches = iter(DataLoader(dataset=dataset, batch_size=4))
 
     def step() -> None:
