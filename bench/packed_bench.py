@@ -8,23 +8,17 @@ Products: for each (rows, in, out), the forward ``x @ W.T`` from the dense weigh
 packed copy, and the input gradient ``g @ W`` from the dense weight's transposed view (what
 ``times_weight`` runs) and from a packed copy of ``W.T``, alternating, median of the repeats.
 
-``--steps``: whole training steps of the workload in one process, the same batches run with
-and without the packed copies, alternating which goes first; prints the median step of each.
-The model trains on every run, so both see the same sequence of weights but not the same ones
-at the same batch: that shifts both alike."""
+``--steps``: whole training steps of the workload, with and without the packed copies
+(``step_ab.py --switch packed-weights``: "on" is packed, "off" dense)."""
 
 import argparse
 import statistics
-import tempfile
 import time
-from pathlib import Path
 
 import torch
-from common import build_dataset, profiled_model, sync
-from run import WORKLOADS, prepare
+from run import WORKLOADS
+from step_ab import paired_steps
 
-import twinkle
-from twinkle.dataloader import DataLoader
 from twinkle.utils import gemm
 
 # (in, out) of SmolLM2-135M's projections: q/o, k/v, gate/up, down, and the tied head
@@ -72,45 +66,6 @@ def products(rows: list[int], repeats: int) -> None:
             )
 
 
-def steps(workload: str, batches: int, rounds: int, threads: int) -> None:
-    spec = prepare(
-        workload,
-        argparse.Namespace(
-            steps=batches, warmup=2, seed=42, threads=threads, model="smollm2", tokenizer=None, dtype="auto"
-        ),
-        Path(tempfile.mkdtemp(prefix="twinkle-packed-")),
-    )
-    twinkle.initialize(seed=42)
-    dataset = build_dataset(spec)
-    model = profiled_model(spec)
-    assert gemm.packed_bytes(), "nothing was packed: is TWINKLE_ONEDNN off?"
-    data = [b for _, b in zip(range(batches), DataLoader(dataset=dataset, batch_size=4), strict=False)]
-    packed_table = gemm._packed
-
-    def step(batch, packed: bool) -> float:
-        gemm._packed = packed_table if packed else {}
-        start = time.perf_counter()
-        model.forward_backward(inputs=batch, task="fused_lm_ce")
-        model.clip_grad_and_step(max_grad_norm=1.0)
-        sync()
-        return time.perf_counter() - start
-
-    for batch in data[:2]:  # warm-up, both ways
-        step(batch, True)
-        step(batch, False)
-    times = {True: [], False: []}
-    for r in range(rounds):
-        for i, batch in enumerate(data):
-            for packed in (True, False) if (i + r) % 2 == 0 else (False, True):
-                times[packed].append(step(batch, packed))
-    gemm._packed = packed_table
-    dense, packed = statistics.median(times[False]), statistics.median(times[True])
-    print(
-        f"{workload}: median step dense {dense:.3f} s, packed {packed:.3f} s, packed / dense {packed / dense:.3f} "
-        f"({len(times[True])} steps each; {gemm.packed_bytes() / 2**20:.0f} MiB packed)"
-    )
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[40, 150, 235, 1000, 2544])
@@ -122,7 +77,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.steps:
-        steps(args.steps, args.batches, args.rounds, args.threads)
+        paired_steps("packed-weights", args.steps, args.batches, args.rounds, args.threads)
     else:
         products(args.rows, args.repeats)
 

@@ -5,7 +5,7 @@ import threading
 import pytest
 import torch
 
-from twinkle.model import cpu_attention
+from twinkle.model import batched_attention, cpu_attention
 from twinkle.model.attention import Segments, segment_attention
 
 
@@ -30,6 +30,7 @@ def _row(prefix: int, lengths: list[int]) -> tuple[Segments, list[torch.Tensor]]
 
 def _run(segments, leaves, min_work, monkeypatch):
     monkeypatch.setattr(cpu_attention, "MIN_WORK", min_work)
+    monkeypatch.setattr(batched_attention, "CHOICE", "never")  # the flash calls, not batched products
     out = segment_attention(*leaves, segments)
     grads = torch.autograd.grad(out.square().sum(), leaves)
     return [out, *grads]

@@ -6,6 +6,7 @@ import torch.nn.functional as F
 
 import twinkle.model.packing as packing
 from twinkle.dataloader import DataLoader
+from twinkle.model import batched_attention
 from twinkle.model.attention import Segments, segment_attention
 from twinkle.model.packing import pack
 
@@ -21,7 +22,9 @@ def _loss_and_grads(make_model, batch, padding_free: bool):
 
 
 @pytest.mark.parametrize("share_prefix", [True, False])
-def test_packed_equals_padded(make_model, dataset, monkeypatch, share_prefix):
+@pytest.mark.parametrize("choice", ["never", "always"])  # flash calls per sample, batched products
+def test_packed_equals_padded(make_model, dataset, monkeypatch, share_prefix, choice):
+    monkeypatch.setattr(batched_attention, "CHOICE", choice)
     batch = next(iter(DataLoader(dataset, batch_size=4)))
     lengths = batch["attention_mask"].sum(1)
     assert lengths.min() < lengths.max()  # the batch really has padding
@@ -123,7 +126,9 @@ def _reference(query, key, value, segments, window):
 
 @pytest.mark.parametrize("prefix", [0, 3])
 @pytest.mark.parametrize("window", [None, 2])
-def test_segment_attention_equals_a_masked_row(prefix, window):
+@pytest.mark.parametrize("choice", ["never", "always"])  # flash calls per sample, batched products
+def test_segment_attention_equals_a_masked_row(prefix, window, choice, monkeypatch):
+    monkeypatch.setattr(batched_attention, "CHOICE", choice)
     torch.manual_seed(0)
     segments = Segments(
         spans=((prefix, prefix + 4), (prefix + 4, prefix + 5), (prefix + 5, prefix + 8)), prefix=prefix

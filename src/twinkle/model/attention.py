@@ -23,7 +23,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from twinkle.model import cpu_attention
+from twinkle.model import batched_attention, cpu_attention
 
 PREFIX = "twinkle_segments:"
 _CPU_UPCAST = (torch.bfloat16, torch.float16)
@@ -132,6 +132,13 @@ def segment_attention(
         )
     p = segments.prefix
     lengths = [end - start for start, end in segments.spans]
+    # query-key pairs of the per-sample calls: the prefix rides with the first sample
+    work = (p + lengths[0]) ** 2 + sum(n * (p + n) for n in lengths[1:]) if lengths else 0
+    pooled = sliding_window is None and not dropout and cpu_attention.usable(query, work)
+    if not pooled and batched_attention.usable(query, key, segments, dropout, sliding_window):
+        plan = batched_attention.plan_for(segments, query, key)
+        if plan is not None:
+            return batched_attention.batched_attention(query, key, value, plan, scaling)
     if not p:
         # one split per tensor (a single backward node) rather than a slice per sample
         calls = [
@@ -151,8 +158,7 @@ def segment_attention(
             )
             for i, q in enumerate(queries)
         ]
-    work = sum(q.shape[2] * k.shape[2] for q, k, _, _ in calls)
-    if sliding_window is None and not dropout and cpu_attention.usable(query, work):
+    if pooled:
         outputs = _pooled(calls, scaling)
     else:
         backends = sdpa_kernel(_GPU_BACKENDS) if query.device.type == "cuda" else nullcontext()

@@ -1,0 +1,218 @@
+"""Attention of a packed row's short samples as a few batched products, on the CPU.
+
+torch's CPU flash kernel has a fixed cost per call, whatever the sizes: ~70 us forward and ~155
+us backward for a 50-token sample at a head size of 4 (2 threads), against 104 and 290 us at 64.
+A W1 row (four samples of 23-82 tokens after a 14-token shared prefix) pays it four times a
+layer. Here the whole row is one padded batch and its attention five batched products and a
+softmax, forward and backward in one autograd node.
+
+Layout (a ``Plan``, made once per row and reused by every layer): block ``s`` holds sample
+``s``'s keys (the shared prefix, then its own tokens) and its queries, which are the block's last
+keys, causal. The prefix's own queries ride with the shortest sample, whose block is then a
+square causal one. The query heads sharing a key/value head are stacked as rows of one product
+(no repeated keys). Padded key slots are masked to -inf, so their probability and gradients are
+exactly zero; padded query slots see key 0 (a finite softmax) and are dropped from the output,
+so their gradient is zero too. Results equal the flash kernel's up to summation order (~1e-6).
+
+Padding is the price: every block is as long as the longest, and holds as many keys as the
+longest holds. So a row takes this path only where a cost model says it pays (``pays``), fitted
+to 28 rows of 2-4 samples of 10-157 tokens, forward + backward on 2 threads at SmolLM2's heads
+(9 and 3 of 64): the batched path took 351 us + 0.084 us per padded query-key pair, the
+per-sample calls 273 us a call + 0.096 us per pair. ``bench/attention_bench.py``: W1's rows
+0.64-0.86x the per-sample calls' time; rows of ~100 tokens a sample or very uneven ones keep
+the calls."""
+
+from dataclasses import dataclass
+
+import torch
+
+# the cost model (us, forward + backward; pair costs at heads * head_dim = 576, scaled by it)
+FIXED_US, PAIR_US = 351.0, 0.084  # batched: once a row, per padded query-key pair
+CALL_US, CALL_PAIR_US = 273.0, 0.096  # per-sample flash calls: per call, per query-key pair
+CHOICE = "auto"  # "auto": the cost model; "always" / "never" (benchmarks, tests)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Where each block's queries and keys sit in the row (``*_index``), where each row position's
+    output sits in the padded blocks (``out_index``) and the additive mask, shaped as the scores."""
+
+    blocks: int
+    queries: int  # padded queries per block
+    keys: int  # padded keys per block
+    q_index: torch.Tensor  # (blocks * queries,) row positions; pads point at 0
+    k_index: torch.Tensor  # (blocks * keys,)
+    out_index: torch.Tensor  # (row length,) slot of each position in the padded queries
+    bias: torch.Tensor  # (blocks * kv_heads, group * queries, keys): 0 or -inf
+
+
+def _blocks(spans: tuple[tuple[int, int], ...], prefix: int) -> list[tuple[list[int], int]]:
+    """Each block's key positions and how many of the last of them are its queries."""
+    carrier = min(range(len(spans)), key=lambda i: spans[i][1] - spans[i][0]) if prefix else -1
+    blocks = []
+    for i, (start, end) in enumerate(spans):
+        keys = [*range(prefix), *range(start, end)]
+        blocks.append((keys, len(keys) if i == carrier else end - start))
+    return blocks
+
+
+def pays(spans: tuple[tuple[int, int], ...], prefix: int, width: int) -> bool:
+    """Whether the cost model expects this row (``width`` = heads * head_dim) to run faster as
+    batched products than as one flash call per sample."""
+    if CHOICE != "auto":
+        return CHOICE == "always"
+    blocks = _blocks(spans, prefix)
+    padded = len(blocks) * max(n for _, n in blocks) * max(len(k) for k, _ in blocks)
+    pairs = sum(n * len(k) for k, n in blocks)
+    scale = width / 576
+    return FIXED_US + PAIR_US * scale * padded < CALL_US * len(spans) + CALL_PAIR_US * scale * pairs
+
+
+def make_plan(
+    spans: tuple[tuple[int, int], ...], prefix: int, heads: int, kv_heads: int, device: torch.device
+) -> Plan:
+    blocks = _blocks(spans, prefix)
+    length = spans[-1][1]
+    queries = max(n for _, n in blocks)
+    keys = max(len(k) for k, _ in blocks)
+    q_index = torch.zeros(len(blocks), queries, dtype=torch.long)
+    k_index = torch.zeros(len(blocks), keys, dtype=torch.long)
+    out_index = torch.empty(length, dtype=torch.long)
+    allowed = torch.zeros(len(blocks), queries, keys, dtype=torch.bool)
+    key_slot, query_slot = torch.arange(keys), torch.arange(queries)
+    for b, (positions, n) in enumerate(blocks):
+        k_index[b, : len(positions)] = torch.tensor(positions)
+        q_index[b, :n] = k_index[b, len(positions) - n : len(positions)]
+        out_index[q_index[b, :n]] = b * queries + query_slot[:n]
+        # query slot l is key slot l + (keys - queries) of its block: causal from there
+        allowed[b, :n] = key_slot[None, :] <= query_slot[:n, None] + (len(positions) - n)
+        allowed[b, n:, 0] = True  # padded queries: a finite softmax, output dropped
+    group = heads // kv_heads
+    bias = torch.zeros(allowed.shape).masked_fill_(~allowed, float("-inf"))
+    bias = bias[:, None, None].expand(-1, kv_heads, group, -1, -1)
+    return Plan(
+        blocks=len(blocks),
+        queries=queries,
+        keys=keys,
+        q_index=q_index.flatten().to(device),
+        k_index=k_index.flatten().to(device),
+        out_index=out_index.to(device),
+        bias=bias.reshape(len(blocks) * kv_heads, group * queries, keys).contiguous().to(device),
+    )
+
+
+def _to_blocks(rows: torch.Tensor, plan: Plan, kv_heads: int) -> torch.Tensor:
+    """``(blocks * queries, heads * D)`` -> ``(blocks * kv_heads, group * queries, D)``."""
+    group = plan.bias.shape[1] // plan.queries
+    head = rows.shape[1] // (kv_heads * group)
+    return (
+        rows.view(plan.blocks, plan.queries, kv_heads, group, head)
+        .permute(0, 2, 3, 1, 4)
+        .reshape(plan.blocks * kv_heads, group * plan.queries, head)
+    )
+
+
+def _from_blocks(blocks: torch.Tensor, plan: Plan, kv_heads: int) -> torch.Tensor:
+    """``_to_blocks``'s inverse, then each row position's slot: ``(length, heads * D)``."""
+    group = plan.bias.shape[1] // plan.queries
+    head = blocks.shape[-1]
+    rows = (
+        blocks.view(plan.blocks, kv_heads, group, plan.queries, head)
+        .permute(0, 3, 1, 2, 4)
+        .reshape(plan.blocks * plan.queries, kv_heads * group * head)
+    )
+    return rows.index_select(0, plan.out_index)
+
+
+def _keys_to_blocks(rows: torch.Tensor, plan: Plan, kv_heads: int) -> torch.Tensor:
+    """``(length, kv_heads * D)`` -> ``(blocks * kv_heads, keys, D)``."""
+    head = rows.shape[1] // kv_heads
+    picked = rows.index_select(0, plan.k_index).view(plan.blocks, plan.keys, kv_heads, head)
+    return picked.transpose(1, 2).reshape(plan.blocks * kv_heads, plan.keys, head)
+
+
+def _keys_from_blocks(blocks: torch.Tensor, plan: Plan, kv_heads: int, length: int) -> torch.Tensor:
+    """Sum each block's key gradients back into the row (the prefix's over every block)."""
+    head = blocks.shape[-1]
+    parts = blocks.view(plan.blocks, kv_heads, plan.keys, head).transpose(1, 2)
+    parts = parts.reshape(plan.blocks * plan.keys, kv_heads * head)
+    return parts.new_zeros(length, kv_heads * head).index_add_(0, plan.k_index, parts)
+
+
+class _BatchedAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, query, key, value, plan, kv_heads, scale):
+        # query (length, heads * D), key / value (length, kv_heads * D)
+        q = _to_blocks(query.index_select(0, plan.q_index), plan, kv_heads)
+        k = _keys_to_blocks(key, plan, kv_heads)
+        v = _keys_to_blocks(value, plan, kv_heads)
+        probs = torch.softmax(torch.baddbmm(plan.bias, q, k.transpose(1, 2), alpha=scale), dim=-1)
+        out = _from_blocks(torch.bmm(probs, v), plan, kv_heads)
+        ctx.save_for_backward(q, k, v, probs)
+        ctx.plan, ctx.kv_heads, ctx.scale, ctx.length = plan, kv_heads, scale, query.shape[0]
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, probs = ctx.saved_tensors
+        plan, kv_heads, length = ctx.plan, ctx.kv_heads, ctx.length
+        # padded query slots get a zero gradient
+        padded = grad_out.new_zeros(plan.blocks * plan.queries, grad_out.shape[1])
+        g = _to_blocks(padded.index_copy_(0, plan.out_index, grad_out), plan, kv_heads)
+        need_q, need_k, need_v = ctx.needs_input_grad[:3]
+        grad_v = (
+            _keys_from_blocks(torch.bmm(probs.transpose(1, 2), g), plan, kv_heads, length) if need_v else None
+        )
+        grad_q = grad_k = None
+        if need_q or need_k:
+            grad_probs = torch.bmm(g, v.transpose(1, 2))
+            grad_scores = torch.ops.aten._softmax_backward_data(grad_probs, probs, -1, probs.dtype)
+            grad_scores.mul_(ctx.scale)
+            if need_q:
+                grad_q = _from_blocks(torch.bmm(grad_scores, k), plan, kv_heads)
+            if need_k:
+                grad_k = _keys_from_blocks(torch.bmm(grad_scores.transpose(1, 2), q), plan, kv_heads, length)
+        return grad_q, grad_k, grad_v, None, None, None
+
+
+_plans: dict[tuple, Plan | None] = {}
+PLANS_KEPT = 4  # rows whose plan is kept (a step reuses one row's across its layers)
+
+
+def plan_for(segments, query: torch.Tensor, key: torch.Tensor) -> Plan | None:
+    """The row's plan, or None where the per-sample calls are expected to be faster; decided on
+    the row's first layer and reused by the others."""
+    heads, kv_heads = query.shape[1], key.shape[1]
+    cache_key = (segments.spans, segments.prefix, heads, kv_heads, query.shape[-1], query.device, CHOICE)
+    if cache_key not in _plans:
+        if len(_plans) >= PLANS_KEPT:
+            _plans.clear()
+        chosen = pays(segments.spans, segments.prefix, heads * query.shape[-1])
+        plan = make_plan(segments.spans, segments.prefix, heads, kv_heads, query.device) if chosen else None
+        _plans[cache_key] = plan
+    return _plans[cache_key]
+
+
+def usable(query: torch.Tensor, key: torch.Tensor, segments, dropout: float, window: int | None) -> bool:
+    """fp32 on the CPU, no dropout or window, whole groups of query heads."""
+    return (
+        query.device.type == "cpu"
+        and query.dtype == torch.float32
+        and not dropout
+        and window is None
+        and bool(segments.spans)
+        and query.shape[1] % key.shape[1] == 0
+    )
+
+
+def batched_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, plan: Plan, scale: float | None
+) -> torch.Tensor:
+    """``query (1, H, T, D)``, ``key``/``value (1, KV, T, D)`` -> ``(1, T, H, D)``, each sample
+    (and the shared prefix) causal, as ``segment_attention``."""
+    _, heads, length, head_dim = query.shape
+    kv_heads = key.shape[1]
+    rows = [t.transpose(1, 2).reshape(length, -1) for t in (query, key, value)]
+    scale = head_dim**-0.5 if scale is None else scale
+    out = _BatchedAttention.apply(*rows, plan, kv_heads, float(scale))
+    return out.view(1, length, heads, head_dim)
