@@ -72,19 +72,21 @@ def test_scaling_and_inputs_without_gradients(monkeypatch):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
-def test_the_prefix_rides_with_the_shortest_sample():
+def test_short_samples_share_a_block_and_the_prefix_rides_with_the_lightest():
+    # samples of 7, 2 and 5 tokens after a 3-token prefix: blocks {7} and {5, 2}, the prefix's
+    # queries in the first (10 x 10 scores, where a block each would be 3 x 7 x 10)
+    assert batched_attention.layout([7, 2, 5], 3) == ([[0], [2, 1]], 0)
     plan = batched_attention.make_plan(((3, 10), (10, 12), (12, 17)), 3, 2, 1, torch.device("cpu"))
-    # blocks of 7, 3 + 2 and 5 queries; keys: the prefix and the sample's own
-    assert (plan.blocks, plan.queries, plan.keys) == (3, 7, 10)
-    q = plan.q_index.view(3, 7)
-    assert q[1, :5].tolist() == [0, 1, 2, 10, 11]
-    assert plan.k_index.view(3, 10)[2, :8].tolist() == [0, 1, 2, 12, 13, 14, 15, 16]
+    assert (plan.blocks, plan.queries, plan.keys) == (2, 10, 10)
+    assert plan.q_index.view(2, 10)[0].tolist() == list(range(10))
+    assert plan.k_index.view(2, 10)[1].tolist() == [0, 1, 2, 12, 13, 14, 15, 16, 10, 11]
     # every row position has exactly one output slot, and it holds that position's query
-    assert sorted(plan.out_index.tolist()) == sorted(set(plan.out_index.tolist()))
+    assert len(set(plan.out_index.tolist())) == 17
     assert (plan.q_index[plan.out_index] == torch.arange(17)).all()
-    # the query at block 2's slot 0 (position 12) sees the prefix and itself
-    bias = plan.bias.view(3, 1, 2, 7, 10)[2, 0, 0, 0]
-    assert torch.isfinite(bias).tolist() == [True] * 4 + [False] * 6
+    # block 1's query slot 5 is position 10 (sample 1's first token): the prefix and itself,
+    # not sample 2's tokens beside it in the block
+    seen = torch.isfinite(plan.bias.view(2, 1, 2, 10, 10)[1, 0, 0, 5])
+    assert seen.tolist() == [True] * 3 + [False] * 5 + [True, False]
 
 
 def test_the_cost_model_keeps_long_or_uneven_rows_on_the_flash_calls():

@@ -6,21 +6,22 @@ A W1 row (four samples of 23-82 tokens after a 14-token shared prefix) pays it f
 layer. Here the whole row is one padded batch and its attention five batched products and a
 softmax, forward and backward in one autograd node.
 
-Layout (a ``Plan``, made once per row and reused by every layer): block ``s`` holds sample
-``s``'s keys (the shared prefix, then its own tokens) and its queries, which are the block's last
-keys, causal. The prefix's own queries ride with the shortest sample, whose block is then a
-square causal one. The query heads sharing a key/value head are stacked as rows of one product
-(no repeated keys). Padded key slots are masked to -inf, so their probability and gradients are
-exactly zero; padded query slots see key 0 (a finite softmax) and are dropped from the output,
-so their gradient is zero too. Results equal the flash kernel's up to summation order (~1e-6).
+Layout (a ``Plan``, made once per row and reused by every layer): the samples are grouped into
+blocks of equal size, first-fit by decreasing length, at the block size that leaves the least
+padding (``layout``); one block also carries the shared prefix's own queries. A block's keys are
+the prefix and its samples' tokens, its queries its samples' tokens; a query sees the prefix and
+its own sample's earlier tokens (a mask by sample and position). The query heads sharing a
+key/value head are stacked as rows of one product (no repeated keys). Masked and padded key
+slots get -inf, so their probability and gradients are exactly zero; padded query slots see
+key 0 (a finite softmax) and are dropped from the output, so their gradient is zero too.
+Results equal the flash kernel's up to summation order (~1e-6).
 
-Padding is the price: every block is as long as the longest, and holds as many keys as the
-longest holds. So a row takes this path only where a cost model says it pays (``pays``), fitted
-to 28 rows of 2-4 samples of 10-157 tokens, forward + backward on 2 threads at SmolLM2's heads
-(9 and 3 of 64): the batched path took 351 us + 0.084 us per padded query-key pair, the
-per-sample calls 273 us a call + 0.096 us per pair. ``bench/attention_bench.py``: W1's rows
-0.64-0.86x the per-sample calls' time; rows of ~100 tokens a sample or very uneven ones keep
-the calls."""
+Padding is the price: every block is as long as the longest, and its scores span all its keys.
+So a row takes this path only where a cost model says it pays (``pays``), fitted to 28 rows of
+2-4 samples of 10-157 tokens, forward + backward on 2 threads at SmolLM2's heads (9 and 3 of
+64), one sample a block: the batched path took 351 us + 0.084 us per padded query-key pair, the
+per-sample calls 273 us a call + 0.096 us per pair. ``bench/attention_bench.py`` has the rows'
+times."""
 
 from dataclasses import dataclass
 
@@ -29,6 +30,7 @@ import torch
 # the cost model (us, forward + backward; pair costs at heads * head_dim = 576, scaled by it)
 FIXED_US, PAIR_US = 351.0, 0.084  # batched: once a row, per padded query-key pair
 CALL_US, CALL_PAIR_US = 273.0, 0.096  # per-sample flash calls: per call, per query-key pair
+MAX_QUERIES = 192  # longer blocks than the model was fitted on keep the flash calls
 CHOICE = "auto"  # "auto": the cost model; "always" / "never" (benchmarks, tests)
 
 
@@ -46,14 +48,38 @@ class Plan:
     bias: torch.Tensor  # (blocks * kv_heads, group * queries, keys): 0 or -inf
 
 
-def _blocks(spans: tuple[tuple[int, int], ...], prefix: int) -> list[tuple[list[int], int]]:
-    """Each block's key positions and how many of the last of them are its queries."""
-    carrier = min(range(len(spans)), key=lambda i: spans[i][1] - spans[i][0]) if prefix else -1
-    blocks = []
-    for i, (start, end) in enumerate(spans):
-        keys = [*range(prefix), *range(start, end)]
-        blocks.append((keys, len(keys) if i == carrier else end - start))
-    return blocks
+def layout(lengths: list[int], prefix: int) -> tuple[list[list[int]], int]:
+    """The samples (by index) in each block, and which block carries the prefix's queries (-1
+    without a prefix): first-fit decreasing at the block size, of the longest sample alone or
+    paired with another, that leaves the fewest padded query-key pairs."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    longest = lengths[order[0]]
+    best = None
+    for size in sorted({longest, *(longest + n for n in lengths)}):
+        blocks: list[list[int]] = []
+        loads: list[int] = []
+        for i in order:
+            fit = next((b for b, load in enumerate(loads) if load + lengths[i] <= size), None)
+            if fit is None:
+                blocks.append([i])
+                loads.append(lengths[i])
+            else:
+                blocks[fit].append(i)
+                loads[fit] += lengths[i]
+        carrier = min(range(len(loads)), key=loads.__getitem__) if prefix else -1
+        queries = max(load + (prefix if b == carrier else 0) for b, load in enumerate(loads))
+        padded = len(blocks) * queries * (prefix + max(loads))
+        if best is None or padded < best[0]:
+            best = (padded, blocks, carrier)
+    return best[1], best[2]
+
+
+def padded_pairs(lengths: list[int], prefix: int) -> int:
+    """Query-key pairs the batched products compute for this row, padding included."""
+    blocks, carrier = layout(lengths, prefix)
+    loads = [sum(lengths[i] for i in block) for block in blocks]
+    queries = max(load + (prefix if b == carrier else 0) for b, load in enumerate(loads))
+    return len(blocks) * queries * (prefix + max(loads))
 
 
 def pays(spans: tuple[tuple[int, int], ...], prefix: int, width: int) -> bool:
@@ -61,32 +87,46 @@ def pays(spans: tuple[tuple[int, int], ...], prefix: int, width: int) -> bool:
     batched products than as one flash call per sample."""
     if CHOICE != "auto":
         return CHOICE == "always"
-    blocks = _blocks(spans, prefix)
-    padded = len(blocks) * max(n for _, n in blocks) * max(len(k) for k, _ in blocks)
-    pairs = sum(n * len(k) for k, n in blocks)
+    lengths = [end - start for start, end in spans]
+    if max(lengths) + prefix > MAX_QUERIES:
+        return False
+    # the flash calls' pairs: the prefix rides with the first sample
+    pairs = (prefix + lengths[0]) ** 2 + sum(n * (prefix + n) for n in lengths[1:])
     scale = width / 576
-    return FIXED_US + PAIR_US * scale * padded < CALL_US * len(spans) + CALL_PAIR_US * scale * pairs
+    batched = FIXED_US + PAIR_US * scale * padded_pairs(lengths, prefix)
+    return batched < CALL_US * len(spans) + CALL_PAIR_US * scale * pairs
 
 
 def make_plan(
     spans: tuple[tuple[int, int], ...], prefix: int, heads: int, kv_heads: int, device: torch.device
 ) -> Plan:
-    blocks = _blocks(spans, prefix)
-    length = spans[-1][1]
-    queries = max(n for _, n in blocks)
-    keys = max(len(k) for k, _ in blocks)
+    blocks, carrier = layout([end - start for start, end in spans], prefix)
+    members = []  # per block: (key positions, key samples, query positions, query samples)
+    for b, block in enumerate(blocks):
+        own = [torch.arange(*spans[i]) for i in block]
+        owner = [torch.full((len(t),), i) for i, t in zip(block, own, strict=True)]
+        keys, key_owner = (
+            torch.cat([torch.arange(prefix), *own]),
+            torch.cat([torch.full((prefix,), -1), *owner]),
+        )
+        first_query = 0 if b == carrier else prefix
+        members.append((keys, key_owner, keys[first_query:], key_owner[first_query:]))
+    queries = max(len(m[2]) for m in members)
+    keys = max(len(m[0]) for m in members)
     q_index = torch.zeros(len(blocks), queries, dtype=torch.long)
     k_index = torch.zeros(len(blocks), keys, dtype=torch.long)
-    out_index = torch.empty(length, dtype=torch.long)
+    out_index = torch.empty(spans[-1][1], dtype=torch.long)
     allowed = torch.zeros(len(blocks), queries, keys, dtype=torch.bool)
-    key_slot, query_slot = torch.arange(keys), torch.arange(queries)
-    for b, (positions, n) in enumerate(blocks):
-        k_index[b, : len(positions)] = torch.tensor(positions)
-        q_index[b, :n] = k_index[b, len(positions) - n : len(positions)]
-        out_index[q_index[b, :n]] = b * queries + query_slot[:n]
-        # query slot l is key slot l + (keys - queries) of its block: causal from there
-        allowed[b, :n] = key_slot[None, :] <= query_slot[:n, None] + (len(positions) - n)
-        allowed[b, n:, 0] = True  # padded queries: a finite softmax, output dropped
+    for b, (k_pos, k_owner, q_pos, q_owner) in enumerate(members):
+        k_index[b, : len(k_pos)] = k_pos
+        q_index[b, : len(q_pos)] = q_pos
+        out_index[q_pos] = b * queries + torch.arange(len(q_pos))
+        # the prefix and the query's own sample, up to the query's position
+        seen = (k_pos[None, :] <= q_pos[:, None]) & (
+            (k_owner[None, :] == -1) | (k_owner[None, :] == q_owner[:, None])
+        )
+        allowed[b, : len(q_pos), : len(k_pos)] = seen
+        allowed[b, len(q_pos) :, 0] = True  # padded queries: a finite softmax, output dropped
     group = heads // kv_heads
     bias = torch.zeros(allowed.shape).masked_fill_(~allowed, float("-inf"))
     bias = bias[:, None, None].expand(-1, kv_heads, group, -1, -1)
