@@ -2,13 +2,20 @@
 pooled causal path (``twinkle.model.cpu_attention``) and the batched products
 (``twinkle.model.batched_attention``), on the same inputs, alternating.
 
-    python bench/attention_bench.py [--threads 2] [--repeats 7]
+    python bench/attention_bench.py [--threads 2] [--repeats 30]
+    python bench/attention_bench.py --fit     # the batched path's cost model, refitted
 
 Rows are laid out as in W1 and W2 (a 14-token shared prefix, then the samples; SmolLM2's 9
 query and 3 key/value heads of 64). Prints the per-sample calls' median time, each other path's
-time as a ratio of it, and the largest difference of the outputs and gradients."""
+time as a ratio of it, and the largest difference of the outputs and gradients.
+
+``--fit``: 28 random rows of 2-4 samples of 10-157 tokens, the per-sample calls against the
+batched products (one sample a block), and the least-squares fit of the cost model in
+``twinkle.model.batched_attention``: batched = fixed + per padded pair, per-sample = per call +
+per pair."""
 
 import argparse
+import random
 import statistics
 import time
 
@@ -18,9 +25,13 @@ from twinkle.model import batched_attention, cpu_attention
 from twinkle.model.attention import Segments, segment_attention
 
 ROWS = {
-    "W1 a": (14, [58, 31, 42, 31]),
-    "W1 b": (14, [37, 28, 40, 26]),
-    "W1 c": (14, [47, 25, 82, 41]),
+    # W1's first six batches
+    "W1 1": (14, [58, 31, 42, 31]),
+    "W1 2": (14, [37, 28, 40, 26]),
+    "W1 3": (14, [40, 27, 38, 26]),
+    "W1 4": (14, [51, 25, 40, 28]),
+    "W1 5": (14, [41, 23, 42, 25]),
+    "W1 6": (14, [47, 25, 82, 41]),
     "no prefix": (0, [50, 45, 61, 33]),
     "80-96": (14, [80, 96, 85, 90]),
     "100-130": (14, [120, 100, 130, 110]),
@@ -55,12 +66,54 @@ def run(segments: Segments, leaves: list[torch.Tensor], grad: torch.Tensor, path
     return time.perf_counter() - start, [out.detach(), *(leaf.grad for leaf in leaves)]
 
 
+def _median_ms(segments: Segments, path: str, repeats: int) -> float:
+    t = segments.length
+    leaves = [torch.randn(1, t, h, 64).transpose(1, 2).requires_grad_() for h in (9, 3, 3)]
+    grad = torch.randn(1, t, 9, 64)
+    run(segments, leaves, grad, path)
+    return statistics.median(run(segments, leaves, grad, path)[0] for _ in range(repeats)) * 1e3
+
+
+def fit(repeats: int) -> None:
+    """Refit the cost model on random rows, one sample a block (as it was fitted)."""
+    rng = random.Random(1)
+    one_each = batched_attention.layout
+    batched_attention.layout = lambda lengths, prefix: (
+        [[i] for i in range(len(lengths))],
+        min(range(len(lengths)), key=lengths.__getitem__) if prefix else -1,
+    )
+    rows = []
+    for _ in range(28):
+        base = rng.choice([20, 30, 40, 50, 60, 80, 100])
+        lengths = [max(5, int(base * rng.uniform(0.5, 1.6))) for _ in range(rng.choice([2, 3, 4, 4, 4]))]
+        prefix = rng.choice([0, 14, 14])
+        segments = segments_of(prefix, lengths)
+        pairs = (prefix + lengths[0]) ** 2 + sum(n * (prefix + n) for n in lengths[1:])
+        padded = batched_attention.padded_pairs(lengths, prefix)
+        flash, batched = (_median_ms(segments, path, repeats) for path in ("per-sample", "batched"))
+        rows.append((len(lengths), pairs, padded, flash, batched))
+        print(f"{prefix:3} {str(lengths):22} per-sample {flash:6.2f} ms  batched {batched:6.2f} ms")
+    batched_attention.layout = one_each
+    data = torch.tensor(rows, dtype=torch.float64)
+    calls, pairs, padded, flash, batched = data.T
+    fixed, per_padded = torch.linalg.lstsq(
+        torch.stack([torch.ones_like(padded), padded], 1), batched[:, None]
+    ).solution[:, 0]
+    per_call, per_pair = torch.linalg.lstsq(torch.stack([calls, pairs], 1), flash[:, None]).solution[:, 0]
+    print(f"batched: {fixed * 1e3:.0f} us + {per_padded * 1e3:.3f} us per padded pair")
+    print(f"per-sample: {per_call * 1e3:.0f} us a call + {per_pair * 1e3:.3f} us per pair")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--fit", action="store_true", help="refit the batched path's cost model")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.fit:
+        fit(args.repeats)
+        return
     saved = cpu_attention.MIN_WORK, batched_attention.CHOICE
     print(
         f"{'row':10} {'per-sample ms':>14} {'pooled / per-sample':>20} {'batched / per-sample':>21} {'max diff':>9}"

@@ -3,8 +3,8 @@
 torch's CPU flash kernel has a fixed cost per call, whatever the sizes: ~70 us forward and ~155
 us backward for a 50-token sample at a head size of 4 (2 threads), against 104 and 290 us at 64.
 A W1 row (four samples of 23-82 tokens after a 14-token shared prefix) pays it four times a
-layer. Here the whole row is one padded batch and its attention five batched products and a
-softmax, forward and backward in one autograd node.
+layer. Here the whole row is one padded batch, and its attention two batched products and a
+softmax forward, four products and the softmax's backward in backward, all in one autograd node.
 
 Layout (a ``Plan``, made once per row and reused by every layer): the samples are grouped into
 blocks of equal size, first-fit by decreasing length, at the block size that leaves the least
@@ -14,14 +14,15 @@ its own sample's earlier tokens (a mask by sample and position). The query heads
 key/value head are stacked as rows of one product (no repeated keys). Masked and padded key
 slots get -inf, so their probability and gradients are exactly zero; padded query slots see
 key 0 (a finite softmax) and are dropped from the output, so their gradient is zero too.
-Results equal the flash kernel's up to summation order (~1e-6).
+Results equal the flash kernel's up to summation order (~3e-6 on unit-scale inputs).
 
 Padding is the price: every block is as long as the longest, and its scores span all its keys.
-So a row takes this path only where a cost model says it pays (``pays``), fitted to 28 rows of
-2-4 samples of 10-157 tokens, forward + backward on 2 threads at SmolLM2's heads (9 and 3 of
+So a row takes this path only where a cost model says it pays (``pays``), fitted to 28 random
+rows of 2-4 samples of 10-157 tokens (``bench/attention_bench.py --fit``), forward + backward on 2 threads at SmolLM2's heads (9 and 3 of
 64), one sample a block: the batched path took 351 us + 0.084 us per padded query-key pair, the
-per-sample calls 273 us a call + 0.096 us per pair. ``bench/attention_bench.py`` has the rows'
-times."""
+per-sample calls 273 us a call + 0.096 us per pair. ``bench/attention_bench.py``: W1's first
+six rows 0.66-0.84x the per-sample calls' time, forward + backward; rows of 150-200-token
+samples 1.4x, so they keep the calls."""
 
 from dataclasses import dataclass
 
