@@ -89,7 +89,7 @@ def fit(repeats: int) -> None:
         prefix = rng.choice([0, 14, 14])
         segments = segments_of(prefix, lengths)
         pairs = (prefix + lengths[0]) ** 2 + sum(n * (prefix + n) for n in lengths[1:])
-        padded = batched_attention.padded_pairs(lengths, prefix)
+        padded = batched_attention.padded_size(lengths, prefix)[0]
         flash, batched = (_median_ms(segments, path, repeats) for path in ("per-sample", "batched"))
         rows.append((len(lengths), pairs, padded, flash, batched))
         print(f"{prefix:3} {str(lengths):22} per-sample {flash:6.2f} ms  batched {batched:6.2f} ms")

@@ -105,6 +105,16 @@ def test_the_cost_model_keeps_long_or_uneven_rows_on_the_flash_calls():
     assert not batched_attention.pays(spans(0, [120, 100, 130, 110]), 0, 14 * 64)
 
 
+def test_blocks_longer_than_the_fitted_range_keep_the_flash_calls(monkeypatch):
+    row = ((14, 72), (72, 103), (103, 145), (145, 176))  # W1's first row
+    assert batched_attention.padded_size([58, 31, 42, 31], 14) == (4 * 58 * 72, 58)
+    assert batched_attention.pays(row, 14, 576)
+    monkeypatch.setattr(batched_attention, "MAX_QUERIES", 57)
+    assert not batched_attention.pays(row, 14, 576)
+    monkeypatch.setattr(batched_attention, "CHOICE", "always")  # a forced choice is not capped
+    assert batched_attention.pays(row, 14, 576)
+
+
 def test_a_row_is_planned_once_for_all_its_layers(monkeypatch):
     torch.manual_seed(2)
     monkeypatch.setattr(batched_attention, "_plans", {})

@@ -18,9 +18,10 @@ Results equal the flash kernel's up to summation order (~3e-6 on unit-scale inpu
 
 Padding is the price: every block is as long as the longest, and its scores span all its keys.
 So a row takes this path only where a cost model says it pays (``pays``), fitted to 28 random
-rows of 2-4 samples of 10-157 tokens (``bench/attention_bench.py --fit``), forward + backward on 2 threads at SmolLM2's heads (9 and 3 of
-64), one sample a block: the batched path took 351 us + 0.084 us per padded query-key pair, the
-per-sample calls 273 us a call + 0.096 us per pair. ``bench/attention_bench.py``: W1's first
+rows of 2-4 samples of 10-157 tokens (``bench/attention_bench.py --fit``), forward + backward
+on 2 threads at SmolLM2's heads (9 and 3 of 64), one sample a block: the batched path took
+351 us + 0.084 us per padded query-key pair, the per-sample calls 273 us a call + 0.096 us per
+pair (a refit gives values within ~20% of these). ``bench/attention_bench.py``: W1's first
 six rows 0.66-0.84x the per-sample calls' time, forward + backward; rows of 150-200-token
 samples 1.4x, so they keep the calls."""
 
@@ -41,6 +42,7 @@ class Plan:
     output sits in the padded blocks (``out_index``) and the additive mask, shaped as the scores."""
 
     blocks: int
+    group: int  # query heads per key/value head
     queries: int  # padded queries per block
     keys: int  # padded keys per block
     q_index: torch.Tensor  # (blocks * queries,) row positions; pads point at 0
@@ -75,12 +77,13 @@ def layout(lengths: list[int], prefix: int) -> tuple[list[list[int]], int]:
     return best[1], best[2]
 
 
-def padded_pairs(lengths: list[int], prefix: int) -> int:
-    """Query-key pairs the batched products compute for this row, padding included."""
+def padded_size(lengths: list[int], prefix: int) -> tuple[int, int]:
+    """Query-key pairs the batched products compute for this row, padding included, and the
+    queries of a block."""
     blocks, carrier = layout(lengths, prefix)
     loads = [sum(lengths[i] for i in block) for block in blocks]
     queries = max(load + (prefix if b == carrier else 0) for b, load in enumerate(loads))
-    return len(blocks) * queries * (prefix + max(loads))
+    return len(blocks) * queries * (prefix + max(loads)), queries
 
 
 def pays(spans: tuple[tuple[int, int], ...], prefix: int, width: int) -> bool:
@@ -89,13 +92,13 @@ def pays(spans: tuple[tuple[int, int], ...], prefix: int, width: int) -> bool:
     if CHOICE != "auto":
         return CHOICE == "always"
     lengths = [end - start for start, end in spans]
-    if max(lengths) + prefix > MAX_QUERIES:
+    padded, queries = padded_size(lengths, prefix)
+    if queries > MAX_QUERIES:
         return False
     # the flash calls' pairs: the prefix rides with the first sample
     pairs = (prefix + lengths[0]) ** 2 + sum(n * (prefix + n) for n in lengths[1:])
     scale = width / 576
-    batched = FIXED_US + PAIR_US * scale * padded_pairs(lengths, prefix)
-    return batched < CALL_US * len(spans) + CALL_PAIR_US * scale * pairs
+    return FIXED_US + PAIR_US * scale * padded < CALL_US * len(spans) + CALL_PAIR_US * scale * pairs
 
 
 def make_plan(
@@ -133,6 +136,7 @@ def make_plan(
     bias = bias[:, None, None].expand(-1, kv_heads, group, -1, -1)
     return Plan(
         blocks=len(blocks),
+        group=group,
         queries=queries,
         keys=keys,
         q_index=q_index.flatten().to(device),
@@ -144,23 +148,21 @@ def make_plan(
 
 def _to_blocks(rows: torch.Tensor, plan: Plan, kv_heads: int) -> torch.Tensor:
     """``(blocks * queries, heads * D)`` -> ``(blocks * kv_heads, group * queries, D)``."""
-    group = plan.bias.shape[1] // plan.queries
-    head = rows.shape[1] // (kv_heads * group)
+    head = rows.shape[1] // (kv_heads * plan.group)
     return (
-        rows.view(plan.blocks, plan.queries, kv_heads, group, head)
+        rows.view(plan.blocks, plan.queries, kv_heads, plan.group, head)
         .permute(0, 2, 3, 1, 4)
-        .reshape(plan.blocks * kv_heads, group * plan.queries, head)
+        .reshape(plan.blocks * kv_heads, plan.group * plan.queries, head)
     )
 
 
 def _from_blocks(blocks: torch.Tensor, plan: Plan, kv_heads: int) -> torch.Tensor:
     """``_to_blocks``'s inverse, then each row position's slot: ``(length, heads * D)``."""
-    group = plan.bias.shape[1] // plan.queries
     head = blocks.shape[-1]
     rows = (
-        blocks.view(plan.blocks, kv_heads, group, plan.queries, head)
+        blocks.view(plan.blocks, kv_heads, plan.group, plan.queries, head)
         .permute(0, 3, 1, 2, 4)
-        .reshape(plan.blocks * plan.queries, kv_heads * group * head)
+        .reshape(plan.blocks * plan.queries, kv_heads * plan.group * head)
     )
     return rows.index_select(0, plan.out_index)
 
