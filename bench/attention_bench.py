@@ -77,7 +77,7 @@ def _median_ms(segments: Segments, path: str, repeats: int) -> float:
 def fit(repeats: int) -> None:
     """Refit the cost model on random rows, one sample a block (as it was fitted)."""
     rng = random.Random(1)
-    one_each = batched_attention.layout
+    original = batched_attention.layout
     batched_attention.layout = lambda lengths, prefix: (
         [[i] for i in range(len(lengths))],
         min(range(len(lengths)), key=lengths.__getitem__) if prefix else -1,
@@ -93,7 +93,7 @@ def fit(repeats: int) -> None:
         flash, batched = (_median_ms(segments, path, repeats) for path in ("per-sample", "batched"))
         rows.append((len(lengths), pairs, padded, flash, batched))
         print(f"{prefix:3} {str(lengths):22} per-sample {flash:6.2f} ms  batched {batched:6.2f} ms")
-    batched_attention.layout = one_each
+    batched_attention.layout = original
     data = torch.tensor(rows, dtype=torch.float64)
     calls, pairs, padded, flash, batched = data.T
     fixed, per_padded = torch.linalg.lstsq(
