@@ -151,3 +151,16 @@ def test_bf16_runs_the_batched_products_in_fp32(monkeypatch):
     assert out.dtype == torch.bfloat16 and len(calls) == 1
     out.float().sum().backward()
     assert all(t.grad.dtype == torch.bfloat16 for t in leaves)
+
+
+@pytest.mark.parametrize("count", [1, 5, 300])
+def test_layout_places_every_sample_once(count):
+    lengths = torch.randint(1, 60, (count,), generator=torch.Generator().manual_seed(count)).tolist()
+    blocks, carrier = batched_attention.layout(lengths, 7)
+    assert sorted(i for block in blocks for i in block) == list(range(count))
+    assert 0 <= carrier < len(blocks)
+    padded, queries = batched_attention.padded_size(lengths, 7)
+    loads = [sum(lengths[i] for i in block) for block in blocks]
+    assert queries == max(max(loads), loads[carrier] + 7)
+    # the padded scores cover every query's keys: its block's prefix and tokens
+    assert padded >= sum(load * (7 + load) for load in loads)

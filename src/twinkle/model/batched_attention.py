@@ -33,6 +33,7 @@ import torch
 FIXED_US, PAIR_US = 351.0, 0.084  # batched: once a row, per padded query-key pair
 CALL_US, CALL_PAIR_US = 273.0, 0.096  # per-sample flash calls: per call, per query-key pair
 MAX_QUERIES = 192  # longer blocks than the model was fitted on keep the flash calls
+LAYOUT_SIZES = 8  # block sizes ``layout`` tries at most (each a first-fit pass over the samples)
 CHOICE = "auto"  # "auto": the cost model; "always" / "never" (benchmarks, tests)
 
 
@@ -57,8 +58,10 @@ def layout(lengths: list[int], prefix: int) -> tuple[list[list[int]], int]:
     paired with another, that leaves the fewest padded query-key pairs."""
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
     longest = lengths[order[0]]
+    sizes = sorted({longest, *(longest + n for n in lengths)})
+    step = max(1, len(sizes) // LAYOUT_SIZES)  # a big batch tries a spread of sizes, not all
     best = None
-    for size in sorted({longest, *(longest + n for n in lengths)}):
+    for size in sizes[::step]:
         blocks: list[list[int]] = []
         loads: list[int] = []
         for i in order:
@@ -92,6 +95,8 @@ def pays(spans: tuple[tuple[int, int], ...], prefix: int, width: int) -> bool:
     if CHOICE != "auto":
         return CHOICE == "always"
     lengths = [end - start for start, end in spans]
+    if max(lengths) > MAX_QUERIES:  # no layout can keep its blocks short enough
+        return False
     padded, queries = padded_size(lengths, prefix)
     if queries > MAX_QUERIES:
         return False
