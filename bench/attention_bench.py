@@ -88,7 +88,7 @@ def fit(repeats: int) -> None:
         lengths = [max(5, int(base * rng.uniform(0.5, 1.6))) for _ in range(rng.choice([2, 3, 4, 4, 4]))]
         prefix = rng.choice([0, 14, 14])
         segments = segments_of(prefix, lengths)
-        pairs = (prefix + lengths[0]) ** 2 + sum(n * (prefix + n) for n in lengths[1:])
+        pairs = batched_attention.flash_pairs(lengths, prefix)
         padded = batched_attention.padded_size(lengths, prefix)[0]
         flash, batched = (_median_ms(segments, path, repeats) for path in ("per-sample", "batched"))
         rows.append((len(lengths), pairs, padded, flash, batched))

@@ -132,8 +132,7 @@ def segment_attention(
         )
     p = segments.prefix
     lengths = [end - start for start, end in segments.spans]
-    # query-key pairs of the per-sample calls: the prefix rides with the first sample
-    work = (p + lengths[0]) ** 2 + sum(n * (p + n) for n in lengths[1:]) if lengths else 0
+    work = batched_attention.flash_pairs(lengths, p)
     pooled = sliding_window is None and not dropout and cpu_attention.usable(query, work)
     if not pooled and batched_attention.usable(query, key, segments, dropout, sliding_window):
         plan = batched_attention.plan_for(segments, query, key)

@@ -89,6 +89,11 @@ def padded_size(lengths: list[int], prefix: int) -> tuple[int, int]:
     return len(blocks) * queries * (prefix + max(loads)), queries
 
 
+def flash_pairs(lengths: list[int], prefix: int) -> int:
+    """Query-key pairs of the per-sample flash calls: the prefix rides with the first sample."""
+    return (prefix + lengths[0]) ** 2 + sum(n * (prefix + n) for n in lengths[1:]) if lengths else 0
+
+
 def pays(spans: tuple[tuple[int, int], ...], prefix: int, width: int) -> bool:
     """Whether the cost model expects this row (``width`` = heads * head_dim) to run faster as
     batched products than as one flash call per sample."""
@@ -100,8 +105,7 @@ def pays(spans: tuple[tuple[int, int], ...], prefix: int, width: int) -> bool:
     padded, queries = padded_size(lengths, prefix)
     if queries > MAX_QUERIES:
         return False
-    # the flash calls' pairs: the prefix rides with the first sample
-    pairs = (prefix + lengths[0]) ** 2 + sum(n * (prefix + n) for n in lengths[1:])
+    pairs = flash_pairs(lengths, prefix)
     scale = width / 576
     return FIXED_US + PAIR_US * scale * padded < CALL_US * len(spans) + CALL_PAIR_US * scale * pairs
 
