@@ -11,7 +11,9 @@ Switches:
 - ``packed-weights``: the frozen weights' oneDNN-packed copies (``twinkle.utils.gemm``) or the
   dense weights;
 - ``batched-attention``: short rows' attention as batched products where the cost model picks
-  them (``twinkle.model.batched_attention``), or always the per-sample flash calls."""
+  them (``twinkle.model.batched_attention``), or always the per-sample flash calls;
+- ``lora-qkv``: the attention layers' q/k/v projections and rotary embedding as one node
+  (``twinkle.model.lora_qkv``), or layer by layer."""
 
 import argparse
 import statistics
@@ -26,7 +28,7 @@ from run import WORKLOADS, prepare
 
 import twinkle
 from twinkle.dataloader import DataLoader
-from twinkle.model import batched_attention
+from twinkle.model import batched_attention, lora_qkv
 from twinkle.utils import gemm
 
 
@@ -47,7 +49,14 @@ def _batched_attention() -> Callable[[bool], None]:
     return switch
 
 
-SWITCHES = {"packed-weights": _packed_weights, "batched-attention": _batched_attention}
+def _lora_qkv() -> Callable[[bool], None]:
+    def switch(on: bool) -> None:
+        lora_qkv.USE = on
+
+    return switch
+
+
+SWITCHES = {"packed-weights": _packed_weights, "batched-attention": _batched_attention, "lora-qkv": _lora_qkv}
 
 
 def paired_steps(switch_name: str, workload: str, batches: int, rounds: int, threads: int) -> None:

@@ -108,12 +108,16 @@ def test_deep_copy_reads_its_own_weights(tiny_llama, torch_mapping):
 
 
 def test_default_config_on_cpu_takes_the_torch_backend(twinkle_log, tiny_llama):
-    """On CPU the default chains end in 'torch': RMSNorm (faster) and the MLP (keeps less)."""
+    """On CPU the default chains end in 'torch': RMSNorm (faster), the MLP (keeps less) and the
+    attention's LoRA projections (faster)."""
     model = kernelize(tiny_llama())
+    attention = _modules(model, "LlamaAttention")
+    assert attention and all(m._twinkle_kernel == ("lora_attention", "torch") for m in attention)
     assert all(m._twinkle_kernel == ("rms_norm", "torch") for m in _modules(model, "LlamaRMSNorm"))
     mlps = _modules(model, "LlamaMLP")
     assert mlps and all(m._twinkle_kernel == ("swiglu_mlp", "torch") for m in mlps)
     assert _records(twinkle_log, logging.INFO) == [
+        f"kernelize: {len(attention)} x LlamaAttention -> lora_attention [torch]",
         f"kernelize: {len(mlps)} x LlamaMLP -> swiglu_mlp [torch]",
         f"kernelize: {N_NORMS} x LlamaRMSNorm -> rms_norm [torch]",
     ]

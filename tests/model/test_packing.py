@@ -227,3 +227,28 @@ def test_bottom_right_causal_bias_is_the_prefix_mask():
         q, k, v, attn_mask=causal_lower_right(queries, keys), enable_gqa=True
     )
     torch.testing.assert_close(actual, expected)
+
+
+@pytest.mark.parametrize("choice", ["never", "always"])
+def test_attention_lora_node_on_a_packed_batch(make_model, dataset, monkeypatch, choice):
+    """Kernelized attention (q/k/v and rotary as one LoRA node) gives the packed batch's loss and
+    gradients of the layers run one by one, with either packed attention path."""
+    from twinkle.kernel import kernelize
+    from twinkle.model import lora_qkv
+
+    monkeypatch.setattr(batched_attention, "CHOICE", choice)
+    batch = next(iter(DataLoader(dataset, batch_size=4)))
+    calls = []
+    real = lora_qkv._LoraQKV.apply
+    monkeypatch.setattr(lora_qkv._LoraQKV, "apply", lambda *a: calls.append(1) or real(*a))
+    results = {}
+    for use in (False, True):
+        monkeypatch.setattr(lora_qkv, "USE", use)
+        kernelized = kernelize(make_model(init_lora_weights=False))
+        results[use] = _loss_and_grads(lambda init_lora_weights, m=kernelized: m, batch, padding_free=True)
+        assert bool(calls) == use  # the node ran only where switched on
+    (loss_layers, grads_layers), (loss_node, grads_node) = results[False], results[True]
+    assert abs(loss_layers - loss_node) < 1e-5
+    assert grads_layers.keys() == grads_node.keys() and grads_layers
+    for name, grad in grads_layers.items():
+        torch.testing.assert_close(grads_node[name], grad, atol=1e-5, rtol=1e-4, msg=name)

@@ -2,7 +2,9 @@
 
 The ``torch`` backend closes a chain where it measurably beat the original module on CPU
 (``rms_norm``: about 2x), or kept less at the same step time (``swiglu_mlp``: with LoRA on its
-projections, one node that keeps 46% less; see ``README.md``)."""
+projections, one node that keeps 46% less; see ``README.md``). ``lora_attention`` has only the
+torch backend: with LoRA on q/k/v, one node for the projections and the rotary embedding (2.6%
+of a W1 step); without, the class's own forward."""
 
 from twinkle.kernel.registry import KernelChoice
 
@@ -18,3 +20,6 @@ for _family in _ZERO_CENTERED_FAMILIES:
     DEFAULT_KERNEL_CONFIG[f"{_family}RMSNorm"] = KernelChoice("rms_norm_zero_centered", ("liger", "torch"))
 for _family in _FAMILIES + _ZERO_CENTERED_FAMILIES:
     DEFAULT_KERNEL_CONFIG[f"{_family}MLP"] = KernelChoice("swiglu_mlp", ("npu", "liger", "torch"))
+# Llama-style attention whose projections and rotary embedding can run as one LoRA node
+for _family in ("Llama", "Mistral", "Qwen2"):
+    DEFAULT_KERNEL_CONFIG[f"{_family}Attention"] = KernelChoice("lora_attention", ("torch",))

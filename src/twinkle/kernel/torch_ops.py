@@ -14,9 +14,13 @@ measurements in ``README.md`` (``bench/kernel_bench.py``), not on this file.
   When all three are plain LoRA layers the whole MLP runs as one node (``model/lora_mlp.py``)
   that also recomputes the product ``down``'s adapter needs: two such activations less.
 
-There is no ``rotary`` op: Hugging Face applies rotary embeddings through a module-level function
-called from inside each attention forward, so replacing it per instance would mean copying every
-family's attention forward (see ``README.md``).
+- ``lora_attention``: a Llama, Mistral or Qwen2 attention layer whose query, key and value
+  projections are plain LoRA layers runs them and the rotary embedding as one node
+  (``model/lora_qkv.py``), then the attention function and ``o_proj`` as Hugging Face's forward
+  does. Anything else (a KV cache, eager attention, adapters with dropout, ...) runs the class's
+  own forward. This restates those families' ~10-line attention forward (they differ only in
+  the sliding window they pass); ``tests/kernel/test_lora_attention.py`` checks it against
+  the class's forward, so a ``transformers`` release that changes the forward fails a test.
 
 Forwards are module-level functions bound with ``types.MethodType``: ``copy.deepcopy`` copies a
 bound method along with its module, where a closure would keep pointing at the original's weights."""
@@ -27,10 +31,12 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from twinkle.kernel.module_checks import require_silu, rms_norm_eps
 from twinkle.kernel.registry import register_op
 from twinkle.model.lora_mlp import lora_mlp
+from twinkle.model.lora_qkv import lora_qkv
 
 
 def _always() -> bool:
@@ -129,6 +135,57 @@ def _swiglu_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     return self.down_proj(SiLUMul.apply(self.gate_proj(x), self.up_proj(x)))
 
 
+# what each family's attention forward passes to the attention function beyond Llama's arguments
+_ATTENTION_EXTRAS: dict[str, Callable[[Any], dict[str, Any]]] = {
+    "LlamaAttention": lambda module: {},
+    "MistralAttention": lambda module: {"sliding_window": getattr(module.config, "sliding_window", None)},
+    "Qwen2Attention": lambda module: {"sliding_window": module.sliding_window},
+}
+
+
+def _lora_attention_forward(
+    self: torch.nn.Module,
+    hidden_states: torch.Tensor,
+    position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+    attention_mask: torch.Tensor | None = None,
+    cache: Any = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    implementation = self.config._attn_implementation
+    fused = None
+    if (
+        cache is None
+        and kwargs.get("past_key_values") is None
+        and position_embeddings is not None
+        and implementation in ALL_ATTENTION_FUNCTIONS  # "eager" is each family's own function
+    ):
+        fused = lora_qkv(self, hidden_states, *position_embeddings)
+    if fused is None:
+        return type(self).forward(self, hidden_states, position_embeddings, attention_mask, cache, **kwargs)
+    query, key, value = (t.transpose(1, 2) for t in fused)
+    output, weights = ALL_ATTENTION_FUNCTIONS[implementation](
+        self,
+        query,
+        key,
+        value,
+        attention_mask,
+        dropout=0.0 if not self.training else self.attention_dropout,
+        scaling=self.scaling,
+        **_ATTENTION_EXTRAS[type(self).__name__](self),
+        **kwargs,
+    )
+    output = output.reshape(*hidden_states.shape[:-1], -1).contiguous()
+    return self.o_proj(output), weights
+
+
+def _patch_attention(module: torch.nn.Module) -> Callable[..., torch.Tensor]:
+    if type(module).__name__ not in _ATTENTION_EXTRAS:
+        raise ValueError(
+            f"lora_attention knows the forward of {', '.join(_ATTENTION_EXTRAS)}, not {type(module).__name__}"
+        )
+    return types.MethodType(_lora_attention_forward, module)
+
+
 def _binder(forward: Callable[..., torch.Tensor]) -> Callable[[torch.nn.Module], Callable[..., torch.Tensor]]:
     def patch(module: torch.nn.Module) -> Callable[..., torch.Tensor]:
         return types.MethodType(forward, module)
@@ -144,3 +201,4 @@ def _patch_swiglu(module: torch.nn.Module) -> Callable[..., torch.Tensor]:
 register_op("rms_norm", "torch", _always, _binder(_rms_norm_forward))
 register_op("rms_norm_zero_centered", "torch", _always, _binder(_rms_norm_zero_centered_forward))
 register_op("swiglu_mlp", "torch", _always, _patch_swiglu)
+register_op("lora_attention", "torch", _always, _patch_attention)
