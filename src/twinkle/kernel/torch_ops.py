@@ -11,8 +11,8 @@ measurements in ``README.md`` (``bench/kernel_bench.py``), not on this file.
   instead of saved (one ``tokens x intermediate`` activation less per layer). The projections
   stay the module's own ``Linear`` children, looked up at call time, so LoRA wrappers attached
   before or after ``kernelize`` are used; fusing gate and up into one matmul would bypass them.
-  When all three are plain LoRA layers the whole MLP runs as one node (``model/lora_mlp.py``)
-  that also recomputes the product ``down``'s adapter needs: two such activations less.
+  When all three are plain LoRA layers the whole MLP runs as one node (``model/lora_mlp.py``),
+  which keeps what autograd would (its recomputation cost more time than the memory was worth).
 
 - ``lora_attention``: a Llama, Mistral or Qwen2 attention layer whose query, key and value
   projections are plain LoRA layers runs them and the rotary embedding as one node

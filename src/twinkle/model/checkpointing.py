@@ -25,8 +25,7 @@ def activation_bytes(config: Any, tokens: int, dtype: torch.dtype) -> int:
     about ``12 * hidden + 5 * intermediate`` values (norm inputs, q/k/v, attention output, the
     MLP's gate, up and product, the inputs the LoRA matrices need). Measured on SmolLM2-135M
     (fp32, 3k tokens): 55 KB per token and layer; this gives 58 KB. The one-node LoRA MLP
-    (``lora_mlp.py``) keeps two ``intermediate`` values less; the estimate does not count on it,
-    so it errs towards checkpointing."""
+    (``lora_mlp.py``) keeps these same four ``intermediate``-wide values."""
     hidden = config.hidden_size
     inter = getattr(config, "intermediate_size", 4 * hidden)
     per_token_layer = 12 * hidden + 5 * inter

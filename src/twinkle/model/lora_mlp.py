@@ -1,12 +1,16 @@
 """A SwiGLU MLP whose three projections are plain LoRA layers, as one autograd node.
 
-``down(silu(gate(x)) * up(x))`` run as PEFT's LoRA layers and autograd keeps, per token, four
-``intermediate``-wide tensors for backward: ``gate`` (for silu), ``silu(gate)`` and ``up`` (for
-the product), and the product itself (the input ``down``'s adapter needs for its gradient).
-This node keeps only ``gate`` and ``up`` and recomputes the other two in backward, one silu and
-one product: for SmolLM2-135M that is half the MLP's saved activations, about a quarter of a
-layer's. The recomputation repeats the forward's ops on the same inputs, and every gradient is
-computed with the ops autograd uses on the unfused layers, so results are bit-identical.
+``down(silu(gate(x)) * up(x))`` run as PEFT's LoRA layers is some fifteen autograd nodes; here
+it is one, with a hand-written backward that uses the ops autograd uses on the unfused layers,
+so results are bit-identical. It keeps what autograd keeps, per token four ``intermediate``-wide
+tensors: ``gate`` (for silu's backward), ``silu(gate)`` and ``up`` (for the product's), and the
+product (the input ``down``'s adapter needs for its gradient).
+
+Until session 12 the node kept only ``gate`` and ``up`` and recomputed the other two in
+backward, half the MLP's saved activations. That memory only mattered where activation
+checkpointing stays off, which ``auto`` decides from an estimate that never counted on the
+saving (``checkpointing.activation_bytes``): a batch that would not fit is checkpointed either
+way. The recomputation cost 1.1% of a W1 step (``bench/step_ab.py``, 48 steps each way).
 
 ``lora_mlp`` returns None where the MLP is not three plain-LoRA calls (see ``lora_linear``) or
 an adapter dropout is active (the masks would have to be drawn in PEFT's order and saved); the
@@ -35,21 +39,20 @@ class _LoraMLP(torch.autograd.Function):
         flat = x.reshape(-1, x.shape[-1])
         gate, low_gate = project(flat, adapter_input(flat, gate_p[2]), *gate_p, scalings[0])
         up, low_up = project(flat, adapter_input(flat, up_p[2]), *up_p, scalings[1])
-        act = F.silu(gate) * up
+        silu = F.silu(gate)
+        act = silu * up
         out, low_down = project(act, adapter_input(act, down_p[2]), *down_p, scalings[2])
-        ctx.save_for_backward(flat, gate, up, low_gate, low_up, low_down, *params)
+        ctx.save_for_backward(flat, gate, up, silu, act, low_gate, low_up, low_down, *params)
         ctx.scalings = scalings
         ctx.x_shape = x.shape
         return out.view(*x.shape[:-1], out.shape[-1])
 
     @staticmethod
     def backward(ctx, grad_out):
-        flat, gate, up, low_gate, low_up, low_down, *params = ctx.saved_tensors
+        flat, gate, up, silu, act, low_gate, low_up, low_down, *params = ctx.saved_tensors
         need_x = ctx.needs_input_grad[0]
         needs = ctx.needs_input_grad[2:]
         scalings = ctx.scalings
-        silu = F.silu(gate)
-        act = silu * up
         g = grad_out.reshape(-1, grad_out.shape[-1])
 
         def layer_grads(i: int, grad: torch.Tensor, x_in: torch.Tensor, low: torch.Tensor, want_x: bool):
