@@ -193,6 +193,29 @@ class FusedLoraLinear(PeftLoraLinear):
         return lora_linear(x, base.weight, base.bias, a, b, self.scaling[name], x_lora)
 
 
+def plain_loras(layers: tuple[Any, ...], x: torch.Tensor) -> list[str] | None:
+    """The active adapters' names when every layer is a ``FusedLoraLinear`` whose call on ``x``
+    is plain LoRA (``fusable``) with no adapter dropout drawing a mask; else None. For nodes that
+    run several LoRA layers at once (``lora_mlp``, ``lora_qkv``)."""
+    if any(type(layer) is not FusedLoraLinear for layer in layers):
+        return None
+    names = [fusable(layer, x, (), {}) for layer in layers]
+    if None in names or any(dropout_active(layer, n) for layer, n in zip(layers, names, strict=True)):
+        return None
+    return names
+
+
+def lora_params(
+    layers: tuple[Any, ...], names: list[str]
+) -> tuple[list[torch.Tensor | None], tuple[float, ...]]:
+    """``(weight, bias, lora_a, lora_b)`` of each layer in order, flattened, and their scalings."""
+    params: list[torch.Tensor | None] = []
+    for layer, name in zip(layers, names, strict=True):
+        base = layer.base_layer
+        params += [base.weight, base.bias, layer.lora_A[name].weight, layer.lora_B[name].weight]
+    return params, tuple(float(layer.scaling[n]) for layer, n in zip(layers, names, strict=True))
+
+
 def fuse_lora_linears(model: nn.Module) -> int:
     """Give each PEFT ``lora.Linear`` in ``model`` the one-node forward; returns how many.
 

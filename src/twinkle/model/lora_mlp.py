@@ -21,14 +21,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from twinkle.model.lora_linear import (
-    FusedLoraLinear,
-    adapter_input,
-    dropout_active,
-    fusable,
-    project,
-    project_grads,
-)
+from twinkle.model.lora_linear import adapter_input, lora_params, plain_loras, project, project_grads
 
 
 class _LoraMLP(torch.autograd.Function):
@@ -78,14 +71,8 @@ def lora_mlp(mlp: Any, x: torch.Tensor) -> torch.Tensor | None:
     three projections are not plain LoRA layers without an active dropout. The caller checks
     that the activation is silu."""
     layers = (mlp.gate_proj, mlp.up_proj, mlp.down_proj)
-    if any(type(layer) is not FusedLoraLinear for layer in layers):
+    names = plain_loras(layers, x)
+    if names is None:
         return None
-    names = [fusable(layer, x, (), {}) for layer in layers]
-    if None in names or any(dropout_active(layer, n) for layer, n in zip(layers, names, strict=True)):
-        return None
-    params: list[torch.Tensor | None] = []
-    for layer, name in zip(layers, names, strict=True):
-        base = layer.base_layer
-        params += [base.weight, base.bias, layer.lora_A[name].weight, layer.lora_B[name].weight]
-    scalings = tuple(float(layer.scaling[n]) for layer, n in zip(layers, names, strict=True))
+    params, scalings = lora_params(layers, names)
     return _LoraMLP.apply(x, scalings, *params)

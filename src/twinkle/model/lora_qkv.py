@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from twinkle.model.lora_linear import FusedLoraLinear, dropout_active, fusable
+from twinkle.model.lora_linear import lora_params, plain_loras
 from twinkle.utils.gemm import linear, times_weight
 
 USE = True  # False: always the layers one by one (for side-by-side benchmarks and tests)
@@ -112,16 +112,14 @@ class _LoraQKV(torch.autograd.Function):
 
 
 def usable(layers: tuple[Any, ...], x: torch.Tensor) -> list[str] | None:
-    """The active adapters' names when all three layers are plain LoRA (``fusable``) with no active
-    dropout, frozen base weights and adapters in x's dtype; else None."""
-    if any(type(layer) is not FusedLoraLinear for layer in layers):
-        return None
-    names = [fusable(layer, x, (), {}) for layer in layers]
-    if None in names:
+    """The active adapters' names when all three layers are plain LoRA with no active dropout
+    (``plain_loras``), frozen base weights and adapters in x's dtype; else None."""
+    names = plain_loras(layers, x)
+    if names is None:
         return None
     for layer, name in zip(layers, names, strict=True):
         base = layer.base_layer
-        if dropout_active(layer, name) or layer.lora_A[name].weight.dtype != x.dtype:
+        if layer.lora_A[name].weight.dtype != x.dtype:
             return None
         if base.weight.requires_grad or (base.bias is not None and base.bias.requires_grad):
             return None
@@ -152,9 +150,5 @@ def lora_qkv(
     names = usable(layers, x)
     if names is None:
         return None
-    params: list[torch.Tensor | None] = []
-    for layer, name in zip(layers, names, strict=True):
-        base = layer.base_layer
-        params += [base.weight, base.bias, layer.lora_A[name].weight, layer.lora_B[name].weight]
-    scalings = tuple(float(layer.scaling[n]) for layer, n in zip(layers, names, strict=True))
+    params, scalings = lora_params(layers, names)
     return _LoraQKV.apply(x, cos, sin, head_dim, scalings, *params)
