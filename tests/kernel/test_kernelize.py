@@ -108,7 +108,7 @@ def test_deep_copy_reads_its_own_weights(tiny_llama, torch_mapping):
 
 
 def test_default_config_on_cpu_takes_the_torch_backend(twinkle_log, tiny_llama):
-    """On CPU the default chains end in 'torch': RMSNorm (faster), the MLP (keeps less) and the
+    """On CPU the default chains end in 'torch': RMSNorm (faster), the MLP (one node) and the
     attention's LoRA projections (faster)."""
     model = kernelize(tiny_llama())
     attention = _modules(model, "LlamaAttention")
