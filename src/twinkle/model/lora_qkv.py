@@ -67,7 +67,7 @@ class _LoraQKV(torch.autograd.Function):
             start += rank
             out = out.view(tokens, -1, head_dim)
             outs.append(rotate(out, cos_f, sin_f) if i < 2 else out)
-        ctx.save_for_backward(flat, low, cos_f, sin_f, *params)
+        ctx.save_for_backward(flat, low, a_all, cos_f, sin_f, *params)
         ctx.scalings = scalings
         ctx.x_shape = x.shape
         lead = x.shape[:-1]
@@ -75,7 +75,7 @@ class _LoraQKV(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_q, grad_k, grad_v):
-        flat, low, cos_f, sin_f, *params = ctx.saved_tensors
+        flat, low, a_all, cos_f, sin_f, *params = ctx.saved_tensors
         tokens = flat.shape[0]
         grads_out = []
         for i, g in enumerate((grad_q, grad_k, grad_v)):
@@ -94,7 +94,6 @@ class _LoraQKV(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             grad_x = times_weight(grads_out[0], params[0])
             grad_x.add_(times_weight(grads_out[1], params[4])).add_(times_weight(grads_out[2], params[8]))
-            a_all = torch.cat([params[2], params[6], params[10]])
             grad_x = grad_x.addmm_(g_low.t(), a_all).view(ctx.x_shape)
         grad_a_all = torch.mm(g_low, flat)
         grads: list[torch.Tensor | None] = []
