@@ -28,7 +28,7 @@ def reference(hidden, weight, targets, bias, reduction):
     loss = F.cross_entropy(logits, targets, reduction="sum")
     if reduction == "mean":
         loss = loss / max(1, targets.numel())
-    return loss, (logits.argmax(-1) == targets).sum()
+    return loss, (logits.gather(1, targets[:, None]).squeeze(1) == logits.max(-1).values).sum()
 
 
 def run_fused_fn(hidden, weight, targets, bias, reduction, chunk_rows):
@@ -153,6 +153,17 @@ def test_large_logits_stay_finite():
     assert correct == ref_correct
     for grad, ref_grad in zip(grads, ref_grads, strict=True):
         assert_close(grad, ref_grad, 1e-5, 1e-5, "gradient")
+
+
+@pytest.mark.parametrize("name", sorted(IMPLEMENTATIONS))
+def test_a_target_tied_at_the_top_counts_as_correct(name):
+    """Row 0's target ties another token for the largest logit, after it (argmax would say
+    wrong); row 1's target is below the top; row 2's is the top alone. Both losses count 2."""
+    weight = torch.eye(4)
+    hidden = torch.tensor([[1.0, 3.0, 3.0, 0.0], [2.0, 0.0, 1.0, 0.0], [0.0, 0.0, 0.0, 5.0]])
+    targets = torch.tensor([2, 2, 3])
+    _, correct = IMPLEMENTATIONS[name](hidden, weight, targets, None, "sum", 2)
+    assert int(correct) == 2
 
 
 def test_frozen_head_gets_no_gradient():

@@ -35,6 +35,12 @@ def finish(loss_sum: torch.Tensor, num_tokens: int, num_correct: torch.Tensor, r
     return LossOutput(loss=loss, loss_sum=loss_sum, num_tokens=num_tokens, num_correct=num_correct)
 
 
+def top_is_target(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """How many rows' target logit is the row's maximum (the accuracy metric's count; a tie at
+    the top counts, where ``argmax`` would pick the first; the fused loss counts the same way)."""
+    return (logits.gather(1, targets[:, None]).squeeze(1) == logits.amax(dim=-1)).sum()
+
+
 class CrossEntropyLoss:
     """Materialise the logits of the supervised positions, then ``F.cross_entropy`` in fp32."""
 
@@ -50,5 +56,5 @@ class CrossEntropyLoss:
     ) -> LossOutput:
         logits = F.linear(hidden, weight, bias).float()
         loss_sum = F.cross_entropy(logits, targets, reduction="sum")
-        num_correct = (logits.detach().argmax(-1) == targets).sum()
+        num_correct = top_is_target(logits.detach(), targets)
         return finish(loss_sum, targets.numel(), num_correct, self.reduction)

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from twinkle.loss import LossOutput
-from twinkle.loss.cross_entropy import finish
+from twinkle.loss.cross_entropy import finish, top_is_target
 from twinkle.model.lora_linear import plain_linear
 from twinkle.model.packing import can_pack, pack, shifted_targets
 from twinkle.template.base import IGNORE_INDEX
@@ -82,7 +82,7 @@ def compute_loss(
     if has_logit_transform(lm) or not plain_linear(head):
         logits = lm(**inputs, use_cache=False).logits[mask].float()
         loss_sum = F.cross_entropy(logits, targets, reduction="sum")
-        correct = (logits.detach().argmax(-1) == targets).sum()
+        correct = top_is_target(logits.detach(), targets)
         return finish(loss_sum, targets.numel(), correct, loss_fn.reduction)
     with head_as_identity(head):
         hidden = lm(**inputs, use_cache=False).logits[mask]
