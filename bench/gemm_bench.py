@@ -45,6 +45,8 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
+    if gemm.onednn_enabled():  # the oneDNN column is oneDNN for every shape, not auto's choice
+        gemm._state["mode"] = "on"
     print(f"oneDNN on: {gemm.onednn_enabled()}, {args.threads} threads, torch {torch.__version__}")
     if args.builds:
         build_table(args.rows[0])

@@ -10,6 +10,9 @@ the same ones at the same batch: that shifts both alike.
 Switches:
 - ``packed-weights``: the frozen weights' oneDNN-packed copies (``twinkle.utils.gemm``) or the
   dense weights;
+- ``onednn``: the frozen weights' products routed as ``TWINKLE_ONEDNN`` says (``auto``: each
+  shape to the library measured faster, ``1``: all to oneDNN; ``twinkle.utils.gemm``) or all
+  through torch's own (MKL);
 - ``batched-attention``: short rows' attention as batched products where the cost model picks
   them (``twinkle.model.batched_attention``), or always the per-sample flash calls;
 - ``lora-qkv``: the attention layers' q/k/v projections and rotary embedding as one node
@@ -42,6 +45,16 @@ def _packed_weights() -> Callable[[bool], None]:
     return switch
 
 
+def _onednn() -> Callable[[bool], None]:
+    mode = gemm._mode()
+    assert mode != "off", "oneDNN is off in this process (TWINKLE_ONEDNN=0, or not built)"
+
+    def switch(on: bool) -> None:
+        gemm._state["mode"] = mode if on else "off"
+
+    return switch
+
+
 def _batched_attention() -> Callable[[bool], None]:
     def switch(on: bool) -> None:
         batched_attention.CHOICE = "auto" if on else "never"
@@ -56,7 +69,12 @@ def _lora_qkv() -> Callable[[bool], None]:
     return switch
 
 
-SWITCHES = {"packed-weights": _packed_weights, "batched-attention": _batched_attention, "lora-qkv": _lora_qkv}
+SWITCHES = {
+    "packed-weights": _packed_weights,
+    "onednn": _onednn,
+    "batched-attention": _batched_attention,
+    "lora-qkv": _lora_qkv,
+}
 
 
 def paired_steps(switch_name: str, workload: str, batches: int, rounds: int, threads: int) -> None:

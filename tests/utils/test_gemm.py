@@ -5,6 +5,7 @@ import logging
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -23,9 +24,10 @@ needs_onednn = pytest.mark.skipif(
 
 @pytest.fixture(autouse=True)
 def fresh_state(monkeypatch):
-    """Each test reads TWINKLE_ONEDNN afresh."""
-    monkeypatch.setitem(gemm._state, "on", None)
-    monkeypatch.delenv("TWINKLE_ONEDNN", raising=False)
+    """Each test reads TWINKLE_ONEDNN afresh, and measures shapes afresh."""
+    monkeypatch.setitem(gemm._state, "mode", None)
+    monkeypatch.setenv("TWINKLE_ONEDNN", "1")  # oneDNN for every shape; the auto tests set auto
+    monkeypatch.setattr(gemm, "_faster", {})
 
 
 @pytest.fixture
@@ -98,7 +100,7 @@ def test_the_environment_turns_it_off(monkeypatch, calls, value):
 @pytest.mark.parametrize("value", ["2", "maybe"])
 def test_a_value_that_is_not_a_switch_is_refused(monkeypatch, value):
     monkeypatch.setenv("TWINKLE_ONEDNN", value)
-    with pytest.raises(UserError, match=f"TWINKLE_ONEDNN='{value}' is not a switch: set it to 1"):
+    with pytest.raises(UserError, match=f"TWINKLE_ONEDNN='{value}' is not a switch: set it to auto"):
         gemm.linear(torch.randn(2, 3), torch.randn(4, 3))
 
 
@@ -184,3 +186,72 @@ def test_importing_twinkle_bounds_onednns_kernel_caches():
     unbounded = growth(ONEDNN_PRIMITIVE_CACHE_CAPACITY="1024", LRU_CACHE_CAPACITY="1024")
     assert bounded < 150, bounded  # measured 66 MiB
     assert unbounded > 2 * bounded + 100, (bounded, unbounded)  # measured 505 MiB
+
+
+@pytest.fixture
+def slowed(monkeypatch):
+    """``slowed(side)`` makes one library's product 2 ms slower than it is, so ``auto`` must pick
+    the other; returns the measured shapes' log."""
+    measured = []
+    real_measure = gemm._measure
+
+    def measure(product, w):
+        measured.append((product, tuple(w.shape)))
+        return real_measure(product, w)
+
+    monkeypatch.setattr(gemm, "_measure", measure)
+    monkeypatch.setenv("TWINKLE_ONEDNN", "auto")
+
+    def slow(side: str):
+        name = "_onednn_product" if side == "onednn" else "_torch_product"
+        real = getattr(gemm, name)
+
+        def slower(*args):
+            time.sleep(0.002)
+            return real(*args)
+
+        monkeypatch.setattr(gemm, name, slower)
+
+    return slow, measured
+
+
+@needs_onednn
+@pytest.mark.parametrize("slower", ["onednn", "torch"])
+def test_auto_routes_each_shape_to_the_library_measured_faster(slowed, calls, slower):
+    slow, measured = slowed
+    slow(slower)
+    x, w, g = torch.randn(5, 8), torch.randn(4, 8), torch.randn(5, 4)
+    calls_before = len(calls)
+    for _ in range(3):
+        torch.testing.assert_close(gemm.linear(x, w), x @ w.t(), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(gemm.times_weight(g, w), g @ w, rtol=1e-5, atol=1e-5)
+    # each product of this shape measured once; then every call goes where the measurement said
+    assert measured == [("linear", (4, 8)), ("times_weight", (4, 8))]
+    real_calls = [c for c in calls[calls_before:] if c[0] == 5]
+    assert len(real_calls) == (6 if slower == "torch" else 0)
+    assert gemm._faster == {("linear", 4, 8): slower == "torch", ("times_weight", 4, 8): slower == "torch"}
+
+
+@needs_onednn
+@pytest.mark.parametrize("slower", ["onednn", "torch"])
+def test_auto_packs_only_the_shapes_onednn_wins(slowed, monkeypatch, slower):
+    slow, measured = slowed
+    monkeypatch.setattr(gemm, "_packed", {})
+    slow(slower)
+    weights = [torch.randn(16, 8), torch.randn(16, 8)]
+    packed = gemm.pack_frozen(weights)
+    if slower == "onednn":  # torch wins: no copy kept, and the second weight is not even packed
+        assert packed == 0 and gemm._packed == {}
+    else:
+        assert packed == sum(w.nbytes for w in weights)
+        assert all(id(w) in gemm._packed for w in weights)
+    assert measured == [("linear", (16, 8))]  # once for the shape
+
+
+def test_measuring_leaves_the_random_streams_alone(monkeypatch):
+    monkeypatch.setenv("TWINKLE_ONEDNN", "auto")
+    torch.manual_seed(3)
+    expected = torch.rand(4)
+    torch.manual_seed(3)
+    gemm.linear(torch.ones(3, 8), torch.ones(6, 8))  # measures this shape first
+    assert torch.equal(torch.rand(4), expected)

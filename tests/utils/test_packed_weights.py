@@ -14,8 +14,9 @@ pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason
 
 @pytest.fixture(autouse=True)
 def fresh_state(monkeypatch):
-    monkeypatch.setitem(gemm._state, "on", None)
-    monkeypatch.delenv("TWINKLE_ONEDNN", raising=False)
+    monkeypatch.setitem(gemm._state, "mode", None)
+    monkeypatch.setenv("TWINKLE_ONEDNN", "1")  # oneDNN for every shape, unmeasured
+    monkeypatch.setattr(gemm, "_faster", {})
     monkeypatch.setattr(gemm, "_packed", {})
 
 

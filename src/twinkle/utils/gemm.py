@@ -12,11 +12,21 @@ not per layer: 0.7-1.4 ms per SmolLM2 projection shape (``gemm_bench.py --builds
 builds nothing. Both are fp32 products with fp32 accumulation; they differ in summation order
 (relative ~1e-6), so results are not bit-identical to ``torch.mm``.
 
+Which library is faster depends on the CPU. Those numbers are from an AMD EPYC with AVX-512
+(Zen 4). On a Zen 3 EPYC (AVX2 only) the same table reads 0.79-1.06x at 176 rows, and whole W1
+steps took 1.30 vs 1.13 s with oneDNN (``bench/step_ab.py --switch onednn``). So the choice is
+measured, once per process for each weight shape and product (``faster_here``): both libraries
+at ``CALIBRATION_ROWS`` rows, alternating, the median of ``CALIBRATION_REPEATS`` each after a
+warm-up call (in which oneDNN builds its kernel), on inputs that leave the random number
+generators alone. For SmolLM2-135M's five shapes that is about 1 s, once; a product whose shape
+was never measured is measured at its first call.
+
 oneDNN is used when both operands are plain 2-D fp32 CPU tensors that autograd is not
 recording (the callers are autograd functions with their own backward), torch was built with
-it, and ``TWINKLE_ONEDNN`` is not ``0``/``off``; everything else (GPUs, bf16, DTensors, a
-build without oneDNN) takes the plain torch ops. A oneDNN call that fails turns it off for the
-process, with a warning.
+it, and the measurement chose it; ``TWINKLE_ONEDNN=1`` uses it for every shape without
+measuring, ``0`` never (``auto``, the default, measures). Everything else (GPUs, bf16, DTensors,
+a build without oneDNN) takes the plain torch ops. A oneDNN call that fails turns it off for
+the process, with a warning.
 
 oneDNN, and ideep (torch's layer over it), each keep the kernels they built in a cache of 1024
 shapes. A packed batch brings new row counts every step, so a long run filled both: 400 row
@@ -36,12 +46,16 @@ rows up (the same kernel on another layout); a one-row product takes a matrix-ve
 and differs by ~1e-7 relative. ``times_weight`` keeps the dense weight: its transposed view is
 about as fast as a packed copy of ``W.T`` (0.92-1.05x; only the head's would gain 6-16%, for
 another copy). The copy costs the weights' size again, so the model packs only when it trains
-unsharded on the CPU, and at most a quarter of the machine's memory, or of its container's
-limit where that is lower (``PACK_SHARE``). A weight changed in place (``w._version`` or
+unsharded on the CPU, only for shapes whose forward product oneDNN wins here, and at most a
+quarter of the machine's memory, or of its container's limit where that is lower
+(``PACK_SHARE``). A weight changed in place (``w._version`` or
 storage) is packed again on its next use, and a copy is freed with its weight."""
 
 import os
+import statistics
+import time
 import weakref
+from collections.abc import Callable
 
 import torch
 
@@ -52,27 +66,38 @@ CACHE_CAPACITY = "32"
 for _cache in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):
     os.environ.setdefault(_cache, CACHE_CAPACITY)
 
-_state = {"on": None}
+_state: dict[str, str | None] = {"mode": None}  # "auto", "on" or "off", from TWINKLE_ONEDNN
+CALIBRATION_ROWS = 128  # rows of the products timed to choose a library (W1 runs 145-235)
+CALIBRATION_REPEATS = 5  # timed calls per library, after one warm-up each
+# (product, out, in) -> whether oneDNN was faster here; product is "linear" or "times_weight"
+_faster: dict[tuple[str, int, int], bool] = {}
 PACK_SHARE = 4  # packed copies take at most 1/PACK_SHARE of physical memory
 PACK_ROWS_HINT = 256  # the row count oneDNN picks the layout for (any count runs; 32-2048 measured equal)
 # id(weight) -> (weak reference, weight._version, data_ptr, packed copy)
 _packed: dict[int, tuple[weakref.ref, int, int, torch.Tensor]] = {}
-_ON, _OFF = ("1", "true", "on", "yes"), ("0", "false", "off", "no")
+_ON, _OFF, _AUTO = ("1", "true", "on", "yes"), ("0", "false", "off", "no"), ("auto", "")
+
+
+def _mode() -> str:
+    """``TWINKLE_ONEDNN`` as "auto", "on" or "off" (read once; "off" where torch lacks oneDNN)."""
+    if _state["mode"] is None:
+        raw = os.environ.get("TWINKLE_ONEDNN", "auto")
+        value = raw.strip().lower()
+        if value not in _ON + _OFF + _AUTO:
+            raise UserError(
+                f"TWINKLE_ONEDNN={raw!r} is not a switch: set it to auto (measure which library is "
+                "faster for each weight shape, the default), 1 (oneDNN for every fp32 CPU product) "
+                "or 0 (torch's own, MKL), or unset it"
+            )
+        built = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+        mode = "off" if value in _OFF or not built else "on" if value in _ON else "auto"
+        _state["mode"] = mode
+    return _state["mode"]
 
 
 def onednn_enabled() -> bool:
-    """Whether fp32 CPU products go to oneDNN in this process (``TWINKLE_ONEDNN``, read once)."""
-    if _state["on"] is None:
-        raw = os.environ.get("TWINKLE_ONEDNN", "1")
-        value = raw.strip().lower()
-        if value not in _ON + _OFF:
-            raise UserError(
-                f"TWINKLE_ONEDNN={raw!r} is not a switch: set it to 1 (oneDNN for fp32 CPU products, "
-                "the default) or 0 (torch's own, MKL), or unset it"
-            )
-        built = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-        _state["on"] = value in _ON and built
-    return _state["on"]
+    """Whether fp32 CPU products may go to oneDNN in this process (``TWINKLE_ONEDNN`` not off)."""
+    return _mode() != "off"
 
 
 def _plain(t: torch.Tensor) -> bool:
@@ -101,9 +126,65 @@ def _onednn(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torc
     try:
         return _linear_pointwise(x, w, bias)
     except RuntimeError as err:  # an unsupported layout or build: plain torch from now on
-        _state["on"] = False
+        _state["mode"] = "off"
         get_logger().warning("oneDNN products turned off, using torch.mm: %s", err)
         return None
+
+
+def _torch_product(a: torch.Tensor, w: torch.Tensor, product: str) -> torch.Tensor:
+    return a @ w.t() if product == "linear" else a @ w
+
+
+def _onednn_product(a: torch.Tensor, w: torch.Tensor, product: str) -> torch.Tensor | None:
+    return (
+        _onednn(a, _packed_weight(w) if _packed else w, None)
+        if product == "linear"
+        else _onednn(a, w.t(), None)
+    )
+
+
+def _seconds(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def _measure(product: str, w: torch.Tensor) -> bool:
+    """Whether oneDNN computes ``product`` ("linear": ``x @ w.T``; "times_weight": ``g @ w``)
+    faster than torch here, at ``CALIBRATION_ROWS`` rows: both alternating, medians compared."""
+    cols = w.shape[1] if product == "linear" else w.shape[0]
+    # fixed values: no draw from the random number generators a training run relies on
+    a = torch.linspace(-1.0, 1.0, CALIBRATION_ROWS * cols, dtype=w.dtype).view(CALIBRATION_ROWS, cols)
+    if _onednn_product(a, w, product) is None:  # warm-up (oneDNN builds its kernel); failed: off
+        return False
+    _torch_product(a, w, product)
+    ours: list[float] = []
+    theirs: list[float] = []
+    for _ in range(CALIBRATION_REPEATS):
+        ours.append(_seconds(lambda: _onednn_product(a, w, product)))
+        theirs.append(_seconds(lambda: _torch_product(a, w, product)))
+    faster = statistics.median(ours) < statistics.median(theirs)
+    get_logger().debug(
+        "gemm: %s %s %s: oneDNN %.0f us, torch %.0f us",
+        product,
+        tuple(w.shape),
+        "oneDNN" if faster else "torch",
+        statistics.median(ours) * 1e6,
+        statistics.median(theirs) * 1e6,
+    )
+    return faster
+
+
+def faster_here(product: str, w: torch.Tensor) -> bool:
+    """Whether ``product`` with weights of ``w``'s shape goes to oneDNN: always with
+    ``TWINKLE_ONEDNN=1``; in ``auto``, as measured once per process and shape (``_measure``)."""
+    if _mode() == "on":
+        return True
+    key = (product, *w.shape)
+    choice = _faster.get(key)
+    if choice is None:
+        choice = _faster[key] = _measure(product, w)
+    return choice
 
 
 # a container's memory limit, cgroup v2 then v1 ("max" or a huge number: none)
@@ -150,7 +231,9 @@ def _packable(w: torch.Tensor) -> bool:
 def pack_frozen(weights: list[torch.Tensor]) -> int:
     """Keep a oneDNN-packed copy of each frozen (no ``requires_grad``), contiguous 2-D fp32 CPU
     weight for ``linear``'s products, in order, while their total stays within
-    1/``PACK_SHARE`` of physical memory; returns the bytes packed. Nothing when oneDNN is off."""
+    1/``PACK_SHARE`` of physical memory; returns the bytes packed. Nothing when oneDNN is off,
+    and no copy of a shape whose forward product torch computes faster here (``faster_here``,
+    measured with the first such weight's copy)."""
     if not (onednn_enabled() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
         return 0
     budget = _physical_bytes() // PACK_SHARE - packed_bytes()
@@ -158,6 +241,8 @@ def pack_frozen(weights: list[torch.Tensor]) -> int:
     for w in weights:
         if not _packable(w) or id(w) in _packed:
             continue
+        if _mode() == "auto" and _faster.get(("linear", *w.shape)) is False:
+            continue  # torch's product is faster for this shape here: no copy
         if w.nbytes > budget - packed:
             break
         try:
@@ -166,6 +251,9 @@ def pack_frozen(weights: list[torch.Tensor]) -> int:
             get_logger().warning("oneDNN weight packing unavailable, using dense weights: %s", err)
             break
         _packed[id(w)] = (weakref.ref(w), w._version, w.data_ptr(), copy)
+        if not faster_here("linear", w):  # measured with this packed copy: torch wins this shape
+            _drop(id(w))
+            continue
         weakref.finalize(w, _drop, id(w))
         packed += w.nbytes
     return packed
@@ -195,7 +283,7 @@ def _packed_weight(w: torch.Tensor) -> torch.Tensor:
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ w.T (+ bias)`` for 2-D ``x`` of shape (rows, in) and ``w`` of shape (out, in)."""
-    if _eligible(x, w, bias):
+    if _eligible(x, w, bias) and faster_here("linear", w):
         out = _onednn(x, _packed_weight(w) if _packed else w, bias)
         if out is not None:
             return out
@@ -204,7 +292,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
 
 def times_weight(g: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """``g @ w`` for 2-D ``g`` of shape (rows, out) and ``w`` of shape (out, in)."""
-    if _eligible(g, w):
+    if _eligible(g, w) and faster_here("times_weight", w):
         out = _onednn(g, w.t(), None)
         if out is not None:
             return out
