@@ -200,13 +200,21 @@ def environment(peak: dict) -> dict:
         except PackageNotFoundError:
             return None
 
-    cpu = next((line.split(":", 1)[1].strip() for line in _cpuinfo() if line.startswith("model name")), None)
+    def field(name: str) -> str | None:
+        pairs = (line.split(":", 1) for line in _cpuinfo() if ":" in line)
+        return next((value.strip() for key, value in pairs if key.strip() == name), None)
+
+    cpu = field("model name")
+    # "AMD EPYC" alone names several generations, which rank oneDNN and MKL differently
+    flags = set((field("flags") or "").split())
     return {
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "machine": {
             "platform": platform.platform(),
             "cpu": cpu or platform.processor(),
             "cpu_count": os.cpu_count(),
+            "cpu_family_model": f"{field('cpu family')}/{field('model')}" if field("cpu family") else None,
+            "vector_isa": sorted(f for f in flags if f in ("avx2", "avx512f", "avx512_bf16", "amx_tile")),
             "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         },
         "versions": {
