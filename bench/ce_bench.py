@@ -22,39 +22,44 @@ from twinkle.loss.fused_linear_ce import auto_chunk_rows, fused_linear_cross_ent
 from twinkle.utils.gemm import linear, times_weight
 
 
-def two_exps(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int):
-    """Loss sum and hidden-state gradient with a log-sum-exp and a second exp per chunk."""
+def _chunked(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int, passes):
+    """Loss sum and hidden-state gradient, ``passes(logits, t)`` giving each chunk's loss sum and
+    softmax (in place of the logits)."""
     loss = torch.zeros(())
     grad = torch.empty_like(hidden)
     for start in range(0, hidden.shape[0], chunk):
         h, t = hidden[start : start + chunk], targets[start : start + chunk]
-        logits = linear(h, weight)
-        lse = torch.logsumexp(logits, dim=-1)
-        loss += (lse - logits.gather(1, t[:, None]).squeeze(1)).sum()
-        _ = (logits.argmax(-1) == t).sum()
-        probs = logits.sub_(lse[:, None]).exp_()
+        chunk_loss, probs = passes(linear(h, weight), t)
+        loss += chunk_loss
         probs[torch.arange(t.numel()), t] -= 1
         grad[start : start + chunk] = times_weight(probs, weight)
     return loss, grad
+
+
+def _two_exps_passes(logits: torch.Tensor, t: torch.Tensor):
+    lse = torch.logsumexp(logits, dim=-1)
+    loss = (lse - logits.gather(1, t[:, None]).squeeze(1)).sum()
+    _ = (logits.argmax(-1) == t).sum()
+    return loss, logits.sub_(lse[:, None]).exp_()
+
+
+def _max_exp_passes(logits: torch.Tensor, t: torch.Tensor):
+    top, predicted = logits.max(dim=-1)
+    _ = (predicted == t).sum()
+    target_logit = logits.gather(1, t[:, None]).squeeze(1)
+    exps = logits.sub_(top[:, None]).exp_()
+    total = exps.sum(dim=-1)
+    return (total.log() + top - target_logit).sum(), exps.div_(total[:, None])
+
+
+def two_exps(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int):
+    """With a log-sum-exp and a second exp per chunk (before session 8)."""
+    return _chunked(hidden, weight, targets, chunk, _two_exps_passes)
 
 
 def max_exp(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int):
-    """Loss sum and hidden-state gradient with a max (and its indices) and one exp per chunk."""
-    loss = torch.zeros(())
-    grad = torch.empty_like(hidden)
-    for start in range(0, hidden.shape[0], chunk):
-        h, t = hidden[start : start + chunk], targets[start : start + chunk]
-        logits = linear(h, weight)
-        top, predicted = logits.max(dim=-1)
-        _ = (predicted == t).sum()
-        target_logit = logits.gather(1, t[:, None]).squeeze(1)
-        exps = logits.sub_(top[:, None]).exp_()
-        total = exps.sum(dim=-1)
-        loss += (total.log() + top - target_logit).sum()
-        probs = exps.div_(total[:, None])
-        probs[torch.arange(t.numel()), t] -= 1
-        grad[start : start + chunk] = times_weight(probs, weight)
-    return loss, grad
+    """With a max (and its indices) and one exp per chunk (sessions 8-12)."""
+    return _chunked(hidden, weight, targets, chunk, _max_exp_passes)
 
 
 def softmax(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int):
