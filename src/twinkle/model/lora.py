@@ -1,8 +1,11 @@
 """Attach a PEFT LoRA adapter."""
 
+import warnings
 from typing import Any
 
 from twinkle.utils.errors import UserError
+
+DEPRECATED_ALIAS = "`is_gradient_checkpointing` is deprecated"
 
 
 def add_lora(model: Any, adapter_name: str, config: Any) -> Any:
@@ -19,7 +22,11 @@ def add_lora(model: Any, adapter_name: str, config: Any) -> Any:
         model.set_adapter(adapter_name)
     else:
         try:
-            model = get_peft_model(model, config, adapter_name=adapter_name)
+            with warnings.catch_warnings():
+                # PEFT 0.21 reads transformers' deprecated alias while wrapping any model: a
+                # FutureWarning in every run that the user can do nothing about
+                warnings.filterwarnings("ignore", DEPRECATED_ALIAS, FutureWarning)
+                model = get_peft_model(model, config, adapter_name=adapter_name)
         except ValueError as exc:
             raise UserError(f"cannot add LoRA adapter {adapter_name!r}: {exc}") from exc
     fuse_lora_linears(model)
