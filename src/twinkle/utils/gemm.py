@@ -140,12 +140,13 @@ def _torch_product(a: torch.Tensor, w: torch.Tensor, product: str) -> torch.Tens
     return a @ w.t() if product == "linear" else a @ w
 
 
-def _onednn_product(a: torch.Tensor, w: torch.Tensor, product: str) -> torch.Tensor | None:
-    return (
-        _onednn(a, _packed_weight(w) if _packed else w, None)
-        if product == "linear"
-        else _onednn(a, w.t(), None)
-    )
+def _onednn_product(
+    a: torch.Tensor, w: torch.Tensor, product: str, bias: torch.Tensor | None = None
+) -> torch.Tensor | None:
+    """``product`` on oneDNN, from ``w``'s packed copy where it has one; None if oneDNN failed."""
+    if product == "linear":
+        return _onednn(a, _packed_weight(w) if _packed else w, bias)
+    return _onednn(a, w.t(), None)
 
 
 def _seconds(fn: Callable[[], object]) -> float:
@@ -290,7 +291,7 @@ def _packed_weight(w: torch.Tensor) -> torch.Tensor:
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ w.T (+ bias)`` for 2-D ``x`` of shape (rows, in) and ``w`` of shape (out, in)."""
     if _eligible(x, w, bias) and faster_here("linear", w):
-        out = _onednn(x, _packed_weight(w) if _packed else w, bias)
+        out = _onednn_product(x, w, "linear", bias)
         if out is not None:
             return out
     return x @ w.t() if bias is None else torch.addmm(bias, x, w.t())
@@ -299,7 +300,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
 def times_weight(g: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """``g @ w`` for 2-D ``g`` of shape (rows, out) and ``w`` of shape (out, in)."""
     if _eligible(g, w) and faster_here("times_weight", w):
-        out = _onednn(g, w.t(), None)
+        out = _onednn_product(g, w, "times_weight")
         if out is not None:
             return out
     return g @ w
