@@ -130,8 +130,65 @@ def test_lora_node_on_a_bf16_base_equals_peft():
         assert strays.float().mean() < 0.01, f"{int(strays.sum())} of {strays.numel()} differ"
         torch.testing.assert_close(actual, expected, atol=2**-8 * float(expected.abs().max()), rtol=0)
     assert grads.keys() == grads_ref.keys() and len(grads) == 4
+    # The adapters' fp32 gradients sum such bf16 strays in ``up``'s output gradient (down's input
+    # gradient) over rows, so elementwise tolerances failed on small elements on an H200 (session
+    # 15). Compared as a whole: within 1% of the gradient's norm; a wrong gradient is off by ~100%.
     for name, grad in grads_ref.items():
-        torch.testing.assert_close(grads[name], grad, atol=1e-3, rtol=1e-2, msg=name)
+        assert _relative_error(grads[name], grad) < 1e-2, (name, _relative_error(grads[name], grad))
+
+
+def _relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    actual, expected = actual.detach().float(), expected.detach().float()
+    return float((actual - expected).norm() / expected.norm())
+
+
+def test_one_node_mlp_keeps_gate_and_up_on_the_gpu_and_equals_peft():
+    """The default kernel chain on a bf16 LoRA MLP (Liger's backend where installed): one node
+    that keeps two ``intermediate``-wide activations off the CPU (four on it), with PEFT's
+    output and gradients to bf16 rounding."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    from twinkle.kernel import kernelize
+
+    hidden, inter = 64, 160
+    config = LlamaConfig(hidden_size=hidden, intermediate_size=inter, hidden_act="silu")
+    torch.manual_seed(0)
+    lora = LoraConfig(
+        r=8, lora_alpha=16, target_modules=["gate_proj", "up_proj", "down_proj"], init_lora_weights=False
+    )
+    block = torch.nn.Sequential(LlamaMLP(config)).to(torch.bfloat16)
+    reference = get_peft_model(block, lora).to(DEVICE)
+    node = copy.deepcopy(reference)
+    fuse_lora_linears(node)
+    kernelize(node)
+    x = torch.randn(3, 17, hidden, device=DEVICE, dtype=torch.bfloat16)
+    params = {p.untyped_storage().data_ptr() for p in node.parameters()}
+    widths = []
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in params and t.dim():
+            widths.append(t.shape[-1])
+        return t
+
+    results = []
+    for model in (reference, node):
+        xi = x.clone().requires_grad_()
+        with torch.autograd.graph.saved_tensors_hooks(pack if model is node else (lambda t: t), lambda t: t):
+            out = model(xi)
+        out.float().square().sum().backward()
+        grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+        results.append((out, xi.grad, grads))
+    assert type(results[1][0].grad_fn).__name__ == "_LoraMLPBackward"
+    assert widths.count(inter) == (4 if DEVICE == "cpu" else 2), widths
+    (out_ref, gx_ref, grads_ref), (out, gx, grads) = results
+    assert grads.keys() == grads_ref.keys() and len(grads) == 6
+    for name, (actual, expected) in {
+        "out": (out, out_ref),
+        "x": (gx, gx_ref),
+        **{n: (grads[n], g) for n, g in grads_ref.items()},
+    }.items():
+        assert _relative_error(actual, expected) < 1e-2, (name, _relative_error(actual, expected))
 
 
 @pytest.mark.skipif(importlib.util.find_spec("liger_kernel") is None, reason="needs liger_kernel")

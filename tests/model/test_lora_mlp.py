@@ -110,6 +110,34 @@ def test_keeps_the_four_intermediate_wide_activations_the_layers_keep():
     assert _saved_widths(node, x.clone()).count(INTER) == 4
 
 
+class _Recomputing:
+    """The node with ``recompute=True``, its default off the CPU, run here on the CPU."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def __call__(self, x):
+        return lora_mlp(self.model.base_model.model.mlp, x, recompute=True)
+
+    def parameters(self):
+        return self.model.parameters()
+
+    def named_parameters(self):
+        return self.model.named_parameters()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_recomputing_node_equals_the_layers_and_keeps_two_wide_activations(dtype):
+    layers, node = _pair(dtype)
+    lean = _Recomputing(node)
+    x = torch.randn(2, 7, HIDDEN).to(dtype)
+    assert _saved_widths(lean, x.clone()).count(INTER) == 2  # gate and up
+    node.zero_grad(set_to_none=True)
+    ours = _run(lean, x)
+    assert type(ours[0].grad_fn).__name__ == "_LoraMLPBackward"
+    _assert_same(_run(layers, x), ours)
+
+
 def test_steps_aside_where_it_does_not_apply():
     x = torch.randn(2, 3, HIDDEN)
     _, node = _pair()

@@ -12,7 +12,8 @@ measurements in ``README.md`` (``bench/kernel_bench.py``), not on this file.
   stay the module's own ``Linear`` children, looked up at call time, so LoRA wrappers attached
   before or after ``kernelize`` are used; fusing gate and up into one matmul would bypass them.
   When all three are plain LoRA layers the whole MLP runs as one node (``model/lora_mlp.py``),
-  which keeps what autograd would (its recomputation cost more time than the memory was worth).
+  which on the CPU keeps what autograd would (recomputing cost more time than the memory was
+  worth there) and elsewhere keeps ``gate`` and ``up`` only. Liger's backend uses that node too.
 
 - ``lora_attention``: a Llama, Mistral or Qwen2 attention layer whose query, key and value
   projections are plain LoRA layers runs them and the rotary embedding as one node
@@ -129,7 +130,7 @@ def _rms_norm_zero_centered_forward(self: torch.nn.Module, hidden_states: torch.
 
 
 def _swiglu_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    fused = lora_mlp(self, x)  # three plain LoRA projections: one node that saves gate and up only
+    fused = lora_mlp(self, x)  # three plain LoRA projections: one node (what it keeps: lora_mlp.py)
     if fused is not None:
         return fused
     return self.down_proj(SiLUMul.apply(self.gate_proj(x), self.up_proj(x)))
