@@ -18,14 +18,20 @@ import torch
 from twinkle.loss.cross_entropy import LossOutput, check_reduction, finish
 from twinkle.utils.gemm import linear, times_weight
 
-# A chunk holds about this many logits (fp32): 32M = 128 MiB, i.e. ~680 rows at a 49k vocabulary.
-# On 2 CPU cores 2048 rows of SmolLM2's head took 1.89 s in chunks of 170 rows, 1.67 s of 680 and
-# 1.61 s of 2048: larger chunks keep the head's matmuls efficient, for memory that stays small.
+# On the CPU a chunk holds about this many logits (fp32): 32M = 128 MiB, ~680 rows at a 49k
+# vocabulary. On 2 CPU cores 2048 rows of SmolLM2's head took 1.89 s in chunks of 170 rows, 1.67 s
+# of 680 and 1.61 s of 2048: larger chunks keep the head's matmuls efficient.
 CHUNK_ELEMENTS = 2**25
+# On an accelerator the head's products are a small part of a step bound by the host's launches,
+# while a chunk's fp32 logits, their softmax and its bf16 copy (~2.5x the chunk) come on top of
+# the step's activation peak, the loss running at the end of the forward. 8M logits (32 MiB,
+# ~170 rows at a 49k vocabulary) keep that near 80 MiB instead of 320.
+ACCELERATOR_CHUNK_ELEMENTS = 2**23
 
 
-def auto_chunk_rows(vocab_size: int) -> int:
-    return max(1, CHUNK_ELEMENTS // max(1, vocab_size))
+def auto_chunk_rows(vocab_size: int, device_type: str = "cpu") -> int:
+    elements = CHUNK_ELEMENTS if device_type == "cpu" else ACCELERATOR_CHUNK_ELEMENTS
+    return max(1, elements // max(1, vocab_size))
 
 
 def _softmax_(logits: torch.Tensor) -> torch.Tensor:
@@ -95,13 +101,14 @@ def fused_linear_cross_entropy(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed cross-entropy of ``hidden @ weight.T (+ bias)`` against ``targets`` and the number
     of rows whose target has the largest logit, without materialising more than ``chunk_rows`` logit rows
-    (default: about 128 MiB of logits)."""
+    (default: about 128 MiB of fp32 logits on the CPU, 32 MiB elsewhere)."""
     if hidden.shape[0] == 0:
         zero = (hidden.sum() * 0 + weight.sum() * 0).float()
         if bias is not None:  # zero gradients for every input, like CrossEntropyLoss
             zero = zero + bias.sum().float() * 0
         return zero, torch.zeros((), dtype=torch.long, device=hidden.device)
-    return _FusedLinearCE.apply(hidden, weight, bias, targets, chunk_rows or auto_chunk_rows(weight.shape[0]))
+    chunk_rows = chunk_rows or auto_chunk_rows(weight.shape[0], hidden.device.type)
+    return _FusedLinearCE.apply(hidden, weight, bias, targets, chunk_rows)
 
 
 class FusedLinearCrossEntropyLoss:
