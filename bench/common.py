@@ -37,7 +37,6 @@ class Spec:
     threads: int = 2
     model_path: str | None = None  # None: the bundled SmolLM2-135M-Instruct (see shapes.py)
     dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU; or float32 / bfloat16
-    mlp: str = "default"  # Twinkle's MLP kernel: kernelize's default chain, or "torch" everywhere
 
     @property
     def torch_dtype(self) -> torch.dtype:

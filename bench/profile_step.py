@@ -5,9 +5,9 @@
     python bench/profile_step.py --workload W1 --steps 10 --python
 
 Runs the Twinkle side of ``run.py`` (same data, model, adapter and loss) and prints the ops by
-self CPU time; ``--memory`` prints the peak of the allocator instead (CPU: ``ru_maxrss``), and
-``--python`` the Python functions by cumulative time (where the host's time goes when the device
-waits on it)."""
+self CPU time; ``--memory`` prints the peak memory instead (CPU: ``ru_maxrss``; CUDA: the
+allocator's peak and what is alive then, by allocating line, ``gpu_peak.py``), and ``--python``
+the Python functions by cumulative time (where the host's time goes when the device waits on it)."""
 
 import argparse
 import cProfile
@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 from common import build_dataset, profiled_model, sync, use_cuda
+from gpu_peak import print_peak
 from run import WORKLOADS, prepare
 from shapes import CHOICES
 
@@ -71,11 +72,19 @@ def main() -> None:
     for _ in range(args.warmup):
         step()
     if args.memory:
+        if use_cuda():  # the allocator's history, to say what is alive at the peak (gpu_peak.py)
+            before = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            torch.cuda.memory._record_memory_history(stacks="python", max_entries=2_000_000)
         start = time.perf_counter()
         for _ in range(args.steps):
             step()
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         print(f"{args.steps} steps {time.perf_counter() - start:.2f} s, peak RSS {rss:.0f} MiB")
+        if use_cuda():
+            print(f"peak GPU memory allocated: {torch.cuda.max_memory_allocated() / 2**20:.0f} MiB")
+            print_peak(torch.cuda.memory._snapshot(), before, args.rows)
+            torch.cuda.memory._record_memory_history(enabled=None)
         return
     if args.python:
         profile = cProfile.Profile()

@@ -98,13 +98,6 @@ def parse_args() -> argparse.Namespace:
         help="both sides' precision: auto (bf16 on CUDA, fp32 on CPU), or force one; bfloat16 on a CPU "
         "is the Trainer's bf16 autocast against Twinkle's bf16 weights",
     )
-    parser.add_argument(
-        "--mlp",
-        choices=["default", "torch"],
-        default="default",
-        help="Twinkle's MLP kernel: kernelize's default chain (Liger's SwiGLU first on CUDA), or the "
-        "torch one (the one-node LoRA MLP) on every device",
-    )
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--out", type=Path, default=HERE / "results.json")
     args = parser.parse_args()
@@ -138,7 +131,6 @@ def prepare(name: str, args: argparse.Namespace, folder: Path) -> Spec:
         seed=args.seed,
         threads=args.threads,
         dtype=getattr(args, "dtype", "auto"),
-        mlp=getattr(args, "mlp", "default"),
         model_path=path,
     )
     write_encoded(build_dataset(spec), Path(spec.encoded_path))

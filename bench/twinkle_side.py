@@ -22,7 +22,7 @@ from flops import model_shape
 
 import twinkle
 from twinkle.dataloader import DataLoader
-from twinkle.kernel import DEFAULT_KERNEL_CONFIG, KernelChoice, kernelize
+from twinkle.kernel import kernelize
 from twinkle.model import TransformersModel
 from twinkle.model.packing import pack
 
@@ -52,10 +52,7 @@ def main() -> None:
     digest = samples_digest([dataset[i] for i in range(len(dataset))])
     dataloader = DataLoader(dataset=dataset, batch_size=spec.batch_size)
     # as the cookbook does (its default dtype is bf16 on CUDA, fp32 on CPU, which --dtype auto picks)
-    mapping = dict(DEFAULT_KERNEL_CONFIG)
-    if spec.mlp == "torch":  # the one-node LoRA MLP also where Liger would come first
-        mapping.update({k: KernelChoice("swiglu_mlp", ("torch",)) for k in mapping if k.endswith("MLP")})
-    model = kernelize(TransformersModel(model_id=spec.model_path, dtype=spec.torch_dtype), mapping)
+    model = kernelize(TransformersModel(model_id=spec.model_path, dtype=spec.torch_dtype))
     torch.manual_seed(spec.seed)  # the same LoRA initialisation as the Trainer side
     model.add_adapter_to_model("default", lora_config())
     model.set_optimizer("AdamW", lr=spec.lr, weight_decay=0.0)

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# The checks that need a CUDA GPU, in one run: the bench (W1 and W2 on a Qwen2.5-0.5B-shaped model
-# built from a config, bf16, the Trainer side with Liger when it is installed), the CUDA tests,
-# Twinkle's W2 with the one-node LoRA MLP (--mlp torch), and more bench rounds while the time
-# allows. Each step has its own time limit, so one that hangs does not take the others with it.
+# The checks that need a CUDA GPU, in one run: the CUDA tests, what is alive at W2's peak of GPU
+# memory (bench/profile_step.py --memory), the bench (W1 and W2 on a Qwen2.5-0.5B-shaped model
+# built from a config, bf16, the Trainer side with Liger when it is installed; two rounds when
+# the time allows), then a profile of W1's ops. Each step has its own time limit, so one that
+# hangs does not take the others with it.
 #
 #   scripts/gpu_check.sh OUT_DIR [TOKENIZER_DIR] [SECONDS]
 #
@@ -38,13 +39,23 @@ for name in ("transformers", "peft", "accelerate", "liger-kernel", "triton", "da
         print(name, "not installed")
 EOF
 
-bench all 240 --workload all
 echo "== CUDA tests ($(left) s left)"
 timeout 100 "$py" -m pytest tests/gpu -q -rs -p no:cacheprovider 2>&1 | tee "$out/gpu_tests.log" | tail -30
-if (($(left) > 90)); then  # the one-node LoRA MLP instead of Liger's SwiGLU: W2's GPU memory
-    bench mlp_torch 80 --workload W2 --sides twinkle --mlp torch
+profile() { # profile NAME TIMEOUT ARGS...
+    local name=$1 limit=$2
+    shift 2
+    echo "== profile $name ($limit s at most): $*"
+    timeout "$limit" "$py" bench/profile_step.py --model "${MODEL:-qwen2.5-0.5b}" ${tok:+--tokenizer "$tok"} \
+        "$@" >"$out/profile_$name.log" 2>&1
+    grep -v '^\[' "$out/profile_$name.log" | tail -40
+}
+profile memory_W2 80 --workload W2 --warmup 0 --steps 11 --memory --rows 30
+if (($(left) > 270)); then
+    bench all $(($(left) - 40)) --workload all --rounds 2
+else
+    bench all $(($(left) - 10)) --workload all
 fi
-if (($(left) > 150)); then
-    bench rounds $(($(left) - 10)) --workload all --rounds 2
+if (($(left) > 45)); then
+    profile ops_W1 $(($(left) - 5)) --workload W1 --steps 4 --rows 25
 fi
 echo "== done in $SECONDS s"
