@@ -23,11 +23,13 @@ needs_onednn = pytest.mark.skipif(
 
 
 @pytest.fixture(autouse=True)
-def fresh_state(monkeypatch):
-    """Each test reads TWINKLE_ONEDNN afresh, and measures shapes afresh."""
+def fresh_state(monkeypatch, tmp_path):
+    """Each test reads TWINKLE_ONEDNN afresh, and measures shapes afresh, with a cache of its own."""
     monkeypatch.setitem(gemm._state, "mode", None)
     monkeypatch.setenv("TWINKLE_ONEDNN", "1")  # oneDNN for every shape; the auto tests set auto
+    monkeypatch.setenv("TWINKLE_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(gemm, "_faster", {})
+    monkeypatch.setattr(gemm, "_routes", {})
 
 
 @pytest.fixture
@@ -246,6 +248,74 @@ def test_auto_packs_only_the_shapes_onednn_wins(slowed, monkeypatch, slower):
         assert packed == sum(w.nbytes for w in weights)
         assert all(id(w) in gemm._packed for w in weights)
     assert measured == [("linear", (16, 8))]  # once for the shape
+
+
+def _new_process(monkeypatch):
+    """What a new process starts from: no choices in memory, the cache file not yet read."""
+    monkeypatch.setattr(gemm, "_faster", {})
+    monkeypatch.setattr(gemm, "_routes", {})
+
+
+@needs_onednn
+@pytest.mark.parametrize("slower", ["onednn", "torch"])
+def test_a_measured_choice_is_kept_for_later_processes(slowed, monkeypatch, slower):
+    slow, measured = slowed
+    slow(slower)
+    w = torch.randn(4, 8)
+    first = gemm.faster_here("linear", w)
+    assert first == (slower == "torch") and measured == [("linear", (4, 8))]
+    files = list((gemm._routes_file().parent).glob("routes-*.json"))
+    assert files == [gemm._routes_file()]
+    # a later process reads the choice instead of measuring
+    _new_process(monkeypatch)
+    assert gemm.faster_here("linear", w) == first
+    assert measured == [("linear", (4, 8))]
+    # another shape is measured and added to the same file, the first choice kept
+    assert gemm.faster_here("linear", torch.randn(6, 8)) == first
+    assert measured == [("linear", (4, 8)), ("linear", (6, 8))]
+    assert gemm._read_routes(gemm._routes_file()) == {("linear", 4, 8): first, ("linear", 6, 8): first}
+
+
+@needs_onednn
+def test_the_choice_is_measured_again_on_other_threads_and_after_a_broken_file(slowed, monkeypatch):
+    slow, measured = slowed
+    w = torch.randn(4, 8)
+    gemm.faster_here("linear", w)
+    path = gemm._routes_file()
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads + 1)  # other threads: another file, measured afresh
+        _new_process(monkeypatch)
+        assert gemm._routes_file() != path
+        gemm.faster_here("linear", w)
+        assert len(measured) == 2
+    finally:
+        torch.set_num_threads(threads)
+    path.write_text("{not json", encoding="utf-8")
+    _new_process(monkeypatch)
+    gemm.faster_here("linear", w)
+    assert len(measured) == 3
+    assert ("linear", 4, 8) in gemm._read_routes(path)  # rewritten whole
+
+
+@needs_onednn
+def test_a_choice_another_process_kept_first_wins(slowed, monkeypatch):
+    """Two ranks measuring at once: the second to finish takes the first one's choice."""
+    slow, measured = slowed
+    slow("torch")  # this process would pick oneDNN
+    w = torch.randn(4, 8)
+    path = gemm._routes_file()
+    real_measure = gemm._measure
+
+    def measure_while_another_keeps(product, weight):
+        choice = real_measure(product, weight)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text('{"choices": {"linear 4 8": false}}', encoding="utf-8")
+        return choice
+
+    monkeypatch.setattr(gemm, "_measure", measure_while_another_keeps)
+    assert gemm.faster_here("linear", w) is False
+    assert gemm._faster[("linear", 4, 8)] is False
 
 
 def test_measuring_leaves_the_random_streams_alone(monkeypatch):

@@ -13,8 +13,10 @@ pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason
 
 
 @pytest.fixture(autouse=True)
-def fresh_state(monkeypatch):
+def fresh_state(monkeypatch, tmp_path):
     monkeypatch.setitem(gemm._state, "mode", None)
+    monkeypatch.setenv("TWINKLE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(gemm, "_routes", {})
     monkeypatch.setenv("TWINKLE_ONEDNN", "1")  # oneDNN for every shape, unmeasured
     monkeypatch.setattr(gemm, "_faster", {})
     monkeypatch.setattr(gemm, "_packed", {})

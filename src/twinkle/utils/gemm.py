@@ -19,8 +19,12 @@ measured, once per process for each weight shape and product (``faster_here``): 
 at ``CALIBRATION_ROWS`` rows, alternating, the median of ``CALIBRATION_REPEATS`` each after a
 warm-up call (in which oneDNN builds its kernel), on inputs that leave the random number
 generators alone; oneDNN must be 5% faster to be chosen (``ONEDNN_MARGIN``). For
-SmolLM2-135M's five shapes that is about 1-2 s, once; a product whose shape
-was never measured is measured at its first call.
+SmolLM2-135M's five shapes that is about 1-2 s; a product whose shape was never measured
+is measured at its first call. Measured choices are kept per machine (the CPU, the thread
+count, torch's version) in the cache folder, ``<cache>/gemm/routes-*.json``, and later
+processes read them instead of measuring: a timing near the margin could otherwise choose the
+other library in the next run, whose sums differ in the last bits, so the same command gave
+other losses and packed other copies (session 15: three runs, three results).
 
 oneDNN is used when both operands are plain 2-D fp32 CPU tensors that autograd is not
 recording (the callers are autograd functions with their own backward), torch was built with
@@ -52,15 +56,20 @@ quarter of the machine's memory, or of its container's limit where that is lower
 (``PACK_SHARE``). A weight changed in place (``w._version`` or
 storage) is packed again on its next use, and a copy is freed with its weight."""
 
+import hashlib
+import json
 import os
+import platform
 import statistics
 import time
 import weakref
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
 from twinkle.utils.errors import UserError
+from twinkle.utils.fileio import atomic_write_text, file_lock
 from twinkle.utils.logger import get_logger
 
 CACHE_CAPACITY = "32"
@@ -76,6 +85,7 @@ CALIBRATION_REPEATS = 5  # timed calls per library, after one warm-up each
 ONEDNN_MARGIN = 0.95
 # (product, out, in) -> whether oneDNN was faster here; product is "linear" or "times_weight"
 _faster: dict[tuple[str, int, int], bool] = {}
+_routes: dict[str, Path | None] = {}  # "file": this machine's file of measured choices, once read
 PACK_SHARE = 4  # packed copies take at most 1/PACK_SHARE of physical memory
 PACK_ROWS_HINT = 256  # the row count oneDNN picks the layout for (any count runs; 32-2048 measured equal)
 # id(weight) -> (weak reference, weight._version, data_ptr, packed copy)
@@ -182,15 +192,91 @@ def _measure(product: str, w: torch.Tensor) -> bool:
     return faster
 
 
+def _machine() -> dict[str, object]:
+    """What a measured choice depends on: the CPU, the threads, torch, and how it was measured."""
+    cpu = platform.processor() or platform.machine()
+    try:  # Linux: the first processor's name, family, model and stepping
+        with open("/proc/cpuinfo", encoding="utf-8") as handle:
+            first = handle.read().split("\n\n")[0]
+        fields = {
+            k.strip(): v.strip() for k, v in (ln.split(":", 1) for ln in first.splitlines() if ":" in ln)
+        }
+        cpu = " / ".join(fields.get(k, "") for k in ("model name", "cpu family", "model", "stepping")) or cpu
+    except OSError:
+        pass
+    return {
+        "cpu": cpu,
+        "capability": torch.backends.cpu.get_cpu_capability(),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "method": [CALIBRATION_ROWS, CALIBRATION_REPEATS, ONEDNN_MARGIN],
+    }
+
+
+def _routes_file() -> Path:
+    from twinkle.hub.cache import cache_root
+
+    machine = _machine()
+    digest = hashlib.sha256(json.dumps(machine, sort_keys=True).encode()).hexdigest()[:16]
+    return cache_root() / "gemm" / f"routes-{digest}.json"
+
+
+def _read_routes(path: Path) -> dict[tuple[str, int, int], bool]:
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))["choices"]
+        choices = {}
+        for name, onednn in raw.items():
+            product, out, inp = name.split()
+            choices[(product, int(out), int(inp))] = bool(onednn)
+        return choices
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+        get_logger().warning(
+            "gemm: ignoring the unreadable routing cache %s (%s); measuring again", path, error
+        )
+        return {}
+
+
+def _remember(key: tuple[str, int, int], choice: bool) -> bool:
+    """Keep a measured choice in this machine's file, so that later processes (and the other ranks
+    of this run) take the same library and compute the same sums. A choice another process wrote
+    first wins; returns the choice to use. Without a writable cache the process keeps its own."""
+    path = _routes.get("file")
+    if path is None:
+        return choice
+    try:
+        with file_lock(path.with_name(path.name + ".lock")):
+            choices = _read_routes(path)
+            choice = choices.setdefault(key, choice)
+            text = json.dumps(
+                {
+                    "machine": _machine(),
+                    "choices": {f"{p} {o} {i}": c for (p, o, i), c in sorted(choices.items())},
+                },
+                indent=1,
+            )
+            atomic_write_text(path, text + "\n")
+    except OSError as error:
+        get_logger().debug("gemm: cannot keep the routing cache %s: %s", path, error)
+    return choice
+
+
 def faster_here(product: str, w: torch.Tensor) -> bool:
     """Whether ``product`` with weights of ``w``'s shape goes to oneDNN: always with
-    ``TWINKLE_ONEDNN=1``; in ``auto``, as measured once per process and shape (``_measure``)."""
+    ``TWINKLE_ONEDNN=1``; in ``auto``, as measured (``_measure``) once per machine and shape: the
+    choice is kept in ``<cache>/gemm/`` (``twinkle.hub.cache_root``), so every run on this machine
+    computes the same sums. Delete that folder to measure again."""
     if _mode() == "on":
         return True
     key = (product, *w.shape)
     choice = _faster.get(key)
+    if choice is None and "file" not in _routes:  # this process's first question: read the file
+        _routes["file"] = path = _routes_file()
+        _faster.update({k: v for k, v in _read_routes(path).items() if k not in _faster})
+        choice = _faster.get(key)
     if choice is None:
-        choice = _faster[key] = _measure(product, w)
+        choice = _faster[key] = _remember(key, _measure(product, w))
     return choice
 
 
