@@ -15,7 +15,7 @@ builds nothing. Both are fp32 products with fp32 accumulation; they differ in su
 Which library is faster depends on the CPU. Those numbers are from an AMD EPYC with AVX-512
 (Zen 4). On a Zen 3 EPYC (AVX2 only) the same table reads 0.79-1.06x at 176 rows, and whole W1
 steps took 1.30 vs 1.13 s with oneDNN (``bench/step_ab.py --switch onednn``). So the choice is
-measured, once per process for each weight shape and product (``faster_here``): both libraries
+measured, once per machine for each weight shape and product (``faster_here``): both libraries
 at ``CALIBRATION_ROWS`` rows, alternating, the median of ``CALIBRATION_REPEATS`` each after a
 warm-up call (in which oneDNN builds its kernel), on inputs that leave the random number
 generators alone; oneDNN must be 5% faster to be chosen (``ONEDNN_MARGIN``). For
