@@ -5,6 +5,7 @@ import pickle
 
 import pytest
 import torch
+from allocations import peak_bytes
 from nets import TwoLinear
 from peft import LoraConfig, get_peft_model
 from peft.tuners.lora.layer import Linear as PeftLoraLinear
@@ -237,3 +238,20 @@ def test_fused_model_survives_deepcopy_and_pickle():
     torch.testing.assert_close(clone(x), fused(x))
     assert type(copy.deepcopy(fused).base_model.model.up) is FusedLoraLinear
     assert fuse_lora_linears(fused) == 0  # already fused
+
+
+def test_on_a_bf16_base_backward_holds_the_fp32_copies_one_at_a_time():
+    # the adapter's fp32 copies of x and of the output gradient live only inside the adapter's
+    # gradients, and its fp32 share of x's gradient is rounded before the base's is allocated:
+    # before, all of them were alive at once (8 x-sized bf16 tensors)
+    torch.manual_seed(0)
+    tokens, width = 64, 256
+    base = nn.Linear(width, width, bias=False).to(torch.bfloat16).requires_grad_(False)
+    lora_a = torch.randn(4, width, requires_grad=True)
+    lora_b = torch.randn(width, 4, requires_grad=True)
+    x = torch.randn(tokens, width, dtype=torch.bfloat16, requires_grad=True)
+    out = lora_linear(x, base.weight, None, lora_a, lora_b, 2.0)
+    grad = torch.randn_like(out)
+    peak, _ = peak_bytes(lambda: out.backward(grad))
+    assert peak / (tokens * width * 2) < 4.5
+    assert x.grad.dtype == torch.bfloat16 and lora_a.grad is not None and lora_b.grad is not None

@@ -4,6 +4,7 @@ import copy
 
 import pytest
 import torch
+from allocations import peak_bytes
 from peft import LoraConfig, get_peft_model
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaMLP
@@ -162,3 +163,24 @@ def test_falls_back_to_the_layers_with_an_active_dropout():
     ours = _run(node, x)
     assert type(ours[0].grad_fn).__name__ != "_LoraMLPBackward"
     _assert_same(theirs, ours)
+
+
+def test_on_a_bf16_model_backward_frees_each_wide_tensor_and_fp32_copy_after_its_last_use():
+    # PEFT keeps the adapters fp32 on a bf16 base, so each intermediate-wide bf16 tensor the
+    # adapters read has a copy twice its size. Before the ordering, the recomputing node's
+    # backward held 8.3 such tensors on top of what forward kept, and its forward 6.6.
+    torch.manual_seed(0)
+    wide, tokens = 256, 64
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=PROJECTIONS, init_lora_weights=False)
+    block = LlamaMLP(LlamaConfig(hidden_size=32, intermediate_size=wide, hidden_act="silu"))
+    mlp = get_peft_model(block.to(torch.bfloat16), config).base_model.model
+    fuse_lora_linears(mlp)
+    unit = tokens * wide * 2  # one (tokens, intermediate) bf16 tensor
+    x = torch.randn(tokens, 32, dtype=torch.bfloat16, requires_grad=True)
+    out = []
+    forward_peak, _ = peak_bytes(lambda: out.append(lora_mlp(mlp, x, recompute=True)))
+    grad = torch.randn_like(out[0])
+    backward_peak, _ = peak_bytes(lambda: out.pop().backward(grad))
+    assert forward_peak / unit < 6.0  # gate, up, the product and its fp32 copy; silu(gate) gone
+    assert backward_peak / unit < 5.0
+    assert x.grad is not None and mlp.down_proj.lora_A["default"].weight.grad is not None

@@ -52,6 +52,39 @@ def project(
     return out.addmm_(low, lora_b.t(), alpha=scaling), low
 
 
+def adapter_grads(
+    g: torch.Tensor,
+    flat_lora: torch.Tensor | None,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    low: torch.Tensor,
+    scaling: float,
+    need_a: bool,
+    need_b: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """``(g_low, grad_a, grad_b)`` for the output gradient ``g`` (2-D): ``g_low`` is the gradient
+    for ``flat_lora A^T`` (tokens, r), which ``input_grad`` takes. ``g`` and ``flat_lora`` may be
+    in the base's dtype: they are cast to the adapter's here, so on a bf16 model their fp32 copies
+    (each as large as the tensor) live only while this runs."""
+    g_lora = g.to(lora_b.dtype)
+    g_low = _thin(lora_b.t(), g_lora.t()).mul_(scaling)  # (tokens, r)
+    grad_a = g_low.t() @ adapter_input(flat_lora, lora_a) if need_a else None
+    grad_b = _thin(low.t(), g_lora).mul_(scaling) if need_b else None
+    return g_low, grad_a, grad_b
+
+
+def input_grad(
+    g: torch.Tensor, weight: torch.Tensor, g_low: torch.Tensor, lora_a: torch.Tensor
+) -> torch.Tensor:
+    """Both branches' gradient for x, summed in x's dtype as autograd sums PEFT's. A wider adapter's
+    branch is rounded to x's dtype before the base's gradient is allocated, so its wide copy is
+    gone by then."""
+    if lora_a.dtype != g.dtype:
+        from_adapter = (g_low @ lora_a).to(g.dtype)
+        return times_weight(g, weight).add_(from_adapter)
+    return times_weight(g, weight).addmm_(g_low, lora_a)
+
+
 def project_grads(
     g: torch.Tensor,
     flat: torch.Tensor | None,
@@ -65,25 +98,20 @@ def project_grads(
     split: bool = False,
 ) -> tuple[torch.Tensor | None, ...]:
     """``project``'s gradients for the output gradient ``g`` (2-D): ``(x, x_lora, weight, bias,
-    lora_a, lora_b)``, each None unless ``needs`` asks for it. ``split``: x_lora is a tensor of its
-    own (after dropout); else the two branches' gradients for x are summed into the first (in x's
-    dtype, as autograd sums PEFT's)."""
+    lora_a, lora_b)``, each None unless ``needs`` asks for it. ``flat_lora`` may be in the base's
+    dtype (``adapter_grads`` casts it). ``split``: x_lora is a tensor of its own (after dropout);
+    else the two branches' gradients for x are summed into the first (``input_grad``). The
+    adapters' gradients come first, so that their wide inputs can go before the input's."""
     need_x, need_x_lora, need_w, need_bias, need_a, need_b = needs
-    mixed = lora_a.dtype != g.dtype
-    g_lora = g.to(lora_b.dtype) if mixed else g
-    g_low = _thin(lora_b.t(), g_lora.t()).mul_(scaling)  # (tokens, r)
+    g_low, grad_a, grad_b = adapter_grads(g, flat_lora, lora_a, lora_b, low, scaling, need_a, need_b)
+    grad_w = g.t() @ flat if need_w else None
+    grad_bias = g.sum(0) if need_bias else None
     grad_x = grad_x_lora = None
     if split:
         grad_x = times_weight(g, weight) if need_x else None
         grad_x_lora = g_low @ lora_a if need_x_lora else None
-    elif need_x and mixed:  # each branch's gradient in x's dtype, then summed
-        grad_x = times_weight(g, weight).add_((g_low @ lora_a).to(g.dtype))
     elif need_x:
-        grad_x = times_weight(g, weight).addmm_(g_low, lora_a)
-    grad_w = g.t() @ flat if need_w else None
-    grad_bias = g.sum(0) if need_bias else None
-    grad_a = g_low.t() @ flat_lora if need_a else None
-    grad_b = _thin(low.t(), g_lora).mul_(scaling) if need_b else None
+        grad_x = input_grad(g, weight, g_low, lora_a)
     return grad_x, grad_x_lora, grad_w, grad_bias, grad_a, grad_b
 
 
@@ -100,7 +128,6 @@ class _LoraLinear(torch.autograd.Function):
         keep = flat if ctx.needs_input_grad[2] else None
         ctx.save_for_backward(keep, flat if recast else flat_lora, weight, lora_a, lora_b, low)
         ctx.scaling = scaling
-        ctx.recast = recast
         ctx.has_bias = bias is not None
         ctx.separate = x_lora is not None
         ctx.x_shape = x.shape
@@ -108,10 +135,9 @@ class _LoraLinear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
+        # flat_lora is x in the base's dtype where forward did not keep the adapter's copy
         flat, flat_lora, weight, lora_a, lora_b, low = ctx.saved_tensors
         need_x, need_x_lora, need_w, need_bias, need_a, need_b, _ = ctx.needs_input_grad
-        if ctx.recast and need_a:
-            flat_lora = adapter_input(flat_lora, lora_a)
         needs = (need_x, need_x_lora, need_w, need_bias and ctx.has_bias, need_a, need_b)
         g = grad_out.reshape(-1, grad_out.shape[-1])
         grads = project_grads(
