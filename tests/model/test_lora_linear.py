@@ -245,7 +245,7 @@ def test_on_a_bf16_base_backward_holds_the_fp32_copies_one_at_a_time():
     # gradients, and its fp32 share of x's gradient is rounded before the base's is allocated:
     # before, all of them were alive at once (8 x-sized bf16 tensors)
     torch.manual_seed(0)
-    tokens, width = 64, 256
+    tokens, width = 256, 256
     base = nn.Linear(width, width, bias=False).to(torch.bfloat16).requires_grad_(False)
     lora_a = torch.randn(4, width, requires_grad=True)
     lora_b = torch.randn(width, 4, requires_grad=True)
@@ -253,5 +253,5 @@ def test_on_a_bf16_base_backward_holds_the_fp32_copies_one_at_a_time():
     out = lora_linear(x, base.weight, None, lora_a, lora_b, 2.0)
     grad = torch.randn_like(out)
     peak, _ = peak_bytes(lambda: out.backward(grad))
-    assert peak / (tokens * width * 2) < 4.5
+    assert peak / (tokens * width * 2) < 6.0  # now 4.1; halfway, room for a BLAS's scratch
     assert x.grad.dtype == torch.bfloat16 and lora_a.grad is not None and lora_b.grad is not None

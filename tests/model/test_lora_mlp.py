@@ -170,7 +170,7 @@ def test_on_a_bf16_model_backward_frees_each_wide_tensor_and_fp32_copy_after_its
     # adapters read has a copy twice its size. Before the ordering, the recomputing node's
     # backward held 8.3 such tensors on top of what forward kept, and its forward 6.6.
     torch.manual_seed(0)
-    wide, tokens = 256, 64
+    wide, tokens = 256, 256
     config = LoraConfig(r=4, lora_alpha=8, target_modules=PROJECTIONS, init_lora_weights=False)
     block = LlamaMLP(LlamaConfig(hidden_size=32, intermediate_size=wide, hidden_act="silu"))
     mlp = get_peft_model(block.to(torch.bfloat16), config).base_model.model
@@ -181,6 +181,7 @@ def test_on_a_bf16_model_backward_frees_each_wide_tensor_and_fp32_copy_after_its
     forward_peak, _ = peak_bytes(lambda: out.append(lora_mlp(mlp, x, recompute=True)))
     grad = torch.randn_like(out[0])
     backward_peak, _ = peak_bytes(lambda: out.pop().backward(grad))
-    assert forward_peak / unit < 6.0  # gate, up, the product and its fp32 copy; silu(gate) gone
-    assert backward_peak / unit < 5.0
+    # limits halfway between the two orders (now 5.6 and 4.4), room for a BLAS's scratch buffers
+    assert forward_peak / unit < 6.1  # gate, up, the product and its fp32 copy; silu(gate) gone
+    assert backward_peak / unit < 6.3
     assert x.grad is not None and mlp.down_proj.lora_A["default"].weight.grad is not None
