@@ -70,7 +70,6 @@ class _LoraMLP(torch.autograd.Function):
             act = silu * up
         else:
             (gate, up, silu, act), params = rest[:4], rest[4:]
-        del rest  # what is recomputed or local goes as soon as it is used (below)
         need_x = ctx.needs_input_grad[0]
         needs = ctx.needs_input_grad[3:]
         scalings = ctx.scalings
@@ -86,10 +85,10 @@ class _LoraMLP(torch.autograd.Function):
             return g_low, (grad_w, grad_bias, grad_a, grad_b)
 
         # Ordered for the peak on a bf16 model with fp32 adapters, where each intermediate-wide
-        # tensor has a twice as large fp32 copy for its adapter: every tensor goes once its last
-        # use is done, and each copy lives only inside one call (``adapter_grads``,
-        # ``input_grad``). The ops and their inputs are those autograd runs on the unfused
-        # layers, so the results do not change.
+        # tensor has a twice as large fp32 copy for its adapter: every tensor made here goes once
+        # its last use is done (saved ones stay until the node is done either way), and each copy
+        # lives only inside one call (``adapter_grads``, ``input_grad``). The ops and their inputs
+        # are those autograd runs on the unfused layers, so the results do not change.
         g = grad_out.reshape(-1, grad_out.shape[-1])
         g_low, down_grads = base_and_adapter_grads(2, g, act, low_down)
         del act
@@ -97,7 +96,7 @@ class _LoraMLP(torch.autograd.Function):
         grad_up = grad_act * silu
         del silu
         grad_gate = torch.ops.aten.silu_backward(grad_act * up, gate)
-        del grad_act, gate, up
+        del grad_act
         grad_x = None
         g_low, gate_grads = base_and_adapter_grads(0, grad_gate, flat, low_gate)
         if need_x:

@@ -85,7 +85,8 @@ CALIBRATION_REPEATS = 5  # timed calls per library, after one warm-up each
 ONEDNN_MARGIN = 0.95
 # (product, out, in) -> whether oneDNN was faster here; product is "linear" or "times_weight"
 _faster: dict[tuple[str, int, int], bool] = {}
-_routes: dict[str, Path | None] = {}  # "file": this machine's file of measured choices, once read
+# once read: "file", this machine's file of measured choices, and "machine", what keys it
+_routes: dict[str, object] = {}
 PACK_SHARE = 4  # packed copies take at most 1/PACK_SHARE of physical memory
 PACK_ROWS_HINT = 256  # the row count oneDNN picks the layout for (any count runs; 32-2048 measured equal)
 # id(weight) -> (weak reference, weight._version, data_ptr, packed copy)
@@ -213,10 +214,10 @@ def _machine() -> dict[str, object]:
     }
 
 
-def _routes_file() -> Path:
+def _routes_file(machine: dict[str, object] | None = None) -> Path:
     from twinkle.hub.cache import cache_root
 
-    machine = _machine()
+    machine = machine or _machine()
     digest = hashlib.sha256(json.dumps(machine, sort_keys=True).encode()).hexdigest()[:16]
     return cache_root() / "gemm" / f"routes-{digest}.json"
 
@@ -243,7 +244,7 @@ def _remember(key: tuple[str, int, int], choice: bool) -> bool:
     of this run) take the same library and compute the same sums. A choice another process wrote
     first wins; returns the choice to use. Without a writable cache the process keeps its own."""
     path = _routes.get("file")
-    if path is None:
+    if not isinstance(path, Path):
         return choice
     try:
         with file_lock(path.with_name(path.name + ".lock")):
@@ -251,7 +252,7 @@ def _remember(key: tuple[str, int, int], choice: bool) -> bool:
             choice = choices.setdefault(key, choice)
             text = json.dumps(
                 {
-                    "machine": _machine(),
+                    "machine": _routes["machine"],  # the file's key, as read once
                     "choices": {f"{p} {o} {i}": c for (p, o, i), c in sorted(choices.items())},
                 },
                 indent=1,
@@ -272,7 +273,8 @@ def faster_here(product: str, w: torch.Tensor) -> bool:
     key = (product, *w.shape)
     choice = _faster.get(key)
     if choice is None and "file" not in _routes:  # this process's first question: read the file
-        _routes["file"] = path = _routes_file()
+        _routes["machine"] = machine = _machine()
+        _routes["file"] = path = _routes_file(machine)
         _faster.update({k: v for k, v in _read_routes(path).items() if k not in _faster})
         choice = _faster.get(key)
     if choice is None:
