@@ -8,27 +8,28 @@ import sys
 from pathlib import Path
 
 import pytest
+import warm
 
 SCRIPT = Path(__file__).resolve().parents[2] / "cookbook" / "transformers" / "fsdp2.py"
 LOSS = re.compile(r"Current is step (\d+) of \d+, metric: \{.*?'loss': ([^,}]+)")
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", ".twinkle-complete")
 
 
-def run_script(tmp_path: Path, model_dir: Path, *flags: str, env: dict | None = None) -> str:
-    """Run the script in a fresh process from ``tmp_path``; return its stderr (the log)."""
-    command = [
-        sys.executable,
-        str(SCRIPT),
-        "--model-id",
-        str(model_dir),
-        "--output-dir",
-        str(tmp_path / "out"),
-        *flags,
-    ]
+def run_script(tmp_path: Path, model_dir: Path, *flags: str, env: dict | None = None, fresh=False) -> str:
+    """Run the script in its own process from ``tmp_path``; return its stderr (the log).
+    ``fresh``: a new interpreter; otherwise forked from one that has imported torch and peft
+    (``tests/assets/warm.py``: the same run without ~10 s of imports)."""
+    argv = [str(SCRIPT), "--model-id", str(model_dir), "--output-dir", str(tmp_path / "out"), *flags]
     # One thread: the tiny model is overhead-bound, and two OpenMP threads on two shared cores
-    # spin against other processes (a step becomes up to 100x slower).
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    result = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, env=full_env, timeout=300)
+    # spin against other processes (a step becomes up to 100x slower). No network: offline tests.
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", **(env or {})}
+    if fresh:
+        command = [sys.executable, *argv]
+        result = subprocess.run(
+            command, cwd=tmp_path, capture_output=True, text=True, env=full_env, timeout=300
+        )
+    else:
+        result = warm.run(argv, cwd=tmp_path, env=full_env, timeout=300)
     assert result.returncode == 0, result.stderr[-4000:]
     return result.stderr
 
@@ -51,6 +52,7 @@ def test_script_trains_evaluates_and_saves(tmp_path, tiny_model_dir):
         tiny_model_dir,
         *("--train-samples", "32", "--batch-size", "4", "--eval-samples", "8"),
         *("--eval-interval", "4", "--log-interval", "2", "--lr", "1e-2"),
+        fresh=True,  # one run of the whole contract in a new interpreter, as a user starts it
     )
     out = tmp_path / "out"
     assert_checkpoint(out / "last-checkpoint", consumed=32)

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import warm
 
 
 def free_port() -> int:
@@ -49,6 +50,12 @@ class Launcher:
     def run(self, script: Path, args: list[str], nproc: int = 1, timeout_s: float = 120) -> Job:
         """Run to completion; on timeout kill the whole process group and fail the test."""
         start = time.perf_counter()
+        if nproc == 1:  # one process: forked from one with torch and peft imported (``warm``)
+            try:
+                done = warm.run([str(script), *args], script.parent, self.env, timeout_s, merge=True)
+            except subprocess.TimeoutExpired as exc:
+                pytest.fail(f"{script.name} x1 ran past {timeout_s} s:\n{exc.output[-4000:]}")
+            return Job(done.returncode, done.stdout, time.perf_counter() - start)
         proc = subprocess.Popen(
             self.command(script, args, nproc),
             cwd=script.parent,

@@ -1,11 +1,11 @@
-"""Helpers of the hardening tests: run the contract script in a subprocess, snapshot weights."""
+"""Helpers of the hardening tests: run the contract script in its own process, snapshot weights."""
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import torch
+import warm
 
 SCRIPT = Path(__file__).resolve().parents[2] / "cookbook" / "transformers" / "fsdp2.py"
 
@@ -34,14 +34,9 @@ def script_command(model_dir: Path, output_dir: Path, *flags: str) -> list[str]:
 
 
 def run_script(tmp_path: Path, model_dir: Path, output_dir: Path, *flags: str, **env: str):
-    return subprocess.run(
-        script_command(model_dir, output_dir, *flags),
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        env=script_env(tmp_path, **env),
-        timeout=300,
-    )
+    """The script in its own process (forked from one with torch and peft imported: ``warm``)."""
+    argv = script_command(model_dir, output_dir, *flags)[1:]
+    return warm.run(argv, cwd=tmp_path, env=script_env(tmp_path, **env), timeout=300)
 
 
 def trainable(model) -> dict[str, torch.Tensor]:

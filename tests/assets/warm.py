@@ -1,0 +1,180 @@
+"""Run ``python SCRIPT ARGS`` in a child forked from a process that has already imported torch,
+transformers, peft and datasets.
+
+Those imports are most of a short script run: ~10 s a process on CI's two cores, so the suite's
+dozens of script runs spend minutes importing. ``run`` gives the same observable run as a fresh
+interpreter: the script file runs as ``__main__`` with its ``sys.argv``, ``sys.path[0]``, working
+folder, environment and its own stdout/stderr; an uncaught exception goes through
+``sys.excepthook`` (the script's, if it set one) with the traceback starting at the script, a
+``SystemExit`` sets the exit status as the interpreter does, ``atexit`` handlers run, and the
+status is the process's own (negative for a signal, like ``subprocess``).
+
+Exactness is kept by construction, not by hope:
+* one warm process per environment, ignoring ``TWINKLE_*`` variables (Twinkle is imported by the
+  child, never preloaded), so every variable a preloaded library read at import had the value
+  the script's environment gives it;
+* anything the preloading printed (an import-time warning) would be the script's output too:
+  if there is any, the warm process is not used and the script runs in a fresh interpreter.
+
+The preloaded process has run no torch op and started no Python thread before it forks (as a
+``DataLoader`` forks its workers)."""
+
+import atexit
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+# Read by Twinkle (imported in the child) or set by pytest per test: not part of a warm process's key.
+PER_RUN = ("TWINKLE_", "PYTEST_CURRENT_TEST")
+PRELOAD = ("torch", "torch.optim", "transformers", "peft", "datasets", "safetensors.torch", "tqdm")
+
+SERVER = r"""
+import importlib, json, os, runpy, sys, threading
+
+for name in sys.argv[1:]:
+    importlib.import_module(name)
+replies = os.fdopen(os.dup(1), "w", buffering=1)
+null = os.open(os.devnull, os.O_RDWR)
+os.dup2(null, 1)  # stray output of the warm process goes nowhere; the reply channel is its copy
+replies.write("ready\n")
+
+
+def exit_status(exc):
+    if exc.code is None:
+        return 0
+    if isinstance(exc.code, int):
+        return exc.code
+    print(exc.code, file=sys.stderr)
+    return 1
+
+
+def run(request):
+    os.setpgid(0, 0)  # its own group: a timeout ends whatever it started
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    os.dup2(os.open(request["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), 1)
+    if request["stderr"] is None:  # merged, as stderr=subprocess.STDOUT
+        os.dup2(1, 2)
+    else:
+        os.dup2(os.open(request["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), 2)
+    os.dup2(null, 0)
+    script = request["argv"][0]
+    sys.argv = list(request["argv"])
+    sys.path[0] = os.path.dirname(os.path.abspath(script))
+    status = 0
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as exc:
+        status = exit_status(exc)
+    except BaseException as exc:
+        tb = exc.__traceback__
+        while tb is not None and tb.tb_frame.f_code.co_filename != script:
+            tb = tb.tb_next  # the interpreter's traceback starts at the script, not at runpy
+        if tb is not None:
+            exc.__traceback__ = tb  # what the hook prints, whatever tb it is given
+        sys.excepthook(type(exc), exc, exc.__traceback__)
+        status = 1
+    try:
+        threading._shutdown()  # the interpreter joins non-daemon threads before atexit
+        import atexit
+        atexit._run_exitfuncs()
+        sys.stdout.flush()
+        sys.stderr.flush()
+    finally:
+        os._exit(status)
+
+
+for line in sys.stdin:
+    request = json.loads(line)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        run(request)
+    replies.write(json.dumps({"pid": pid}) + "\n")
+    _, status = os.waitpid(pid, 0)
+    replies.write(json.dumps({"status": os.waitstatus_to_exitcode(status)}) + "\n")
+"""
+
+_warm: dict[tuple, "_Warm | None"] = {}
+
+
+class _Warm:
+    def __init__(self, env: dict[str, str]):
+        self.folder = Path(tempfile.mkdtemp(prefix="twinkle-warm-"))
+        preload_err = self.folder / "preload.err"
+        with open(preload_err, "w") as err:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-c", SERVER, *PRELOAD],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=err,
+                env=env,
+                text=True,
+                cwd=self.folder,
+            )
+        ready = self.proc.stdout.readline().strip()
+        self.usable = ready == "ready" and not preload_err.read_text()
+
+    def run(self, argv: list[str], cwd: Path, env: dict[str, str], timeout: float, merge: bool):
+        out, err = self.folder / "stdout", self.folder / "stderr"
+        err.write_text("")
+        request = {"argv": argv, "cwd": str(cwd), "env": env, "stdout": str(out)}
+        request["stderr"] = None if merge else str(err)
+        self.proc.stdin.write(json.dumps(request) + "\n")
+        self.proc.stdin.flush()
+        pid = json.loads(self.proc.stdout.readline())["pid"]
+        killed = threading.Event()
+
+        def kill() -> None:
+            killed.set()
+            os.killpg(pid, signal.SIGKILL)
+
+        timer = threading.Timer(timeout, kill)
+        timer.start()
+        status = json.loads(self.proc.stdout.readline())["status"]
+        timer.cancel()
+        stdout = out.read_text(errors="replace")
+        stderr = None if merge else err.read_text(errors="replace")
+        if killed.is_set():
+            raise subprocess.TimeoutExpired(argv, timeout, output=stdout, stderr=stderr)
+        return subprocess.CompletedProcess(argv, status, stdout, stderr)
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=30)
+
+
+def _close_all() -> None:
+    for warm in _warm.values():
+        if warm is not None:
+            warm.close()
+
+
+atexit.register(_close_all)
+
+
+def run(
+    argv: list[str], cwd: Path, env: dict[str, str], timeout: float = 300, merge: bool = False
+) -> subprocess.CompletedProcess:
+    """``subprocess.run([sys.executable, *argv], cwd=cwd, env=env, capture_output=True,
+    text=True, timeout=timeout)``, from a warm process when one can give the same run.
+    ``merge``: stderr goes to stdout (``stderr=subprocess.STDOUT``)."""
+    key = tuple(sorted((k, v) for k, v in env.items() if not k.startswith(PER_RUN)))
+    if key not in _warm:
+        warm = _Warm(dict(key))
+        _warm[key] = warm if warm.usable else None
+    warm = _warm[key]
+    if warm is None:
+        err = subprocess.STDOUT if merge else subprocess.PIPE
+        return subprocess.run(
+            [sys.executable, *argv], cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=err, text=True,
+            timeout=timeout,
+        )  # fmt: skip
+    return warm.run(argv, cwd, env, timeout, merge)

@@ -1,0 +1,73 @@
+"""``tests/assets/warm.py`` gives the run a fresh interpreter gives: the script tests rely on it."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import warm
+
+SCRIPT = textwrap.dedent(
+    """
+    import atexit, json, os, sys
+    import helper  # next to the script: sys.path[0] is the script's folder
+
+    atexit.register(lambda: print("atexit ran", flush=True))
+    print(json.dumps({"argv": sys.argv, "cwd": os.getcwd(), "var": os.environ.get("TWINKLE_PROBE"),
+                      "name": __name__, "file": __file__, "helper": helper.VALUE}))
+    print("to stderr", file=sys.stderr)
+    how = sys.argv[1]
+    if how == "exit-code":
+        sys.exit(3)
+    if how == "exit-message":
+        sys.exit("stopped: a message")
+    if how == "hook":
+        sys.excepthook = lambda kind, exc, tb: print(f"error: {exc}", file=sys.stderr)
+    if how in ("hook", "raise"):
+        def deeper():
+            raise ValueError("bad row")
+        deeper()
+    """
+)
+
+
+@pytest.fixture
+def script(tmp_path):
+    folder = tmp_path / "scripts"
+    folder.mkdir()
+    (folder / "helper.py").write_text("VALUE = 7\n")
+    path = folder / "probe.py"
+    path.write_text(SCRIPT)
+    return path
+
+
+@pytest.mark.parametrize("how", ["ok", "exit-code", "exit-message", "hook", "raise"])
+def test_a_warm_run_is_a_fresh_run(script, tmp_path, how):
+    # The environment of the script tests (one warm process serves them all); TWINKLE_ variables
+    # are per run.
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TWINKLE_PROBE": how}
+    fresh = subprocess.run(
+        [sys.executable, str(script), how], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60
+    )
+    forked = warm.run([str(script), how], cwd=tmp_path, env=env, timeout=60)
+    assert forked.returncode == fresh.returncode == {"exit-code": 3, "ok": 0}.get(how, 1)
+    assert forked.stdout == fresh.stdout
+    assert '"helper": 7' in forked.stdout and '"name": "__main__"' in forked.stdout
+    assert forked.stderr == fresh.stderr  # the traceback too: it starts at the script
+    if how == "raise":
+        assert forked.stderr.splitlines()[2].startswith(f'  File "{script}", line ')
+
+
+def test_merged_output_and_a_timeout(tmp_path):
+    script = tmp_path / "slow.py"
+    script.write_text(
+        "import sys, time\nprint('out', flush=True)\nprint('err', file=sys.stderr, flush=True)\n"
+    )
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    merged = warm.run([str(script)], cwd=tmp_path, env=env, merge=True)
+    assert merged.stdout == "out\nerr\n" and merged.stderr is None
+    script.write_text("import time\nprint('started', flush=True)\ntime.sleep(60)\n")
+    with pytest.raises(subprocess.TimeoutExpired) as caught:
+        warm.run([str(script)], cwd=tmp_path, env=env, timeout=2)
+    assert caught.value.output == "started\n"
