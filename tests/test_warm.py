@@ -71,3 +71,15 @@ def test_merged_output_and_a_timeout(tmp_path):
     with pytest.raises(subprocess.TimeoutExpired) as caught:
         warm.run([str(script)], cwd=tmp_path, env=env, timeout=2)
     assert caught.value.output == "started\n"
+
+
+def test_a_preload_that_prints_means_a_fresh_interpreter(tmp_path, monkeypatch):
+    """Output of the preloading would be missing from the script's: such a warm process is not used."""
+    (tmp_path / "noisy.py").write_text("import sys\nprint('imported noisy', file=sys.stderr)\n")
+    script = tmp_path / "probe.py"
+    script.write_text("import os, noisy\nprint(os.getpid() != int(os.environ['TWINKLE_PARENT']))\n")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path), "TWINKLE_PARENT": str(os.getpid())}
+    monkeypatch.setattr(warm, "PRELOAD", ("noisy",))
+    result = warm.run([str(script)], cwd=tmp_path, env=env)
+    assert (result.returncode, result.stdout, result.stderr) == (0, "True\n", "imported noisy\n")
+    assert [w for k, w in warm._warm.items() if ("PYTHONPATH", str(tmp_path)) in k] == [None]

@@ -22,6 +22,7 @@ The preloaded process has run no torch op and started no Python thread before it
 import atexit
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -129,16 +130,19 @@ class _Warm:
         request["stderr"] = None if merge else str(err)
         self.proc.stdin.write(json.dumps(request) + "\n")
         self.proc.stdin.flush()
-        pid = json.loads(self.proc.stdout.readline())["pid"]
+        pid = self._reply()["pid"]
         killed = threading.Event()
 
         def kill() -> None:
             killed.set()
-            os.killpg(pid, signal.SIGKILL)
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except ProcessLookupError:  # it ended just now
+                pass
 
         timer = threading.Timer(timeout, kill)
         timer.start()
-        status = json.loads(self.proc.stdout.readline())["status"]
+        status = self._reply()["status"]
         timer.cancel()
         stdout = out.read_text(errors="replace")
         stderr = None if merge else err.read_text(errors="replace")
@@ -146,9 +150,18 @@ class _Warm:
             raise subprocess.TimeoutExpired(argv, timeout, output=stdout, stderr=stderr)
         return subprocess.CompletedProcess(argv, status, stdout, stderr)
 
+    def _reply(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:  # it died (killed, out of memory): say so rather than fail to parse ""
+            self.proc.wait(timeout=30)
+            raise RuntimeError(f"the warm process exited ({self.proc.returncode}); it printed: "
+                               f"{(self.folder / 'preload.err').read_text()[-2000:]!r}")  # fmt: skip
+        return json.loads(line)
+
     def close(self) -> None:
         self.proc.stdin.close()
         self.proc.wait(timeout=30)
+        shutil.rmtree(self.folder, ignore_errors=True)
 
 
 def _close_all() -> None:
@@ -169,6 +182,8 @@ def run(
     key = tuple(sorted((k, v) for k, v in env.items() if not k.startswith(PER_RUN)))
     if key not in _warm:
         warm = _Warm(dict(key))
+        if not warm.usable:
+            warm.close()
         _warm[key] = warm if warm.usable else None
     warm = _warm[key]
     if warm is None:
