@@ -32,6 +32,7 @@ from pathlib import Path
 
 # Read by Twinkle (imported in the child) or set by pytest per test: not part of a warm process's key.
 PER_RUN = ("TWINKLE_", "PYTEST_CURRENT_TEST")
+PRELOAD_TIMEOUT_S = 300
 PRELOAD = ("torch", "torch.optim", "transformers", "peft", "datasets", "safetensors.torch", "tqdm")
 
 SERVER = r"""
@@ -120,7 +121,10 @@ class _Warm:
                 text=True,
                 cwd=self.folder,
             )
+        stuck = threading.Timer(PRELOAD_TIMEOUT_S, self.proc.kill)  # then unusable: fresh runs
+        stuck.start()
         ready = self.proc.stdout.readline().strip()
+        stuck.cancel()
         self.usable = ready == "ready" and not preload_err.read_text()
 
     def run(self, argv: list[str], cwd: Path, env: dict[str, str], timeout: float, merge: bool):
