@@ -11,13 +11,14 @@ status is the process's own (negative for a signal, like ``subprocess``).
 
 Exactness is kept by construction, not by hope:
 * one warm process per environment, ignoring ``TWINKLE_*`` variables (Twinkle is imported by the
-  child, never preloaded), so every variable a preloaded library read at import had the value
-  the script's environment gives it;
+  child, never preloaded) and pytest's ``PYTEST_CURRENT_TEST``, so every variable a preloaded
+  library read at import had the value the script's environment gives it;
 * anything the preloading printed (an import-time warning) would be the script's output too:
   if there is any, the warm process is not used and the script runs in a fresh interpreter.
 
-The preloaded process has run no torch op and started no Python thread before it forks (as a
-``DataLoader`` forks its workers)."""
+The preloaded process has run no torch op and started no Python thread when it forks (importing
+torch starts one idle native thread, which the child does not inherit); ``DataLoader`` workers
+are forked the same way, after far more."""
 
 import atexit
 import json
