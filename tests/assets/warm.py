@@ -178,19 +178,30 @@ def _close_all() -> None:
 atexit.register(_close_all)
 
 
-def run(
-    argv: list[str], cwd: Path, env: dict[str, str], timeout: float = 300, merge: bool = False
-) -> subprocess.CompletedProcess:
-    """``subprocess.run([sys.executable, *argv], cwd=cwd, env=env, capture_output=True,
-    text=True, timeout=timeout)``, from a warm process when one can give the same run.
-    ``merge``: stderr goes to stdout (``stderr=subprocess.STDOUT``)."""
+def _warm_for(env: dict[str, str]) -> "_Warm | None":
+    """The warm process for ``env``, started on first use; None where none can serve it."""
     key = tuple(sorted((k, v) for k, v in env.items() if not k.startswith(PER_RUN)))
     if key not in _warm:
         warm = _Warm(dict(key))
         if not warm.usable:
             warm.close()
         _warm[key] = warm if warm.usable else None
-    warm = _warm[key]
+    return _warm[key]
+
+
+def run(
+    argv: list[str],
+    cwd: Path,
+    env: dict[str, str],
+    timeout: float = 300,
+    merge: bool = False,
+    fresh: bool = False,
+) -> subprocess.CompletedProcess:
+    """``subprocess.run([sys.executable, *argv], cwd=cwd, env=env, capture_output=True,
+    text=True, timeout=timeout)``, from a warm process when one can give the same run and
+    ``fresh`` does not ask for a new interpreter. ``merge``: stderr goes to stdout
+    (``stderr=subprocess.STDOUT``)."""
+    warm = None if fresh else _warm_for(env)
     if warm is None:
         err = subprocess.STDOUT if merge else subprocess.PIPE
         return subprocess.run(

@@ -3,8 +3,6 @@
 import json
 import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,13 +21,7 @@ def run_script(tmp_path: Path, model_dir: Path, *flags: str, env: dict | None = 
     # One thread: the tiny model is overhead-bound, and two OpenMP threads on two shared cores
     # spin against other processes (a step becomes up to 100x slower). No network: offline tests.
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", **(env or {})}
-    if fresh:
-        command = [sys.executable, *argv]
-        result = subprocess.run(
-            command, cwd=tmp_path, capture_output=True, text=True, env=full_env, timeout=300
-        )
-    else:
-        result = warm.run(argv, cwd=tmp_path, env=full_env, timeout=300)
+    result = warm.run(argv, cwd=tmp_path, env=full_env, timeout=300, fresh=fresh)
     assert result.returncode == 0, result.stderr[-4000:]
     return result.stderr
 

@@ -26,7 +26,8 @@ class Job:
 
 
 class Launcher:
-    """Runs ``script args`` as ``nproc`` processes: plain ``python`` for 1, torchrun otherwise.
+    """Runs ``script args`` as ``nproc`` processes: one (forked from a warm process, ``warm``) for
+    1, torchrun otherwise.
 
     Every job gets one thread per process (the tests share two cores, and the 1-process and
     N-process runs then reduce in comparable orders), the test's cache folder, and no other
@@ -37,9 +38,7 @@ class Launcher:
         env.update(TWINKLE_CACHE=str(cache_dir), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
         self.env = env
 
-    def command(self, script: Path, args: list[str], nproc: int) -> list[str]:
-        if nproc == 1:
-            return [sys.executable, str(script), *args]
+    def torchrun(self, script: Path, args: list[str], nproc: int) -> list[str]:
         return [
             sys.executable, "-m", "torch.distributed.run",
             "--nnodes", "1", "--nproc_per_node", str(nproc),
@@ -50,14 +49,14 @@ class Launcher:
     def run(self, script: Path, args: list[str], nproc: int = 1, timeout_s: float = 120) -> Job:
         """Run to completion; on timeout kill the whole process group and fail the test."""
         start = time.perf_counter()
-        if nproc == 1:  # one process: forked from one with torch and peft imported (``warm``)
+        if nproc == 1:
             try:
                 done = warm.run([str(script), *args], script.parent, self.env, timeout_s, merge=True)
             except subprocess.TimeoutExpired as exc:
                 pytest.fail(f"{script.name} x1 ran past {timeout_s} s:\n{exc.output[-4000:]}")
             return Job(done.returncode, done.stdout, time.perf_counter() - start)
         proc = subprocess.Popen(
-            self.command(script, args, nproc),
+            self.torchrun(script, args, nproc),
             cwd=script.parent,
             env=self.env,
             stdout=subprocess.PIPE,

@@ -52,25 +52,30 @@ def project(
     return out.addmm_(low, lora_b.t(), alpha=scaling), low
 
 
-def adapter_grads(
+def param_grads(
     g: torch.Tensor,
+    flat: torch.Tensor | None,
     flat_lora: torch.Tensor | None,
     lora_a: torch.Tensor,
     lora_b: torch.Tensor,
     low: torch.Tensor,
     scaling: float,
-    need_a: bool,
-    need_b: bool,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """``(g_low, grad_a, grad_b)`` for the output gradient ``g`` (2-D): ``g_low`` is the gradient
-    for ``flat_lora A^T`` (tokens, r), which ``input_grad`` takes. ``g`` and ``flat_lora`` may be
-    in the base's dtype: they are cast to the adapter's here, so on a bf16 model their fp32 copies
-    (each as large as the tensor) live only while this runs."""
+    needs: tuple[bool, bool, bool, bool],
+) -> tuple[torch.Tensor, tuple[torch.Tensor | None, ...]]:
+    """``(g_low, (grad_weight, grad_bias, grad_a, grad_b))`` for the output gradient ``g`` (2-D),
+    each gradient None unless ``needs`` (weight, bias, lora_a, lora_b) asks for it. ``g_low`` is
+    the gradient for ``flat_lora A^T`` (tokens, r), which ``input_grad`` takes. ``g`` and
+    ``flat_lora`` may be in the base's dtype: they are cast to the adapter's here, so on a bf16
+    model their fp32 copies (each as large as the tensor) live only while this runs."""
+    need_w, need_bias, need_a, need_b = needs
     g_lora = g.to(lora_b.dtype)
     g_low = _thin(lora_b.t(), g_lora.t()).mul_(scaling)  # (tokens, r)
     grad_a = g_low.t() @ adapter_input(flat_lora, lora_a) if need_a else None
     grad_b = _thin(low.t(), g_lora).mul_(scaling) if need_b else None
-    return g_low, grad_a, grad_b
+    del g_lora
+    grad_w = g.t() @ flat if need_w else None
+    grad_bias = g.sum(0) if need_bias else None
+    return g_low, (grad_w, grad_bias, grad_a, grad_b)
 
 
 def input_grad(
@@ -99,13 +104,13 @@ def project_grads(
 ) -> tuple[torch.Tensor | None, ...]:
     """``project``'s gradients for the output gradient ``g`` (2-D): ``(x, x_lora, weight, bias,
     lora_a, lora_b)``, each None unless ``needs`` asks for it. ``flat_lora`` may be in the base's
-    dtype (``adapter_grads`` casts it). ``split``: x_lora is a tensor of its own (after dropout);
+    dtype (``param_grads`` casts it). ``split``: x_lora is a tensor of its own (after dropout);
     else the two branches' gradients for x are summed into the first (``input_grad``). The
-    adapters' gradients come first, so that their wide inputs can go before the input's."""
-    need_x, need_x_lora, need_w, need_bias, need_a, need_b = needs
-    g_low, grad_a, grad_b = adapter_grads(g, flat_lora, lora_a, lora_b, low, scaling, need_a, need_b)
-    grad_w = g.t() @ flat if need_w else None
-    grad_bias = g.sum(0) if need_bias else None
+    parameters' gradients come first, so that the adapter's wide inputs can go before x's."""
+    need_x, need_x_lora = needs[:2]
+    g_low, (grad_w, grad_bias, grad_a, grad_b) = param_grads(
+        g, flat, flat_lora, lora_a, lora_b, low, scaling, needs[2:]
+    )
     grad_x = grad_x_lora = None
     if split:
         grad_x = times_weight(g, weight) if need_x else None

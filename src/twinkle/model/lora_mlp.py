@@ -33,10 +33,10 @@ import torch
 import torch.nn.functional as F
 
 from twinkle.model.lora_linear import (
-    adapter_grads,
     adapter_input,
     input_grad,
     lora_params,
+    param_grads,
     plain_loras,
     project,
 )
@@ -74,23 +74,19 @@ class _LoraMLP(torch.autograd.Function):
         needs = ctx.needs_input_grad[3:]
         scalings = ctx.scalings
 
-        def base_and_adapter_grads(i: int, grad: torch.Tensor, x_in: torch.Tensor, low: torch.Tensor):
-            weight, bias, lora_a, lora_b = params[4 * i : 4 * i + 4]
-            flags = needs[4 * i : 4 * i + 4]  # weight, bias, lora_a, lora_b
-            g_low, grad_a, grad_b = adapter_grads(
-                grad, x_in, lora_a, lora_b, low, scalings[i], flags[2], flags[3]
-            )
-            grad_w = grad.t() @ x_in if flags[0] else None
-            grad_bias = grad.sum(0) if flags[1] and bias is not None else None
-            return g_low, (grad_w, grad_bias, grad_a, grad_b)
+        def layer_grads(i: int, grad: torch.Tensor, x_in: torch.Tensor, low: torch.Tensor):
+            _, bias, lora_a, lora_b = params[4 * i : 4 * i + 4]
+            need_w, need_bias, need_a, need_b = needs[4 * i : 4 * i + 4]
+            wanted = (need_w, need_bias and bias is not None, need_a, need_b)
+            return param_grads(grad, x_in, x_in, lora_a, lora_b, low, scalings[i], wanted)
 
         # Ordered for the peak on a bf16 model with fp32 adapters, where each intermediate-wide
         # tensor has a twice as large fp32 copy for its adapter: every tensor made here goes once
         # its last use is done (saved ones stay until the node is done either way), and each copy
-        # lives only inside one call (``adapter_grads``, ``input_grad``). The ops and their inputs
+        # lives only inside one call (``param_grads``, ``input_grad``). The ops and their inputs
         # are those autograd runs on the unfused layers, so the results do not change.
         g = grad_out.reshape(-1, grad_out.shape[-1])
-        g_low, down_grads = base_and_adapter_grads(2, g, act, low_down)
+        g_low, down_grads = layer_grads(2, g, act, low_down)
         del act
         grad_act = input_grad(g, params[8], g_low, params[10])
         grad_up = grad_act * silu
@@ -98,11 +94,11 @@ class _LoraMLP(torch.autograd.Function):
         grad_gate = torch.ops.aten.silu_backward(grad_act * up, gate)
         del grad_act
         grad_x = None
-        g_low, gate_grads = base_and_adapter_grads(0, grad_gate, flat, low_gate)
+        g_low, gate_grads = layer_grads(0, grad_gate, flat, low_gate)
         if need_x:
             grad_x_gate = input_grad(grad_gate, params[0], g_low, params[2])
         del grad_gate
-        g_low, up_grads = base_and_adapter_grads(1, grad_up, flat, low_up)
+        g_low, up_grads = layer_grads(1, grad_up, flat, low_up)
         if need_x:
             grad_x = input_grad(grad_up, params[4], g_low, params[6]).add_(grad_x_gate).view(ctx.x_shape)
         return grad_x, None, None, *gate_grads, *up_grads, *down_grads
