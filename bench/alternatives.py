@@ -8,6 +8,8 @@
 ``g @ W`` input gradient) against
 - the transposed product (``(W @ x.T).T`` made contiguous again, likewise for the gradient);
 - MKL's own packed weight (``torch.ops.mkl._mkl_linear``), with the packed copy's size;
+- for the input gradient, oneDNN on a packed copy of ``W.T`` (``bench/step_ab.py --switch
+  packed-transposed`` runs it in whole steps);
 - the q/k/v and the gate/up weights concatenated into one product each (forward, and the input
   gradient as one product of the concatenated output gradients against the summed three);
 - two products at once, each on one of two single-threaded workers, against one after the other
@@ -41,6 +43,7 @@ from collections.abc import Callable
 import torch
 
 from twinkle.model.cpu_attention import _FORWARD, PooledCausalAttention, pool
+from twinkle.utils import gemm
 
 SHAPES = {"q/o": (576, 576), "k/v": (576, 192), "gate/up": (576, 1536), "down": (1536, 576)}
 
@@ -78,6 +81,7 @@ def products(rows: int, repeats: int) -> None:
     for name, (fan_in, fan_out) in SHAPES.items():
         x, w, g = torch.randn(rows, fan_in), torch.randn(fan_out, fan_in), torch.randn(rows, fan_out)
         packed = torch.ops.mkl._mkl_reorder_linear_weight(w, rows)
+        packed_t = gemm._pack(w.t().contiguous())
         compare(
             f"{name} forward",
             {
@@ -95,6 +99,7 @@ def products(rows: int, repeats: int) -> None:
             {
                 "g @ W": lambda g=g, w=w: g @ w,
                 "transposed": lambda g=g, w=w: (w.t() @ g.t()).t().contiguous(),
+                "oneDNN, packed W.T": lambda g=g, p=packed_t: gemm._linear_pointwise(g, p, None),
             },
             repeats,
             20,

@@ -16,7 +16,13 @@ Switches:
 - ``batched-attention``: short rows' attention as batched products where the cost model picks
   them (``twinkle.model.batched_attention``), or always the per-sample flash calls;
 - ``lora-qkv``: the attention layers' q/k/v projections and rotary embedding as one node
-  (``twinkle.model.lora_qkv``), or layer by layer."""
+  (``twinkle.model.lora_qkv``), or layer by layer.
+
+Two alternatives we measured and did not adopt (on: the alternative; off: Twinkle's routing):
+- ``openblas``: every frozen weight's fp32 product through numpy's OpenBLAS (set
+  ``OPENBLAS_NUM_THREADS`` to torch's thread count);
+- ``packed-transposed``: the input gradients ``g @ W`` from a oneDNN-packed copy of ``W.T``, the
+  forwards from the dense ``W`` (the same memory as packing ``W`` for the forwards)."""
 
 import argparse
 import statistics
@@ -31,11 +37,65 @@ from run import WORKLOADS, prepare
 
 import twinkle
 from twinkle.dataloader import DataLoader
-from twinkle.model import batched_attention, lora_qkv
+from twinkle.loss import fused_linear_ce
+from twinkle.model import batched_attention, lora_linear, lora_qkv
 from twinkle.utils import gemm
 
+# the modules that imported gemm's two products by name
+PRODUCT_USERS = (lora_linear, lora_qkv, fused_linear_ce)
 
-def _packed_weights() -> Callable[[bool], None]:
+
+def _route(linear: Callable, times_weight: Callable) -> Callable[[bool], None]:
+    """A switch between Twinkle's own products (off) and these two (on), where they apply."""
+
+    def switch(on: bool) -> None:
+        for module in PRODUCT_USERS:
+            module.linear = linear if on else gemm.linear
+            module.times_weight = times_weight if on else gemm.times_weight
+
+    return switch
+
+
+def _openblas(model) -> Callable[[bool], None]:
+    import numpy as np
+
+    def product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return torch.from_numpy(np.matmul(a.detach().numpy(), b.detach().numpy()))
+
+    def linear(x, w, bias=None):
+        if not gemm._eligible(x, w, bias):
+            return gemm.linear(x, w, bias)
+        out = product(x, w.t())
+        return out if bias is None else out.add_(bias)
+
+    def times_weight(g, w):
+        return product(g, w) if gemm._eligible(g, w) else gemm.times_weight(g, w)
+
+    return _route(linear, times_weight)
+
+
+def _packed_transposed(model) -> Callable[[bool], None]:
+    transposed = {
+        id(m.weight): gemm._pack(m.weight.t().contiguous())
+        for m in model.model.modules()
+        if isinstance(m, torch.nn.Linear) and gemm._packable(m.weight)
+    }
+    print(f"packed copies of W.T: {sum(t.nbytes for t in transposed.values()) / 2**20:.0f} MiB")
+
+    def linear(x, w, bias=None):
+        if id(w) in transposed and gemm._eligible(x, w, bias):
+            return gemm._linear_pointwise(x, w, bias)  # the dense weight
+        return gemm.linear(x, w, bias)
+
+    def times_weight(g, w):
+        if id(w) in transposed and gemm._eligible(g, w):
+            return gemm._linear_pointwise(g, transposed[id(w)], None)
+        return gemm.times_weight(g, w)
+
+    return _route(linear, times_weight)
+
+
+def _packed_weights(_model) -> Callable[[bool], None]:
     assert gemm.packed_bytes(), "nothing was packed: is TWINKLE_ONEDNN off?"
     table = gemm._packed
 
@@ -45,7 +105,7 @@ def _packed_weights() -> Callable[[bool], None]:
     return switch
 
 
-def _onednn() -> Callable[[bool], None]:
+def _onednn(_model) -> Callable[[bool], None]:
     mode = gemm._mode()
     assert mode != "off", "oneDNN is off in this process (TWINKLE_ONEDNN=0, or not built)"
 
@@ -55,14 +115,14 @@ def _onednn() -> Callable[[bool], None]:
     return switch
 
 
-def _batched_attention() -> Callable[[bool], None]:
+def _batched_attention(_model) -> Callable[[bool], None]:
     def switch(on: bool) -> None:
         batched_attention.CHOICE = "auto" if on else "never"
 
     return switch
 
 
-def _lora_qkv() -> Callable[[bool], None]:
+def _lora_qkv(_model) -> Callable[[bool], None]:
     def switch(on: bool) -> None:
         lora_qkv.USE = on
 
@@ -74,6 +134,8 @@ SWITCHES = {
     "onednn": _onednn,
     "batched-attention": _batched_attention,
     "lora-qkv": _lora_qkv,
+    "openblas": _openblas,
+    "packed-transposed": _packed_transposed,
 }
 
 
@@ -88,7 +150,7 @@ def paired_steps(switch_name: str, workload: str, batches: int, rounds: int, thr
     twinkle.initialize(seed=42)
     dataset = build_dataset(spec)
     model = profiled_model(spec)
-    switch = SWITCHES[switch_name]()
+    switch = SWITCHES[switch_name](model)
     data = [b for _, b in zip(range(batches), DataLoader(dataset=dataset, batch_size=4), strict=False)]
 
     def step(batch, on: bool) -> float:
