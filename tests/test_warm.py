@@ -83,3 +83,17 @@ def test_a_preload_that_prints_means_a_fresh_interpreter(tmp_path, monkeypatch):
     result = warm.run([str(script)], cwd=tmp_path, env=env)
     assert (result.returncode, result.stdout, result.stderr) == (0, "True\n", "imported noisy\n")
     assert [w for k, w in warm._warm.items() if ("PYTHONPATH", str(tmp_path)) in k] == [None]
+
+
+def test_a_run_that_cannot_start_fails_with_its_reason_and_the_next_one_runs(tmp_path):
+    """A missing working folder: the child reports it and exits; it does not go on serving."""
+    script = tmp_path / "hello.py"
+    script.write_text("print('hello')\n")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    assert warm.run([str(script)], cwd=tmp_path, env=env).stdout == "hello\n"
+    failed = warm.run([str(script)], cwd=tmp_path / "missing", env=env, timeout=60)
+    assert failed.returncode == 1 and failed.stdout == ""
+    assert (
+        f"FileNotFoundError: [Errno 2] No such file or directory: '{tmp_path / 'missing'}'" in failed.stderr
+    )
+    assert warm.run([str(script)], cwd=tmp_path, env=env, timeout=60).stdout == "hello\n"

@@ -58,15 +58,15 @@ def exit_status(exc):
 
 def run(request):
     os.setpgid(0, 0)  # its own group: a timeout ends whatever it started
-    os.chdir(request["cwd"])
-    os.environ.clear()
-    os.environ.update(request["env"])
     os.dup2(os.open(request["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), 1)
     if request["stderr"] is None:  # merged, as stderr=subprocess.STDOUT
         os.dup2(1, 2)
     else:
         os.dup2(os.open(request["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), 2)
     os.dup2(null, 0)
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
     script = request["argv"][0]
     sys.argv = list(request["argv"])
     sys.path[0] = os.path.dirname(os.path.abspath(script))
@@ -99,7 +99,12 @@ for line in sys.stdin:
     sys.stderr.flush()
     pid = os.fork()
     if pid == 0:
-        run(request)
+        try:
+            run(request)  # ends the child itself
+        except BaseException:  # a failed set-up (a missing cwd): the child must not serve this loop
+            import traceback
+            traceback.print_exc()
+        os._exit(1)
     replies.write(json.dumps({"pid": pid}) + "\n")
     _, status = os.waitpid(pid, 0)
     replies.write(json.dumps({"status": os.waitstatus_to_exitcode(status)}) + "\n")
@@ -130,6 +135,7 @@ class _Warm:
 
     def run(self, argv: list[str], cwd: Path, env: dict[str, str], timeout: float, merge: bool):
         out, err = self.folder / "stdout", self.folder / "stderr"
+        out.write_text("")  # a child that fails before opening them leaves no earlier run's output
         err.write_text("")
         request = {"argv": argv, "cwd": str(cwd), "env": env, "stdout": str(out)}
         request["stderr"] = None if merge else str(err)
