@@ -56,7 +56,7 @@ def _route(linear: Callable, times_weight: Callable) -> Callable[[bool], None]:
     return switch
 
 
-def _openblas(model) -> Callable[[bool], None]:
+def _openblas(_model) -> Callable[[bool], None]:
     import numpy as np
 
     def product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
