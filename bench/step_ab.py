@@ -25,6 +25,7 @@ Two alternatives we measured and did not adopt (on: the alternative; off: Twinkl
   forwards from the dense ``W`` (the same memory as packing ``W`` for the forwards)."""
 
 import argparse
+import resource
 import statistics
 import tempfile
 import time
@@ -39,7 +40,7 @@ import twinkle
 from twinkle.dataloader import DataLoader
 from twinkle.loss import fused_linear_ce
 from twinkle.model import batched_attention, lora_linear, lora_qkv
-from twinkle.utils import gemm
+from twinkle.utils import gemm, huge_pages
 
 # the modules that imported gemm's two products by name
 PRODUCT_USERS = (lora_linear, lora_qkv, fused_linear_ce)
@@ -129,7 +130,20 @@ def _lora_qkv(_model) -> Callable[[bool], None]:
     return switch
 
 
+def _huge_pages(_model) -> Callable[[bool], None]:
+    assert huge_pages.enable(), "huge pages are off here (TWINKLE_HUGE_PAGES=0, or see the warning)"
+
+    def switch(on: bool) -> None:
+        if on:
+            huge_pages.enable()
+        else:
+            huge_pages.disable()
+
+    return switch
+
+
 SWITCHES = {
+    "huge-pages": _huge_pages,
     "packed-weights": _packed_weights,
     "onednn": _onednn,
     "batched-attention": _batched_attention,
@@ -165,15 +179,26 @@ def paired_steps(switch_name: str, workload: str, batches: int, rounds: int, thr
         step(batch, True)
         step(batch, False)
     times = {True: [], False: []}
+    faults = {True: 0, False: 0}  # minor page faults, each way
+    system = {True: 0.0, False: 0.0}  # seconds in the kernel, each way
     for r in range(rounds):
         for i, batch in enumerate(data):
             for on in (True, False) if (i + r) % 2 == 0 else (False, True):
+                before = resource.getrusage(resource.RUSAGE_SELF)
                 times[on].append(step(batch, on))
+                after = resource.getrusage(resource.RUSAGE_SELF)
+                faults[on] += after.ru_minflt - before.ru_minflt
+                system[on] += after.ru_stime - before.ru_stime
     switch(True)
     off, on = statistics.median(times[False]), statistics.median(times[True])
     print(
         f"{workload} {switch_name}: median step off {off:.3f} s, on {on:.3f} s, on / off {on / off:.3f} "
         f"({len(times[True])} steps each)"
+    )
+    steps = len(times[True])
+    print(
+        f"per step: page faults off {faults[False] / steps:.0f}, on {faults[True] / steps:.0f}; "
+        f"kernel time off {system[False] / steps:.3f} s, on {system[True] / steps:.3f} s"
     )
 
 
