@@ -4,7 +4,7 @@
     python bench/step_ab.py --switch packed-weights --workload W2 --batches 4 --rounds 2
 
 The same batches run with the switch on and off, alternating which goes first; prints the median
-step of each. The model trains on every run, so both see the same sequence of weights but not
+step of each, and each way's page faults and kernel (system) time per step. The model trains on every run, so both see the same sequence of weights but not
 the same ones at the same batch: that shifts both alike.
 
 Switches:
@@ -40,7 +40,7 @@ import twinkle
 from twinkle.dataloader import DataLoader
 from twinkle.loss import fused_linear_ce
 from twinkle.model import batched_attention, lora_linear, lora_qkv
-from twinkle.utils import gemm, huge_pages
+from twinkle.utils import gemm
 
 # the modules that imported gemm's two products by name
 PRODUCT_USERS = (lora_linear, lora_qkv, fused_linear_ce)
@@ -130,20 +130,7 @@ def _lora_qkv(_model) -> Callable[[bool], None]:
     return switch
 
 
-def _huge_pages(_model) -> Callable[[bool], None]:
-    assert huge_pages.enable(), "huge pages are off here (TWINKLE_HUGE_PAGES=0, or see the warning)"
-
-    def switch(on: bool) -> None:
-        if on:
-            huge_pages.enable()
-        else:
-            huge_pages.disable()
-
-    return switch
-
-
 SWITCHES = {
-    "huge-pages": _huge_pages,
     "packed-weights": _packed_weights,
     "onednn": _onednn,
     "batched-attention": _batched_attention,

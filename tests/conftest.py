@@ -39,17 +39,3 @@ def _forget_parsed_args():
 
     yield
     cli._last = None
-
-
-@pytest.fixture
-def huge_pages_on():
-    """``twinkle.utils.huge_pages`` installed; afterwards as it was before."""
-    from twinkle.utils import huge_pages
-
-    was = huge_pages.installed()
-    assert huge_pages.enable(), "the huge-page allocator could not be had on this machine"
-    yield huge_pages
-    if was:
-        huge_pages.enable()
-    else:
-        huge_pages.disable()

@@ -7,7 +7,7 @@ import torch
 
 from twinkle.dataloader import DataLoader
 from twinkle.template.base import IGNORE_INDEX
-from twinkle.utils import gemm, huge_pages
+from twinkle.utils import gemm
 from twinkle.utils.errors import UserError
 
 LR = 1e-2
@@ -275,32 +275,3 @@ def test_a_cpu_model_packs_its_frozen_weights_and_trains_the_same(make_model, da
     dense_model = make_model()
     assert not any(id(w) in gemm._packed for w in dense_model.model.parameters())
     assert _train(dense_model, batches) == pytest.approx(packed_losses, rel=1e-6)
-
-
-def test_training_gives_the_same_numbers_on_huge_pages(huge_pages_on, make_model, dataset, monkeypatch):
-    batches = list(DataLoader(dataset, batch_size=4))[:3]
-    real_threshold = huge_pages.MIN_BLOCK
-    monkeypatch.setattr(huge_pages, "MIN_BLOCK", 4096)  # the tiny model's tensors are small
-    huge_pages.disable()
-    huge_pages.enable()  # again, with the smaller threshold
-    made = huge_pages.stats()["made"]
-    on = make_model()
-    losses = _train(on, batches)
-    assert huge_pages.installed() and huge_pages.stats()["made"] > made + 100
-
-    huge_pages.disable()
-    monkeypatch.setenv("TWINKLE_HUGE_PAGES", "0")
-    off = make_model()
-    assert not huge_pages.installed()
-    assert _train(off, batches) == losses
-    for (name, a), (_, b) in zip(on.model.named_parameters(), off.model.named_parameters(), strict=True):
-        assert torch.equal(a, b), name
-    monkeypatch.setattr(huge_pages, "MIN_BLOCK", real_threshold)
-    monkeypatch.setenv("TWINKLE_HUGE_PAGES", "auto")
-    huge_pages.disable()
-    huge_pages.enable()  # with the real threshold again
-
-
-def test_a_cpu_model_installs_the_huge_page_allocator(make_model):
-    make_model()
-    assert huge_pages.installed()

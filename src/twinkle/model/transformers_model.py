@@ -27,7 +27,7 @@ from twinkle.optim import build_optimizer, build_scheduler
 from twinkle.optim.replicated import ReplicatedOptimizer
 from twinkle.runtime import get_runtime
 from twinkle.template.base import IGNORE_INDEX
-from twinkle.utils import gemm, huge_pages
+from twinkle.utils import gemm
 from twinkle.utils.errors import UserError
 from twinkle.utils.logger import get_logger
 
@@ -101,7 +101,6 @@ class TransformersModel:
             torch.manual_seed(self.runtime.seed + 1_000_003 * self.runtime.rank)
         elif self.device.type == "cpu":
             self._pack_frozen_weights()
-            huge_pages.enable()
         self.optimizer_group[adapter_name] = OptimizerGroup(
             adapter_name, gradient_accumulation_steps, loss_fn=build_loss("CrossEntropyLoss")
         )
