@@ -69,7 +69,10 @@ class RMSNormFunction(torch.autograd.Function):
         ctx.zero_centered = zero_centered
         if zero_centered:
             return (x_f * rstd * (1.0 + weight.float())).to(x.dtype)
-        return weight * (x_f * rstd).to(x.dtype)
+        normed = (x_f * rstd).to(x.dtype)
+        if weight.dtype == x.dtype:  # scaled in place: the same products (a * b == b * a), one tensor fewer
+            return normed.mul_(weight)
+        return weight * normed
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
@@ -90,7 +93,7 @@ class RMSNormFunction(torch.autograd.Function):
         grad_x = None
         if ctx.needs_input_grad[0]:
             dot = (grad_hat * x_hat).mean(-1, keepdim=True)
-            grad_x = torch.addcmul(grad_hat, x_hat, dot, value=-1.0).mul_(rstd).to(x.dtype)
+            grad_x = grad_hat.addcmul_(x_hat, dot, value=-1.0).mul_(rstd).to(x.dtype)  # grad_hat is ours
         return grad_x, grad_weight, None, None
 
 

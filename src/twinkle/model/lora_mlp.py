@@ -41,6 +41,8 @@ from twinkle.model.lora_linear import (
     project,
 )
 
+_SILU_BACKWARD = torch.ops.aten.silu_backward.grad_input
+
 
 class _LoraMLP(torch.autograd.Function):
     @staticmethod
@@ -89,10 +91,13 @@ class _LoraMLP(torch.autograd.Function):
         g_low, down_grads = layer_grads(2, g, act, low_down)
         del act
         grad_act = input_grad(g, params[8], g_low, params[10])
-        grad_up = grad_act * silu
-        del silu
-        grad_gate = torch.ops.aten.silu_backward(grad_act * up, gate)
-        del grad_act
+        grad_silu = grad_act * up
+        # in place, each into a buffer at its last use: the same products, two fewer
+        # intermediate-wide tensors to allocate (on the CPU each a fresh mapping to fault in)
+        grad_up = grad_act.mul_(silu)
+        del silu, grad_act
+        grad_gate = _SILU_BACKWARD(grad_silu, gate, grad_input=grad_silu)
+        del grad_silu
         grad_x = None
         g_low, gate_grads = layer_grads(0, grad_gate, flat, low_gate)
         if need_x:
