@@ -4,8 +4,9 @@
     python bench/step_ab.py --switch packed-weights --workload W2 --batches 4 --rounds 2
 
 The same batches run with the switch on and off, alternating which goes first; prints the median
-step of each, and each way's page faults and kernel (system) time per step. The model trains on every run, so both see the same sequence of weights but not
-the same ones at the same batch: that shifts both alike.
+step of each, and each way's page faults and kernel (system) time per step. The model trains on
+every run, so both see the same sequence of weights but not the same ones at the same batch:
+that shifts both alike.
 
 Switches:
 - ``packed-weights``: the frozen weights' oneDNN-packed copies (``twinkle.utils.gemm``) or the
