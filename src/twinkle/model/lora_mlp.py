@@ -93,7 +93,8 @@ class _LoraMLP(torch.autograd.Function):
         grad_act = input_grad(g, params[8], g_low, params[10])
         grad_silu = grad_act * up
         # in place, each into a buffer at its last use: the same products, two fewer
-        # intermediate-wide tensors to allocate (on the CPU each a fresh mapping to fault in)
+        # intermediate-wide tensors to allocate (on the CPU a long row's are each a fresh
+        # mapping whose pages fault in; bench/RESULTS.md, session 19)
         grad_up = grad_act.mul_(silu)
         del silu, grad_act
         grad_gate = _SILU_BACKWARD(grad_silu, gate, grad_input=grad_silu)

@@ -52,12 +52,11 @@ and differs by ~1e-7 relative. ``times_weight`` keeps the dense weight: its tran
 about as fast as a packed copy of ``W.T`` (0.92-1.05x on an AVX-512 EPYC; only the head's would
 gain 6-16%, for another copy). On a Zen 3 EPYC the MLP's gain 4% from a packed ``W.T``, but
 packing ``W.T`` instead of ``W`` made whole W1 steps only 1-2.6% faster and W2 steps 2.6% slower
-(``bench/step_ab.py --switch packed-transposed``). The copy
-costs the weights' size again, so the model packs only when it trains unsharded on the CPU,
-only for shapes whose forward product oneDNN wins here, and at most a quarter of the machine's
-memory, or of its container's limit where that is lower (``PACK_SHARE``). A weight changed in
-place (``w._version`` or storage) is packed again on its next use, and a copy is freed with its
-weight."""
+(``bench/step_ab.py --switch packed-transposed``). The copy costs the weights' size again, so
+the model packs only when it trains unsharded on the CPU, only for shapes whose forward product
+oneDNN wins here, and at most a quarter of the machine's memory, or of its container's limit
+where that is lower (``PACK_SHARE``). A weight changed in place (``w._version`` or storage) is
+packed again on its next use, and a copy is freed with its weight."""
 
 import hashlib
 import json
