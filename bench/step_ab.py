@@ -16,6 +16,9 @@ Switches:
   through torch's own (MKL);
 - ``batched-attention``: short rows' attention as batched products where the cost model picks
   them (``twinkle.model.batched_attention``), or always the per-sample flash calls;
+- ``native-attention``: packed rows' attention from the C kernel
+  (``twinkle.model.native_attention``), or as before it (the batched products, the pooled or
+  per-sample flash calls);
 - ``lora-qkv``: the attention layers' q/k/v projections and rotary embedding as one node
   (``twinkle.model.lora_qkv``), or layer by layer.
 
@@ -26,6 +29,7 @@ Two alternatives we measured and did not adopt (on: the alternative; off: Twinkl
   forwards from the dense ``W`` (the same memory as packing ``W`` for the forwards)."""
 
 import argparse
+import os
 import resource
 import statistics
 import tempfile
@@ -40,7 +44,7 @@ from run import WORKLOADS, prepare
 import twinkle
 from twinkle.dataloader import DataLoader
 from twinkle.loss import fused_linear_ce
-from twinkle.model import batched_attention, lora_linear, lora_qkv
+from twinkle.model import batched_attention, lora_linear, lora_qkv, native_attention
 from twinkle.utils import gemm
 
 # the modules that imported gemm's two products by name
@@ -118,8 +122,17 @@ def _onednn(_model) -> Callable[[bool], None]:
 
 
 def _batched_attention(_model) -> Callable[[bool], None]:
+    os.environ[native_attention.ENV] = "0"  # both ways without the C kernel, which runs first
+
     def switch(on: bool) -> None:
         batched_attention.CHOICE = "auto" if on else "never"
+
+    return switch
+
+
+def _native_attention(_model) -> Callable[[bool], None]:
+    def switch(on: bool) -> None:
+        os.environ[native_attention.ENV] = "1" if on else "0"
 
     return switch
 
@@ -135,6 +148,7 @@ SWITCHES = {
     "packed-weights": _packed_weights,
     "onednn": _onednn,
     "batched-attention": _batched_attention,
+    "native-attention": _native_attention,
     "lora-qkv": _lora_qkv,
     "openblas": _openblas,
     "packed-transposed": _packed_transposed,

@@ -23,7 +23,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from twinkle.model import batched_attention, cpu_attention
+from twinkle.model import batched_attention, cpu_attention, native_attention
 
 PREFIX = "twinkle_segments:"
 _CPU_UPCAST = (torch.bfloat16, torch.float16)
@@ -131,6 +131,8 @@ def segment_attention(
             f"packed attention expects one row of {segments.length} tokens, got {tuple(query.shape)}"
         )
     p = segments.prefix
+    if native_attention.usable(query, key, segments.spans, dropout, sliding_window):
+        return native_attention.native_attention(query, key, value, segments.spans, p, scaling)
     lengths = [end - start for start, end in segments.spans]
     work = batched_attention.flash_pairs(lengths, p)
     pooled = sliding_window is None and not dropout and cpu_attention.usable(query, work)
