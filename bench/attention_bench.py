@@ -1,6 +1,8 @@
 """A packed row's attention on the CPU, forward + backward: the per-sample SDPA calls against the
-pooled causal path (``twinkle.model.cpu_attention``) and the batched products
-(``twinkle.model.batched_attention``), on the same inputs, alternating.
+pooled causal path (``twinkle.model.cpu_attention``), the batched products
+(``twinkle.model.batched_attention``) and the C kernel (``twinkle.model.native_attention``; a
+row it does not take, such as one long sample, falls through to the others), on the same
+inputs, alternating.
 
     python bench/attention_bench.py [--threads 2] [--repeats 30]
     python bench/attention_bench.py --fit     # the batched path's cost model, refitted
@@ -15,13 +17,14 @@ batched products (one sample a block), and the least-squares fit of the cost mod
 per pair."""
 
 import argparse
+import os
 import random
 import statistics
 import time
 
 import torch
 
-from twinkle.model import batched_attention, cpu_attention
+from twinkle.model import batched_attention, cpu_attention, native_attention
 from twinkle.model.attention import Segments, segment_attention
 
 ROWS = {
@@ -52,12 +55,13 @@ def segments_of(prefix: int, lengths: list[int]) -> Segments:
     return Segments(tuple(spans), prefix)
 
 
-PATHS = ("per-sample", "pooled", "batched")
+PATHS = ("per-sample", "pooled", "batched", "native")
 
 
 def run(segments: Segments, leaves: list[torch.Tensor], grad: torch.Tensor, path: str):
     cpu_attention.MIN_WORK = 0 if path == "pooled" else 1 << 62
     batched_attention.CHOICE = "always" if path == "batched" else "never"
+    os.environ[native_attention.ENV] = "1" if path == "native" else "0"
     for leaf in leaves:
         leaf.grad = None
     start = time.perf_counter()
@@ -114,9 +118,10 @@ def main() -> None:
     if args.fit:
         fit(args.repeats)
         return
-    saved = cpu_attention.MIN_WORK, batched_attention.CHOICE
+    saved = cpu_attention.MIN_WORK, batched_attention.CHOICE, os.environ.get(native_attention.ENV)
     print(
-        f"{'row':10} {'per-sample ms':>14} {'pooled / per-sample':>20} {'batched / per-sample':>21} {'max diff':>9}"
+        f"{'row':10} {'per-sample ms':>14} {'pooled / per-sample':>20} {'batched / per-sample':>21}"
+        f" {'native / per-sample':>20} {'max diff':>9}"
     )
     for name, (prefix, lengths) in ROWS.items():
         torch.manual_seed(0)
@@ -128,7 +133,7 @@ def main() -> None:
         times = {path: [] for path in PATHS}
         results = {}
         for r in range(args.repeats + 1):
-            for path in PATHS[r % 3 :] + PATHS[: r % 3]:
+            for path in PATHS[r % len(PATHS) :] + PATHS[: r % len(PATHS)]:
                 seconds, results[path] = run(segments, leaves, grad, path)
                 if r:
                     times[path].append(seconds)
@@ -137,9 +142,16 @@ def main() -> None:
             for path in PATHS[1:]
             for a, b in zip(results["per-sample"], results[path], strict=True)
         )
-        plain, pooled, batched = (statistics.median(times[k]) * 1e3 for k in PATHS)
-        print(f"{name:10} {plain:14.2f} {pooled / plain:20.2f} {batched / plain:21.2f} {diff:9.1e}")
-    cpu_attention.MIN_WORK, batched_attention.CHOICE = saved
+        plain, pooled, batched, native = (statistics.median(times[k]) * 1e3 for k in PATHS)
+        print(
+            f"{name:10} {plain:14.2f} {pooled / plain:20.2f} {batched / plain:21.2f}"
+            f" {native / plain:20.2f} {diff:9.1e}"
+        )
+    cpu_attention.MIN_WORK, batched_attention.CHOICE, native = saved
+    if native is None:
+        os.environ.pop(native_attention.ENV, None)
+    else:
+        os.environ[native_attention.ENV] = native
 
 
 if __name__ == "__main__":
