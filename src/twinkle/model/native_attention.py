@@ -10,8 +10,8 @@ apart and they are added in task order afterwards, so the results are the same f
 count. They equal the flash kernel's up to summation order (~1e-6 relative).
 
 ``bench/attention_bench.py``, forward + backward, 2 threads, against the path each row takes
-without it: W1's rows 0.54-0.65x the batched products' time, samples of 80-130 tokens
-0.55-0.59x, W2's rows 0.79-0.85x the pooled flash calls'. A row of one long sample splits only
+without it: W1's rows 0.55-0.66x the batched products' time on a Zen 5 (0.54-0.65x on a Zen 3),
+W2's rows 0.67-0.77x the pooled flash calls' (0.79-0.85x). A row of one long sample splits only
 by query head and keeps the flash calls (``usable``).
 
 The library is compiled with the system's C compiler at first use (``-O3 -march=native``,
