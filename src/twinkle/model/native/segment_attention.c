@@ -133,9 +133,9 @@ static void product(int kind, const Shape *s, int first, int block, const float 
 static void gather_keys(const Job *job, const Shape *s, const float *src, float *rows, float *cols) {
     const int D = s->D;
     memset(rows, 0, (size_t)s->np * D * sizeof(float));
+    const int kv = s->t->head / (job->H / job->KV);
     for (int j = 0; j < s->n; j++)
-        memcpy(rows + (size_t)j * D, src + ((size_t)key_position(s->t, j) * job->KV + s->t->head / (job->H / job->KV)) * D,
-               D * sizeof(float));
+        memcpy(rows + (size_t)j * D, src + ((size_t)key_position(s->t, j) * job->KV + kv) * D, D * sizeof(float));
     if (cols)
         for (int d = 0; d < D; d++)
             for (int j = 0; j < s->np; j++) cols[(size_t)d * s->np + j] = rows[(size_t)j * D + d];
@@ -170,23 +170,23 @@ static void forward_task(Job *job, const Task *t, float *scratch) {
     for (int h = t->head; h < t->head + t->heads; h++) {
         gather_queries(job, &s, job->q, h, qr);
         for (int first = 0; first < s.cp; first += QB) {
-        const int block = s.cp - first < QB ? s.cp - first : QB;
-        product(SCORES, &s, first, block, qr + (size_t)first * D, D, 1, kt, s.np, p, s.np, 0);
-        for (int i = first; i < first + block; i++) {
-            float *pi = p + (size_t)(i - first) * s.np;
-            const int keys = i < t->count ? t->seen + i + 1 : 0;
-            float m = -INFINITY, sum = 0.0f;
-            for (int j = 0; j < keys; j++) m = pi[j] > m ? pi[j] : m;
-            for (int j = 0; j < keys; j++) {
-                pi[j] = exp_neg((pi[j] - m) * job->scale);
-                sum += pi[j];
+            const int block = s.cp - first < QB ? s.cp - first : QB;
+            product(SCORES, &s, first, block, qr + (size_t)first * D, D, 1, kt, s.np, p, s.np, 0);
+            for (int i = first; i < first + block; i++) {
+                float *pi = p + (size_t)(i - first) * s.np;
+                const int keys = i < t->count ? t->seen + i + 1 : 0;
+                float m = -INFINITY, sum = 0.0f;
+                for (int j = 0; j < keys; j++) m = pi[j] > m ? pi[j] : m;
+                for (int j = 0; j < keys; j++) {
+                    pi[j] = exp_neg((pi[j] - m) * job->scale);
+                    sum += pi[j];
+                }
+                const float inv = keys ? 1.0f / sum : 0.0f;
+                for (int j = 0; j < keys; j++) pi[j] *= inv;
+                for (int j = keys; j < s.np; j++) pi[j] = 0.0f;
+                if (keys) job->lse[(size_t)h * job->T + t->start + i] = m * job->scale + logf(sum);
             }
-            const float inv = keys ? 1.0f / sum : 0.0f;
-            for (int j = 0; j < keys; j++) pi[j] *= inv;
-            for (int j = keys; j < s.np; j++) pi[j] = 0.0f;
-            if (keys) job->lse[(size_t)h * job->T + t->start + i] = m * job->scale + logf(sum);
-        }
-        product(VALUES, &s, first, block, p, s.np, 1, vr, D, orows + (size_t)first * D, D, 0);
+            product(VALUES, &s, first, block, p, s.np, 1, vr, D, orows + (size_t)first * D, D, 0);
         }
         scatter_queries(job, &s, orows, h, job->o);
     }
@@ -198,7 +198,8 @@ static void backward_task(Job *job, const Task *t, float *scratch) {
     float *kr = scratch, *kt = kr + (size_t)s.np * D, *vr = kt + (size_t)s.np * D;
     float *vt = vr + (size_t)s.np * D, *gk = vt + (size_t)s.np * D, *gv = gk + (size_t)s.np * D;
     float *qr = gv + (size_t)s.np * D, *dor = qr + (size_t)s.cp * D, *gq = dor + (size_t)s.cp * D;
-    float *orows = gq + (size_t)s.cp * D, *p = orows + (size_t)s.cp * D, *ds = p + (size_t)(s.cp < QB ? s.cp : QB) * s.np;
+    float *orows = gq + (size_t)s.cp * D, *p = orows + (size_t)s.cp * D;
+    float *ds = p + (size_t)(s.cp < QB ? s.cp : QB) * s.np;
     gather_keys(job, &s, job->k, kr, kt);
     gather_keys(job, &s, job->v, vr, vt);
     memset(gk, 0, (size_t)2 * s.np * D * sizeof(float));
@@ -207,25 +208,25 @@ static void backward_task(Job *job, const Task *t, float *scratch) {
         gather_queries(job, &s, job->grad_out, h, dor);
         gather_queries(job, &s, job->out, h, orows);
         for (int first = 0; first < s.cp; first += QB) {
-        const int block = s.cp - first < QB ? s.cp - first : QB;
-        const float *qb = qr + (size_t)first * D, *dob = dor + (size_t)first * D;
-        product(SCORES, &s, first, block, qb, D, 1, kt, s.np, p, s.np, 0);
-        product(SCORES, &s, first, block, dob, D, 1, vt, s.np, ds, s.np, 0);
-        for (int i = first; i < first + block; i++) {
-            float *pi = p + (size_t)(i - first) * s.np, *dsi = ds + (size_t)(i - first) * s.np;
-            const int keys = i < t->count ? t->seen + i + 1 : 0;
-            float delta = 0.0f;
-            for (int d = 0; d < D; d++) delta += dor[(size_t)i * D + d] * orows[(size_t)i * D + d];
-            const float lse = keys ? job->lse_in[(size_t)h * job->T + t->start + i] : 0.0f;
-            for (int j = 0; j < keys; j++) {
-                pi[j] = exp_neg(pi[j] * job->scale - lse);
-                dsi[j] = pi[j] * (dsi[j] - delta) * job->scale;
+            const int block = s.cp - first < QB ? s.cp - first : QB;
+            const float *qb = qr + (size_t)first * D, *dob = dor + (size_t)first * D;
+            product(SCORES, &s, first, block, qb, D, 1, kt, s.np, p, s.np, 0);
+            product(SCORES, &s, first, block, dob, D, 1, vt, s.np, ds, s.np, 0);
+            for (int i = first; i < first + block; i++) {
+                float *pi = p + (size_t)(i - first) * s.np, *dsi = ds + (size_t)(i - first) * s.np;
+                const int keys = i < t->count ? t->seen + i + 1 : 0;
+                float delta = 0.0f;
+                for (int d = 0; d < D; d++) delta += dor[(size_t)i * D + d] * orows[(size_t)i * D + d];
+                const float lse = keys ? job->lse_in[(size_t)h * job->T + t->start + i] : 0.0f;
+                for (int j = 0; j < keys; j++) {
+                    pi[j] = exp_neg(pi[j] * job->scale - lse);
+                    dsi[j] = pi[j] * (dsi[j] - delta) * job->scale;
+                }
+                for (int j = keys; j < s.np; j++) pi[j] = dsi[j] = 0.0f;
             }
-            for (int j = keys; j < s.np; j++) pi[j] = dsi[j] = 0.0f;
-        }
-        product(VALUES, &s, first, block, ds, s.np, 1, kr, D, gq + (size_t)first * D, D, 0);
-        product(KEYS, &s, first, block, ds, 1, s.np, qb, D, gk, D, 1);
-        product(KEYS, &s, first, block, p, 1, s.np, dob, D, gv, D, 1);
+            product(VALUES, &s, first, block, ds, s.np, 1, kr, D, gq + (size_t)first * D, D, 0);
+            product(KEYS, &s, first, block, ds, 1, s.np, qb, D, gk, D, 1);
+            product(KEYS, &s, first, block, p, 1, s.np, dob, D, gv, D, 1);
         }
         scatter_queries(job, &s, gq, h, job->grad_q);
     }
