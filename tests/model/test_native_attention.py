@@ -3,6 +3,7 @@ thread count, and a fallback with one warning where it cannot be built."""
 
 import logging
 import os
+import platform
 import subprocess
 import sys
 
@@ -86,6 +87,21 @@ def test_equals_the_masked_row(prefix, lengths, heads, dim, monkeypatch):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="an x86 compiler flag")
+def test_the_eight_float_build_equals_the_masked_row_too(fresh_library, monkeypatch, tmp_path):
+    """The build this machine does not pick by itself where it has AVX-512 (the other is
+    covered by the tests above wherever they run)."""
+    monkeypatch.setenv("TWINKLE_CACHE", str(tmp_path))
+    monkeypatch.setattr(native_attention, "FLAGS", [*native_attention.FLAGS, "-mno-avx512f"])
+    assert native_attention.lanes() == 8
+    segments, leaves = _row(14, [58, 31, 130, 3], (9, 3), 64)
+    calls = _native_runs(monkeypatch)
+    got = _results(lambda *x: segment_attention(*x, segments), leaves)
+    assert len(calls) == 1
+    for a, b in zip(got, _results(lambda *x: _masked(*x, segments), leaves), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
 def test_scaling_is_the_one_given():
     segments, leaves = _row(2, [6, 3])
     out = segment_attention(*leaves, segments, scaling=0.5)
@@ -115,7 +131,8 @@ def test_rows_it_does_not_take(case, monkeypatch):
     prefix, lengths, dim, dtype, kwargs = 2, [6, 3], 16, torch.float32, {}
     if case == "switched off":
         monkeypatch.setenv(native_attention.ENV, "0")
-    elif case == "one long sample":
+    elif case == "one long sample":  # on 8-float vectors (AVX2)
+        monkeypatch.setattr(native_attention, "lanes", lambda: 8)
         prefix, lengths = 0, [native_attention.LONG_SAMPLE]
     elif case == "dropout":
         kwargs = {"dropout": 0.1}
@@ -131,6 +148,16 @@ def test_rows_it_does_not_take(case, monkeypatch):
     out = segment_attention(*leaves, segments, **kwargs)
     assert calls == []
     assert out.shape == (1, segments.length, 6, dim)
+
+
+def test_with_wide_vectors_it_takes_one_long_sample(monkeypatch):
+    monkeypatch.setattr(native_attention, "lanes", lambda: native_attention.WIDE)
+    segments, leaves = _row(0, [native_attention.LONG_SAMPLE], (6, 2), 16)
+    calls = _native_runs(monkeypatch)
+    got = _results(lambda *x: segment_attention(*x, segments), leaves)
+    assert len(calls) == 1
+    for a, b in zip(got, _results(lambda *x: _masked(*x, segments), leaves), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
 def test_without_a_compiler_the_row_runs_on_torch_with_one_warning(fresh_library, monkeypatch, caplog):

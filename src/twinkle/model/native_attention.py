@@ -11,8 +11,11 @@ count. They equal the flash kernel's up to summation order (~1e-6 relative).
 
 ``bench/attention_bench.py``, forward + backward, 2 threads, against the path each row takes
 without it: W1's rows 0.55-0.66x the batched products' time on a Zen 5 (0.54-0.65x on a Zen 3),
-W2's rows 0.67-0.77x the pooled flash calls' (0.79-0.85x). A row of one long sample splits only
-by query head and keeps the flash calls (``usable``).
+W2's rows 0.67-0.77x the pooled flash calls' (0.79-0.85x). Built for AVX-512 (16-float vectors,
+tiles of 8 x 16) it is about twice as fast again on the Zen 5: W1's rows 0.34-0.38x the
+per-sample calls' time, W2's 0.31-0.33x, one sample of 1000 tokens 0.36x. On 8-float vectors
+(AVX2) a row of one long sample, which splits only by query head, keeps the flash calls
+(``usable``).
 
 The library is compiled with the system's C compiler at first use (``-O3 -march=native``,
 about a second) into ``<cache>/native/``, keyed by the source, the flags, the compiler and the
@@ -45,7 +48,8 @@ COMPILER = "cc"
 ENV = "TWINKLE_NATIVE_ATTENTION"
 TILE = 16  # the kernel's column tile: the head dimension must be a multiple of it
 MIN_TASKS = 8  # fewer (segment, key/value head) tasks than this split by query head
-LONG_SAMPLE = 512  # a row of one sample this long keeps the pooled flash calls
+LONG_SAMPLE = 512  # on 8-float vectors, a row of one sample this long keeps the flash calls
+WIDE = 16  # vector floats from which the kernel takes rows of one long sample too
 
 _state: dict[str, Any] = {}
 _PTR, _INT, _FLOAT = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
@@ -103,6 +107,7 @@ def _load() -> ctypes.CDLL:
             lib = ctypes.CDLL(str(path))
     lib.twinkle_attention_forward.argtypes = [_PTR] * 5 + [_INT] * 5 + [_FLOAT, _PTR, _INT, _INT]
     lib.twinkle_attention_backward.argtypes = [_PTR] * 10 + [_INT] * 5 + [_FLOAT, _PTR, _INT, _INT]
+    lib.twinkle_attention_lanes.restype = _INT
     return lib
 
 
@@ -122,7 +127,8 @@ def library() -> ctypes.CDLL | None:
 
 def usable(query: torch.Tensor, key: torch.Tensor, spans: tuple, dropout: float, window: int | None) -> bool:
     """Whether this row's attention runs here: fp32 on the CPU, torch on OpenMP, no dropout or
-    window, a head dimension the kernel tiles, and not one long sample."""
+    window, a head dimension the kernel tiles, and not one long sample where the kernel runs
+    8-float vectors."""
     return (
         query.device.type == "cpu"
         and query.dtype == key.dtype == torch.float32
@@ -130,10 +136,15 @@ def usable(query: torch.Tensor, key: torch.Tensor, spans: tuple, dropout: float,
         and window is None
         and query.shape[-1] % TILE == 0
         and query.shape[1] % key.shape[1] == 0
-        and not (len(spans) == 1 and spans[0][1] - spans[0][0] >= LONG_SAMPLE)
         and "OpenMP" in torch.__config__.parallel_info()
         and library() is not None
+        and (lanes() >= WIDE or not (len(spans) == 1 and spans[0][1] - spans[0][0] >= LONG_SAMPLE))
     )
+
+
+def lanes() -> int:
+    """Floats in the vectors the built kernel runs (16 with AVX-512, else 8)."""
+    return library().twinkle_attention_lanes()
 
 
 @lru_cache(maxsize=256)  # every layer of a step asks for the same row's plan

@@ -55,10 +55,15 @@ static inline float exp_neg(float x) {
 /* position of a task's key j: the prefix's first `seen`, then the task's own */
 static inline int key_position(const Task *t, int j) { return j < t->seen ? j : t->start + j - t->seen; }
 
-#define LANES 8 /* floats in a vector: GCC's generic vectors, lowered to whatever the CPU has */
+#ifdef __AVX512F__
+#define LANES 16 /* floats in a vector: GCC's generic vectors, lowered to whatever the CPU has */
+#define MR 8     /* rows of a product's tile: MR x NR / LANES accumulators in registers */
+#else
+#define LANES 8
+#define MR 4
+#endif
 typedef float vec __attribute__((vector_size(LANES * sizeof(float))));
 typedef float uvec __attribute__((vector_size(LANES * sizeof(float)), aligned(sizeof(float)), may_alias));
-#define MR 4  /* rows of a product's tile */
 #define NR 16 /* columns of a product's tile */
 #define QB 64 /* queries whose scores are held at once (a multiple of MR): 64 x 1000 keys, 256 KB */
 
@@ -294,6 +299,9 @@ static void reduce(Job *job, int threads) {
         }
     }
 }
+
+/* floats in the vectors this build runs: 16 where the CPU has AVX-512, else 8 */
+int twinkle_attention_lanes(void) { return LANES; }
 
 int twinkle_attention_forward(const float *q, const float *k, const float *v, float *out, float *lse,
                               int T, int H, int KV, int D, int prefix, float scale, const int *tasks,
