@@ -36,7 +36,7 @@ _pool: ThreadPoolExecutor | None = None
 _pool_threads = 0
 
 
-_OPENMP = "OpenMP" in torch.__config__.parallel_info()
+OPENMP = "OpenMP" in torch.__config__.parallel_info()
 
 
 def _single_threaded(barrier: threading.Barrier) -> None:
@@ -57,7 +57,7 @@ os.register_at_fork(after_in_child=_forget_pool)
 def pool(threads: int) -> ThreadPoolExecutor | None:
     """``threads`` workers that each run torch ops on one thread; None when that cannot be had."""
     global _pool, _pool_threads
-    if threads < 2 or not _OPENMP:
+    if threads < 2 or not OPENMP:
         return None
     with _lock:
         if _pool_threads != threads:
@@ -161,5 +161,5 @@ def usable(query: torch.Tensor, work: int) -> bool:
         and query.dtype == torch.float32
         and work >= MIN_WORK
         and torch.get_num_threads() > 1
-        and _OPENMP
+        and OPENMP
     )

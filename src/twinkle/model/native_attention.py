@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from twinkle.model import cpu_attention
 from twinkle.utils.fileio import file_lock
 from twinkle.utils.logger import get_logger
 
@@ -136,9 +137,9 @@ def usable(query: torch.Tensor, key: torch.Tensor, spans: tuple, dropout: float,
         and window is None
         and query.shape[-1] % TILE == 0
         and query.shape[1] % key.shape[1] == 0
-        and "OpenMP" in torch.__config__.parallel_info()
+        and cpu_attention.OPENMP
         and library() is not None
-        and (lanes() >= WIDE or not (len(spans) == 1 and spans[0][1] - spans[0][0] >= LONG_SAMPLE))
+        and not (len(spans) == 1 and spans[0][1] - spans[0][0] >= LONG_SAMPLE and lanes() < WIDE)
     )
 
 
@@ -188,7 +189,7 @@ class NativeSegmentAttention(torch.autograd.Function):
         if failed:
             raise MemoryError("native attention: no memory for the kernel's scratch")
         ctx.save_for_backward(q, k, v, out, lse, plan)
-        ctx.rows, ctx.prefix, ctx.scale = rows, prefix, scale
+        ctx.lib, ctx.rows, ctx.prefix, ctx.scale = lib, rows, prefix, scale  # the same library back
         return out[None]
 
     @staticmethod
@@ -199,7 +200,7 @@ class NativeSegmentAttention(torch.autograd.Function):
         grad_q, grad_k, grad_v = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
         slots = torch.empty(2 * ctx.rows * dim)
         threads = torch.get_num_threads()
-        failed = library().twinkle_attention_backward(
+        failed = ctx.lib.twinkle_attention_backward(
             q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(), grad.data_ptr(),
             grad_q.data_ptr(), grad_k.data_ptr(), grad_v.data_ptr(), slots.data_ptr(),
             length, heads, k.shape[1], dim, ctx.prefix, ctx.scale, plan.data_ptr(), len(plan), threads,
