@@ -1,7 +1,7 @@
 """Twinkle against the usual route (Hugging Face ``Trainer`` + PEFT LoRA), on the same work.
 
     python bench/run.py --workload all            # W1 then W2, both sides each
-    python bench/run.py --workload W1 --steps 32 --warmup 3 --out bench/results.json
+    python bench/run.py --workload W1 --steps 32 --warmup 3 --out output/bench-results.json
 
 For each workload this encodes the samples once with the Twinkle pipeline, then runs, back to
 back, each side in its own process (``twinkle_side.py``, ``trainer_side.py``) on the same
@@ -43,6 +43,7 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from statistics import mean, median
 
+import harness  # noqa: F401  (puts bench/harness on sys.path)
 import torch
 from common import Spec, build_dataset, resolve_dtype, write_encoded
 from flops import matmul_peak_gflops, step_flops
@@ -50,7 +51,7 @@ from long_rows import write_long_rows
 from shapes import CHOICES, model_path
 
 HERE = Path(__file__).resolve().parent
-SIDES = {"twinkle": HERE / "twinkle_side.py", "hf_trainer": HERE / "trainer_side.py"}
+SIDES = {"twinkle": HERE / "harness" / "twinkle_side.py", "hf_trainer": HERE / "harness" / "trainer_side.py"}
 LOSS_STEPS = 4
 
 
@@ -99,7 +100,7 @@ def parse_args() -> argparse.Namespace:
         "is the Trainer's bf16 autocast against Twinkle's bf16 weights",
     )
     parser.add_argument("--seed", type=int, default=42)
-    parser.add_argument("--out", type=Path, default=HERE / "results.json")
+    parser.add_argument("--out", type=Path, default=Path("output") / "bench-results.json")
     args = parser.parse_args()
     args.sides = [s.strip() for s in args.sides.split(",") if s.strip()]
     unknown = [s for s in args.sides if s not in SIDES]

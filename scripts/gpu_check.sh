@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The checks that need a CUDA GPU, in one run: the CUDA tests, what is alive at W2's peak of GPU
-# memory (bench/profile_step.py --memory), the bench (W1 and W2 on a Qwen2.5-0.5B-shaped model
+# memory (bench/micro/profile_step.py --memory), the bench (W1 and W2 on a Qwen2.5-0.5B-shaped model
 # built from a config, bf16, the Trainer side with Liger when it is installed; two rounds when
 # the time allows), then a profile of W1's ops. Each step has its own time limit, so one that
 # hangs does not take the others with it.
@@ -45,7 +45,7 @@ profile() { # profile NAME TIMEOUT ARGS...
     local name=$1 limit=$2
     shift 2
     echo "== profile $name ($limit s at most): $*"
-    timeout "$limit" "$py" bench/profile_step.py --model "${MODEL:-qwen2.5-0.5b}" ${tok:+--tokenizer "$tok"} \
+    timeout "$limit" "$py" bench/micro/profile_step.py --model "${MODEL:-qwen2.5-0.5b}" ${tok:+--tokenizer "$tok"} \
         "$@" >"$out/profile_$name.log" 2>&1
     grep -v '^\[' "$out/profile_$name.log" | tail -40
 }

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Prepare, on a machine with a package registry, what a GPU machine without network needs for
 # scripts/gpu_check.sh, in two ignored folders that the device tool carries:
-#   .whl/      wheels of the libraries its image lacks (session 15's H200 image had torch with CUDA,
+#   .whl/      wheels of the libraries its image lacks (the H200 image had torch with CUDA,
 #              triton, numpy, tokenizers, safetensors, huggingface_hub, accelerate, pyarrow,
 #              pandas), at the versions of this .venv; liger-kernel for the Trainer side
 #   .gpu/tok   SmolLM2's tokenizer files, so W2's long rows are sized without the bundled GGUF

@@ -2,7 +2,6 @@
 
 Public names: ``initialize``, ``DeviceMesh``, ``get_device_placement``, ``get_logger``."""
 
-import twinkle.utils.gemm  # noqa: F401  (first: bounds oneDNN's kernel caches before any is built)
 from twinkle.distributed import DeviceMesh
 from twinkle.runtime import get_device_placement, initialize
 from twinkle.utils.logger import get_logger

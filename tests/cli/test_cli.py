@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from twinkle.cli import CLI, TEMPLATE_NAMES, Args, last_args
+from twinkle.cli import CLI, TEMPLATE_NAMES, Args
 from twinkle.cli.fields import SPECS
+from twinkle.runtime import RunDefaults, run_defaults
 from twinkle.utils.errors import UserError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -44,7 +45,26 @@ def test_defaults():
     assert args.optimizer.learning_rate == 1e-3
     assert args.scheduler.scheduler_cls == "CosineWarmupScheduler" and args.scheduler.num_warmup_steps == 5
     assert args.extra == {}
-    assert last_args() is args
+
+
+def test_a_parse_hands_the_run_defaults_to_the_runtime():
+    assert run_defaults() == RunDefaults()
+    CLI.from_args(
+        [
+            "--seed",
+            "7",
+            "--process-group-timeout",
+            "30",
+            "--dtype",
+            "bfloat16",
+            "--activation-checkpointing",
+            "on",
+        ],
+        env={},
+    )
+    assert run_defaults() == RunDefaults(
+        seed=7, process_group_timeout_s=30, dtype="bfloat16", activation_checkpointing="on"
+    )
 
 
 def test_upstream_run_line():

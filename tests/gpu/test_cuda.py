@@ -20,8 +20,8 @@ from peft import LoraConfig, get_peft_model
 
 from twinkle.dataloader import DataLoader
 from twinkle.dataset import Dataset, DatasetMeta
+from twinkle.kernel.lora.linear import FusedLoraLinear, fuse_lora_linears
 from twinkle.model import TransformersModel
-from twinkle.model.lora_linear import FusedLoraLinear, fuse_lora_linears
 from twinkle.preprocessor import SelfCognitionProcessor
 
 # ``TWINKLE_GPU_TEST_DEVICE=cpu`` runs them on the CPU, to check the tests themselves.
@@ -131,8 +131,8 @@ def test_lora_node_on_a_bf16_base_equals_peft():
         torch.testing.assert_close(actual, expected, atol=2**-8 * float(expected.abs().max()), rtol=0)
     assert grads.keys() == grads_ref.keys() and len(grads) == 4
     # The adapters' fp32 gradients sum such bf16 strays in ``up``'s output gradient (down's input
-    # gradient) over rows, so elementwise tolerances failed on small elements on an H200 (session
-    # 15). Compared as a whole: within 1% of the gradient's norm; a wrong gradient is off by ~100%.
+    # gradient) over rows, so elementwise tolerances failed on small elements on an H200.
+    # Compared as a whole: within 1% of the gradient's norm; a wrong gradient is off by ~100%.
     for name, grad in grads_ref.items():
         assert _relative_error(grads[name], grad) < 1e-2, (name, _relative_error(grads[name], grad))
 

@@ -17,7 +17,7 @@ from twinkle.kernel import (
     registered_ops,
 )
 from twinkle.kernel import registry as registry_module
-from twinkle.kernel.torch_ops import _rms_norm_forward
+from twinkle.kernel.backends.torch_ops import _rms_norm_forward
 from twinkle.utils.errors import UserError
 
 N_NORMS, N_MLPS = 5, 2  # 2 layers x (input, post-attention) + the final norm; one MLP per layer

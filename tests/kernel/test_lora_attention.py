@@ -18,9 +18,9 @@ from transformers import (
 )
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from twinkle.kernel import KernelChoice, kernelize
-from twinkle.model import lora_qkv
-from twinkle.model.lora_linear import fuse_lora_linears
+from twinkle.kernel import KernelChoice, kernelize, set_switches
+from twinkle.kernel.lora import qkv as lora_qkv
+from twinkle.kernel.lora.linear import fuse_lora_linears
 
 FAMILIES = {
     "Llama": (LlamaConfig, LlamaForCausalLM),
@@ -106,7 +106,7 @@ def test_what_the_node_does_not_cover_runs_the_class_forward(case, monkeypatch):
         dropout=0.1 if case == "dropout" else 0.0, attn="eager" if case == "eager" else "sdpa"
     )
     if case == "switched off":
-        monkeypatch.setattr(lora_qkv, "USE", False)
+        set_switches({"TWINKLE_LORA_QKV": "off"})
     layers.train()
     node.train()
     calls = _count_node_calls(monkeypatch)

@@ -8,9 +8,9 @@ import transformers
 from peft import LoraConfig, get_peft_model
 from tiny import TINY_LLAMA_SHAPE
 
+from twinkle.kernel.lora.linear import fuse_lora_linears
 from twinkle.loss import CrossEntropyLoss, FusedLinearCrossEntropyLoss
 from twinkle.model.forward import compute_loss
-from twinkle.model.lora_linear import fuse_lora_linears
 
 VOCAB, IGNORE = 64, -100
 

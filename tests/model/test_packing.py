@@ -6,8 +6,8 @@ import torch.nn.functional as F
 
 import twinkle.model.packing as packing
 from twinkle.dataloader import DataLoader
-from twinkle.model import batched_attention
-from twinkle.model.attention import Segments, segment_attention
+from twinkle.kernel import set_switches
+from twinkle.kernel.attention.packed import Segments, segment_attention
 from twinkle.model.packing import pack
 
 IGNORE = -100
@@ -22,9 +22,9 @@ def _loss_and_grads(make_model, batch, padding_free: bool):
 
 
 @pytest.mark.parametrize("share_prefix", [True, False])
-@pytest.mark.parametrize("choice", ["never", "always"])  # flash calls per sample, batched products
+@pytest.mark.parametrize("choice", ["off", "always"])  # flash calls per sample, batched products
 def test_packed_equals_padded(make_model, dataset, monkeypatch, share_prefix, choice):
-    monkeypatch.setattr(batched_attention, "CHOICE", choice)
+    set_switches({"TWINKLE_BATCHED_ATTENTION": choice})
     batch = next(iter(DataLoader(dataset, batch_size=4)))
     lengths = batch["attention_mask"].sum(1)
     assert lengths.min() < lengths.max()  # the batch really has padding
@@ -126,9 +126,9 @@ def _reference(query, key, value, segments, window):
 
 @pytest.mark.parametrize("prefix", [0, 3])
 @pytest.mark.parametrize("window", [None, 2])
-@pytest.mark.parametrize("choice", ["never", "always"])  # flash calls per sample, batched products
+@pytest.mark.parametrize("choice", ["off", "always"])  # flash calls per sample, batched products
 def test_segment_attention_equals_a_masked_row(prefix, window, choice, monkeypatch):
-    monkeypatch.setattr(batched_attention, "CHOICE", choice)
+    set_switches({"TWINKLE_BATCHED_ATTENTION": choice})
     torch.manual_seed(0)
     segments = Segments(
         spans=((prefix, prefix + 4), (prefix + 4, prefix + 5), (prefix + 5, prefix + 8)), prefix=prefix
@@ -149,7 +149,7 @@ def test_segment_attention_equals_a_masked_row(prefix, window, choice, monkeypat
 def test_long_sample_after_a_prefix_runs_causal_without_a_mask(monkeypatch):
     """Past one CPU key block a sample after the shared prefix takes the causal kernel (zero
     queries stand in for the prefix's); its output and gradients are the masked row's."""
-    import twinkle.model.attention as attention
+    import twinkle.kernel.attention.sdpa as attention
 
     torch.manual_seed(0)
     prefix, long = 3, attention.CPU_KEY_BLOCK + 40
@@ -215,7 +215,7 @@ def test_bottom_right_causal_bias_is_the_prefix_mask():
     so flash attention takes it); it must be the mask the other devices build."""
     from torch.nn.attention.bias import causal_lower_right
 
-    from twinkle.model.attention import _window_mask
+    from twinkle.kernel.attention.sdpa import window_mask as _window_mask
 
     queries, keys = 5, 9  # 4 prefix keys, then the sample's own 5
     positions = torch.arange(keys)
@@ -229,21 +229,21 @@ def test_bottom_right_causal_bias_is_the_prefix_mask():
     torch.testing.assert_close(actual, expected)
 
 
-@pytest.mark.parametrize("choice", ["never", "always"])
+@pytest.mark.parametrize("choice", ["off", "always"])
 def test_attention_lora_node_on_a_packed_batch(make_model, dataset, monkeypatch, choice):
     """Kernelized attention (q/k/v and rotary as one LoRA node) gives the packed batch's loss and
     gradients of the layers run one by one, with either packed attention path."""
     from twinkle.kernel import kernelize
-    from twinkle.model import lora_qkv
+    from twinkle.kernel.lora import qkv as lora_qkv
 
-    monkeypatch.setattr(batched_attention, "CHOICE", choice)
+    set_switches({"TWINKLE_BATCHED_ATTENTION": choice})
     batch = next(iter(DataLoader(dataset, batch_size=4)))
     calls = []
     real = lora_qkv._LoraQKV.apply
     monkeypatch.setattr(lora_qkv._LoraQKV, "apply", lambda *a: calls.append(1) or real(*a))
     results = {}
     for use in (False, True):
-        monkeypatch.setattr(lora_qkv, "USE", use)
+        set_switches({"TWINKLE_LORA_QKV": "on" if use else "off"})
         kernelized = kernelize(make_model(init_lora_weights=False))
         results[use] = _loss_and_grads(lambda init_lora_weights, m=kernelized: m, batch, padding_free=True)
         assert bool(calls) == use  # the node ran only where switched on

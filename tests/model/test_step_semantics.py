@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from twinkle.dataloader import DataLoader
+from twinkle.kernel import cpu_gemm as gemm
+from twinkle.kernel import registry, set_switches
 from twinkle.template.base import IGNORE_INDEX
-from twinkle.utils import gemm
 from twinkle.utils.errors import UserError
 
 LR = 1e-2
@@ -227,7 +228,7 @@ def test_dtype_flag_sets_the_base_weights_and_keeps_lora_fp32(
 ):
     from peft import LoraConfig
 
-    import twinkle.model.lora_linear as lora_linear
+    import twinkle.kernel.lora.linear as lora_linear
     from twinkle.cli import CLI
     from twinkle.model import TransformersModel
 
@@ -260,8 +261,8 @@ def _train(model, batches) -> list[float]:
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this torch")
 def test_a_cpu_model_packs_its_frozen_weights_and_trains_the_same(make_model, dataset, monkeypatch):
-    monkeypatch.setenv("TWINKLE_ONEDNN", "1")  # every shape to oneDNN, whichever is faster here
-    monkeypatch.setitem(gemm._state, "mode", None)
+    set_switches({"TWINKLE_ONEDNN": "1"})  # every shape to oneDNN, whichever is faster here
+    registry.forget()
     monkeypatch.setattr(gemm, "_packed", {})
     batches = list(DataLoader(dataset, batch_size=4))[:3]
     model = make_model()

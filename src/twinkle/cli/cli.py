@@ -13,21 +13,12 @@ import traceback
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from twinkle.runtime import RunDefaults, set_run_defaults
 from twinkle.utils.errors import UserError
 
 from .args import GROUPS, Args
 from .fields import SPECS, FieldSpec
 from .parser import ENV_PREFIX, KNOWN_EXTRA, parse
-
-_last: Args | None = None
-
-
-def last_args() -> Args | None:
-    """The ``Args`` most recently returned by ``CLI.from_args`` (None before any parse).
-
-    The runtime reads the seed from here, so a script need not pass ``args`` to ``initialize``.
-    """
-    return _last
 
 
 class CLI:
@@ -37,9 +28,10 @@ class CLI:
     def from_args(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> Args:
         """Parse ``argv`` (default ``sys.argv[1:]``) and ``env`` (default ``os.environ``).
 
-        ``-h``/``--help`` prints the usage and exits 0.
+        ``-h``/``--help`` prints the usage and exits 0. The parsed values a run needs beyond the
+        script's own calls (seed, process-group timeout, dtype, activation checkpointing) become
+        the process's run defaults (``twinkle.runtime.set_run_defaults``).
         """
-        global _last
         from_sys = argv is None
         argv = list(sys.argv[1:] if argv is None else argv)
         env = os.environ if env is None else env
@@ -56,10 +48,20 @@ class CLI:
             message = " ".join(str(exc).split())  # guarantee a single line
             print(f"error: {message}", file=sys.stderr)
             sys.exit(2)
-        _last = args
+        set_run_defaults(run_defaults_of(args))
         if from_sys and not args.infra.debug:
             sys.excepthook = _one_line_user_errors
         return args
+
+
+def run_defaults_of(args: Args) -> RunDefaults:
+    """What ``initialize`` and ``TransformersModel`` take from a parsed command line."""
+    return RunDefaults(
+        seed=args.infra.seed,
+        process_group_timeout_s=args.infra.process_group_timeout,
+        dtype=args.model.dtype,
+        activation_checkpointing=args.model.activation_checkpointing,
+    )
 
 
 def _one_line_user_errors(kind, exc, tb):  # noqa: ANN001 - the sys.excepthook signature

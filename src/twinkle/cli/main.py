@@ -1,4 +1,5 @@
-"""The ``twinkle`` command: ``twinkle chat`` talks to a base model with an optional adapter."""
+"""The ``twinkle`` command: ``twinkle chat`` talks to a base model with an optional adapter;
+``twinkle kernels`` says what each kernel op resolves to on this machine and why."""
 
 import argparse
 import sys
@@ -18,12 +19,40 @@ def _build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--system", default=None, help="system prompt (default: the one used in training)")
     chat.add_argument("--max-new-tokens", type=int, default=64)
     chat.add_argument("--template-cls", default="Template", help="the template the adapter was trained with")
+    kernels = sub.add_parser("kernels", help="what each kernel op resolves to on this machine, and why")
+    kernels.add_argument(
+        "--model-id", help="the model to resolve for (default: the bundled SmolLM2-135M-Instruct)"
+    )
+    kernels.add_argument("--no-model", action="store_true", help="report the machine alone, loading no model")
     return parser
+
+
+def _kernels(model_id: str | None, load: bool) -> None:
+    from twinkle.kernel import describe
+
+    model = None
+    if load:
+        from twinkle.model.loading import load_causal_lm
+
+        model, _, _ = load_causal_lm(model_id, torch_device(), None)
+    print(describe(model))
+
+
+def torch_device():  # noqa: ANN201 - a torch.device; torch is imported late to keep --help fast
+    import torch
+
+    from twinkle.utils.framework import Torch
+
+    kind = Torch.device_type()
+    return torch.device(kind if kind == "cpu" else f"{kind}:0")
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
     try:
+        if args.command == "kernels":
+            _kernels(args.model_id, not args.no_model)
+            return 0
         from twinkle.cli.chat import chat
 
         prompts = args.prompt or [line.strip() for line in sys.stdin if line.strip()]

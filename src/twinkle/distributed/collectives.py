@@ -9,12 +9,12 @@ def is_distributed() -> bool:
 
 
 def _comm_device() -> torch.device:
-    """gloo reduces CPU tensors; nccl (CUDA) and hccl (Ascend) reduce tensors on this rank's device."""
-    if dist.get_backend() == "gloo":
+    """gloo reduces CPU tensors; nccl (CUDA) and hccl (Ascend) reduce tensors on this rank's
+    device, the one ``initialize`` made current."""
+    kind = {"nccl": "cuda", "hccl": "npu"}.get(dist.get_backend())
+    if kind is None:
         return torch.device("cpu")
-    from twinkle.runtime import get_runtime
-
-    return get_runtime().device
+    return torch.device(kind, getattr(torch, kind).current_device())
 
 
 def all_reduce_sum(values: list[float]) -> list[float]:

@@ -4,7 +4,7 @@ Order (each step assumes the ones before it):
   1. LoRA is already attached, so the frozen base weight and its trainable LoRA matrices shard
      together inside one unit.
   2. Kernels are already in place (``kernelize`` patches forwards; sharding is indifferent).
-  3. Activation checkpointing (``twinkle.model.checkpointing``) already wraps each decoder
+  3. Activation checkpointing (``twinkle.model.activation_checkpointing``) already wraps each decoder
      layer's forward, deciding per micro-batch; sharding keeps the wrapper.
   4. ``fully_shard`` every module whose class is in ``_no_split_modules`` (the decoder layers),
      then the root, which owns the embedding, the final norm and the tied head.

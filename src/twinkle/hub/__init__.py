@@ -11,9 +11,10 @@ Public names:
 - ``cache_root()``: ``$TWINKLE_CACHE`` or ``~/.cache/twinkle``.
 """
 
-from twinkle.hub.cache import cache_root, ensure_converted
+from twinkle.hub.cache import ensure_converted
 from twinkle.hub.dataset import resolve_dataset
 from twinkle.hub.gguf import bundled_gguf_path
 from twinkle.hub.model import resolve_model
+from twinkle.utils.cache import cache_root
 
 __all__ = ["bundled_gguf_path", "cache_root", "ensure_converted", "resolve_dataset", "resolve_model"]

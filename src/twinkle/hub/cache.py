@@ -1,4 +1,4 @@
-"""The twinkle cache folder, and building a cached folder exactly once across processes.
+"""Building a cached folder exactly once across processes.
 
 Several ranks often start at the same moment and all want the same converted model. The first
 one to take the lock builds the folder into a temporary sibling and renames it into place; the
@@ -11,12 +11,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 from twinkle.utils.fileio import COMPLETE_MARKER, atomic_dir, atomic_write_text, file_lock, is_complete
-
-
-def cache_root() -> Path:
-    """``$TWINKLE_CACHE`` if set, else ``~/.cache/twinkle`` (read at call time)."""
-    configured = os.environ.get("TWINKLE_CACHE")
-    return Path(configured).expanduser() if configured else Path.home() / ".cache" / "twinkle"
 
 
 def ensure_converted(final: str | os.PathLike, build_fn: Callable[[Path], None]) -> Path:

@@ -7,9 +7,9 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from twinkle.hub.cache import cache_root
 from twinkle.hub.jsonrows import read_json_rows
 from twinkle.hub.remote import looks_like_hub_id, snapshot
+from twinkle.utils.cache import cache_root
 from twinkle.utils.errors import UserError
 
 if TYPE_CHECKING:  # imported lazily: ``datasets`` is slow to import and resolve_model skips it

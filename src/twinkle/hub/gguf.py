@@ -9,7 +9,8 @@ import importlib.util
 import time
 from pathlib import Path
 
-from twinkle.hub.cache import cache_root, ensure_converted
+from twinkle.hub.cache import ensure_converted
+from twinkle.utils.cache import cache_root
 from twinkle.utils.errors import UserError
 from twinkle.utils.logger import get_logger
 

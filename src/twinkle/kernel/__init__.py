@@ -1,12 +1,27 @@
-"""Kernel replacement for model modules: ops x backends, tried in order, falling through.
+"""Every faster implementation Twinkle has, and the one mechanism that picks it.
 
-Public names: ``kernelize``, ``KernelChoice``, ``DEFAULT_KERNEL_CONFIG``, ``register_op``,
-``registered_ops``, ``BACKENDS``."""
+Public names: ``kernelize``, ``KernelChoice``, ``DEFAULT_KERNEL_CONFIG``, ``DEFAULT_CALL_CHAINS``,
+``register_op``, ``registered_ops``, ``BACKENDS``, ``SWITCHES``, ``switched``, ``set_switches``,
+``describe``. See ``README.md`` beside this file."""
 
-from twinkle.kernel import backends as _backends  # noqa: F401  (registers the accelerator implementations)
-from twinkle.kernel import torch_ops as _torch_ops  # noqa: F401  (registers the torch backend)
-from twinkle.kernel.config import DEFAULT_KERNEL_CONFIG
+from twinkle.kernel import backends as _backends  # noqa: F401  (registers the module ops)
+from twinkle.kernel.attention import packed as _packed  # noqa: F401  (registers packed_attention)
+from twinkle.kernel.config import DEFAULT_CALL_CHAINS, DEFAULT_KERNEL_CONFIG
 from twinkle.kernel.kernelize import kernelize
 from twinkle.kernel.registry import BACKENDS, KernelChoice, register_op, registered_ops
+from twinkle.kernel.report import describe
+from twinkle.kernel.switches import SWITCHES, set_switches, switched
 
-__all__ = ["kernelize", "KernelChoice", "DEFAULT_KERNEL_CONFIG", "register_op", "registered_ops", "BACKENDS"]
+__all__ = [
+    "kernelize",
+    "KernelChoice",
+    "DEFAULT_KERNEL_CONFIG",
+    "DEFAULT_CALL_CHAINS",
+    "register_op",
+    "registered_ops",
+    "BACKENDS",
+    "SWITCHES",
+    "switched",
+    "set_switches",
+    "describe",
+]

@@ -1,4 +1,5 @@
-"""``DEFAULT_KERNEL_CONFIG``: module class name -> the kernel to try for its instances.
+"""``DEFAULT_KERNEL_CONFIG``: module class name -> the kernel to try for its instances; and
+``DEFAULT_CALL_CHAINS``: call op -> its backends, in the order they are tried.
 
 The ``torch`` backend closes a chain where it measurably beat the original module on CPU
 (``rms_norm``: about 2x), or kept less at the same step time (``swiglu_mlp``: without LoRA 23%
@@ -6,7 +7,7 @@ less; with LoRA on its projections one node, 1.1% faster than when it recomputed
 ``README.md``). ``lora_attention`` has only the torch backend: with LoRA on q/k/v, one node for
 the projections and the rotary embedding (2.6% of a W1 step); without, the class's forward."""
 
-from twinkle.kernel.registry import KernelChoice
+from twinkle.kernel.registry import KernelChoice, define_call_op
 
 _FAMILIES = ("Llama", "Qwen2", "Qwen3", "Qwen3Moe", "Qwen2Moe", "Mistral")
 # Qwen3.5's norm is zero-centred, ``x_hat * (1 + w)`` with ``w`` initialised to zeros: a plain
@@ -23,3 +24,21 @@ for _family in _FAMILIES + _ZERO_CENTERED_FAMILIES:
 # Llama-style attention whose projections and rotary embedding can run as one LoRA node
 for _family in ("Llama", "Mistral", "Qwen2"):
     DEFAULT_KERNEL_CONFIG[f"{_family}Attention"] = KernelChoice("lora_attention", ("torch",))
+
+# Call ops: the first backend that is usable here and accepts the call runs it. The last of
+# each chain takes every call.
+DEFAULT_CALL_CHAINS: dict[str, tuple[str, ...]] = {
+    # a packed row's attention: the C kernel, then the flash calls with a pooled backward (rows
+    # with long samples), then batched products (rows of short samples), then SDPA per sample
+    "packed_attention": ("native", "pooled", "batched", "sdpa"),
+    # a PEFT LoRA linear layer: one autograd node, else PEFT's own modules
+    "lora_linear": ("fused", "peft"),
+    # an MLP of three LoRA layers (inside ``swiglu_mlp``): one node, else layer by layer
+    "lora_mlp": ("fused", "modules"),
+    # q/k/v LoRA projections and the rotary embedding (inside ``lora_attention``)
+    "lora_qkv": ("fused", "modules"),
+    # the frozen weights' fp32 CPU products: oneDNN (packed copies first) where it is faster
+    "cpu_gemm": ("packed", "onednn", "torch"),
+}
+for _op, _chain in DEFAULT_CALL_CHAINS.items():
+    define_call_op(_op, _chain)

@@ -7,7 +7,7 @@ from twinkle.kernel.registry import KernelChoice, implementations, validate_choi
 from twinkle.utils.logger import get_logger
 
 logger = get_logger()
-_MARK = "_twinkle_kernel"
+MARK = "_twinkle_kernel"
 
 
 def _torch_module(model: Any) -> Any:
@@ -32,7 +32,7 @@ def kernelize(model: Any, mapping: dict[str, KernelChoice] | None = None) -> Any
         target = type(module).__name__
         if target not in mapping:
             continue
-        if getattr(module, _MARK, None):
+        if getattr(module, MARK, None):
             already += 1
             continue
         for impl in implementations(mapping[target]):
@@ -45,7 +45,7 @@ def kernelize(model: Any, mapping: dict[str, KernelChoice] | None = None) -> Any
                 n, _ = failures.get(key, (0, ""))
                 failures[key] = (n + 1, f"{type(exc).__name__}: {exc}")
                 continue
-            setattr(module, _MARK, (impl.op, impl.backend))
+            setattr(module, MARK, (impl.op, impl.backend))
             counts[key] = counts.get(key, 0) + 1
             break
         else:

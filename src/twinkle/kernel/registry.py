@@ -1,10 +1,24 @@
-"""The registry: for each op, implementations per backend, each with an availability check."""
+"""The registry: every op Twinkle can compute more than one way, its implementations per
+backend, and how one is chosen.
+
+Two kinds of op:
+
+- **module ops** (``rms_norm``, ``swiglu_mlp``, ...): ``kernelize`` gives a module instance the
+  forward of the first available backend of its ``KernelChoice``;
+- **call ops** (``packed_attention``, ``lora_linear``, ``cpu_gemm``, ...): chosen at each call,
+  walking the op's chain (``DEFAULT_CALL_CHAINS``) and taking the first backend that is
+  available on this machine, not switched off (``switches.py``), and accepts the call.
+
+Availability is asked once per process and kept; a backend that fails at run time is taken out
+of its chain for the process with one warning (``disable``)."""
 
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from twinkle.kernel import switches
 from twinkle.utils.errors import UserError
+from twinkle.utils.logger import get_logger
 
 BACKENDS = ("liger", "npu", "torch")
 
@@ -28,7 +42,26 @@ class KernelChoice:
     backends: tuple[str, ...] = BACKENDS
 
 
+@dataclass(frozen=True)
+class CallImpl:
+    """One way to compute a call op. ``available()`` is asked once per process; ``requires`` says
+    in words what it checks (for ``twinkle kernels``). Whether it takes a given call is the
+    op's code's business (shapes, dtypes, a cost model). ``needs``: another backend of the op
+    without which this one cannot run."""
+
+    op: str
+    backend: str
+    available: Callable[[], bool]
+    requires: str
+    needs: str | None = None
+
+
 _REGISTRY: dict[str, dict[str, KernelImpl]] = {}
+_CALLS: dict[str, dict[str, CallImpl]] = {}
+_CHAINS: dict[str, tuple[str, ...]] = {}  # call op -> its backends in order of preference
+_available: dict[tuple[str, str], bool] = {}
+_failed: dict[tuple[str, str], str] = {}  # (op, backend) -> why it was taken out at run time
+_usable: dict[tuple[str, str], bool] = {}  # (op, backend) -> in the chain now (cleared on a change)
 
 
 def register_op(
@@ -43,7 +76,13 @@ def register_op(
 
 
 def registered_ops() -> dict[str, tuple[str, ...]]:
+    """Every module op (what a ``KernelChoice`` may name) and its registered backends."""
     return {op: tuple(impls) for op, impls in _REGISTRY.items()}
+
+
+def registered_call_ops() -> dict[str, tuple[str, ...]]:
+    """Every call op and its registered backends, in chain order."""
+    return {op: tuple(b for b in _CHAINS.get(op, ()) if b in impls) for op, impls in _CALLS.items()}
 
 
 def validate_choice(target: str, choice: KernelChoice) -> None:
@@ -62,3 +101,105 @@ def implementations(choice: KernelChoice) -> list[KernelImpl]:
     """The registered implementations of ``choice``, in its order (unregistered ones skipped)."""
     impls = _REGISTRY.get(choice.op, {})
     return [impls[b] for b in choice.backends if b in impls]
+
+
+# ---------------------------------------------------------------------------- call ops
+def define_call_op(op: str, chain: tuple[str, ...]) -> None:
+    """Declare call op ``op`` and the order its backends are tried in (before or after its
+    backends register: import order does not matter)."""
+    if op in _CHAINS and _CHAINS[op] != chain:
+        raise ValueError(f"call op {op!r} is already defined with the chain {_CHAINS[op]}")
+    stray = sorted(set(_CALLS.get(op, {})) - set(chain))
+    if stray:
+        raise ValueError(f"call op {op!r}: registered backends {stray} are not in its chain {chain}")
+    _CHAINS[op] = chain
+    _CALLS.setdefault(op, {})
+
+
+def register_call(
+    op: str, backend: str, available: Callable[[], bool], requires: str, needs: str | None = None
+) -> None:
+    if op in _CHAINS and backend not in _CHAINS[op]:
+        raise ValueError(f"{backend!r} is not in {op!r}'s chain {_CHAINS[op]}")
+    impls = _CALLS.setdefault(op, {})
+    if backend in impls:
+        raise ValueError(f"op {op!r} already has a {backend!r} implementation")
+    impls[backend] = CallImpl(op, backend, available, requires, needs)
+
+
+def switch_of(op: str, backend: str) -> switches.Switch | None:
+    return next((s for s in switches.SWITCHES.values() if (s.op, s.backend) == (op, backend)), None)
+
+
+def is_available(op: str, backend: str) -> bool:
+    """Whether ``backend`` of call op ``op`` can run on this machine (asked once per process)."""
+    key = (op, backend)
+    if key not in _available:
+        impl = _CALLS[op][backend]
+        try:
+            _available[key] = bool(impl.available())
+        except Exception as exc:  # a failing check is an unavailable backend, never a crash
+            get_logger().warning(f"kernel: {op} [{backend}] is unavailable here: {type(exc).__name__}: {exc}")
+            _available[key] = False
+    return _available[key]
+
+
+def state(op: str, backend: str) -> tuple[bool, str]:
+    """``(usable, why)`` for one backend of a call op, as ``twinkle kernels`` reports it."""
+    impl = _CALLS[op].get(backend)
+    if impl is None:
+        return False, "not registered"
+    switch = switch_of(op, backend)
+    if switch is not None and switches.value(switch.name) == "off":
+        return False, f"switched off ({switch.name}=off)"
+    if (op, backend) in _failed:
+        return False, f"failed, fell through: {_failed[(op, backend)]}"
+    if not is_available(op, backend):
+        return False, f"unavailable (needs {impl.requires})"
+    if impl.needs is not None and not state(op, impl.needs)[0]:
+        return False, f"off: it runs on {impl.needs}, which is not usable here"
+    mode = "" if switch is None else f" ({switch.name}={switches.value(switch.name)})"
+    return True, f"available{mode}"
+
+
+def enabled(op: str, backend: str) -> bool:
+    """Whether ``backend`` is in call op ``op``'s chain now (cheap: asked on hot paths). Asked
+    lazily, backend by backend, so a CPU-only backend is never built on a machine whose calls
+    never reach it."""
+    usable = _usable.get((op, backend))
+    if usable is None:
+        usable = _usable[(op, backend)] = state(op, backend)[0]
+    return usable
+
+
+def order(op: str) -> tuple[str, ...]:
+    """Call op ``op``'s backends in the order they are tried (usable here or not)."""
+    return _CHAINS[op]
+
+
+def chain(op: str) -> tuple[str, ...]:
+    """The backends of call op ``op`` usable now, in order of preference."""
+    return tuple(b for b in _CHAINS[op] if enabled(op, b))
+
+
+def disable(op: str, backend: str, reason: str) -> None:
+    """Take ``backend`` out of ``op``'s chain for the rest of the process, with one warning."""
+    if (op, backend) not in _failed:
+        _failed[(op, backend)] = reason
+        get_logger().warning(f"kernel: {op} [{backend}] failed ({reason}); using the next in its chain")
+    _usable.clear()
+
+
+def forget() -> None:
+    """Ask every backend's availability again (after installing a compiler or a package), and
+    give failed backends another chance."""
+    _available.clear()
+    _failed.clear()
+    _usable.clear()
+
+
+def _forget_chains() -> None:
+    _usable.clear()
+
+
+switches._listeners.append(_forget_chains)

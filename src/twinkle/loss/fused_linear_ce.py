@@ -8,15 +8,15 @@ Each chunk's logits are read by one max (no indices), then torch's softmax kerne
 the CPU; the log-sum-exp is ``max - log(largest probability)``, the largest probability being
 ``1 / sum(exp(x - max))``, so the loss and the gradient share the kernel's one exp. A position
 counts as correct when its target's logit is the row's maximum (a tie at the top counts too;
-``argmax`` would pick the first). ``bench/ce_bench.py`` on 2 CPU cores (SmolLM2's head, the loss
+``argmax`` would pick the first). ``bench/micro/ce_bench.py`` on 2 CPU cores (SmolLM2's head, the loss
 with its hidden-state gradient, the variants alternating): 0.92-0.95x the time of our previous
 passes (a max with its indices, an in-place ``exp(x - max)``, a sum and a division) at 104-1000
 rows, the same loss to the last bit; the max's indices alone cost about as much as the softmax."""
 
 import torch
 
+from twinkle.kernel.cpu_gemm import linear, times_weight
 from twinkle.loss.cross_entropy import LossOutput, check_reduction, finish
-from twinkle.utils.gemm import linear, times_weight
 
 # On the CPU a chunk holds about this many logits (fp32): 32M = 128 MiB, ~680 rows at a 49k
 # vocabulary. On 2 CPU cores 2048 rows of SmolLM2's head took 1.89 s in chunks of 170 rows, 1.67 s

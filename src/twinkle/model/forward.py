@@ -12,9 +12,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from twinkle.kernel.lora.linear import plain_linear
 from twinkle.loss import LossOutput
 from twinkle.loss.cross_entropy import finish, top_is_target
-from twinkle.model.lora_linear import plain_linear
 from twinkle.model.packing import can_pack, pack, shifted_targets
 from twinkle.template.base import IGNORE_INDEX
 

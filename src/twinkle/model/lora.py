@@ -10,10 +10,10 @@ DEPRECATED_ALIAS = "`is_gradient_checkpointing` is deprecated"
 
 def add_lora(model: Any, adapter_name: str, config: Any) -> Any:
     """Wrap ``model`` with PEFT (or add a further adapter to a PEFT model) and make it active.
-    Its LoRA linear layers run as one autograd node each (``twinkle.model.lora_linear``)."""
+    Its LoRA linear layers run as one autograd node each (``twinkle.kernel.lora.linear``)."""
     from peft import PeftModel, get_peft_model
 
-    from twinkle.model.lora_linear import fuse_lora_linears
+    from twinkle.kernel.lora.linear import fuse_lora_linears
 
     if isinstance(model, PeftModel):
         if adapter_name in model.peft_config:

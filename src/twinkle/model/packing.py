@@ -9,14 +9,14 @@ border. Three things are left out of the row because no loss depends on them:
 - all but one copy of a prefix every sample shares (system prompt, chat markup) when no target
   lies inside it: the row holds it once and every sample attends to it.
 
-``twinkle.model.attention`` runs attention per sample, so the loss and gradients equal those of
+``twinkle.kernel.attention.packed`` runs attention per sample, so the loss and gradients equal those of
 the padded batch up to summation order."""
 
 from typing import Any
 
 import torch
 
-from twinkle.model.attention import Segments, enable_segment_attention
+from twinkle.kernel.attention.packed import Segments, enable_segment_attention
 from twinkle.template.base import IGNORE_INDEX
 
 # Decoder families that mix tokens only in attention (through Hugging Face's attention

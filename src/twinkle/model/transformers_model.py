@@ -15,8 +15,9 @@ import torch
 from twinkle.checkpoint import load_checkpoint, read_trainer_state, rotate_checkpoints, save_checkpoint
 from twinkle.distributed.collectives import all_reduce_sum
 from twinkle.distributed.fsdp import apply_fsdp2
+from twinkle.kernel import cpu_gemm as gemm
 from twinkle.loss import FusedLinearCrossEntropyLoss, build_loss
-from twinkle.model.checkpointing import LayerCheckpointing
+from twinkle.model.activation_checkpointing import LayerCheckpointing
 from twinkle.model.forward import causal_lm_of, compute_loss
 from twinkle.model.loading import load_causal_lm, resolve_dtype
 from twinkle.model.lora import add_lora, lora_signature, trainable_parameters
@@ -25,9 +26,8 @@ from twinkle.model.step import clip_gradients, local_grad, restore_grad
 from twinkle.model.train_state import OptimizerGroup
 from twinkle.optim import build_optimizer, build_scheduler
 from twinkle.optim.replicated import ReplicatedOptimizer
-from twinkle.runtime import get_runtime
+from twinkle.runtime import get_runtime, run_defaults
 from twinkle.template.base import IGNORE_INDEX
-from twinkle.utils import gemm
 from twinkle.utils.errors import UserError
 from twinkle.utils.logger import get_logger
 
@@ -43,21 +43,20 @@ class TransformersModel:
         padding_free: bool = True,
         activation_checkpointing: str | None = None,
     ):
-        """``dtype``: the weights' dtype; None takes ``--dtype`` from the last parsed command
-        line, else bf16 on accelerators and fp32 on CPU. ``padding_free``: run each batch packed
-        into one row (same loss; see ``twinkle.model.packing``). ``activation_checkpointing``:
-        ``auto`` (only for a batch whose activations would not fit), ``on`` or ``off``; None takes
-        ``--activation-checkpointing`` from the last parsed command line, else ``auto`` (see
-        ``twinkle.model.checkpointing``)."""
+        """``dtype``: the weights' dtype; None takes the run defaults' (``--dtype``; ``auto``: bf16
+        on accelerators, fp32 on CPU). ``padding_free``: run each batch packed into one row (same
+        loss; see ``twinkle.model.packing``). ``activation_checkpointing``: ``auto`` (only for a
+        batch whose activations would not fit), ``on`` or ``off``; None takes the run defaults'
+        (``--activation-checkpointing``, else ``auto``; see
+        ``twinkle.model.activation_checkpointing``)."""
         runtime = get_runtime()
         self.padding_free = padding_free
-        from twinkle.cli import last_args
-
-        args = last_args()
+        defaults = run_defaults()
         if activation_checkpointing is None:
-            activation_checkpointing = args.model.activation_checkpointing if args is not None else "auto"
-        if dtype is None and args is not None:
-            dtype = resolve_dtype(args.model.dtype, runtime.device)
+            activation_checkpointing = defaults.activation_checkpointing
+        if dtype is None:
+            dtype = resolve_dtype(defaults.dtype, runtime.device)
+        gemm.bound_onednn_caches()  # before any oneDNN kernel is built (see twinkle.kernel.cpu_gemm)
         self.runtime = runtime
         self.device = runtime.device
         self.model_id = model_id
@@ -107,7 +106,7 @@ class TransformersModel:
 
     def _pack_frozen_weights(self) -> None:
         """The frozen linear weights' forward products from oneDNN-packed copies (see
-        ``twinkle.utils.gemm.pack_frozen``): unsharded CPU training only, as the copies cost
+        ``twinkle.kernel.cpu_gemm.pack_frozen``): unsharded CPU training only, as the copies cost
         the weights' memory again."""
         weights = [m.weight for m in self.model.modules() if isinstance(m, torch.nn.Linear)]
         packed = gemm.pack_frozen(weights)

@@ -1,8 +1,27 @@
-"""The process runtime: ``initialize``, ``get_runtime``, ``get_device_placement``, ``shutdown``.
+"""The process runtime: ``initialize``, ``get_runtime``, ``get_device_placement``, ``shutdown``,
+and the run defaults (``RunDefaults``, ``set_run_defaults``, ``run_defaults``).
 
 ``initialize()`` is the one place that touches process-wide state: seeds, the device, and the
 process group when torchrun started several processes."""
 
-from twinkle.runtime.runtime import Runtime, get_device_placement, get_runtime, initialize, shutdown
+from twinkle.runtime.runtime import (
+    RunDefaults,
+    Runtime,
+    get_device_placement,
+    get_runtime,
+    initialize,
+    run_defaults,
+    set_run_defaults,
+    shutdown,
+)
 
-__all__ = ["Runtime", "initialize", "get_runtime", "get_device_placement", "shutdown"]
+__all__ = [
+    "Runtime",
+    "RunDefaults",
+    "initialize",
+    "get_runtime",
+    "get_device_placement",
+    "run_defaults",
+    "set_run_defaults",
+    "shutdown",
+]

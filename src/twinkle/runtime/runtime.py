@@ -1,4 +1,10 @@
-"""``Runtime``: mode, mesh, rank and device of this process, created once by ``initialize``."""
+"""``Runtime``: mode, mesh, rank and device of this process, created once by ``initialize``; and
+``RunDefaults``: what a run uses where a call leaves a value out (seed, process-group timeout,
+dtype, activation checkpointing).
+
+The CLI hands the parsed command line's values over with ``set_run_defaults`` (so a script need
+not pass ``args`` to ``initialize`` or ``TransformersModel``); without a CLI they are the
+dataclass's defaults. An explicit argument always wins."""
 
 import atexit
 import datetime
@@ -17,6 +23,26 @@ from twinkle.utils.framework import Torch
 
 MODES = ("local", "ray")
 DEFAULT_SEED = 42
+
+
+@dataclass(frozen=True)
+class RunDefaults:
+    seed: int = DEFAULT_SEED
+    process_group_timeout_s: int = 600  # how long a collective waits for a dead peer
+    dtype: str = "auto"  # the weights' dtype: auto (bf16 on accelerators, fp32 on CPU), float32, bfloat16
+    activation_checkpointing: str = "auto"  # auto, on, off
+
+
+_DEFAULTS = [RunDefaults()]
+
+
+def set_run_defaults(defaults: RunDefaults) -> None:
+    """Make ``defaults`` this process's run defaults (the CLI calls this after parsing)."""
+    _DEFAULTS[0] = defaults
+
+
+def run_defaults() -> RunDefaults:
+    return _DEFAULTS[0]
 
 
 @dataclass
@@ -50,13 +76,6 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def _default_seed() -> int:
-    from twinkle.cli import last_args
-
-    args = last_args()
-    return args.infra.seed if args is not None else DEFAULT_SEED
-
-
 def _pick_device(local_rank: int) -> torch.device:
     kind = Torch.device_type()
     if kind == "cpu":
@@ -74,9 +93,9 @@ def initialize(
 ) -> Runtime:
     """Set up this process: seed, device (cuda > npu > cpu) and, under torchrun, the process group.
 
-    ``seed`` defaults to the ``--seed`` of the last parsed command line, else 42. Every rank
-    uses the same seed so that LoRA weights start identical on all ranks. ``timeout_s`` bounds
-    how long a collective waits for a dead peer (default ``--process-group-timeout``, 600 s)."""
+    ``seed`` defaults to the run defaults' (``--seed``, else 42). Every rank uses the same seed
+    so that LoRA weights start identical on all ranks. ``timeout_s`` bounds how long a
+    collective waits for a dead peer (default: the run defaults', ``--process-group-timeout``)."""
     global _RUNTIME
     if mode not in MODES:
         raise UserError(f"--mode: {mode!r} is not one of {', '.join(MODES)}")
@@ -95,14 +114,11 @@ def initialize(
     device = _pick_device(local_rank)
     if world > 1 and not dist.is_initialized():
         if timeout_s is None:
-            from twinkle.cli import last_args
-
-            args = last_args()
-            timeout_s = args.infra.process_group_timeout if args is not None else 600
+            timeout_s = run_defaults().process_group_timeout_s
         backend = {"cuda": "nccl", "npu": "hccl"}.get(device.type, "gloo")
         dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
         atexit.register(shutdown)
-    seed = _default_seed() if seed is None else seed
+    seed = run_defaults().seed if seed is None else seed
     seed_everything(seed)
     _RUNTIME = Runtime(mode=mode, mesh=mesh, rank=rank, local_rank=local_rank, device=device, seed=seed)
     return _RUNTIME

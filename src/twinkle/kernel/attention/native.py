@@ -1,0 +1,220 @@
+"""A packed row's attention on the CPU from a small C kernel, forward and backward.
+
+torch's CPU flash kernel has a fixed cost per call and splits its backward by key/value head (3
+for SmolLM2, on 2 cores); the batched products of ``batched`` pay for padding and a
+dozen ops a layer. ``segment_attention.c`` runs the whole row in one call each way:
+every (segment, key/value head) is a task of tiled products and a softmax over exactly the keys
+each query sees, on torch's own OpenMP threads (the library links the ``libgomp`` torch has
+loaded, so no second thread pool competes for the cores). Each task keeps its keys' gradients
+apart and they are added in task order afterwards, so the results are the same for any thread
+count. They equal the flash kernel's up to summation order (~1e-6 relative).
+
+``bench/micro/attention_bench.py``, forward + backward, 2 threads, against the path each row takes
+without it: W1's rows 0.55-0.66x the batched products' time on a Zen 5 (0.54-0.65x on a Zen 3),
+W2's rows 0.67-0.77x the pooled flash calls' (0.79-0.85x). Built for AVX-512 (16-float vectors,
+tiles of 8 x 16) it is about twice as fast again on the Zen 5: W1's rows 0.34-0.38x the
+per-sample calls' time, W2's 0.31-0.33x, one sample of 1000 tokens 0.36x. On 8-float vectors
+(AVX2) a row of one long sample, which splits only by query head, keeps the flash calls
+(``usable``).
+
+The library is compiled with the system's C compiler at first use (``-O3 -march=native``,
+about a second) into ``<cache>/native/``, keyed by the source, the flags, the compiler and the
+CPU, and loaded from there afterwards. Without a compiler, OpenMP or a writable cache it is not
+used, with one warning, and attention takes the other paths; ``TWINKLE_NATIVE_ATTENTION=0``
+turns it off."""
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from twinkle.kernel import registry
+from twinkle.kernel.attention import pooled
+from twinkle.utils.fileio import file_lock
+from twinkle.utils.logger import get_logger
+
+SOURCE = Path(__file__).with_name("segment_attention.c")
+FLAGS = (
+    "-O3 -march=native -fopenmp -fno-math-errno -fassociative-math -fno-signed-zeros "
+    "-fno-trapping-math -ffp-contract=fast -shared -fPIC"
+).split()
+COMPILER = "cc"
+TILE = 16  # the kernel's column tile: the head dimension must be a multiple of it
+MIN_TASKS = 8  # fewer (segment, key/value head) tasks than this split by query head
+LONG_SAMPLE = 512  # on 8-float vectors, a row of one sample this long keeps the flash calls
+WIDE = 16  # vector floats from which the kernel takes rows of one long sample too
+
+_state: dict[str, Any] = {}
+_PTR, _INT, _FLOAT = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+
+
+def _cpu() -> str:
+    try:
+        lines = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace").splitlines()
+    except OSError:
+        return platform.processor()
+    wanted = ("model name", "flags", "Features", "CPU part")
+    return "\n".join(sorted({line for line in lines if line.split(":")[0].strip() in wanted}))
+
+
+def _library_path(compiler: str) -> Path:
+    from twinkle.utils.cache import cache_root
+
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
+    key = "\n".join(
+        [SOURCE.read_text(encoding="utf-8"), " ".join(FLAGS), version, _cpu(), platform.machine()]
+    )
+    return cache_root() / "native" / f"segment_attention-{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
+
+
+def _compile(path: Path, compiler: str) -> None:
+    """Build into a temporary file beside ``path`` and rename it into place (another process may
+    be loading the same path)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, tmp = tempfile.mkstemp(dir=path.parent, suffix=".so.tmp")
+    os.close(handle)
+    try:
+        done = subprocess.run(
+            [compiler, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=300
+        )
+        if done.returncode:
+            raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-2000:]}")
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _load() -> ctypes.CDLL:
+    compiler = shutil.which(COMPILER)
+    if compiler is None:
+        raise RuntimeError(f"no C compiler ({COMPILER!r}) on PATH")
+    path = _library_path(compiler)
+    with file_lock(path.with_name(path.name + ".lock")):
+        if not path.is_file():
+            _compile(path, compiler)
+        try:
+            lib = ctypes.CDLL(str(path))
+        except OSError:  # a damaged file (a full disk, a killed build): build it again once
+            _compile(path, compiler)
+            lib = ctypes.CDLL(str(path))
+    lib.twinkle_attention_forward.argtypes = [_PTR] * 5 + [_INT] * 5 + [_FLOAT, _PTR, _INT, _INT]
+    lib.twinkle_attention_backward.argtypes = [_PTR] * 10 + [_INT] * 5 + [_FLOAT, _PTR, _INT, _INT]
+    lib.twinkle_attention_lanes.restype = _INT
+    return lib
+
+
+def library() -> ctypes.CDLL | None:
+    """The compiled kernel, built at the first call of the process; None when it cannot be had
+    (one warning says why)."""
+    if "lib" not in _state:
+        try:
+            _state["lib"] = _load()
+        except (OSError, RuntimeError, subprocess.SubprocessError) as error:
+            get_logger().warning("native attention not available, using torch's kernels: %s", error)
+            _state["lib"] = None
+    return _state["lib"]
+
+
+def usable(query: torch.Tensor, key: torch.Tensor, spans: tuple, dropout: float, window: int | None) -> bool:
+    """Whether this row's attention runs here: fp32 on the CPU, torch on OpenMP, no dropout or
+    window, a head dimension the kernel tiles, and not one long sample where the kernel runs
+    8-float vectors."""
+    return (
+        query.device.type == "cpu"
+        and query.dtype == key.dtype == torch.float32
+        and not dropout
+        and window is None
+        and query.shape[-1] % TILE == 0
+        and query.shape[1] % key.shape[1] == 0
+        and registry.enabled("packed_attention", "native")
+        and not (len(spans) == 1 and spans[0][1] - spans[0][0] >= LONG_SAMPLE and lanes() < WIDE)
+    )
+
+
+registry.register_call(
+    "packed_attention",
+    "native",
+    lambda: pooled.OPENMP and library() is not None,
+    "torch on OpenMP, a C compiler with OpenMP (cc) and a writable cache",
+)
+
+
+def lanes() -> int:
+    """Floats in the vectors the built kernel runs (16 with AVX-512, else 8)."""
+    return library().twinkle_attention_lanes()
+
+
+@lru_cache(maxsize=256)  # every layer of a step asks for the same row's plan
+def tasks(spans: tuple, prefix: int, heads: int, kv_heads: int) -> tuple[torch.Tensor, int]:
+    """The kernel's tasks, ``(first head, heads, start, queries, prefix keys seen, slot row)``
+    each, longest first, and the rows of key gradients they keep. A task is a segment (the
+    prefix's own queries, or a sample) with the query heads of one key/value head, or with one
+    query head where that gives too few tasks to share out. The split depends on the row alone,
+    not on the thread count, so neither do the results."""
+    group = heads // kv_heads
+    segments = ([(0, prefix, 0)] if prefix else []) + [(s, e - s, prefix) for s, e in spans]
+    split = len(segments) * kv_heads < MIN_TASKS
+    per = [(h, 1) for h in range(heads)] if split else [(g * group, group) for g in range(kv_heads)]
+    items = [[h, n_heads, s, n, seen, 0] for h, n_heads in per for s, n, seen in segments]
+    items.sort(key=lambda t: -t[1] * t[3] * (t[4] + t[3] / 2))
+    row = 0
+    for item in items:
+        item[5] = row
+        row += item[3] + item[4]
+    return torch.tensor(items, dtype=torch.int32), row
+
+
+class NativeSegmentAttention(torch.autograd.Function):
+    """``apply(query (1, H, T, D), key, value (1, KV, T, D), spans, prefix, scale)`` ->
+    ``(1, T, H, D)``."""
+
+    @staticmethod
+    def forward(ctx: Any, query, key, value, spans, prefix, scale):
+        lib = library()
+        q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))  # (T, heads, D)
+        length, heads, dim = q.shape
+        kv_heads = k.shape[1]
+        threads = torch.get_num_threads()
+        plan, rows = tasks(spans, prefix, heads, kv_heads)
+        out = torch.empty_like(q)
+        lse = torch.empty(heads, length)
+        failed = lib.twinkle_attention_forward(
+            q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),
+            length, heads, kv_heads, dim, prefix, scale, plan.data_ptr(), len(plan), threads,
+        )  # fmt: skip
+        if failed:
+            raise MemoryError("native attention: no memory for the kernel's scratch")
+        ctx.save_for_backward(q, k, v, out, lse, plan)
+        ctx.lib, ctx.rows, ctx.prefix, ctx.scale = lib, rows, prefix, scale  # the same library back
+        return out[None]
+
+    @staticmethod
+    def backward(ctx: Any, grad_out):
+        q, k, v, out, lse, plan = ctx.saved_tensors
+        grad = grad_out[0].contiguous()
+        length, heads, dim = q.shape
+        grad_q, grad_k, grad_v = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        slots = torch.empty(2 * ctx.rows * dim)
+        threads = torch.get_num_threads()
+        failed = ctx.lib.twinkle_attention_backward(
+            q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(), grad.data_ptr(),
+            grad_q.data_ptr(), grad_k.data_ptr(), grad_v.data_ptr(), slots.data_ptr(),
+            length, heads, k.shape[1], dim, ctx.prefix, ctx.scale, plan.data_ptr(), len(plan), threads,
+        )  # fmt: skip
+        if failed:
+            raise MemoryError("native attention: no memory for the kernel's scratch")
+        return (*(t.transpose(0, 1)[None] for t in (grad_q, grad_k, grad_v)), None, None, None)
+
+
+def native_attention(query, key, value, spans: tuple, prefix: int, scale: float | None) -> torch.Tensor:
+    scale = query.shape[-1] ** -0.5 if scale is None else float(scale)
+    return NativeSegmentAttention.apply(query, key, value, spans, prefix, scale)

@@ -1,0 +1,266 @@
+"""A LoRA linear layer as one autograd node.
+
+PEFT computes ``base(x) + lora_B(lora_A(dropout(x))) * scaling`` as five modules and
+elementwise ops, each a node in the graph with its own output tensor. ``lora_linear`` does the
+same math in one autograd function: the scaled rank-r product is accumulated straight into the
+base output (``addmm``), and backward accumulates both input gradients into one tensor. Outputs
+and gradients equal PEFT's up to summation order.
+
+``fuse_lora_linears`` routes every PEFT ``lora.Linear`` of a model through it whenever the call
+is plain LoRA: one active adapter, not merged, dropout (if any) ``nn.Dropout``, no DoRA or other
+variant, no LoRA bias, an unhooked ``nn.Linear`` base in x's dtype and no autocast. The adapter
+may have its own dtype (PEFT keeps it fp32 on a bf16 model): its branch then runs in that dtype
+and the sum is rounded once, as PEFT does. Any other call runs PEFT's own forward."""
+
+from typing import Any
+
+import torch
+from peft.tuners.lora.layer import Linear as PeftLoraLinear
+from torch import nn
+
+from twinkle.kernel import registry
+from twinkle.kernel.cpu_gemm import linear, times_weight
+
+registry.register_call("lora_linear", "fused", lambda: True, "nothing")
+registry.register_call("lora_linear", "peft", lambda: True, "nothing")
+
+
+def _thin(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
+    """``(left @ right).T`` for a ``left`` of r rows: the rank-r products computed r rows tall.
+    CPU BLAS runs a product r columns wide (``right.T @ left.T``, the same sums) 2.5-3x slower:
+    221 vs 83 us for (235, 1536) @ (1536, 8) in fp32 on two cores."""
+    return torch.mm(left, right).t()
+
+
+def adapter_input(flat: torch.Tensor, lora_a: torch.Tensor) -> torch.Tensor:
+    """x as the adapter takes it: cast to the adapter's dtype (an exact cast to a wider one)."""
+    return flat if flat.dtype == lora_a.dtype else flat.to(lora_a.dtype)
+
+
+def project(
+    flat: torch.Tensor,
+    flat_lora: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    scaling: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(flat W^T + bias + scaling (flat_lora A^T) B^T, flat_lora A^T)`` for 2-D ``flat``. An
+    adapter wider than the base (PEFT's fp32 adapters on a bf16 model) runs in its own dtype and
+    the sum is rounded once to the base's dtype, as PEFT does."""
+    low = _thin(lora_a, flat_lora.t())  # (tokens, r)
+    out = linear(flat, weight, bias)
+    if lora_a.dtype != flat.dtype:
+        return out.to(lora_a.dtype).addmm_(low, lora_b.t(), alpha=scaling).to(flat.dtype), low
+    return out.addmm_(low, lora_b.t(), alpha=scaling), low
+
+
+def param_grads(
+    g: torch.Tensor,
+    flat: torch.Tensor | None,
+    flat_lora: torch.Tensor | None,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    low: torch.Tensor,
+    scaling: float,
+    needs: tuple[bool, bool, bool, bool],
+) -> tuple[torch.Tensor, tuple[torch.Tensor | None, ...]]:
+    """``(g_low, (grad_weight, grad_bias, grad_a, grad_b))`` for the output gradient ``g`` (2-D),
+    each gradient None unless ``needs`` (weight, bias, lora_a, lora_b) asks for it. ``g_low`` is
+    the gradient for ``flat_lora A^T`` (tokens, r), which ``input_grad`` takes. ``g`` and
+    ``flat_lora`` may be in the base's dtype: they are cast to the adapter's here, so on a bf16
+    model their fp32 copies (each as large as the tensor) live only while this runs."""
+    need_w, need_bias, need_a, need_b = needs
+    g_lora = g.to(lora_b.dtype)
+    g_low = _thin(lora_b.t(), g_lora.t()).mul_(scaling)  # (tokens, r)
+    grad_a = g_low.t() @ adapter_input(flat_lora, lora_a) if need_a else None
+    grad_b = _thin(low.t(), g_lora).mul_(scaling) if need_b else None
+    del g_lora
+    grad_w = g.t() @ flat if need_w else None
+    grad_bias = g.sum(0) if need_bias else None
+    return g_low, (grad_w, grad_bias, grad_a, grad_b)
+
+
+def input_grad(
+    g: torch.Tensor, weight: torch.Tensor, g_low: torch.Tensor, lora_a: torch.Tensor
+) -> torch.Tensor:
+    """Both branches' gradient for x, summed in x's dtype as autograd sums PEFT's. A wider adapter's
+    branch is rounded to x's dtype before the base's gradient is allocated, so its wide copy is
+    gone by then."""
+    if lora_a.dtype != g.dtype:
+        from_adapter = (g_low @ lora_a).to(g.dtype)
+        return times_weight(g, weight).add_(from_adapter)
+    return times_weight(g, weight).addmm_(g_low, lora_a)
+
+
+def project_grads(
+    g: torch.Tensor,
+    flat: torch.Tensor | None,
+    flat_lora: torch.Tensor | None,
+    weight: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    low: torch.Tensor,
+    scaling: float,
+    needs: tuple[bool, bool, bool, bool, bool, bool],
+    split: bool = False,
+) -> tuple[torch.Tensor | None, ...]:
+    """``project``'s gradients for the output gradient ``g`` (2-D): ``(x, x_lora, weight, bias,
+    lora_a, lora_b)``, each None unless ``needs`` asks for it. ``flat_lora`` may be in the base's
+    dtype (``param_grads`` casts it). ``split``: x_lora is a tensor of its own (after dropout);
+    else the two branches' gradients for x are summed into the first (``input_grad``). The
+    parameters' gradients come first, so that the adapter's wide inputs can go before x's."""
+    need_x, need_x_lora = needs[:2]
+    g_low, (grad_w, grad_bias, grad_a, grad_b) = param_grads(
+        g, flat, flat_lora, lora_a, lora_b, low, scaling, needs[2:]
+    )
+    grad_x = grad_x_lora = None
+    if split:
+        grad_x = times_weight(g, weight) if need_x else None
+        grad_x_lora = g_low @ lora_a if need_x_lora else None
+    elif need_x:
+        grad_x = input_grad(g, weight, g_low, lora_a)
+    return grad_x, grad_x_lora, grad_w, grad_bias, grad_a, grad_b
+
+
+class _LoraLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, x_lora, weight, bias, lora_a, lora_b, scaling):
+        flat = x.reshape(-1, x.shape[-1])
+        # x in the adapter's dtype is an exact cast of x: backward casts again rather than keep
+        # the wider copy (on a bf16 model, an fp32 copy of every LoRA layer's input)
+        recast = x_lora is None and lora_a.dtype != x.dtype
+        flat_lora = adapter_input(flat, lora_a) if x_lora is None else x_lora.reshape(flat.shape)
+        out, low = project(flat, flat_lora, weight, bias, lora_a, lora_b, scaling)
+        # x itself only for the base weight's gradient (PEFT keeps none for a frozen base)
+        keep = flat if ctx.needs_input_grad[2] else None
+        ctx.save_for_backward(keep, flat if recast else flat_lora, weight, lora_a, lora_b, low)
+        ctx.scaling = scaling
+        ctx.has_bias = bias is not None
+        ctx.separate = x_lora is not None
+        ctx.x_shape = x.shape
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        # flat_lora is x in the base's dtype where forward did not keep the adapter's copy
+        flat, flat_lora, weight, lora_a, lora_b, low = ctx.saved_tensors
+        need_x, need_x_lora, need_w, need_bias, need_a, need_b, _ = ctx.needs_input_grad
+        needs = (need_x, need_x_lora, need_w, need_bias and ctx.has_bias, need_a, need_b)
+        g = grad_out.reshape(-1, grad_out.shape[-1])
+        grads = project_grads(
+            g, flat, flat_lora, weight, lora_a, lora_b, low, ctx.scaling, needs, ctx.separate
+        )
+        grad_x, grad_x_lora, grad_w, grad_bias, grad_a, grad_b = grads
+        grad_x = grad_x.view(ctx.x_shape) if grad_x is not None else None
+        grad_x_lora = grad_x_lora.view(ctx.x_shape) if grad_x_lora is not None else None
+        return grad_x, grad_x_lora, grad_w, grad_bias, grad_a, grad_b, None
+
+
+def lora_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    scaling: float,
+    x_lora: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``x @ weight.T + bias + scaling * (x_lora @ lora_a.T) @ lora_b.T`` in one autograd node;
+    ``x_lora`` (the LoRA branch's input, e.g. after dropout) defaults to ``x``."""
+    return _LoraLinear.apply(x, x_lora, weight, bias, lora_a, lora_b, float(scaling))
+
+
+def plain_linear(module: nn.Module) -> bool:
+    """An ``nn.Linear`` itself (no adapter, subclass or wrapper) with no hooks: its output is
+    ``x @ weight.T (+ bias)``."""
+    return type(module) is nn.Linear and not (module._forward_hooks or module._forward_pre_hooks)
+
+
+def fusable(layer: Any, x: torch.Tensor, args: tuple, kwargs: dict) -> str | None:
+    """The active adapter's name when this call is plain LoRA, else None."""
+    if args or kwargs or layer.disable_adapters or layer.merged or len(layer.active_adapters) != 1:
+        return None
+    name = layer.active_adapters[0]
+    if name not in layer.lora_A or name in getattr(layer, "lora_variant", {}):
+        return None
+    if layer.use_dora.get(name, False) or getattr(layer, "fan_in_fan_out", False):
+        return None
+    dropout = layer.lora_dropout[name]
+    if not isinstance(dropout, (nn.Identity, nn.Dropout)):
+        return None
+    base, a, b = layer.base_layer, layer.lora_A[name], layer.lora_B[name]
+    if (
+        not (plain_linear(base) and plain_linear(a) and plain_linear(b))
+        or a.bias is not None
+        or b.bias is not None
+    ):
+        return None
+    if not (x.dtype == base.weight.dtype and a.weight.dtype == b.weight.dtype):
+        return None
+    if torch.promote_types(x.dtype, a.weight.dtype) != a.weight.dtype:
+        return None  # an adapter narrower than the base: PEFT adds in the base's dtype
+    if a.weight.dtype != x.dtype and not getattr(layer, "cast_input_dtype_enabled", True):
+        return None  # PEFT would hand the adapter x uncast
+    if torch.is_autocast_enabled(x.device.type):  # autocast would recast inside the node
+        return None
+    return name
+
+
+def dropout_active(layer: Any, name: str) -> bool:
+    """Whether adapter ``name``'s dropout draws a mask in this call (``nn.Identity`` never does)."""
+    dropout = layer.lora_dropout[name]
+    return isinstance(dropout, nn.Dropout) and dropout.training and dropout.p > 0
+
+
+class FusedLoraLinear(PeftLoraLinear):
+    """PEFT's LoRA linear layer whose plain-LoRA calls run as one autograd node."""
+
+    def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        name = fusable(self, x, args, kwargs) if registry.enabled("lora_linear", "fused") else None
+        if name is None:
+            return super().forward(x, *args, **kwargs)
+        base = self.base_layer
+        a, b = self.lora_A[name].weight, self.lora_B[name].weight
+        # PEFT draws the same mask, on x cast to the adapter's dtype: the base uses no random numbers
+        x_lora = self.lora_dropout[name](x.to(a.dtype)) if dropout_active(self, name) else None
+        return lora_linear(x, base.weight, base.bias, a, b, self.scaling[name], x_lora)
+
+
+def plain_loras(layers: tuple[Any, ...], x: torch.Tensor) -> list[str] | None:
+    """The active adapters' names when every layer is a ``FusedLoraLinear`` whose call on ``x``
+    is plain LoRA (``fusable``) with no adapter dropout drawing a mask; else None. For nodes that
+    run several LoRA layers at once (``lora_mlp``, ``lora_qkv``)."""
+    if not registry.enabled("lora_linear", "fused") or any(
+        type(layer) is not FusedLoraLinear for layer in layers
+    ):
+        return None
+    names = [fusable(layer, x, (), {}) for layer in layers]
+    if None in names or any(dropout_active(layer, n) for layer, n in zip(layers, names, strict=True)):
+        return None
+    return names
+
+
+def lora_params(
+    layers: tuple[Any, ...], names: list[str]
+) -> tuple[list[torch.Tensor | None], tuple[float, ...]]:
+    """``(weight, bias, lora_a, lora_b)`` of each layer in order, flattened, and their scalings."""
+    params: list[torch.Tensor | None] = []
+    for layer, name in zip(layers, names, strict=True):
+        base = layer.base_layer
+        params += [base.weight, base.bias, layer.lora_A[name].weight, layer.lora_B[name].weight]
+    return params, tuple(float(layer.scaling[n]) for layer, n in zip(layers, names, strict=True))
+
+
+def fuse_lora_linears(model: nn.Module) -> int:
+    """Give each PEFT ``lora.Linear`` in ``model`` the one-node forward; returns how many.
+
+    The layers' class becomes a subclass of PEFT's, so ``isinstance`` checks, ``deepcopy`` and
+    pickling keep working. Idempotent."""
+    count = 0
+    for module in model.modules():
+        if type(module) is PeftLoraLinear:
+            module.__class__ = FusedLoraLinear
+            count += 1
+    return count

@@ -1,0 +1,126 @@
+"""A SwiGLU MLP whose three projections are plain LoRA layers, as one autograd node.
+
+``down(silu(gate(x)) * up(x))`` run as PEFT's LoRA layers is some fifteen autograd nodes; here
+it is one, with a hand-written backward that uses the ops autograd uses on the unfused layers,
+so results are bit-identical. What it keeps depends on the device:
+
+- On the CPU, what autograd keeps, per token four ``intermediate``-wide tensors: ``gate`` (for
+  silu's backward), ``silu(gate)`` and ``up`` (for the product's), and the product (the input
+  ``down``'s adapter needs for its gradient). Recomputing two of them costs 1.1% of a W1 step
+  there, and the memory is not what limits CPU training.
+- On an accelerator, ``gate`` and ``up`` only; backward recomputes ``silu(gate)`` and the
+  product (two elementwise kernels a layer, on a step bound by the host's launches): on an
+  H200 the four-tensor node kept 716 MiB more than Liger's SwiGLU (which keeps three) in W2.
+  The recomputed tensors are the same ops on the same inputs, so results do not change.
+
+On a bf16 model PEFT keeps the adapters fp32, so each wide tensor an adapter reads has an fp32
+copy twice its size. Forward and backward free each tensor and copy after its last use, in an
+order chosen for the peak: ``bench/micro/mlp_memory.py`` (Qwen2.5-0.5B's MLP, allocations
+counted) has the two-tensor node's backward hold 4.5 intermediate-wide bf16 tensors on top of
+what it keeps, its forward 5.75.
+
+``lora_mlp`` returns None where the MLP is not three plain-LoRA calls (see ``lora_linear``), an
+adapter dropout is active (the masks would have to be drawn in PEFT's order and saved) or
+``TWINKLE_LORA_MLP`` is off; the caller then runs the layers one by one."""
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from twinkle.kernel import registry
+from twinkle.kernel.lora.linear import (
+    adapter_input,
+    input_grad,
+    lora_params,
+    param_grads,
+    plain_loras,
+    project,
+)
+
+_SILU_BACKWARD = torch.ops.aten.silu_backward.grad_input
+registry.register_call("lora_mlp", "fused", lambda: True, "nothing")
+registry.register_call("lora_mlp", "modules", lambda: True, "nothing")
+
+
+class _LoraMLP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, recompute, scalings, *params):
+        # params: (weight, bias, lora_a, lora_b) of gate, up and down, in that order
+        gate_p, up_p, down_p = params[0:4], params[4:8], params[8:12]
+        flat = x.reshape(-1, x.shape[-1])
+        gate, low_gate = project(flat, adapter_input(flat, gate_p[2]), *gate_p, scalings[0])
+        up, low_up = project(flat, adapter_input(flat, up_p[2]), *up_p, scalings[1])
+        silu = F.silu(gate)
+        act = silu * up
+        kept = (gate, up) if recompute else (gate, up, silu, act)
+        del silu  # before down's adapter casts the product to its dtype (on a bf16 model, fp32)
+        out, low_down = project(act, adapter_input(act, down_p[2]), *down_p, scalings[2])
+        ctx.save_for_backward(flat, low_gate, low_up, low_down, *kept, *params)
+        ctx.recompute = recompute
+        ctx.scalings = scalings
+        ctx.x_shape = x.shape
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        flat, low_gate, low_up, low_down, *rest = ctx.saved_tensors
+        if ctx.recompute:
+            (gate, up), params = rest[:2], rest[2:]
+            silu = F.silu(gate)
+            act = silu * up
+        else:
+            (gate, up, silu, act), params = rest[:4], rest[4:]
+        need_x = ctx.needs_input_grad[0]
+        needs = ctx.needs_input_grad[3:]
+        scalings = ctx.scalings
+
+        def layer_grads(i: int, grad: torch.Tensor, x_in: torch.Tensor, low: torch.Tensor):
+            _, bias, lora_a, lora_b = params[4 * i : 4 * i + 4]
+            need_w, need_bias, need_a, need_b = needs[4 * i : 4 * i + 4]
+            wanted = (need_w, need_bias and bias is not None, need_a, need_b)
+            return param_grads(grad, x_in, x_in, lora_a, lora_b, low, scalings[i], wanted)
+
+        # Ordered for the peak on a bf16 model with fp32 adapters, where each intermediate-wide
+        # tensor has a twice as large fp32 copy for its adapter: every tensor made here goes once
+        # its last use is done (saved ones stay until the node is done either way), and each copy
+        # lives only inside one call (``param_grads``, ``input_grad``). The ops and their inputs
+        # are those autograd runs on the unfused layers, so the results do not change.
+        g = grad_out.reshape(-1, grad_out.shape[-1])
+        g_low, down_grads = layer_grads(2, g, act, low_down)
+        del act
+        grad_act = input_grad(g, params[8], g_low, params[10])
+        grad_silu = grad_act * up
+        # in place, each into a buffer at its last use: the same products, two fewer
+        # intermediate-wide tensors to allocate (on the CPU a long row's are each a fresh
+        # mapping whose pages fault in)
+        grad_up = grad_act.mul_(silu)
+        del silu, grad_act
+        grad_gate = _SILU_BACKWARD(grad_silu, gate, grad_input=grad_silu)
+        del grad_silu
+        grad_x = None
+        g_low, gate_grads = layer_grads(0, grad_gate, flat, low_gate)
+        if need_x:
+            grad_x_gate = input_grad(grad_gate, params[0], g_low, params[2])
+        del grad_gate
+        g_low, up_grads = layer_grads(1, grad_up, flat, low_up)
+        if need_x:
+            grad_x = input_grad(grad_up, params[4], g_low, params[6]).add_(grad_x_gate).view(ctx.x_shape)
+        return grad_x, None, None, *gate_grads, *up_grads, *down_grads
+
+
+def lora_mlp(mlp: Any, x: torch.Tensor, recompute: bool | None = None) -> torch.Tensor | None:
+    """``mlp.down_proj(silu(mlp.gate_proj(x)) * mlp.up_proj(x))`` as one node, or None when the
+    three projections are not plain LoRA layers without an active dropout. The caller checks
+    that the activation is silu. ``recompute``: keep only ``gate`` and ``up`` for backward
+    (default: on any device but the CPU)."""
+    if not registry.enabled("lora_mlp", "fused"):
+        return None
+    layers = (mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+    names = plain_loras(layers, x)
+    if names is None:
+        return None
+    params, scalings = lora_params(layers, names)
+    if recompute is None:
+        recompute = x.device.type != "cpu"
+    return _LoraMLP.apply(x, recompute, scalings, *params)

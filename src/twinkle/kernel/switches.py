@@ -1,0 +1,172 @@
+"""Every switch a user may set to choose how Twinkle computes, read here and nowhere else.
+
+Each switch is one environment variable (the table in ``kernel/README.md`` lists them with
+their defaults). They are read together, once, at the first question any part of Twinkle asks;
+an invalid value raises ``UserError`` naming the variable and its valid values. Within a process,
+``switched({...})`` changes them for a block (what tests and benchmarks use, and what a user may
+use to compare two ways in one process); ``set_switches({...})`` changes them for good.
+
+An ``off`` switch takes its backend out of the op's chain in the registry (``twinkle kernels``
+then says "switched off by ..."); the other values are read by the implementation."""
+
+import os
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from twinkle.utils.errors import UserError
+
+_ON = ("1", "true", "on", "yes")
+_OFF = ("0", "false", "off", "no")
+
+
+@dataclass(frozen=True)
+class Switch:
+    name: str  # the environment variable
+    op: str
+    backend: str
+    default: str
+    values: tuple[str, ...]  # canonical values; "on"/"off" also take 1/0, true/false, yes/no
+    help: str
+
+    def parse(self, raw: str) -> str:
+        value = raw.strip().lower()
+        if value == "":
+            return self.default
+        if value in _ON and "on" in self.values:
+            return "on"
+        if value in _OFF:
+            return "off"
+        if value in self.values:
+            return value
+        choices = ", ".join(self.values)
+        raise UserError(f"{self.name}={raw!r} is not a switch: set it to one of {choices}, or unset it")
+
+
+SWITCHES: dict[str, Switch] = {
+    s.name: s
+    for s in (
+        Switch(
+            "TWINKLE_ONEDNN",
+            "cpu_gemm",
+            "onednn",
+            "auto",
+            ("auto", "on", "off"),
+            "frozen weights' fp32 CPU products: auto measures, per weight shape, whether oneDNN beats "
+            "torch's own library (MKL) and uses the faster; on: oneDNN for every shape; off: torch",
+        ),
+        Switch(
+            "TWINKLE_PACKED_WEIGHTS",
+            "cpu_gemm",
+            "packed",
+            "on",
+            ("on", "off"),
+            "oneDNN-packed copies of the frozen weights for the forward products (unsharded CPU training)",
+        ),
+        Switch(
+            "TWINKLE_NATIVE_ATTENTION",
+            "packed_attention",
+            "native",
+            "on",
+            ("on", "off"),
+            "packed rows' attention from the C kernel compiled on first use (CPU, fp32)",
+        ),
+        Switch(
+            "TWINKLE_POOLED_ATTENTION",
+            "packed_attention",
+            "pooled",
+            "auto",
+            ("auto", "always", "off"),
+            "per-sample flash attention with its backward spread over the cores: auto for rows with "
+            "enough work, always for every row it can take",
+        ),
+        Switch(
+            "TWINKLE_BATCHED_ATTENTION",
+            "packed_attention",
+            "batched",
+            "auto",
+            ("auto", "always", "off"),
+            "short samples' attention as batched products: auto where the cost model says it is "
+            "faster, always wherever a plan fits",
+        ),
+        Switch(
+            "TWINKLE_FUSED_LORA",
+            "lora_linear",
+            "fused",
+            "on",
+            ("on", "off"),
+            "each plain LoRA linear layer as one autograd node (off: PEFT's modules)",
+        ),
+        Switch(
+            "TWINKLE_LORA_MLP",
+            "lora_mlp",
+            "fused",
+            "on",
+            ("on", "off"),
+            "an MLP of three plain LoRA layers as one autograd node (off: layer by layer)",
+        ),
+        Switch(
+            "TWINKLE_LORA_QKV",
+            "lora_qkv",
+            "fused",
+            "on",
+            ("on", "off"),
+            "q/k/v LoRA projections and the rotary embedding as one autograd node (off: layer by layer)",
+        ),
+    )
+}
+
+_values: dict[str, str] = {}  # read from the environment at the first question
+_listeners: list = []  # called after a change (the registry forgets its chains)
+
+
+def _read(env: Mapping[str, str]) -> dict[str, str]:
+    return {name: s.parse(env[name]) if name in env else s.default for name, s in SWITCHES.items()}
+
+
+def value(name: str) -> str:
+    """The current value of switch ``name`` (canonical: e.g. ``"auto"``, ``"on"``, ``"off"``)."""
+    if not _values:
+        _values.update(_read(os.environ))
+    return _values[name]
+
+
+def values() -> dict[str, str]:
+    value(next(iter(SWITCHES)))
+    return dict(_values)
+
+
+def _check(changes: Mapping[str, str]) -> dict[str, str]:
+    unknown = sorted(set(changes) - set(SWITCHES))
+    if unknown:
+        raise UserError(f"unknown kernel switch {', '.join(unknown)}; switches: {', '.join(SWITCHES)}")
+    return {name: SWITCHES[name].parse(str(v)) for name, v in changes.items()}
+
+
+def set_switches(changes: Mapping[str, str]) -> None:
+    """Set switches for the rest of the process (values as in the environment)."""
+    parsed = _check(changes)
+    values()
+    _values.update(parsed)
+    for listener in _listeners:
+        listener()
+
+
+@contextmanager
+def switched(changes: Mapping[str, str]) -> Iterator[None]:
+    """Set switches for the duration of a block, then restore them."""
+    before = values()
+    set_switches(changes)
+    try:
+        yield
+    finally:
+        _values.update(before)
+        for listener in _listeners:
+            listener()
+
+
+def reread() -> None:
+    """Forget the values read so far: the next question reads the environment again."""
+    _values.clear()
+    for listener in _listeners:
+        listener()
