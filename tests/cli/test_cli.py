@@ -77,6 +77,9 @@ def test_upstream_run_line():
         "seed": 42,
         "debug": False,
         "process_group_timeout": 600,
+        "max_restarts": 0,
+        "ray_address": None,
+        "ray_placement": "pack",
     }
     assert d["dataset"] == {
         "dataset_id": "ms://swift/self-cognition",

@@ -14,6 +14,9 @@ here: losses <= 7.2e-7 apart (about one fp32 ulp of 6.4); we allow 1e-4, as in t
 comparison of ``test_torchrun_training.py``."""
 
 import re
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -24,6 +27,12 @@ SCRIPT = Path(__file__).resolve().parents[2] / "cookbook/transformers/fsdp2.py"
 STEP_LINE = re.compile(r"Current is step (\d+) of (\d+), metric: \{.*'loss': ([^,]+),")
 EVAL_LINE = re.compile(r"Eval metric: \{'loss': ([^,]+),")
 LOSS_TOL = 1e-4
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 def contract_args(model_dir: Path, output_dir: Path) -> list[str]:
@@ -73,3 +82,50 @@ def test_contract_fsdp2_two_ranks_matches_one_process(tiny_model_dir, tmp_path, 
     ]
     print(f"[contract] max |loss diff| {max(diffs):.2e} (train {train_1}, eval {eval_1})")
     assert max(diffs) <= LOSS_TOL, (train_1, train_2, eval_1, eval_2)
+
+
+def test_two_torchrun_agents_meeting_on_localhost_match_one_node(tiny_model_dir, tmp_path, launcher):
+    """``--nnodes 2 --nproc_per_node 1``: two agents, one rank each, as on two machines."""
+    one_node = launcher.run(
+        SCRIPT, [*contract_args(tiny_model_dir, tmp_path / "one"), "--fsdp-size", "2"], nproc=2
+    )
+    assert one_node.returncode == 0, one_node.output[-4000:]
+    port = free_port()
+    agents = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes",
+                "2",
+                "--nproc_per_node",
+                "1",
+                "--node_rank",
+                str(node),
+                "--master_addr",
+                "127.0.0.1",
+                "--master_port",
+                str(port),
+                str(SCRIPT),
+                *contract_args(tiny_model_dir, tmp_path / "two"),
+                "--fsdp-size",
+                "2",
+            ],
+            cwd=SCRIPT.parent,
+            env=launcher.env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )  # fmt: skip
+        for node in (0, 1)
+    ]
+    outputs = [agent.communicate(timeout=240)[0] for agent in agents]
+    assert [a.returncode for a in agents] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
+    train_1, eval_1 = logged_losses(one_node.output)
+    train_2, eval_2 = logged_losses(outputs[0])  # node 0 holds rank 0, which logs
+    assert sorted(train_1) == sorted(train_2) == [1, 2, 3, 4]
+    diffs = [abs(train_1[s] - train_2[s]) for s in train_1] + [
+        abs(a - b) for a, b in zip(eval_1, eval_2, strict=True)
+    ]
+    assert max(diffs) <= LOSS_TOL, (train_1, train_2)

@@ -99,7 +99,8 @@ SCRIPT_CASES = {
     ),
     "fsdp-size-not-matching-processes": (
         lambda t: ["--fsdp-size", "2"],
-        r"--fsdp-size 2 does not divide the 1 process\(es\) of this job; launch with torchrun --nproc_per_node 2",
+        r"the device mesh has 2 rank\(s\) .* but this job has 1 process\(es\); launch with torchrun "
+        r"--nproc_per_node 2 or change --fsdp-size/--dp-size",
         {},
     ),
     "output-dir-below-a-file": (

@@ -71,9 +71,20 @@ def test_mesh_coordinates_are_replica_major():
 # ---------------------------------------------------------------- initialize
 
 
-def test_ray_mode_is_not_supported():
-    with pytest.raises(UserError, match="not supported"):
-        twinkle.initialize(mode="ray")
+def test_ray_mode_in_the_driver_runs_the_job_and_exits_with_its_code(monkeypatch):
+    from twinkle.runtime import ray_job
+
+    jobs = []
+    monkeypatch.setattr(ray_job, "run_job", lambda mesh, defaults: jobs.append(mesh) or 3)
+    with pytest.raises(SystemExit) as info:
+        twinkle.initialize(mode="ray", global_device_mesh=DeviceMesh(fsdp_size=2, dp_size=1))
+    assert info.value.code == 3 and jobs == [DeviceMesh(fsdp_size=2, dp_size=1)]
+
+
+def test_ray_mode_in_a_worker_is_the_local_path(monkeypatch):
+    monkeypatch.setenv("TWINKLE_RAY_WORKER", "1")
+    rt = twinkle.initialize(mode="ray", seed=0)
+    assert (rt.mode, rt.world_size, rt.rank) == ("ray", 1, 0)
 
 
 def test_unknown_mode_lists_valid_modes():

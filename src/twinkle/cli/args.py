@@ -48,6 +48,20 @@ class InfraArgs:
     seed: int = _opt(42, "random seed, the same on every rank (so LoRA weights start identical)")
     debug: bool = _opt(False, "show the full traceback of an error instead of one line")
     process_group_timeout: int = _opt(600, "collective timeout in seconds", check=_AT_LEAST_1)
+    max_restarts: int = _opt(
+        0,
+        "--mode ray: relaunch the workers this often after one dies, resuming from the latest checkpoint",
+        check=_AT_LEAST_0,
+    )
+    ray_address: str | None = _opt(
+        None,
+        "--mode ray: the cluster to join (host:port or auto); None starts a local one (also $RAY_ADDRESS)",
+    )
+    ray_placement: str = _opt(
+        "pack",
+        "--mode ray: place the workers on as few nodes as possible, or across nodes",
+        choices=("pack", "spread"),
+    )
 
 
 @dataclass

@@ -26,11 +26,16 @@ class DeviceMesh:
     ) -> "DeviceMesh":
         """Build a mesh; a size left ``None`` is inferred from the world size.
 
-        ``world_size`` defaults to ``$WORLD_SIZE`` (set by torchrun), else 1."""
-        world = _env_world_size() if world_size is None else world_size
+        ``world_size`` defaults to ``$WORLD_SIZE`` (set by torchrun and by the Ray workers). A
+        process no launcher started (no ``$WORLD_SIZE``: one process, or the driver of a Ray job,
+        which starts the workers itself) takes the sizes as given, a size left ``None`` as 1;
+        ``initialize`` then checks the mesh against the processes it finds."""
         for flag, size in (("--fsdp-size", fsdp_size), ("--dp-size", dp_size)):
             if size is not None and size < 1:
                 raise UserError(f"{flag} must be at least 1, got {size}")
+        if world_size is None and "WORLD_SIZE" not in os.environ:
+            return cls(fsdp_size=fsdp_size or 1, dp_size=dp_size or 1)
+        world = _env_world_size() if world_size is None else world_size
         if fsdp_size is None and dp_size is None:
             fsdp_size, dp_size = world, 1
         elif fsdp_size is None:

@@ -33,6 +33,10 @@ class OptimizerGroup:
     consecutive_nonfinite: int = 0
     last_grad_norm: float = float("nan")
     last_lr: float = float("nan")
+    # samples this rank trained on since the start or the resume, and the run's count before it
+    # (the checkpoint's consumed_train_samples): what a preempted run's checkpoint records
+    local_samples: int = 0
+    resumed_samples: int = 0
     train_metrics: TokenMetrics = field(default_factory=TokenMetrics)
     eval_metrics: TokenMetrics = field(default_factory=TokenMetrics)
 

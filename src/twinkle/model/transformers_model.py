@@ -26,7 +26,7 @@ from twinkle.model.step import clip_gradients, local_grad, restore_grad
 from twinkle.model.train_state import OptimizerGroup
 from twinkle.optim import build_optimizer, build_scheduler
 from twinkle.optim.replicated import ReplicatedOptimizer
-from twinkle.runtime import get_runtime, run_defaults
+from twinkle.runtime import get_runtime, preemption, run_defaults
 from twinkle.template.base import IGNORE_INDEX
 from twinkle.utils.errors import UserError
 from twinkle.utils.logger import get_logger
@@ -191,6 +191,7 @@ class TransformersModel:
         out.loss_sum.backward()  # even when not finite: under FSDP every rank must run backward
         loss_sum = float(out.loss_sum.detach())
         group.cur_step += 1
+        group.local_samples += inputs["input_ids"].shape[0]
         group.window_batches += 1
         group.window_tokens += out.num_tokens
         if not math.isfinite(loss_sum):
@@ -218,8 +219,11 @@ class TransformersModel:
         if not group.window_is_full():
             return False
         # Gradients are per-rank sums (FSDP averages them over the ranks): rescale to the mean
-        # over every supervised token of the window on all ranks.
-        total, nonfinite = all_reduce_sum([group.window_tokens, float(group.window_nonfinite)])
+        # over every supervised token of the window on all ranks. A SIGTERM on any rank rides
+        # along, so every rank saves the same step.
+        total, nonfinite, preempted = all_reduce_sum(
+            [group.window_tokens, float(group.window_nonfinite), float(preemption.requested())]
+        )
         stepped = False
         if total == 0:
             group.skipped_steps += 1
@@ -241,7 +245,23 @@ class TransformersModel:
         group.optimizer.zero_grad(set_to_none=True)
         group.window_tokens = group.window_batches = 0
         group.window_nonfinite = False
+        if preempted:
+            self._save_and_exit(group)
         return stepped
+
+    def _save_and_exit(self, group: OptimizerGroup) -> None:
+        """Preempted (SIGTERM): save ``checkpoint-<step>`` under the run's output dir and exit
+        with ``PREEMPTED_EXIT_CODE``; ``--resume-from-checkpoint auto`` continues from it."""
+        (samples,) = all_reduce_sum([group.local_samples])
+        output_dir = run_defaults().output_dir
+        logger.warning(f"SIGTERM: saving checkpoint-{group.cur_step} under {output_dir} and exiting")
+        self.save(
+            f"checkpoint-{group.cur_step}",
+            output_dir=output_dir,
+            adapter_name=group.adapter_name,
+            consumed_train_samples=group.resumed_samples + int(samples),
+        )
+        raise SystemExit(preemption.PREEMPTED_EXIT_CODE)
 
     def _drop_nonfinite_window(self, group: OptimizerGroup, limit: int) -> None:
         group.nonfinite_steps += 1
@@ -415,5 +435,6 @@ class TransformersModel:
                 restore_grad(params[n], g)
         if group.optimizer is not None:
             group.optimizer.sync_copies()
+        group.resumed_samples, group.local_samples = int(state["consumed_train_samples"]), 0
         logger.info(f"resumed from {folder} at step {group.cur_step}")
         return {"consumed_train_samples": int(state["consumed_train_samples"]), "cur_step": group.cur_step}

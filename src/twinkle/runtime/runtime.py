@@ -18,10 +18,12 @@ import torch.distributed as dist
 
 from twinkle.distributed.fsdp import release_process_groups
 from twinkle.distributed.mesh import DeviceMesh
+from twinkle.runtime import preemption
 from twinkle.utils.errors import UserError
 from twinkle.utils.framework import Torch
 
 MODES = ("local", "ray")
+RAY_WORKER = "TWINKLE_RAY_WORKER"  # set in the processes a Ray job's driver starts
 DEFAULT_SEED = 42
 
 
@@ -31,6 +33,10 @@ class RunDefaults:
     process_group_timeout_s: int = 600  # how long a collective waits for a dead peer
     dtype: str = "auto"  # the weights' dtype: auto (bf16 on accelerators, fp32 on CPU), float32, bfloat16
     activation_checkpointing: str = "auto"  # auto, on, off
+    output_dir: str = "output"  # where a preempted run saves its checkpoint
+    max_restarts: int = 0  # Ray: relaunches after a worker dies
+    ray_address: str | None = None  # Ray: the cluster to join; None: $RAY_ADDRESS, else a local one
+    ray_placement: str = "pack"  # Ray: "pack" or "spread" the workers over the nodes
 
 
 _DEFAULTS = [RunDefaults()]
@@ -80,7 +86,8 @@ def _pick_device(local_rank: int) -> torch.device:
     kind = Torch.device_type()
     if kind == "cpu":
         return torch.device("cpu")
-    device = torch.device(kind, local_rank)
+    # a Ray worker sees only its own GPU (CUDA_VISIBLE_DEVICES), so its index is 0 there
+    device = torch.device(kind, local_rank % getattr(torch, kind).device_count())
     getattr(torch, kind).set_device(device)
     return device
 
@@ -99,10 +106,11 @@ def initialize(
     global _RUNTIME
     if mode not in MODES:
         raise UserError(f"--mode: {mode!r} is not one of {', '.join(MODES)}")
-    if mode == "ray":
-        raise UserError(
-            "--mode ray is not supported yet; use --mode local (with torchrun for several processes)"
-        )
+    if mode == "ray" and os.environ.get(RAY_WORKER) != "1":
+        # the driver: run this script on the workers and end with the job's exit code
+        from twinkle.runtime.ray_job import run_job
+
+        raise SystemExit(run_job(global_device_mesh or DeviceMesh.from_sizes(), run_defaults()))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     mesh = global_device_mesh or DeviceMesh.from_sizes(world_size=world)
     if mesh.world_size != world:
@@ -120,6 +128,7 @@ def initialize(
         atexit.register(shutdown)
     seed = run_defaults().seed if seed is None else seed
     seed_everything(seed)
+    preemption.install()
     _RUNTIME = Runtime(mode=mode, mesh=mesh, rank=rank, local_rank=local_rank, device=device, seed=seed)
     return _RUNTIME
 

@@ -22,3 +22,12 @@ def get_logger(name: str = _NAME) -> logging.Logger:
         root.setLevel(logging.INFO if _rank() == 0 else logging.WARNING)
         root.propagate = False
     return root if name == _NAME else root.getChild(name.removeprefix(_NAME + "."))
+
+
+def reset() -> logging.Logger:
+    """Configure the logger again from ``RANK`` / ``WORLD_SIZE`` (a process that became a rank
+    after importing Twinkle: a Ray worker)."""
+    root = logging.getLogger(_NAME)
+    for handler in list(root.handlers):
+        root.removeHandler(handler)
+    return get_logger()

@@ -1,0 +1,60 @@
+"""SIGTERM (a scheduler preempting the job): a checkpoint at the next step boundary, the
+documented exit code, and ``--resume-from-checkpoint auto`` ends where an uninterrupted run does."""
+
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from harness import script_command, script_env
+from safetensors.torch import load_file
+
+from twinkle.runtime.preemption import PREEMPTED_EXIT_CODE
+
+pytestmark = pytest.mark.slow
+
+FLAGS = (
+    *("--train-samples", "24", "--batch-size", "4", "--eval-samples", "4"),
+    *("--eval-interval", "100", "--log-interval", "1", "--lr", "1e-2", "--lora-dropout", "0"),
+)
+STEP = re.compile(r"Current is step (\d+) of")
+
+
+def test_sigterm_saves_at_the_next_step_and_auto_resumes_to_the_same_end(tiny_model_dir, tmp_path):
+    env = script_env(tmp_path)
+    whole = tmp_path / "whole"
+    done = subprocess.run(
+        script_command(tiny_model_dir, whole, *FLAGS), env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+
+    out, log = tmp_path / "preempted", tmp_path / "log.txt"
+    with open(log, "w") as handle:
+        proc = subprocess.Popen(script_command(tiny_model_dir, out, *FLAGS), env=env, stderr=handle)
+        deadline = time.monotonic() + 200
+        while not STEP.search(log.read_text()) and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=120)
+    text = log.read_text()
+    assert code == PREEMPTED_EXIT_CODE, text[-3000:]
+    saved = [p for p in out.glob("checkpoint-*") if (p / ".twinkle-complete").exists()]
+    assert len(saved) == 1 and "SIGTERM: saving checkpoint-" in text
+    step = int(saved[0].name.split("-")[1])
+    assert 1 <= step < 6 and not (out / "last-checkpoint").exists()
+
+    resumed = subprocess.run(
+        script_command(tiny_model_dir, out, *FLAGS, "--resume-from-checkpoint", "auto"),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resuming from {saved[0]}" in resumed.stderr
+    expected = load_file(Path(whole) / "last-checkpoint" / "adapter_model.safetensors")
+    got = load_file(out / "last-checkpoint" / "adapter_model.safetensors")
+    assert all(torch.equal(expected[k], got[k]) for k in expected)  # one process: bit for bit
