@@ -97,6 +97,7 @@ def test_upstream_run_line():
         "enable_fused_ce": False,
         "dtype": "auto",
         "activation_checkpointing": "auto",
+        "strategy": "fsdp",
     }
     assert d["training"] == {
         "batch_size": 8,

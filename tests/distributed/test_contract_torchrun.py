@@ -129,3 +129,29 @@ def test_two_torchrun_agents_meeting_on_localhost_match_one_node(tiny_model_dir,
         abs(a - b) for a, b in zip(eval_1, eval_2, strict=True)
     ]
     assert max(diffs) <= LOSS_TOL, (train_1, train_2)
+
+
+def test_the_ddp_strategy_matches_one_process_and_refuses_a_sharded_mesh(tiny_model_dir, tmp_path, launcher):
+    """``--strategy ddp`` (upstream's DDP): a whole model per rank, the same losses as one process."""
+    single = launcher.run(SCRIPT, contract_args(tiny_model_dir, tmp_path / "one"), nproc=1)
+    assert single.returncode == 0, single.output[-4000:]
+    ddp = launcher.run(
+        SCRIPT,
+        [*contract_args(tiny_model_dir, tmp_path / "ddp"), "--strategy", "ddp", "--dp-size", "2"],
+        nproc=2,
+    )
+    assert ddp.returncode == 0, ddp.output[-4000:]
+    train_1, eval_1 = logged_losses(single.output)
+    train_2, eval_2 = logged_losses(ddp.output)
+    assert sorted(train_1) == sorted(train_2) == [1, 2, 3, 4]
+    diffs = [abs(train_1[s] - train_2[s]) for s in train_1] + [
+        abs(a - b) for a, b in zip(eval_1, eval_2, strict=True)
+    ]
+    assert max(diffs) <= LOSS_TOL, (train_1, train_2)
+    sharded = launcher.run(
+        SCRIPT,
+        [*contract_args(tiny_model_dir, tmp_path / "bad"), "--strategy", "ddp", "--fsdp-size", "2"],
+        nproc=2,
+    )
+    assert sharded.returncode != 0
+    assert "strategy='ddp' keeps a whole model on every rank, but the mesh shards it" in sharded.output

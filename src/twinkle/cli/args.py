@@ -104,6 +104,11 @@ class ModelArgs:
         "recompute decoder layers in backward: auto (only for a batch whose activations would not fit in free memory), on, off",
         choices=("auto", "on", "off"),
     )
+    strategy: str = _opt(
+        "fsdp",
+        "how several processes hold the model: fsdp (FSDP2 over the mesh; upstream's native_fsdp and accelerate) or ddp (a whole model per rank, --fsdp-size 1)",
+        choices=("fsdp", "native_fsdp", "accelerate", "ddp"),
+    )
 
 
 @dataclass

@@ -61,6 +61,7 @@ def run_defaults_of(args: Args) -> RunDefaults:
         process_group_timeout_s=args.infra.process_group_timeout,
         dtype=args.model.dtype,
         activation_checkpointing=args.model.activation_checkpointing,
+        strategy=args.model.strategy,
         output_dir=args.training.output_dir,
         max_restarts=args.infra.max_restarts,
         ray_address=args.infra.ray_address,

@@ -27,8 +27,14 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def load_causal_lm(
-    model_id: str | None, device: torch.device, dtype: torch.dtype | None = None
+    model_id: str | None,
+    device: torch.device,
+    dtype: torch.dtype | None = None,
+    model_cls: Any = None,
+    config: Any = None,
 ) -> tuple[Any, Any, Path]:
+    """``model_cls.from_pretrained`` (default ``AutoModelForCausalLM``) on the folder the hub
+    resolves ``model_id`` to, optionally with ``config``; the tokenizer from the same folder."""
     from transformers import AutoModelForCausalLM
 
     from twinkle.hub import resolve_model
@@ -36,8 +42,12 @@ def load_causal_lm(
 
     path = resolve_model(model_id)
     dtype = dtype or default_dtype(device)
+    model_cls = model_cls or AutoModelForCausalLM
+    if not hasattr(model_cls, "from_pretrained"):
+        raise UserError(f"model_cls={model_cls!r} has no from_pretrained(); pass a transformers model class")
+    extra = {} if config is None else {"config": config}
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+        model = model_cls.from_pretrained(str(path), dtype=dtype, **extra)
     except (OSError, ValueError) as exc:
         raise UserError(f"cannot load a causal language model from {path} ({exc})") from exc
     tokenizer = load_tokenizer(model_id)  # the one the dataset's template already loaded, if any

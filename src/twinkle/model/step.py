@@ -5,12 +5,14 @@ import math
 import torch
 
 
-def clip_gradients(params: list[torch.Tensor], max_norm: float) -> float:
-    """Clip to ``max_norm`` (global norm; the params hold whole gradients); return the norm before."""
+def clip_gradients(params: list[torch.Tensor], max_norm: float, norm_type: float = 2.0) -> float:
+    """Clip to ``max_norm`` (the global ``norm_type`` norm; the params hold whole gradients);
+    return the norm before."""
     grads = [p for p in params if p.grad is not None]
     if not grads:
         return 0.0
-    return float(torch.nn.utils.clip_grad_norm_(grads, max_norm if max_norm > 0 else math.inf))
+    limit = max_norm if max_norm > 0 else math.inf
+    return float(torch.nn.utils.clip_grad_norm_(grads, limit, norm_type=norm_type))
 
 
 def local_grad(param: torch.nn.Parameter) -> torch.Tensor:

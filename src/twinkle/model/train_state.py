@@ -37,6 +37,9 @@ class OptimizerGroup:
     # (the checkpoint's consumed_train_samples): what a preempted run's checkpoint records
     local_samples: int = 0
     resumed_samples: int = 0
+    # the open window's (supervised tokens, NaN/inf seen, SIGTERM seen) over all ranks, once its
+    # gradients are rescaled for the step; None until then (``TransformersModel._reduce_window``)
+    reduced: tuple[float, float, float] | None = None
     train_metrics: TokenMetrics = field(default_factory=TokenMetrics)
     eval_metrics: TokenMetrics = field(default_factory=TokenMetrics)
 

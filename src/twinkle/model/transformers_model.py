@@ -6,23 +6,21 @@ window's supervised-token count over all ranks right before the optimizer step, 
 is the mean over every supervised token of the global batch, whatever the padding or sharding."""
 
 import math
-from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from twinkle.checkpoint import load_checkpoint, read_trainer_state, rotate_checkpoints, save_checkpoint
 from twinkle.distributed.collectives import all_reduce_sum
 from twinkle.distributed.fsdp import apply_fsdp2
 from twinkle.kernel import cpu_gemm as gemm
 from twinkle.loss import FusedLinearCrossEntropyLoss, build_loss
 from twinkle.model.activation_checkpointing import LayerCheckpointing
+from twinkle.model.checkpoints import Checkpoints
 from twinkle.model.forward import causal_lm_of, compute_loss
 from twinkle.model.loading import load_causal_lm, resolve_dtype
-from twinkle.model.lora import add_lora, lora_signature, trainable_parameters
-from twinkle.model.resume import check_resumable, fast_forward_scheduler
-from twinkle.model.step import clip_gradients, local_grad, restore_grad
+from twinkle.model.lora import add_lora, trainable_parameters
+from twinkle.model.options import resolve_precision, resolve_strategy
+from twinkle.model.step import clip_gradients
 from twinkle.model.train_state import OptimizerGroup
 from twinkle.optim import build_optimizer, build_scheduler
 from twinkle.optim.replicated import ReplicatedOptimizer
@@ -35,23 +33,48 @@ TASKS = ("causal_lm", "fused_lm_ce")
 logger = get_logger()
 
 
-class TransformersModel:
+class TransformersModel(Checkpoints):
     def __init__(
         self,
         model_id: str | None = None,
         dtype: torch.dtype | None = None,
         padding_free: bool = True,
         activation_checkpointing: str | None = None,
+        *,
+        model_cls: Any = None,
+        config: Any = None,
+        device_mesh: Any = None,
+        mixed_precision: str | None = None,
+        strategy: str | None = None,
+        ddp_config: dict[str, Any] | None = None,
+        fsdp_config: dict[str, Any] | None = None,
+        grad_scaler_config: dict[str, Any] | None = None,
     ):
         """``dtype``: the weights' dtype; None takes the run defaults' (``--dtype``; ``auto``: bf16
         on accelerators, fp32 on CPU). ``padding_free``: run each batch packed into one row (same
         loss; see ``twinkle.model.packing``). ``activation_checkpointing``: ``auto`` (only for a
         batch whose activations would not fit), ``on`` or ``off``; None takes the run defaults'
         (``--activation-checkpointing``, else ``auto``; see
-        ``twinkle.model.activation_checkpointing``)."""
+        ``twinkle.model.activation_checkpointing``).
+
+        Upstream's keywords: ``model_cls`` (default ``AutoModelForCausalLM``), ``config`` (a
+        ``PretrainedConfig`` to load ``model_id``'s weights with), ``device_mesh`` (must be the
+        mesh ``initialize`` was given), ``mixed_precision`` (``no`` or ``bf16``, when ``dtype`` is
+        None), ``strategy`` (None takes the run defaults', ``--strategy``; ``native_fsdp`` and
+        ``accelerate`` are FSDP2; ``ddp`` keeps a whole model per rank and needs
+        ``--fsdp-size 1``), ``ddp_config``, ``fsdp_config`` (``twinkle.model.options``)."""
         runtime = get_runtime()
-        self.padding_free = padding_free
         defaults = run_defaults()
+        if strategy is None and not ddp_config:
+            strategy = defaults.strategy
+        self.strategy = resolve_strategy(strategy, ddp_config, fsdp_config)
+        if device_mesh is not None and device_mesh != runtime.mesh:
+            raise UserError(
+                f"device_mesh= ({device_mesh.describe()}) is not the mesh initialize() set up "
+                f"({runtime.mesh.describe()}); pass the same mesh to twinkle.initialize(global_device_mesh=...)"
+            )
+        dtype = dtype or resolve_precision(mixed_precision, grad_scaler_config)
+        self.padding_free = padding_free
         if activation_checkpointing is None:
             activation_checkpointing = defaults.activation_checkpointing
         if dtype is None:
@@ -60,10 +83,13 @@ class TransformersModel:
         self.runtime = runtime
         self.device = runtime.device
         self.model_id = model_id
-        self.model, self.tokenizer, self.model_path = load_causal_lm(model_id, self.device, dtype)
+        self.model, self.tokenizer, self.model_path = load_causal_lm(
+            model_id, self.device, dtype, model_cls=model_cls, config=config
+        )
         self.checkpointing = LayerCheckpointing(self.model, activation_checkpointing)
         self.optimizer_group: dict[str, OptimizerGroup] = {}
         self._pending_eval: tuple[str, Any, int, int] | None = None
+        self._pending_backward: tuple[OptimizerGroup, Any, dict[str, torch.Tensor]] | None = None
         self._in_train_mode = False  # set by forward_backward's train(), cleared by forward_only's eval()
 
     # ----------------------------------------------------------------- set-up
@@ -93,6 +119,11 @@ class TransformersModel:
             )
         self.model = add_lora(self.model, adapter_name, config)
         if self.runtime.is_distributed:
+            if self.strategy == "ddp" and self.runtime.mesh.fsdp_size != 1:
+                raise UserError(
+                    f"strategy='ddp' keeps a whole model on every rank, but the mesh shards it "
+                    f"({self.runtime.mesh.describe()}); use --fsdp-size 1 --dp-size N, or an FSDP strategy"
+                )
             lm = causal_lm_of(self.model)
             apply_fsdp2(lm, self.runtime.mesh, self.device, getattr(lm, "_no_split_modules", None))
             # Every rank drew the same LoRA initialisation (one seed); from here on each rank
@@ -171,12 +202,14 @@ class TransformersModel:
             group.loss_fn = FusedLinearCrossEntropyLoss(reduction=group.loss_fn.reduction)
         return group.loss_fn
 
-    def forward_backward(
+    def forward(
         self, inputs: dict[str, torch.Tensor], task: str = "causal_lm", adapter_name: str | None = None
-    ) -> float:
-        """One micro-batch: forward, summed loss, backward. Returns this rank's mean token loss.
+    ) -> dict[str, float]:
+        """The training forward of one micro-batch; ``backward()`` then runs its backward.
 
-        A model in eval mode (after ``forward_only``) is put back in training mode first."""
+        Returns ``{"loss": this rank's mean token loss, "num_tokens": supervised tokens}`` (no
+        logits: the packed rows and the fused loss never build them). A model in eval mode
+        (after ``forward_only``) is put back in training mode first."""
         group = self._group(adapter_name)
         group.train_metrics.start_batch()
         batch = self._to_device(inputs)
@@ -188,6 +221,17 @@ class TransformersModel:
         # positions the layers may run: the padded batch (a packed row is never longer)
         self.checkpointing.decide(batch["input_ids"].numel(), self.device)
         out = compute_loss(self.model, batch, self._loss_fn(group, task), self.padding_free)
+        self._pending_backward = (group, out, inputs)
+        loss_sum = float(out.loss_sum.detach())
+        return {"loss": loss_sum / max(1, out.num_tokens), "num_tokens": out.num_tokens}
+
+    def backward(self) -> float:
+        """Backward of the last ``forward``: the gradients join the open accumulation window.
+        Returns the micro-batch's mean token loss."""
+        if self._pending_backward is None:
+            raise UserError("call forward(inputs=...) before backward()")
+        group, out, inputs = self._pending_backward
+        self._pending_backward = None
         out.loss_sum.backward()  # even when not finite: under FSDP every rank must run backward
         loss_sum = float(out.loss_sum.detach())
         group.cur_step += 1
@@ -206,6 +250,81 @@ class TransformersModel:
         )
         return loss_sum / max(1, out.num_tokens)
 
+    def forward_backward(
+        self, inputs: dict[str, torch.Tensor], task: str = "causal_lm", adapter_name: str | None = None
+    ) -> float:
+        """``forward`` then ``backward``. Returns this rank's mean token loss."""
+        self.forward(inputs, task=task, adapter_name=adapter_name)
+        return self.backward()
+
+    def _reduce_window(self, group: OptimizerGroup) -> tuple[float, float, float]:
+        """Once per window: ``(supervised tokens, NaN/inf seen, SIGTERM seen)`` over all ranks, and
+        the gradients rescaled to the mean over every supervised token of the window on all ranks
+        (they are per-rank sums; FSDP averages them over the ranks). A SIGTERM on any rank rides
+        along, so every rank saves the same step."""
+        if group.optimizer is None:
+            raise UserError("call set_optimizer(...) before the optimizer step")
+        if group.reduced is None:
+            total, nonfinite, preempted = all_reduce_sum(
+                [group.window_tokens, float(group.window_nonfinite), float(preemption.requested())]
+            )
+            if total:
+                group.optimizer.gather_grads(scale=self.runtime.world_size / total)
+            group.reduced = (total, nonfinite, preempted)
+        return group.reduced
+
+    def clip_grad_norm(
+        self, max_grad_norm: float = 1.0, norm_type: float = 2, adapter_name: str | None = None
+    ) -> float:
+        """Clip the window's gradients (their global ``norm_type`` norm, after the rescale to the
+        token mean) to ``max_grad_norm``; returns the norm before clipping."""
+        group = self._group(adapter_name)
+        total, _, _ = self._reduce_window(group)
+        if total == 0:
+            return 0.0
+        group.last_grad_norm = clip_gradients(group.optimizer.copies, max_grad_norm, norm_type)
+        return group.last_grad_norm
+
+    def step(self, max_nonfinite_steps: int = 5, adapter_name: str | None = None) -> bool:
+        """The optimizer step on the window's gradients (rescaled, clipped if ``clip_grad_norm``
+        ran); skipped when the window has no supervised token or a NaN/inf loss or gradient.
+        Returns whether it stepped. ``zero_grad()`` closes the window."""
+        group = self._group(adapter_name)
+        total, nonfinite, _ = self._reduce_window(group)
+        if total == 0:
+            group.skipped_steps += 1
+            logger.warning("no supervised token in this accumulation window; the optimizer step is skipped")
+            return False
+        norm = clip_gradients(group.optimizer.copies, math.inf)  # the norm only: no clipping
+        if nonfinite or not math.isfinite(norm):
+            self._drop_nonfinite_window(group, max_nonfinite_steps)
+            return False
+        group.last_lr = group.optimizer.param_groups[0]["lr"]
+        group.optimizer.step()
+        group.optimizer_steps += 1
+        group.consecutive_nonfinite = 0
+        return True
+
+    def zero_grad(self, adapter_name: str | None = None) -> None:
+        """Drop the gradients and close the accumulation window. After a SIGTERM, this is the step
+        boundary where the run saves and exits (``twinkle.runtime.preemption``)."""
+        group = self._group(adapter_name)
+        preempted = group.reduced is not None and group.reduced[2]
+        if group.optimizer is not None:
+            group.optimizer.zero_grad(set_to_none=True)
+        group.window_tokens = group.window_batches = 0
+        group.window_nonfinite = False
+        group.reduced = None
+        if preempted:
+            self._save_and_exit(group)
+
+    def lr_step(self, adapter_name: str | None = None) -> None:
+        """Advance the learning-rate schedule by one optimizer step."""
+        group = self._group(adapter_name)
+        if group.lr_scheduler is None:
+            raise UserError("call set_lr_scheduler(...) before lr_step()")
+        group.lr_scheduler.step()
+
     def clip_grad_and_step(
         self, max_grad_norm: float = 1.0, max_nonfinite_steps: int = 5, adapter_name: str | None = None
     ) -> bool:
@@ -218,18 +337,12 @@ class TransformersModel:
             raise UserError("call set_optimizer(...) before clip_grad_and_step()")
         if not group.window_is_full():
             return False
-        # Gradients are per-rank sums (FSDP averages them over the ranks): rescale to the mean
-        # over every supervised token of the window on all ranks. A SIGTERM on any rank rides
-        # along, so every rank saves the same step.
-        total, nonfinite, preempted = all_reduce_sum(
-            [group.window_tokens, float(group.window_nonfinite), float(preemption.requested())]
-        )
+        total, nonfinite, _ = self._reduce_window(group)
         stepped = False
         if total == 0:
             group.skipped_steps += 1
             logger.warning("no supervised token in this accumulation window; the optimizer step is skipped")
         else:
-            group.optimizer.gather_grads(scale=self.runtime.world_size / total)
             grad_norm = clip_gradients(group.optimizer.copies, max_grad_norm)
             if nonfinite or not math.isfinite(grad_norm):
                 self._drop_nonfinite_window(group, max_nonfinite_steps)
@@ -242,26 +355,8 @@ class TransformersModel:
                 stepped = True
                 if group.lr_scheduler is not None:
                     group.lr_scheduler.step()
-        group.optimizer.zero_grad(set_to_none=True)
-        group.window_tokens = group.window_batches = 0
-        group.window_nonfinite = False
-        if preempted:
-            self._save_and_exit(group)
+        self.zero_grad(adapter_name=group.adapter_name)
         return stepped
-
-    def _save_and_exit(self, group: OptimizerGroup) -> None:
-        """Preempted (SIGTERM): save ``checkpoint-<step>`` under the run's output dir and exit
-        with ``PREEMPTED_EXIT_CODE``; ``--resume-from-checkpoint auto`` continues from it."""
-        (samples,) = all_reduce_sum([group.local_samples])
-        output_dir = run_defaults().output_dir
-        logger.warning(f"SIGTERM: saving checkpoint-{group.cur_step} under {output_dir} and exiting")
-        self.save(
-            f"checkpoint-{group.cur_step}",
-            output_dir=output_dir,
-            adapter_name=group.adapter_name,
-            consumed_train_samples=group.resumed_samples + int(samples),
-        )
-        raise SystemExit(preemption.PREEMPTED_EXIT_CODE)
 
     def _drop_nonfinite_window(self, group: OptimizerGroup, limit: int) -> None:
         group.nonfinite_steps += 1
@@ -337,104 +432,3 @@ class TransformersModel:
             f"optimizer={type(group.optimizer.optimizer).__name__} scheduler={sched} loss={type(group.loss_fn).__name__} "
             f"gradient_accumulation_steps={group.gradient_accumulation_steps}"
         )
-
-    # ----------------------------------------------------------------- checkpoints
-    def _trainer_state(self, group: OptimizerGroup, consumed_train_samples: int) -> dict[str, Any]:
-        return {
-            **group.state_dict(),
-            "consumed_train_samples": consumed_train_samples,
-            "world_size": self.runtime.world_size,
-            "mesh": [self.runtime.mesh.dp_size, self.runtime.mesh.fsdp_size],
-            "model_path": str(self.model_path),
-            "base_model": self.model_id or "bundled:SmolLM2-135M-Instruct",
-            "base_dtype": str(next(p.dtype for p in self.model.parameters() if not p.requires_grad)),
-            "lora": lora_signature(self.model.peft_config[group.adapter_name]),
-        }
-
-    def save(
-        self,
-        name: str,
-        output_dir: str = "output",
-        adapter_name: str | None = None,
-        save_optimizer: bool = True,
-        consumed_train_samples: int = 0,
-        save_total_limit: int | None = None,
-        metric: float | None = None,
-        keep: Sequence[str] = (),
-    ) -> Path:
-        """Write ``output_dir/name`` completely under a temporary name, then rename it into place.
-
-        ``metric`` (an eval loss, lower is better) is stored with the checkpoint. With
-        ``save_total_limit``, the oldest complete ``checkpoint-*`` folders beyond it are then
-        deleted, except the newest, the one with the lowest stored metric and those in ``keep``
-        (``twinkle.checkpoint.rotate_checkpoints``)."""
-        group = self._group(adapter_name)
-        if save_total_limit is not None and save_total_limit < 1:
-            raise UserError(
-                f"save_total_limit must be at least 1 (or None to keep all), got {save_total_limit}"
-            )
-        out = Path(output_dir).expanduser()
-        try:
-            out.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise UserError(
-                f"cannot create --output-dir {out} ({exc.strerror}); choose a writable folder"
-            ) from exc
-        grads = {}
-        if group.window_batches:  # an open accumulation window: keep its partial gradients
-            grads = {n: local_grad(p) for n, p in self.model.named_parameters() if p.grad is not None}
-        path = save_checkpoint(
-            out / name,
-            model=self.model,
-            tokenizer=self.tokenizer,
-            adapter_name=group.adapter_name,
-            group=group,
-            trainer_state={**self._trainer_state(group, consumed_train_samples), "metric": metric},
-            save_optimizer=save_optimizer,
-            rank=self.runtime.rank,
-            grads=grads,
-        )
-        logger.info(f"saved checkpoint {path}")
-        if save_total_limit is not None and self.runtime.rank == 0:
-            for deleted in rotate_checkpoints(out, save_total_limit, keep=keep):
-                logger.info(f"deleted checkpoint {deleted} (save_total_limit={save_total_limit})")
-        return path
-
-    def resume_from_checkpoint(
-        self, checkpoint_dir: str, resume_only_model: bool = False, adapter_name: str | None = None
-    ) -> dict[str, int]:
-        group = self._group(adapter_name)
-        folder = Path(checkpoint_dir).expanduser()
-        state = read_trainer_state(folder)
-        check_resumable(folder, state, self._trainer_state(group, 0), resume_only_model)
-        if group.optimizer is None or group.lr_scheduler is None:
-            logger.warning(
-                "resume_from_checkpoint before set_optimizer/set_lr_scheduler: their state is not restored"
-            )
-        window = load_checkpoint(
-            folder,
-            model=self.model,
-            adapter_name=group.adapter_name,
-            group=group,
-            rank=self.runtime.rank,
-            only_model=resume_only_model,
-        )
-        if resume_only_model:
-            # Fresh optimizer state, but the run keeps its place: the step counters continue and
-            # the schedule is advanced to them, so data skipping, logging and the LR agree. The
-            # gradients of an open accumulation window are not restored.
-            group.cur_step, group.optimizer_steps = int(state["cur_step"]), int(state["optimizer_steps"])
-            fast_forward_scheduler(group.lr_scheduler, group.optimizer_steps)
-        else:
-            group.load_state_dict(state)
-            # trainer_state.json holds rank 0's count of the open window; each rank needs its own,
-            # or the step divides the window's gradients by the wrong global token count.
-            group.window_tokens = int(window.get("window_tokens", group.window_tokens))
-            params = dict(self.model.named_parameters())
-            for n, g in window["grads"].items():
-                restore_grad(params[n], g)
-        if group.optimizer is not None:
-            group.optimizer.sync_copies()
-        group.resumed_samples, group.local_samples = int(state["consumed_train_samples"]), 0
-        logger.info(f"resumed from {folder} at step {group.cur_step}")
-        return {"consumed_train_samples": int(state["consumed_train_samples"]), "cur_step": group.cur_step}

@@ -33,6 +33,7 @@ class RunDefaults:
     process_group_timeout_s: int = 600  # how long a collective waits for a dead peer
     dtype: str = "auto"  # the weights' dtype: auto (bf16 on accelerators, fp32 on CPU), float32, bfloat16
     activation_checkpointing: str = "auto"  # auto, on, off
+    strategy: str = "fsdp"  # how several processes hold the model: fsdp or ddp
     output_dir: str = "output"  # where a preempted run saves its checkpoint
     max_restarts: int = 0  # Ray: relaunches after a worker dies
     ray_address: str | None = None  # Ray: the cluster to join; None: $RAY_ADDRESS, else a local one

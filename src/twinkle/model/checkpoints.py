@@ -1,0 +1,135 @@
+"""``TransformersModel``'s checkpoints: save, resume, and the save of a preempted run."""
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from twinkle.checkpoint import load_checkpoint, read_trainer_state, rotate_checkpoints, save_checkpoint
+from twinkle.distributed.collectives import all_reduce_sum
+from twinkle.model.lora import lora_signature
+from twinkle.model.resume import check_resumable, fast_forward_scheduler
+from twinkle.model.step import local_grad, restore_grad
+from twinkle.model.train_state import OptimizerGroup
+from twinkle.runtime import preemption, run_defaults
+from twinkle.utils.errors import UserError
+from twinkle.utils.logger import get_logger
+
+logger = get_logger()
+
+
+class Checkpoints:
+    """Mixed into ``TransformersModel`` (which provides ``model``, ``runtime``, ``_group``, ...)."""
+
+    def _trainer_state(self, group: OptimizerGroup, consumed_train_samples: int) -> dict[str, Any]:
+        return {
+            **group.state_dict(),
+            "consumed_train_samples": consumed_train_samples,
+            "world_size": self.runtime.world_size,
+            "mesh": [self.runtime.mesh.dp_size, self.runtime.mesh.fsdp_size],
+            "model_path": str(self.model_path),
+            "base_model": self.model_id or "bundled:SmolLM2-135M-Instruct",
+            "base_dtype": str(next(p.dtype for p in self.model.parameters() if not p.requires_grad)),
+            "lora": lora_signature(self.model.peft_config[group.adapter_name]),
+        }
+
+    def save(
+        self,
+        name: str,
+        output_dir: str = "output",
+        adapter_name: str | None = None,
+        save_optimizer: bool = True,
+        consumed_train_samples: int = 0,
+        save_total_limit: int | None = None,
+        metric: float | None = None,
+        keep: Sequence[str] = (),
+    ) -> Path:
+        """Write ``output_dir/name`` completely under a temporary name, then rename it into place.
+
+        ``metric`` (an eval loss, lower is better) is stored with the checkpoint. With
+        ``save_total_limit``, the oldest complete ``checkpoint-*`` folders beyond it are then
+        deleted, except the newest, the one with the lowest stored metric and those in ``keep``
+        (``twinkle.checkpoint.rotate_checkpoints``)."""
+        group = self._group(adapter_name)
+        if save_total_limit is not None and save_total_limit < 1:
+            raise UserError(
+                f"save_total_limit must be at least 1 (or None to keep all), got {save_total_limit}"
+            )
+        out = Path(output_dir).expanduser()
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise UserError(
+                f"cannot create --output-dir {out} ({exc.strerror}); choose a writable folder"
+            ) from exc
+        grads = {}
+        if group.window_batches:  # an open accumulation window: keep its partial gradients
+            grads = {n: local_grad(p) for n, p in self.model.named_parameters() if p.grad is not None}
+        path = save_checkpoint(
+            out / name,
+            model=self.model,
+            tokenizer=self.tokenizer,
+            adapter_name=group.adapter_name,
+            group=group,
+            trainer_state={**self._trainer_state(group, consumed_train_samples), "metric": metric},
+            save_optimizer=save_optimizer,
+            rank=self.runtime.rank,
+            grads=grads,
+        )
+        logger.info(f"saved checkpoint {path}")
+        if save_total_limit is not None and self.runtime.rank == 0:
+            for deleted in rotate_checkpoints(out, save_total_limit, keep=keep):
+                logger.info(f"deleted checkpoint {deleted} (save_total_limit={save_total_limit})")
+        return path
+
+    def resume_from_checkpoint(
+        self, checkpoint_dir: str, resume_only_model: bool = False, adapter_name: str | None = None
+    ) -> dict[str, int]:
+        group = self._group(adapter_name)
+        folder = Path(checkpoint_dir).expanduser()
+        state = read_trainer_state(folder)
+        check_resumable(folder, state, self._trainer_state(group, 0), resume_only_model)
+        if group.optimizer is None or group.lr_scheduler is None:
+            logger.warning(
+                "resume_from_checkpoint before set_optimizer/set_lr_scheduler: their state is not restored"
+            )
+        window = load_checkpoint(
+            folder,
+            model=self.model,
+            adapter_name=group.adapter_name,
+            group=group,
+            rank=self.runtime.rank,
+            only_model=resume_only_model,
+        )
+        if resume_only_model:
+            # Fresh optimizer state, but the run keeps its place: the step counters continue and
+            # the schedule is advanced to them, so data skipping, logging and the LR agree. The
+            # gradients of an open accumulation window are not restored.
+            group.cur_step, group.optimizer_steps = int(state["cur_step"]), int(state["optimizer_steps"])
+            fast_forward_scheduler(group.lr_scheduler, group.optimizer_steps)
+        else:
+            group.load_state_dict(state)
+            # trainer_state.json holds rank 0's count of the open window; each rank needs its own,
+            # or the step divides the window's gradients by the wrong global token count.
+            group.window_tokens = int(window.get("window_tokens", group.window_tokens))
+            params = dict(self.model.named_parameters())
+            for n, g in window["grads"].items():
+                restore_grad(params[n], g)
+        if group.optimizer is not None:
+            group.optimizer.sync_copies()
+        group.resumed_samples, group.local_samples = int(state["consumed_train_samples"]), 0
+        logger.info(f"resumed from {folder} at step {group.cur_step}")
+        return {"consumed_train_samples": int(state["consumed_train_samples"]), "cur_step": group.cur_step}
+
+    def _save_and_exit(self, group: OptimizerGroup) -> None:
+        """Preempted (SIGTERM): save ``checkpoint-<step>`` under the run's output dir and exit
+        with ``PREEMPTED_EXIT_CODE``; ``--resume-from-checkpoint auto`` continues from it."""
+        (samples,) = all_reduce_sum([group.local_samples])
+        output_dir = run_defaults().output_dir
+        logger.warning(f"SIGTERM: saving checkpoint-{group.cur_step} under {output_dir} and exiting")
+        self.save(
+            f"checkpoint-{group.cur_step}",
+            output_dir=output_dir,
+            adapter_name=group.adapter_name,
+            consumed_train_samples=group.resumed_samples + int(samples),
+        )
+        raise SystemExit(preemption.PREEMPTED_EXIT_CODE)

@@ -1,0 +1,58 @@
+"""Upstream's ``TransformersModel`` keywords: mapped to ours, or a clear error."""
+
+import pytest
+import torch
+from transformers import AutoConfig, LlamaForCausalLM
+
+from twinkle.distributed import DeviceMesh
+from twinkle.model import TransformersModel
+from twinkle.utils.errors import UserError
+
+
+def test_mixed_precision_and_model_cls_and_config(tiny_model_dir):
+    config = AutoConfig.from_pretrained(str(tiny_model_dir))
+    config.rms_norm_eps = 1e-3
+    model = TransformersModel(
+        model_id=str(tiny_model_dir), model_cls=LlamaForCausalLM, config=config, mixed_precision="bf16"
+    )
+    assert type(model.model) is LlamaForCausalLM
+    assert next(model.model.parameters()).dtype == torch.bfloat16
+    assert model.model.config.rms_norm_eps == 1e-3
+    assert (
+        next(TransformersModel(str(tiny_model_dir), mixed_precision="no").model.parameters()).dtype
+        == torch.float32
+    )
+
+
+def test_the_mesh_given_must_be_the_runtimes(tiny_model_dir):
+    TransformersModel(str(tiny_model_dir), device_mesh=DeviceMesh(fsdp_size=1, dp_size=1))
+    with pytest.raises(
+        UserError, match=r"device_mesh= \(2 replica\(s\) x 1 shard\(s\) = 2 ranks\) is not the mesh"
+    ):
+        TransformersModel(str(tiny_model_dir), device_mesh=DeviceMesh(fsdp_size=1, dp_size=2))
+
+
+@pytest.mark.parametrize(
+    ("keywords", "message"),
+    [
+        ({"strategy": "megatron"}, r"strategy='megatron' is not one of native_fsdp, accelerate"),
+        ({"mixed_precision": "fp16"}, r"mixed_precision='fp16' is not supported here; use one of no, bf16"),
+        ({"grad_scaler_config": {"init_scale": 2}}, r"grad_scaler_config= is for fp16 training"),
+        (
+            {"ddp_config": {"bucket_cap_mb": 25}},
+            r"ddp_config keys \['bucket_cap_mb'\] are not supported here",
+        ),
+        ({"strategy": "ddp", "fsdp_config": {"x": 1}}, r"fsdp_config= goes with an FSDP strategy"),
+        ({"fsdp_config": {"reshard_after_forward": False}}, r"fsdp_config keys \['reshard_after_forward'\]"),
+        ({"model_cls": object}, r"model_cls=<class 'object'> has no from_pretrained"),
+    ],
+)
+def test_what_cannot_be_honoured_is_an_error(tiny_model_dir, keywords, message):
+    with pytest.raises(UserError, match=message):
+        TransformersModel(str(tiny_model_dir), **keywords)
+
+
+def test_ddp_config_with_an_honoured_key_selects_ddp(tiny_model_dir):
+    model = TransformersModel(str(tiny_model_dir), ddp_config={"find_unused_parameters": True})
+    assert model.strategy == "ddp"
+    assert TransformersModel(str(tiny_model_dir), strategy="native_fsdp").strategy == "fsdp"
