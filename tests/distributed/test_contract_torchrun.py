@@ -54,13 +54,21 @@ def logged_losses(output: str) -> tuple[dict[int, float], list[float]]:
     return train, [float(x) for x in EVAL_LINE.findall(output)]
 
 
-def test_contract_fsdp2_two_ranks_matches_one_process(tiny_model_dir, tmp_path, launcher):
+@pytest.fixture(scope="module")
+def baseline(tiny_model_dir, tmp_path_factory, launcher):
+    """The contract in one process and on 2 FSDP2 ranks, shared by the comparisons below."""
+    tmp_path = tmp_path_factory.mktemp("contract")
     single = launcher.run(SCRIPT, contract_args(tiny_model_dir, tmp_path / "one"), nproc=1)
     assert single.returncode == 0, single.output[-6000:]
     sharded = launcher.run(
         SCRIPT, [*contract_args(tiny_model_dir, tmp_path / "two"), "--fsdp-size", "2"], nproc=2
     )
     assert sharded.returncode == 0, sharded.output[-6000:]
+    return single, sharded, tmp_path
+
+
+def test_contract_fsdp2_two_ranks_matches_one_process(baseline):
+    single, sharded, tmp_path = baseline
     print(f"\n[contract] 1 process {single.wall_s:.1f} s, 2 ranks {sharded.wall_s:.1f} s")
     assert "1 replica(s) x 2 shard(s) = 2 ranks" in sharded.output
 
@@ -131,10 +139,11 @@ def test_two_torchrun_agents_meeting_on_localhost_match_one_node(tiny_model_dir,
     assert max(diffs) <= LOSS_TOL, (train_1, train_2)
 
 
-def test_the_ddp_strategy_matches_one_process_and_refuses_a_sharded_mesh(tiny_model_dir, tmp_path, launcher):
+def test_the_ddp_strategy_matches_one_process_and_refuses_a_sharded_mesh(
+    tiny_model_dir, tmp_path, launcher, baseline
+):
     """``--strategy ddp`` (upstream's DDP): a whole model per rank, the same losses as one process."""
-    single = launcher.run(SCRIPT, contract_args(tiny_model_dir, tmp_path / "one"), nproc=1)
-    assert single.returncode == 0, single.output[-4000:]
+    single = baseline[0]
     ddp = launcher.run(
         SCRIPT,
         [*contract_args(tiny_model_dir, tmp_path / "ddp"), "--strategy", "ddp", "--dp-size", "2"],

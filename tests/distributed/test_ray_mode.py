@@ -278,3 +278,44 @@ def test_a_two_node_cluster_spreads_the_workers(tiny_model_dir, tmp_path, launch
     assert job.returncode == 0, output[-4000:]
     assert "ray: 2 workers on 2 node(s)" in output
     assert (tmp_path / "out" / "last-checkpoint" / ".twinkle-complete").exists()
+
+
+def test_sigterm_to_the_driver_saves_on_every_worker_and_exits_75(
+    tiny_model_dir, tmp_path, launcher, cluster
+):
+    from twinkle.runtime.preemption import PREEMPTED_EXIT_CODE
+
+    out = tmp_path / "out"
+    args = [
+        *contract_args(tiny_model_dir, out),
+        "--fsdp-size",
+        "2",
+        "--train-samples",
+        "400",
+        "--eval-interval",
+        "1000",
+    ]
+    log = tmp_path / "log.txt"
+    with open(log, "w") as handle:
+        proc = subprocess.Popen(
+            [sys.executable, str(SCRIPT), "--mode", "ray", *args, "--ray-address", cluster],
+            cwd=SCRIPT.parent, env=launcher.env, stdout=handle, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        deadline = time.monotonic() + 200
+        while (
+            "Current is step 3 " not in log.read_text()
+            and proc.poll() is None
+            and time.monotonic() < deadline
+        ):
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=120)
+    text = log.read_text()
+    assert code == PREEMPTED_EXIT_CODE, text[-4000:]
+    saved = [p for p in out.glob("checkpoint-*") if (p / ".twinkle-complete").exists()]
+    assert len(saved) == 1 and sorted(p.name for p in saved[0].glob("rank_state_rank*.pt")) == [
+        "rank_state_rank0.pt",
+        "rank_state_rank1.pt",
+    ]
+    time.sleep(1)
+    assert not _rank_pids()
