@@ -112,7 +112,7 @@ def test_upstream_run_line():
         "ignore_data_skip": True,
     }
     assert d["lora"]["adapter_name"] == "default"
-    assert d["optimizer"] == {"learning_rate": 1e-4}
+    assert d["optimizer"] == {"learning_rate": 1e-4, "optimizer_cls": "AdamW"}
     assert d["scheduler"] == {"scheduler_cls": "CosineWarmupScheduler", "num_warmup_steps": 5}
     assert args.extra == {"model_name": "twinkle大模型", "model_author": "ModelScope社区"}
 

@@ -1,7 +1,6 @@
 """Launch training scripts in one process or under torchrun, with a free port and a hard timeout."""
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -10,12 +9,7 @@ from pathlib import Path
 
 import pytest
 import warm
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from ports import free_port
 
 
 @dataclass

@@ -14,12 +14,12 @@ here: losses <= 7.2e-7 apart (about one fp32 ulp of 6.4); we allow 1e-4, as in t
 comparison of ``test_torchrun_training.py``."""
 
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from ports import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -27,12 +27,6 @@ SCRIPT = Path(__file__).resolve().parents[2] / "cookbook/transformers/fsdp2.py"
 STEP_LINE = re.compile(r"Current is step (\d+) of (\d+), metric: \{.*'loss': ([^,]+),")
 EVAL_LINE = re.compile(r"Eval metric: \{'loss': ([^,]+),")
 LOSS_TOL = 1e-4
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def contract_args(model_dir: Path, output_dir: Path) -> list[str]:

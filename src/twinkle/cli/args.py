@@ -150,6 +150,9 @@ class OptimizerArgs:
     learning_rate: float = _opt(
         1e-3, "peak learning rate", check=_POSITIVE, flag="lr", aliases=("learning-rate",)
     )
+    optimizer_cls: str = _opt(
+        "AdamW", "optimizer for scripts that take it from the command line: a torch.optim name"
+    )
 
 
 @dataclass

@@ -27,6 +27,7 @@ ENV_PREFIX = "TWINKLE_"
 KNOWN_EXTRA: dict[str, str] = {
     "model_name": "name the model calls itself (SelfCognitionProcessor)",
     "model_author": "author the model names (SelfCognitionProcessor)",
+    "data_format": "messages or alpaca: the rows of --dataset-id (cookbook/transformers/sft_own_data.py)",
 }
 
 

@@ -1,8 +1,9 @@
 """Row preprocessors: turn a raw data row into chat ``messages``.
 
-Public names: ``Preprocessor``, ``SelfCognitionProcessor``, ``MessagesProcessor``."""
+Public names: ``Preprocessor``, ``SelfCognitionProcessor``, ``MessagesProcessor``, ``AlpacaProcessor``."""
 
+from twinkle.preprocessor.alpaca import AlpacaProcessor
 from twinkle.preprocessor.base import MessagesProcessor, Preprocessor
 from twinkle.preprocessor.self_cognition import SelfCognitionProcessor
 
-__all__ = ["Preprocessor", "MessagesProcessor", "SelfCognitionProcessor"]
+__all__ = ["Preprocessor", "MessagesProcessor", "SelfCognitionProcessor", "AlpacaProcessor"]

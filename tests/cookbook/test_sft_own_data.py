@@ -1,0 +1,63 @@
+"""``cookbook/transformers/sft_own_data.py`` trains on a messages JSONL and an Alpaca JSONL."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from twinkle.preprocessor import AlpacaProcessor
+from twinkle.utils.errors import UserError
+
+SCRIPT = Path(__file__).resolve().parents[2] / "cookbook" / "transformers" / "sft_own_data.py"
+ROWS = [
+    ("Who are you?", "I am Pip, a small assistant."),
+    ("What is 2 + 2?", "4."),
+    ("Name a colour.", "Blue."),
+] * 4
+
+
+def test_alpaca_rows_become_messages():
+    row = {"instruction": "Translate.", "input": "bonjour", "output": "hello", "system": "Be brief."}
+    assert AlpacaProcessor()(row) == {
+        "messages": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Translate.\n\nbonjour"},
+            {"role": "assistant", "content": "hello"},
+        ]
+    }
+    assert AlpacaProcessor()({"instruction": "Hi", "input": "", "output": "Hello"})["messages"][0] == {
+        "role": "user",
+        "content": "Hi",
+    }
+    with pytest.raises(UserError, match="row 3 has no text field"):
+        AlpacaProcessor()({"instruction": "Hi"}, 3)
+
+
+def _write(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("data_format", ["messages", "alpaca"])
+def test_the_script_trains_on_own_rows(tiny_model_dir, tmp_path, data_format):
+    if data_format == "messages":
+        rows = [
+            {"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}
+            for q, a in ROWS
+        ]
+    else:
+        rows = [{"instruction": q, "input": "", "output": a} for q, a in ROWS]
+    data = _write(tmp_path / "rows.jsonl", rows)
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--model-id", str(tiny_model_dir), "--dataset-id", str(data),
+         "--data-format", data_format, "--eval-samples", "4", "--eval-interval", "2", "--batch-size", "4",
+         "--output-dir", str(tmp_path / "out"), "--lr", "1e-2", "--log-interval", "1"],
+        capture_output=True, text=True, timeout=300,
+        env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "OMP_NUM_THREADS": "1", "TWINKLE_CACHE": str(tmp_path / "c")},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "step 2 of 2" in done.stderr and "eval at step 2" in done.stderr
+    assert (tmp_path / "out" / "last-checkpoint" / ".twinkle-complete").exists()
