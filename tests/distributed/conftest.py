@@ -70,3 +70,19 @@ class Launcher:
 @pytest.fixture(scope="session")
 def launcher(tmp_path_factory) -> Launcher:
     return Launcher(tmp_path_factory.getbasetemp() / "twinkle-cache")
+
+
+@pytest.fixture(scope="session")
+def baseline(tiny_model_dir, tmp_path_factory, launcher):
+    """The contract in one process and on 2 FSDP2 ranks, shared by the comparisons of
+    ``test_contract_torchrun.py`` and ``test_ray_mode.py``."""
+    from test_contract_torchrun import SCRIPT, contract_args
+
+    tmp_path = tmp_path_factory.mktemp("contract")
+    single = launcher.run(SCRIPT, contract_args(tiny_model_dir, tmp_path / "one"), nproc=1)
+    assert single.returncode == 0, single.output[-6000:]
+    sharded = launcher.run(
+        SCRIPT, [*contract_args(tiny_model_dir, tmp_path / "two"), "--fsdp-size", "2"], nproc=2
+    )
+    assert sharded.returncode == 0, sharded.output[-6000:]
+    return single, sharded, tmp_path

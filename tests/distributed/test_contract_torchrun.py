@@ -48,19 +48,6 @@ def logged_losses(output: str) -> tuple[dict[int, float], list[float]]:
     return train, [float(x) for x in EVAL_LINE.findall(output)]
 
 
-@pytest.fixture(scope="module")
-def baseline(tiny_model_dir, tmp_path_factory, launcher):
-    """The contract in one process and on 2 FSDP2 ranks, shared by the comparisons below."""
-    tmp_path = tmp_path_factory.mktemp("contract")
-    single = launcher.run(SCRIPT, contract_args(tiny_model_dir, tmp_path / "one"), nproc=1)
-    assert single.returncode == 0, single.output[-6000:]
-    sharded = launcher.run(
-        SCRIPT, [*contract_args(tiny_model_dir, tmp_path / "two"), "--fsdp-size", "2"], nproc=2
-    )
-    assert sharded.returncode == 0, sharded.output[-6000:]
-    return single, sharded, tmp_path
-
-
 def test_contract_fsdp2_two_ranks_matches_one_process(baseline):
     single, sharded, tmp_path = baseline
     print(f"\n[contract] 1 process {single.wall_s:.1f} s, 2 ranks {sharded.wall_s:.1f} s")

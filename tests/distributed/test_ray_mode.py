@@ -2,8 +2,9 @@
 
 One Ray cluster (``ray start --head``, 2 CPUs) serves the module's jobs through
 ``--ray-address``, which saves its start-up in every test; one test lets the job start and stop a
-cluster of its own. Losses are compared as in ``test_contract_torchrun.py`` (Muon's bf16
-Newton-Schulz: 1e-4)."""
+cluster of its own. Ray and torchrun run the same ranks on the same threads, so their losses
+agree to 1e-5 (measured: equal); runs that differ in where a restart resumed are compared as in
+``test_contract_torchrun.py`` (Muon's bf16 Newton-Schulz: 1e-4)."""
 
 import importlib.util
 import os
@@ -82,11 +83,10 @@ def _assert_same_adapter(a: Path, b: Path, tol: float = 1e-6) -> None:
 
 
 def test_ray_matches_torchrun_and_their_checkpoints_resume_each_other(
-    tiny_model_dir, tmp_path, launcher, cluster
+    tiny_model_dir, tmp_path, launcher, cluster, baseline
 ):
     flags = ["--fsdp-size", "2"]
-    torchrun = launcher.run(SCRIPT, [*contract_args(tiny_model_dir, tmp_path / "tr"), *flags], nproc=2)
-    assert torchrun.returncode == 0, torchrun.output[-4000:]
+    torchrun, tr = baseline[1], baseline[2] / "two"  # the contract under torchrun, 2 FSDP2 ranks
     ray = _ray_job(
         launcher, [*contract_args(tiny_model_dir, tmp_path / "ray"), *flags, "--ray-address", cluster]
     )
@@ -101,17 +101,18 @@ def test_ray_matches_torchrun_and_their_checkpoints_resume_each_other(
     diffs = [abs(train_t[s] - train_r[s]) for s in train_t] + [
         abs(a - b) for a, b in zip(eval_t, eval_r, strict=True)
     ]
-    assert max(diffs) <= 1e-4, (train_t, train_r)
-    _assert_same_adapter(tmp_path / "tr" / "last-checkpoint", tmp_path / "ray" / "last-checkpoint", 1e-4)
+    print(f"\n[ray] max |loss diff| against torchrun {max(diffs):.2e}")
+    assert max(diffs) <= 1e-5, (train_t, train_r)  # the same ranks, threads and sums: measured 0
+    _assert_same_adapter(tr / "last-checkpoint", tmp_path / "ray" / "last-checkpoint", 1e-4)
 
     # Ray resumes torchrun's checkpoint, torchrun resumes Ray's: each ends where its source did
     resumed = _ray_job(
         launcher,
         [*contract_args(tiny_model_dir, tmp_path / "ray-from-tr"), *flags, "--ray-address", cluster,
-         "--resume-from-checkpoint", str(tmp_path / "tr" / "checkpoint-2")],
+         "--resume-from-checkpoint", str(tr / "checkpoint-2")],
     )  # fmt: skip
     assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-4000:]
-    _assert_same_adapter(tmp_path / "tr" / "last-checkpoint", tmp_path / "ray-from-tr" / "last-checkpoint")
+    _assert_same_adapter(tr / "last-checkpoint", tmp_path / "ray-from-tr" / "last-checkpoint")
     back = launcher.run(
         SCRIPT,
         [*contract_args(tiny_model_dir, tmp_path / "tr-from-ray"), *flags,
