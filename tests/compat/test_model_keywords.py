@@ -56,3 +56,13 @@ def test_ddp_config_with_an_honoured_key_selects_ddp(tiny_model_dir):
     model = TransformersModel(str(tiny_model_dir), ddp_config={"find_unused_parameters": True})
     assert model.strategy == "ddp"
     assert TransformersModel(str(tiny_model_dir), strategy="native_fsdp").strategy == "fsdp"
+
+
+def test_args_reads_flat_by_field_name():
+    from twinkle.cli import CLI
+
+    args = CLI.from_args(["--batch-size", "8", "--model-name", "Pip"], env={})
+    assert args.get("batch_size") == args["batch_size"] == 8
+    assert args["model_name"] == "Pip" and args.get("nope", 3) == 3
+    with pytest.raises(KeyError, match="'nope' is neither a field nor an extra key"):
+        args["nope"]

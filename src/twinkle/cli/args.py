@@ -221,6 +221,23 @@ class Args:
             "task_type": "CAUSAL_LM",
         }
 
+    def get(self, name: str, default: Any = None) -> Any:
+        """A field by its name, whatever its group (``args.get("batch_size")``), else an ``extra``
+        key, else ``default`` (upstream's flat access)."""
+        for group in GROUPS:
+            values = getattr(self, group)
+            if name in {f.name for f in dataclasses.fields(values)}:
+                return getattr(values, name)
+        return self.extra.get(name, default)
+
+    def __getitem__(self, name: str) -> Any:
+        """``args["batch_size"]``: like ``get``, but an unknown name raises ``KeyError``."""
+        sentinel = object()
+        value = self.get(name, sentinel)
+        if value is sentinel:
+            raise KeyError(f"{name!r} is neither a field nor an extra key of these arguments")
+        return value
+
     def to_dict(self) -> dict[str, Any]:
         """Nested plain dict (groups and ``extra``), e.g. to log or save next to a checkpoint."""
         out: dict[str, Any] = {name: dataclasses.asdict(getattr(self, name)) for name in GROUPS}
