@@ -115,6 +115,8 @@ def test_import_twinkle_has_no_side_effects():
         "assert env == dict(os.environ), set(os.environ.items()) ^ set(env.items())\n"
         "assert threads == torch.get_num_threads()\n"
         "assert flags == (torch.get_default_dtype(), torch.are_deterministic_algorithms_enabled())\n"
+        "import sys\n"
+        "assert 'ray' not in sys.modules  # an optional extra: only --mode ray imports it\n"
     )
     env = {k: v for k, v in os.environ.items() if not k.endswith("CACHE_CAPACITY")}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)

@@ -66,3 +66,19 @@ def test_args_reads_flat_by_field_name():
     assert args["model_name"] == "Pip" and args.get("nope", 3) == 3
     with pytest.raises(KeyError, match="'nope' is neither a field nor an extra key"):
         args["nope"]
+
+
+def test_ddp_refuses_a_mesh_that_shards_the_model(tiny_model_dir, monkeypatch):
+    import dataclasses
+
+    from peft import LoraConfig
+
+    model = TransformersModel(str(tiny_model_dir), strategy="ddp")
+    # as on 2 ranks of --fsdp-size 2: the check comes before any process group is needed
+    monkeypatch.setattr(
+        model, "runtime", dataclasses.replace(model.runtime, mesh=DeviceMesh(fsdp_size=2, dp_size=1))
+    )
+    with pytest.raises(
+        UserError, match=r"strategy='ddp' keeps a whole model on every rank, but the mesh shards it"
+    ):
+        model.add_adapter_to_model("default", LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))

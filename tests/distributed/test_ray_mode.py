@@ -123,7 +123,7 @@ def test_ray_matches_torchrun_and_their_checkpoints_resume_each_other(
     _assert_same_adapter(tmp_path / "ray" / "last-checkpoint", tmp_path / "tr-from-ray" / "last-checkpoint")
 
 
-LONG = ["--train-samples", "48", "--eval-interval", "2"]  # 12 steps: time to kill one mid-run
+LONG = ["--train-samples", "32", "--eval-interval", "2"]  # 8 steps: time to kill one mid-run
 
 
 def _kill_a_worker_after(folder: Path, done: threading.Event, killed: list) -> None:
@@ -238,11 +238,6 @@ def test_without_ray_installed_the_error_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "ray", None)
     with pytest.raises(UserError, match=r"--mode ray needs Ray: pip install 'twinkle\[ray\]'"):
         ray_job._ray()
-
-
-def test_the_core_never_imports_ray():
-    code = "import twinkle, twinkle.model, twinkle.cli, sys; assert 'ray' not in sys.modules"
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
 def test_a_restart_resumes_from_auto_whatever_the_first_launch_resumed_from():
