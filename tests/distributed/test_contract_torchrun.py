@@ -73,6 +73,7 @@ def test_contract_fsdp2_two_ranks_matches_one_process(baseline):
     assert max(diffs) <= LOSS_TOL, (train_1, train_2, eval_1, eval_2)
 
 
+@pytest.mark.cluster
 def test_two_torchrun_agents_meeting_on_localhost_match_one_node(tiny_model_dir, tmp_path, launcher):
     """``--nnodes 2 --nproc_per_node 1``: two agents, one rank each, as on two machines."""
     one_node = launcher.run(

@@ -24,6 +24,7 @@ from test_contract_torchrun import SCRIPT, contract_args, logged_losses
 
 pytestmark = [
     pytest.mark.slow,
+    pytest.mark.cluster,
     pytest.mark.skipif(
         importlib.util.find_spec("ray") is None,
         reason="ray is not installed (scripts/install.sh installs it)",
