@@ -100,11 +100,25 @@ def test_adapters_on_some_projections_only_run_the_layers(monkeypatch):
     assert not calls  # k_proj is a plain nn.Linear: no node
 
 
-@pytest.mark.parametrize("case", ["dropout", "eager", "switched off"])
+def test_with_an_active_dropout_the_node_equals_the_layers_drawing_the_same_masks(monkeypatch):
+    layers, node = _pair(dropout=0.1)
+    layers.train()
+    node.train()
+    calls = _count_node_calls(monkeypatch)
+    ids = torch.randint(0, 100, (1, 7))
+    torch.manual_seed(1)
+    expected = _run(layers, ids)
+    torch.manual_seed(1)
+    got = _run(node, ids)
+    assert calls  # the node ran, with the masks
+    _assert_close(expected, got)
+    torch.manual_seed(2)
+    assert not torch.allclose(_run(node, ids)[0], got[0])  # the masks are really random
+
+
+@pytest.mark.parametrize("case", ["eager", "switched off"])
 def test_what_the_node_does_not_cover_runs_the_class_forward(case, monkeypatch):
-    layers, node = _pair(
-        dropout=0.1 if case == "dropout" else 0.0, attn="eager" if case == "eager" else "sdpa"
-    )
+    layers, node = _pair(attn="eager" if case == "eager" else "sdpa")
     if case == "switched off":
         set_switches({"TWINKLE_LORA_QKV": "off"})
     layers.train()

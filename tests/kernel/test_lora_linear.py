@@ -6,6 +6,7 @@ import pickle
 import pytest
 import torch
 from allocations import peak_bytes
+from masks import record, replay
 from nets import TwoLinear
 from peft import LoraConfig, get_peft_model
 from peft.tuners.lora.layer import Linear as PeftLoraLinear
@@ -57,19 +58,33 @@ def test_frozen_base_gets_gradients_when_trainable():
         torch.testing.assert_close(grads[name], grads_ref[name], msg=name)
 
 
-def test_dropout_draws_the_masks_peft_draws():
+def test_dropout_gives_peft_gradients_given_the_same_masks(monkeypatch):
     peft_model, fused = _pair(lora_dropout=0.5)
     x = torch.randn(4, 3, 6)
-    torch.manual_seed(1)
-    out_ref, gx_ref, grads_ref = _run(peft_model, x)
-    torch.manual_seed(1)
+    drawn = record(monkeypatch)
     out, gx, grads = _run(fused, x)
+    assert len(drawn) == 2  # one mask per adapter call
+    queue = replay(peft_model, drawn)
+    out_ref, gx_ref, grads_ref = _run(peft_model, x)
+    assert not queue
     torch.testing.assert_close(out, out_ref)
     torch.testing.assert_close(gx, gx_ref)
     for name, grad in grads_ref.items():
         torch.testing.assert_close(grads[name], grad, msg=name)
     torch.manual_seed(2)
     assert not torch.allclose(fused(x), out)  # the masks are really random
+
+
+def test_eval_mode_draws_no_mask(monkeypatch):
+    peft_model, fused = _pair(lora_dropout=0.5)
+    fused.eval()
+    peft_model.eval()
+    drawn = record(monkeypatch)
+    x = torch.randn(4, 3, 6)
+    state = torch.get_rng_state()
+    out = fused(x)
+    assert not drawn and torch.equal(torch.get_rng_state(), state)
+    torch.testing.assert_close(out, peft_model(x))
 
 
 def _spy(monkeypatch) -> list:
@@ -185,17 +200,16 @@ def test_adapter_narrower_than_the_base_runs_peft(monkeypatch):
     torch.testing.assert_close(out, peft_model(x))
 
 
-def test_dropout_on_a_bf16_base_draws_the_masks_peft_draws(monkeypatch):
+def test_dropout_on_a_bf16_base_gives_peft_gradients_given_the_same_masks(monkeypatch):
     calls = _spy(monkeypatch)
     peft_model, fused = _pair(lora_dropout=0.5)
     _bf16_base(peft_model, fused)
     x = torch.randn(4, 3, 6).to(torch.bfloat16)
-    torch.manual_seed(1)
-    out_ref, gx_ref, grads_ref = _run(peft_model, x)
-    torch.manual_seed(1)
-    calls.clear()
+    drawn = record(monkeypatch)
     out, gx, grads = _run(fused, x)
     assert not calls  # fused
+    replay(peft_model, drawn)
+    out_ref, gx_ref, grads_ref = _run(peft_model, x)
     _close_in_bf16(out, out_ref)
     _close_in_bf16(gx, gx_ref)
     for name, grad in grads_ref.items():

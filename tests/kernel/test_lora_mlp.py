@@ -5,6 +5,7 @@ import copy
 import pytest
 import torch
 from allocations import peak_bytes
+from masks import record, replay
 from peft import LoraConfig, get_peft_model
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaMLP
@@ -145,24 +146,44 @@ def test_steps_aside_where_it_does_not_apply():
     assert lora_mlp(node.base_model.model.mlp, x) is not None
     _, partial = _pair(targets=["gate_proj", "up_proj"])  # down is a plain Linear
     assert lora_mlp(partial.base_model.model.mlp, x) is None
-    _, dropped = _pair(lora_dropout=0.5)  # the masks would have to be drawn in PEFT's order
-    assert lora_mlp(dropped.base_model.model.mlp, x) is None
-    dropped.eval()  # dropout off: fused again
+    _, dropped = _pair(lora_dropout=0.5)  # dropout runs inside the node
     assert lora_mlp(dropped.base_model.model.mlp, x) is not None
     _, merged = _pair()
     merged.base_model.model.mlp.up_proj.merge()
     assert lora_mlp(merged.base_model.model.mlp, x) is None
 
 
-def test_falls_back_to_the_layers_with_an_active_dropout():
+def test_with_an_active_dropout_it_equals_the_layers_drawing_the_same_masks(monkeypatch):
     layers, node = _pair(lora_dropout=0.5)
     x = torch.randn(2, 5, HIDDEN)
+    drawn = record(monkeypatch)
     torch.manual_seed(3)
     theirs = _run(layers, x)
     torch.manual_seed(3)
     ours = _run(node, x)
-    assert type(ours[0].grad_fn).__name__ != "_LoraMLPBackward"
+    assert type(ours[0].grad_fn).__name__ == "_LoraMLPBackward"
+    assert len(drawn) == 6 and drawn[:3] == drawn[3:]  # gate, up, down: the same seeds in order
     _assert_same(theirs, ours)
+
+
+def test_with_an_active_dropout_it_gives_peft_gradients_given_the_same_masks(monkeypatch):
+    _, node = _pair(lora_dropout=0.5)
+    torch.manual_seed(0)
+    config = LoraConfig(
+        r=4, lora_alpha=8, target_modules=PROJECTIONS, init_lora_weights=False, lora_dropout=0.5
+    )
+    peft_model = get_peft_model(Block(), config)  # PEFT's own forward, no fusing
+    x = torch.randn(2, 5, HIDDEN)
+    drawn = record(monkeypatch)
+    out, gx, grads = _run(node, x)
+    queue = replay(peft_model, drawn)
+    out_ref, gx_ref, grads_ref = _run(peft_model, x)
+    assert not queue
+    torch.testing.assert_close(out, out_ref)
+    torch.testing.assert_close(gx, gx_ref)
+    assert grads.keys() == grads_ref.keys()
+    for name, grad in grads_ref.items():
+        torch.testing.assert_close(grads[name], grad, msg=name)
 
 
 def test_on_a_bf16_model_backward_frees_each_wide_tensor_and_fp32_copy_after_its_last_use():

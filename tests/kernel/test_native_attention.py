@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from twinkle.kernel import registry, set_switches
+from twinkle.kernel import native_build, registry, set_switches
 from twinkle.kernel.attention import native as native_attention
 from twinkle.kernel.attention.packed import Segments, segment_attention
 
@@ -189,8 +189,8 @@ def test_a_failed_build_says_why_and_leaves_nothing_behind(fresh_library, monkey
 def test_built_once_then_loaded_and_a_damaged_file_built_again(fresh_library, monkeypatch, tmp_path):
     monkeypatch.setenv("TWINKLE_CACHE", str(tmp_path))
     builds = []
-    compile_ = native_attention._compile
-    monkeypatch.setattr(native_attention, "_compile", lambda *a: builds.append(a) or compile_(*a))
+    compile_ = native_build.compile_library
+    monkeypatch.setattr(native_build, "compile_library", lambda *a: builds.append(a) or compile_(*a))
     assert native_attention.library() is not None
     (built,) = [p for p in (tmp_path / "native").iterdir() if p.suffix == ".so"]
     assert len(builds) == 1

@@ -17,36 +17,26 @@ per-sample calls' time, W2's 0.31-0.33x, one sample of 1000 tokens 0.36x. On 8-f
 (AVX2) a row of one long sample, which splits only by query head, keeps the flash calls
 (``usable``).
 
-The library is compiled with the system's C compiler at first use (``-O3 -march=native``,
-about a second) into ``<cache>/native/``, keyed by the source, the flags, the compiler and the
-CPU, and loaded from there afterwards. Without a compiler, OpenMP or a writable cache it is not
-used, with one warning, and attention takes the other paths; ``TWINKLE_NATIVE_ATTENTION=0``
+The library is built at first use by ``kernel/native_build.py`` (the system's C compiler,
+``-O3 -march=native``, cached). Without a compiler, OpenMP or a writable cache it is not used,
+with one warning, and attention takes the other paths; ``TWINKLE_NATIVE_ATTENTION=0``
 turns it off."""
 
 import ctypes
-import hashlib
-import os
-import platform
-import shutil
 import subprocess
-import tempfile
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from twinkle.kernel import registry
+from twinkle.kernel import native_build, registry
 from twinkle.kernel.attention import pooled
-from twinkle.utils.fileio import file_lock
 from twinkle.utils.logger import get_logger
 
 SOURCE = Path(__file__).with_name("segment_attention.c")
-FLAGS = (
-    "-O3 -march=native -fopenmp -fno-math-errno -fassociative-math -fno-signed-zeros "
-    "-fno-trapping-math -ffp-contract=fast -shared -fPIC"
-).split()
-COMPILER = "cc"
+FLAGS = native_build.OPENMP_FLAGS
+COMPILER = native_build.COMPILER
 TILE = 16  # the kernel's column tile: the head dimension must be a multiple of it
 MIN_TASKS = 8  # fewer (segment, key/value head) tasks than this split by query head
 LONG_SAMPLE = 512  # on 8-float vectors, a row of one sample this long keeps the flash calls
@@ -56,56 +46,8 @@ _state: dict[str, Any] = {}
 _PTR, _INT, _FLOAT = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 
 
-def _cpu() -> str:
-    try:
-        lines = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace").splitlines()
-    except OSError:
-        return platform.processor()
-    wanted = ("model name", "flags", "Features", "CPU part")
-    return "\n".join(sorted({line for line in lines if line.split(":")[0].strip() in wanted}))
-
-
-def _library_path(compiler: str) -> Path:
-    from twinkle.utils.cache import cache_root
-
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
-    key = "\n".join(
-        [SOURCE.read_text(encoding="utf-8"), " ".join(FLAGS), version, _cpu(), platform.machine()]
-    )
-    return cache_root() / "native" / f"segment_attention-{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
-
-
-def _compile(path: Path, compiler: str) -> None:
-    """Build into a temporary file beside ``path`` and rename it into place (another process may
-    be loading the same path)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, tmp = tempfile.mkstemp(dir=path.parent, suffix=".so.tmp")
-    os.close(handle)
-    try:
-        done = subprocess.run(
-            [compiler, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=300
-        )
-        if done.returncode:
-            raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-2000:]}")
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
 def _load() -> ctypes.CDLL:
-    compiler = shutil.which(COMPILER)
-    if compiler is None:
-        raise RuntimeError(f"no C compiler ({COMPILER!r}) on PATH")
-    path = _library_path(compiler)
-    with file_lock(path.with_name(path.name + ".lock")):
-        if not path.is_file():
-            _compile(path, compiler)
-        try:
-            lib = ctypes.CDLL(str(path))
-        except OSError:  # a damaged file (a full disk, a killed build): build it again once
-            _compile(path, compiler)
-            lib = ctypes.CDLL(str(path))
+    lib = native_build.load_library(SOURCE, FLAGS, COMPILER)
     lib.twinkle_attention_forward.argtypes = [_PTR] * 5 + [_INT] * 5 + [_FLOAT, _PTR, _INT, _INT]
     lib.twinkle_attention_backward.argtypes = [_PTR] * 10 + [_INT] * 5 + [_FLOAT, _PTR, _INT, _INT]
     lib.twinkle_attention_lanes.restype = _INT

@@ -4,10 +4,12 @@ PEFT computes ``base(x) + lora_B(lora_A(dropout(x))) * scaling`` as five modules
 elementwise ops, each a node in the graph with its own output tensor. ``lora_linear`` does the
 same math in one autograd function: the scaled rank-r product is accumulated straight into the
 base output (``addmm``), and backward accumulates both input gradients into one tensor. Outputs
-and gradients equal PEFT's up to summation order.
+and gradients equal PEFT's up to summation order. An active adapter dropout is applied inside
+the node (``dropout.py``: PEFT's semantics, a mask recomputed in backward from its seed rather
+than kept), so with a mask the gradients are PEFT's given the same mask.
 
 ``fuse_lora_linears`` routes every PEFT ``lora.Linear`` of a model through it whenever the call
-is plain LoRA: one active adapter, not merged, dropout (if any) ``nn.Dropout``, no DoRA or other
+is plain LoRA: one active adapter, not merged, dropout (if any) ``nn.Dropout`` with p < 1, no DoRA or other
 variant, no LoRA bias, an unhooked ``nn.Linear`` base in x's dtype and no autocast. The adapter
 may have its own dtype (PEFT keeps it fp32 on a bf16 model): its branch then runs in that dtype
 and the sum is rounded once, as PEFT does. Any other call runs PEFT's own forward."""
@@ -20,6 +22,8 @@ from torch import nn
 
 from twinkle.kernel import registry
 from twinkle.kernel.cpu_gemm import linear, times_weight
+from twinkle.kernel.lora import dropout
+from twinkle.kernel.lora.dropout import Drop
 
 registry.register_call("lora_linear", "fused", lambda: True, "nothing")
 registry.register_call("lora_linear", "peft", lambda: True, "nothing")
@@ -83,79 +87,53 @@ def param_grads(
 
 
 def input_grad(
-    g: torch.Tensor, weight: torch.Tensor, g_low: torch.Tensor, lora_a: torch.Tensor
+    g: torch.Tensor,
+    weight: torch.Tensor,
+    g_low: torch.Tensor,
+    lora_a: torch.Tensor,
+    drop: Drop | None = None,
 ) -> torch.Tensor:
-    """Both branches' gradient for x, summed in x's dtype as autograd sums PEFT's. A wider adapter's
-    branch is rounded to x's dtype before the base's gradient is allocated, so its wide copy is
-    gone by then."""
-    if lora_a.dtype != g.dtype:
-        from_adapter = (g_low @ lora_a).to(g.dtype)
+    """Both branches' gradient for x, summed in x's dtype as autograd sums PEFT's; the adapter's
+    through its dropout mask when ``drop`` is given. A wider adapter's branch is rounded to x's
+    dtype before the base's gradient is allocated, so its wide copy is gone by then."""
+    if lora_a.dtype != g.dtype or drop is not None:
+        product = g_low @ lora_a
+        from_adapter = dropout.apply(product, drop, out=product).to(g.dtype)
         return times_weight(g, weight).add_(from_adapter)
     return times_weight(g, weight).addmm_(g_low, lora_a)
 
 
-def project_grads(
-    g: torch.Tensor,
-    flat: torch.Tensor | None,
-    flat_lora: torch.Tensor | None,
-    weight: torch.Tensor,
-    lora_a: torch.Tensor,
-    lora_b: torch.Tensor,
-    low: torch.Tensor,
-    scaling: float,
-    needs: tuple[bool, bool, bool, bool, bool, bool],
-    split: bool = False,
-) -> tuple[torch.Tensor | None, ...]:
-    """``project``'s gradients for the output gradient ``g`` (2-D): ``(x, x_lora, weight, bias,
-    lora_a, lora_b)``, each None unless ``needs`` asks for it. ``flat_lora`` may be in the base's
-    dtype (``param_grads`` casts it). ``split``: x_lora is a tensor of its own (after dropout);
-    else the two branches' gradients for x are summed into the first (``input_grad``). The
-    parameters' gradients come first, so that the adapter's wide inputs can go before x's."""
-    need_x, need_x_lora = needs[:2]
-    g_low, (grad_w, grad_bias, grad_a, grad_b) = param_grads(
-        g, flat, flat_lora, lora_a, lora_b, low, scaling, needs[2:]
-    )
-    grad_x = grad_x_lora = None
-    if split:
-        grad_x = times_weight(g, weight) if need_x else None
-        grad_x_lora = g_low @ lora_a if need_x_lora else None
-    elif need_x:
-        grad_x = input_grad(g, weight, g_low, lora_a)
-    return grad_x, grad_x_lora, grad_w, grad_bias, grad_a, grad_b
-
-
 class _LoraLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, x_lora, weight, bias, lora_a, lora_b, scaling):
+    def forward(ctx, x, weight, bias, lora_a, lora_b, scaling, drop):
         flat = x.reshape(-1, x.shape[-1])
-        # x in the adapter's dtype is an exact cast of x: backward casts again rather than keep
-        # the wider copy (on a bf16 model, an fp32 copy of every LoRA layer's input)
-        recast = x_lora is None and lora_a.dtype != x.dtype
-        flat_lora = adapter_input(flat, lora_a) if x_lora is None else x_lora.reshape(flat.shape)
+        flat_lora = dropout.apply(adapter_input(flat, lora_a), drop)
         out, low = project(flat, flat_lora, weight, bias, lora_a, lora_b, scaling)
-        # x itself only for the base weight's gradient (PEFT keeps none for a frozen base)
-        keep = flat if ctx.needs_input_grad[2] else None
-        ctx.save_for_backward(keep, flat if recast else flat_lora, weight, lora_a, lora_b, low)
-        ctx.scaling = scaling
+        # The adapter's input is rebuilt in backward where it differs from x: an exact cast (on a
+        # bf16 model, an fp32 copy of every LoRA layer's input) or a mask recomputed from its seed.
+        rebuild = flat_lora is not flat
+        keep = flat if ctx.needs_input_grad[1] else None  # x for the base weight's gradient only
+        ctx.save_for_backward(keep, flat if rebuild else flat_lora, weight, lora_a, lora_b, low)
+        ctx.scaling, ctx.drop, ctx.rebuild = scaling, drop, rebuild
         ctx.has_bias = bias is not None
-        ctx.separate = x_lora is not None
         ctx.x_shape = x.shape
         return out.view(*x.shape[:-1], out.shape[-1])
 
     @staticmethod
     def backward(ctx, grad_out):
-        # flat_lora is x in the base's dtype where forward did not keep the adapter's copy
-        flat, flat_lora, weight, lora_a, lora_b, low = ctx.saved_tensors
-        need_x, need_x_lora, need_w, need_bias, need_a, need_b, _ = ctx.needs_input_grad
-        needs = (need_x, need_x_lora, need_w, need_bias and ctx.has_bias, need_a, need_b)
+        flat, source, weight, lora_a, lora_b, low = ctx.saved_tensors
+        need_x, need_w, need_bias, need_a, need_b, _, _ = ctx.needs_input_grad
         g = grad_out.reshape(-1, grad_out.shape[-1])
-        grads = project_grads(
-            g, flat, flat_lora, weight, lora_a, lora_b, low, ctx.scaling, needs, ctx.separate
+        flat_lora = source
+        if ctx.rebuild and need_a:
+            flat_lora = dropout.apply(adapter_input(source, lora_a), ctx.drop)
+        needs = (need_w, need_bias and ctx.has_bias, need_a, need_b)
+        g_low, (grad_w, grad_bias, grad_a, grad_b) = param_grads(
+            g, flat, flat_lora, lora_a, lora_b, low, ctx.scaling, needs
         )
-        grad_x, grad_x_lora, grad_w, grad_bias, grad_a, grad_b = grads
-        grad_x = grad_x.view(ctx.x_shape) if grad_x is not None else None
-        grad_x_lora = grad_x_lora.view(ctx.x_shape) if grad_x_lora is not None else None
-        return grad_x, grad_x_lora, grad_w, grad_bias, grad_a, grad_b, None
+        del flat_lora
+        grad_x = input_grad(g, weight, g_low, lora_a, ctx.drop).view(ctx.x_shape) if need_x else None
+        return grad_x, grad_w, grad_bias, grad_a, grad_b, None, None
 
 
 def lora_linear(
@@ -165,11 +143,11 @@ def lora_linear(
     lora_a: torch.Tensor,
     lora_b: torch.Tensor,
     scaling: float,
-    x_lora: torch.Tensor | None = None,
+    drop: Drop | None = None,
 ) -> torch.Tensor:
-    """``x @ weight.T + bias + scaling * (x_lora @ lora_a.T) @ lora_b.T`` in one autograd node;
-    ``x_lora`` (the LoRA branch's input, e.g. after dropout) defaults to ``x``."""
-    return _LoraLinear.apply(x, x_lora, weight, bias, lora_a, lora_b, float(scaling))
+    """``x @ weight.T + bias + scaling * (dropout(x) @ lora_a.T) @ lora_b.T`` in one autograd node;
+    ``drop`` (``dropout.draw(p)``) is the adapter's dropout mask, None for none."""
+    return _LoraLinear.apply(x, weight, bias, lora_a, lora_b, float(scaling), drop)
 
 
 def plain_linear(module: nn.Module) -> bool:
@@ -187,9 +165,11 @@ def fusable(layer: Any, x: torch.Tensor, args: tuple, kwargs: dict) -> str | Non
         return None
     if layer.use_dora.get(name, False) or getattr(layer, "fan_in_fan_out", False):
         return None
-    dropout = layer.lora_dropout[name]
-    if not isinstance(dropout, (nn.Identity, nn.Dropout)):
+    drop_module = layer.lora_dropout[name]
+    if not isinstance(drop_module, (nn.Identity, nn.Dropout)):
         return None
+    if isinstance(drop_module, nn.Dropout) and drop_module.p >= 1:
+        return None  # PEFT returns a zero branch; no mask to scale
     base, a, b = layer.base_layer, layer.lora_A[name], layer.lora_B[name]
     if (
         not (plain_linear(base) and plain_linear(a) and plain_linear(b))
@@ -208,10 +188,13 @@ def fusable(layer: Any, x: torch.Tensor, args: tuple, kwargs: dict) -> str | Non
     return name
 
 
-def dropout_active(layer: Any, name: str) -> bool:
-    """Whether adapter ``name``'s dropout draws a mask in this call (``nn.Identity`` never does)."""
-    dropout = layer.lora_dropout[name]
-    return isinstance(dropout, nn.Dropout) and dropout.training and dropout.p > 0
+def draw_drop(layer: Any, name: str) -> Drop | None:
+    """A mask for adapter ``name``'s dropout in this call, or None where it draws none
+    (``nn.Identity``, p = 0, eval mode)."""
+    module = layer.lora_dropout[name]
+    if isinstance(module, nn.Dropout) and module.training and module.p > 0:
+        return dropout.draw(module.p)
+    return None
 
 
 class FusedLoraLinear(PeftLoraLinear):
@@ -223,23 +206,20 @@ class FusedLoraLinear(PeftLoraLinear):
             return super().forward(x, *args, **kwargs)
         base = self.base_layer
         a, b = self.lora_A[name].weight, self.lora_B[name].weight
-        # PEFT draws the same mask, on x cast to the adapter's dtype: the base uses no random numbers
-        x_lora = self.lora_dropout[name](x.to(a.dtype)) if dropout_active(self, name) else None
-        return lora_linear(x, base.weight, base.bias, a, b, self.scaling[name], x_lora)
+        return lora_linear(x, base.weight, base.bias, a, b, self.scaling[name], draw_drop(self, name))
 
 
 def plain_loras(layers: tuple[Any, ...], x: torch.Tensor) -> list[str] | None:
     """The active adapters' names when every layer is a ``FusedLoraLinear`` whose call on ``x``
-    is plain LoRA (``fusable``) with no adapter dropout drawing a mask; else None. For nodes that
-    run several LoRA layers at once (``lora_mlp``, ``lora_qkv``)."""
+    is plain LoRA (``fusable``); else None. For nodes that run several LoRA layers at once
+    (``lora_mlp``, ``lora_qkv``), which draw each layer's dropout mask with ``draw_drop`` in the
+    layers' order."""
     if not registry.enabled("lora_linear", "fused") or any(
         type(layer) is not FusedLoraLinear for layer in layers
     ):
         return None
     names = [fusable(layer, x, (), {}) for layer in layers]
-    if None in names or any(dropout_active(layer, n) for layer, n in zip(layers, names, strict=True)):
-        return None
-    return names
+    return None if None in names else names
 
 
 def lora_params(

@@ -19,8 +19,10 @@ order chosen for the peak: ``bench/micro/mlp_memory.py`` (Qwen2.5-0.5B's MLP, al
 counted) has the two-tensor node's backward hold 4.5 intermediate-wide bf16 tensors on top of
 what it keeps, its forward 5.75.
 
-``lora_mlp`` returns None where the MLP is not three plain-LoRA calls (see ``lora_linear``), an
-adapter dropout is active (the masks would have to be drawn in PEFT's order and saved) or
+Active adapter dropout is applied inside the node (``dropout.py``): gate's and up's adapters
+each mask x, down's masks the product, and backward recomputes the masks from their seeds.
+
+``lora_mlp`` returns None where the MLP is not three plain-LoRA calls (see ``lora_linear``) or
 ``TWINKLE_LORA_MLP`` is off; the caller then runs the layers one by one."""
 
 from typing import Any
@@ -29,8 +31,10 @@ import torch
 import torch.nn.functional as F
 
 from twinkle.kernel import registry
+from twinkle.kernel.lora import dropout
 from twinkle.kernel.lora.linear import (
     adapter_input,
+    draw_drop,
     input_grad,
     lora_params,
     param_grads,
@@ -45,20 +49,21 @@ registry.register_call("lora_mlp", "modules", lambda: True, "nothing")
 
 class _LoraMLP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, recompute, scalings, *params):
-        # params: (weight, bias, lora_a, lora_b) of gate, up and down, in that order
+    def forward(ctx, x, recompute, scalings, drops, *params):
+        # params: (weight, bias, lora_a, lora_b) of gate, up and down, in that order; drops: their
+        # adapters' dropout masks (None for none)
         gate_p, up_p, down_p = params[0:4], params[4:8], params[8:12]
         flat = x.reshape(-1, x.shape[-1])
-        gate, low_gate = project(flat, adapter_input(flat, gate_p[2]), *gate_p, scalings[0])
-        up, low_up = project(flat, adapter_input(flat, up_p[2]), *up_p, scalings[1])
+        gate, low_gate = project(flat, _lora_input(flat, gate_p[2], drops[0]), *gate_p, scalings[0])
+        up, low_up = project(flat, _lora_input(flat, up_p[2], drops[1]), *up_p, scalings[1])
         silu = F.silu(gate)
         act = silu * up
         kept = (gate, up) if recompute else (gate, up, silu, act)
         del silu  # before down's adapter casts the product to its dtype (on a bf16 model, fp32)
-        out, low_down = project(act, adapter_input(act, down_p[2]), *down_p, scalings[2])
+        out, low_down = project(act, _lora_input(act, down_p[2], drops[2]), *down_p, scalings[2])
         ctx.save_for_backward(flat, low_gate, low_up, low_down, *kept, *params)
         ctx.recompute = recompute
-        ctx.scalings = scalings
+        ctx.scalings, ctx.drops = scalings, drops
         ctx.x_shape = x.shape
         return out.view(*x.shape[:-1], out.shape[-1])
 
@@ -72,14 +77,15 @@ class _LoraMLP(torch.autograd.Function):
         else:
             (gate, up, silu, act), params = rest[:4], rest[4:]
         need_x = ctx.needs_input_grad[0]
-        needs = ctx.needs_input_grad[3:]
-        scalings = ctx.scalings
+        needs = ctx.needs_input_grad[4:]
+        scalings, drops = ctx.scalings, ctx.drops
 
         def layer_grads(i: int, grad: torch.Tensor, x_in: torch.Tensor, low: torch.Tensor):
             _, bias, lora_a, lora_b = params[4 * i : 4 * i + 4]
             need_w, need_bias, need_a, need_b = needs[4 * i : 4 * i + 4]
             wanted = (need_w, need_bias and bias is not None, need_a, need_b)
-            return param_grads(grad, x_in, x_in, lora_a, lora_b, low, scalings[i], wanted)
+            x_lora = _lora_input(x_in, lora_a, drops[i]) if need_a else x_in
+            return param_grads(grad, x_in, x_lora, lora_a, lora_b, low, scalings[i], wanted)
 
         # Ordered for the peak on a bf16 model with fp32 adapters, where each intermediate-wide
         # tensor has a twice as large fp32 copy for its adapter: every tensor made here goes once
@@ -89,7 +95,7 @@ class _LoraMLP(torch.autograd.Function):
         g = grad_out.reshape(-1, grad_out.shape[-1])
         g_low, down_grads = layer_grads(2, g, act, low_down)
         del act
-        grad_act = input_grad(g, params[8], g_low, params[10])
+        grad_act = input_grad(g, params[8], g_low, params[10], drops[2])
         grad_silu = grad_act * up
         # in place, each into a buffer at its last use: the same products, two fewer
         # intermediate-wide tensors to allocate (on the CPU a long row's are each a fresh
@@ -101,17 +107,23 @@ class _LoraMLP(torch.autograd.Function):
         grad_x = None
         g_low, gate_grads = layer_grads(0, grad_gate, flat, low_gate)
         if need_x:
-            grad_x_gate = input_grad(grad_gate, params[0], g_low, params[2])
+            grad_x_gate = input_grad(grad_gate, params[0], g_low, params[2], drops[0])
         del grad_gate
         g_low, up_grads = layer_grads(1, grad_up, flat, low_up)
         if need_x:
-            grad_x = input_grad(grad_up, params[4], g_low, params[6]).add_(grad_x_gate).view(ctx.x_shape)
-        return grad_x, None, None, *gate_grads, *up_grads, *down_grads
+            grad_x = input_grad(grad_up, params[4], g_low, params[6], drops[1])
+            grad_x = grad_x.add_(grad_x_gate).view(ctx.x_shape)
+        return grad_x, None, None, None, *gate_grads, *up_grads, *down_grads
+
+
+def _lora_input(t: torch.Tensor, lora_a: torch.Tensor, drop: dropout.Drop | None) -> torch.Tensor:
+    """``t`` as an adapter takes it: in the adapter's dtype, through its dropout mask."""
+    return dropout.apply(adapter_input(t, lora_a), drop)
 
 
 def lora_mlp(mlp: Any, x: torch.Tensor, recompute: bool | None = None) -> torch.Tensor | None:
     """``mlp.down_proj(silu(mlp.gate_proj(x)) * mlp.up_proj(x))`` as one node, or None when the
-    three projections are not plain LoRA layers without an active dropout. The caller checks
+    three projections are not plain LoRA layers. The caller checks
     that the activation is silu. ``recompute``: keep only ``gate`` and ``up`` for backward
     (default: on any device but the CPU)."""
     if not registry.enabled("lora_mlp", "fused"):
@@ -123,4 +135,5 @@ def lora_mlp(mlp: Any, x: torch.Tensor, recompute: bool | None = None) -> torch.
     params, scalings = lora_params(layers, names)
     if recompute is None:
         recompute = x.device.type != "cpu"
-    return _LoraMLP.apply(x, recompute, scalings, *params)
+    drops = tuple(draw_drop(layer, name) for layer, name in zip(layers, names, strict=True))
+    return _LoraMLP.apply(x, recompute, scalings, drops, *params)

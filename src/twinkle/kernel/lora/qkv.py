@@ -13,6 +13,9 @@ dozen elementwise autograd nodes for the rotation. ``lora_qkv`` computes the sam
   the projection's output in place;
 - the frozen weights' products are the LoRA node's (``project``'s oneDNN calls).
 
+With an active adapter dropout each adapter takes x through its own mask (``dropout.py``,
+recomputed in backward from its seed), so the stacked product splits into one per adapter.
+
 Outputs and gradients equal the layer-by-layer path up to summation order. ``lora_qkv`` returns
 None where the node does not apply (see ``usable``); the caller then runs the layers one by one."""
 
@@ -22,7 +25,8 @@ import torch
 
 from twinkle.kernel import registry
 from twinkle.kernel.cpu_gemm import linear, times_weight
-from twinkle.kernel.lora.linear import lora_params, plain_loras
+from twinkle.kernel.lora import dropout
+from twinkle.kernel.lora.linear import draw_drop, lora_params, plain_loras
 
 registry.register_call("lora_qkv", "fused", lambda: True, "nothing")
 registry.register_call("lora_qkv", "modules", lambda: True, "nothing")
@@ -50,14 +54,15 @@ def unrotate(g: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Ten
 
 class _LoraQKV(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, cos, sin, head_dim, scalings, *params):
-        # params: (weight, bias, lora_a, lora_b) of q, k and v, in that order
+    def forward(ctx, x, cos, sin, head_dim, scalings, drops, *params):
+        # params: (weight, bias, lora_a, lora_b) of q, k and v, in that order; drops: their
+        # adapters' dropout masks (None for none)
         flat = x.reshape(-1, x.shape[-1])
         tokens = flat.shape[0]
         cos_f = cos.reshape(tokens, 1, head_dim)
         sin_f = sin.reshape(tokens, 1, head_dim)
         a_all = torch.cat([params[2], params[6], params[10]])
-        low = torch.mm(a_all, flat.t())  # (3r, tokens): the three adapters' x A^T, r rows each
+        low = _low(flat, a_all, drops, params)  # (3r, tokens): the three adapters' x A^T, r rows each
         outs = []
         start = 0
         for i in range(3):
@@ -70,7 +75,7 @@ class _LoraQKV(torch.autograd.Function):
             out = out.view(tokens, -1, head_dim)
             outs.append(rotate(out, cos_f, sin_f) if i < 2 else out)
         ctx.save_for_backward(flat, low, a_all, cos_f, sin_f, *params)
-        ctx.scalings = scalings
+        ctx.scalings, ctx.drops = scalings, drops
         ctx.x_shape = x.shape
         lead = x.shape[:-1]
         return tuple(o.view(*lead, *o.shape[1:]) for o in outs)
@@ -92,24 +97,59 @@ class _LoraQKV(torch.autograd.Function):
             rank = lora_a.shape[0]
             torch.mm(lora_b.t(), g.t(), out=g_low[start : start + rank]).mul_(ctx.scalings[i])
             start += rank
+        drops = ctx.drops
+        masked = any(d is not None for d in drops)
         grad_x = None
         if ctx.needs_input_grad[0]:
             grad_x = times_weight(grads_out[0], params[0])
             grad_x.add_(times_weight(grads_out[1], params[4])).add_(times_weight(grads_out[2], params[8]))
-            grad_x = grad_x.addmm_(g_low.t(), a_all).view(ctx.x_shape)
-        grad_a_all = torch.mm(g_low, flat)
+            if masked:  # each adapter's share through its own mask
+                for rows, drop in zip(_row_slices(params), drops, strict=True):
+                    product = g_low[rows].t() @ a_all[rows]
+                    grad_x.add_(dropout.apply(product, drop, out=product))
+                grad_x = grad_x.view(ctx.x_shape)
+            else:
+                grad_x = grad_x.addmm_(g_low.t(), a_all).view(ctx.x_shape)
+        if masked:
+            slices = _row_slices(params)
+            grad_a_all = torch.cat(
+                [g_low[rows] @ dropout.apply(flat, drop) for rows, drop in zip(slices, drops, strict=True)]
+            )
+        else:
+            grad_a_all = torch.mm(g_low, flat)
         grads: list[torch.Tensor | None] = []
         start = 0
         for i, g in enumerate(grads_out):
             lora_a = params[4 * i + 2]
             rank = lora_a.shape[0]
-            grad_a = grad_a_all[start : start + rank] if ctx.needs_input_grad[5 + 4 * i + 2] else None
+            grad_a = grad_a_all[start : start + rank] if ctx.needs_input_grad[6 + 4 * i + 2] else None
             grad_b = None
-            if ctx.needs_input_grad[5 + 4 * i + 3]:
+            if ctx.needs_input_grad[6 + 4 * i + 3]:
                 grad_b = torch.mm(low[start : start + rank], g).t().mul_(ctx.scalings[i])
             start += rank
             grads += [None, None, grad_a, grad_b]
-        return grad_x, None, None, None, None, *grads
+        return grad_x, None, None, None, None, None, *grads
+
+
+def _row_slices(params: tuple) -> list[slice]:
+    """The rows of the stacked A matrices (q's, k's, v's) that belong to each adapter."""
+    slices, start = [], 0
+    for i in range(3):
+        rank = params[4 * i + 2].shape[0]
+        slices.append(slice(start, start + rank))
+        start += rank
+    return slices
+
+
+def _low(flat: torch.Tensor, a_all: torch.Tensor, drops: tuple, params: tuple) -> torch.Tensor:
+    """The three adapters' ``x A^T`` stacked (3r, tokens): one product, or one per adapter where
+    a dropout mask gives each its own input."""
+    if all(d is None for d in drops):
+        return torch.mm(a_all, flat.t())
+    low = torch.empty(a_all.shape[0], flat.shape[0], dtype=flat.dtype, device=flat.device)
+    for rows, drop in zip(_row_slices(params), drops, strict=True):
+        torch.mm(a_all[rows], dropout.apply(flat, drop).t(), out=low[rows])
+    return low
 
 
 def usable(layers: tuple[Any, ...], x: torch.Tensor) -> list[str] | None:
@@ -152,4 +192,5 @@ def lora_qkv(
     if names is None:
         return None
     params, scalings = lora_params(layers, names)
-    return _LoraQKV.apply(x, cos, sin, head_dim, scalings, *params)
+    drops = tuple(draw_drop(layer, name) for layer, name in zip(layers, names, strict=True))
+    return _LoraQKV.apply(x, cos, sin, head_dim, scalings, drops, *params)

@@ -1,0 +1,121 @@
+"""LoRA dropout inside the fused nodes, with no mask kept for backward.
+
+PEFT's adapter dropout is ``nn.Dropout`` on the LoRA branch's input: a Bernoulli(1-p) mask,
+scaled by 1/(1-p), in training mode only; the base path sees none. torch draws that mask one
+generator call per element (6-11 ns an element on two cores of a Xeon, about a fifth of a
+W1 step at dropout 0.05) and autograd keeps it and the masked copy for backward.
+
+Here each adapter call draws one 64-bit seed from torch's default generator, so runs are
+deterministic under the seed and a resumed run (which restores the generator) draws the same
+masks. Element i of the branch input is kept when a counter-based hash of (seed, i) clears
+``round(p * 2^32)``: backward recomputes the mask from the seed instead of keeping it.
+``dropout.c`` computes it (0.2 ns an element on the same cores); on other devices, dtypes or
+without a C compiler the same hash runs as torch ops and gives the same mask. The masks are not
+the ones PEFT's ``nn.Dropout`` would draw: the same distribution, another stream."""
+
+import ctypes
+from functools import lru_cache
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+from twinkle.kernel.native_build import load_library
+from twinkle.utils.logger import get_logger
+
+SOURCE = Path(__file__).with_name("dropout.c")
+_M32 = 0xFFFFFFFF
+_state: dict[str, ctypes.CDLL | None] = {}
+
+
+class Drop(NamedTuple):
+    """One adapter call's dropout: the seed of its mask and the drop probability."""
+
+    seed: int
+    p: float
+
+    @property
+    def drop_below(self) -> int:
+        return min(round(self.p * 2**32), _M32)
+
+    def scale(self, dtype: torch.dtype) -> torch.Tensor:
+        """``1 / (1 - p)`` computed in ``dtype``, the factor ``nn.Dropout`` multiplies by."""
+        return _scale(self.p, dtype)
+
+
+@lru_cache(maxsize=64)
+def _scale(p: float, dtype: torch.dtype) -> torch.Tensor:
+    return torch.ones((), dtype=dtype) / torch.tensor(1 - p, dtype=dtype)
+
+
+def draw(p: float) -> Drop:
+    """A new mask for dropout probability ``p``: one draw from torch's default CPU generator."""
+    return Drop(int(torch.empty((), dtype=torch.int64).random_()), float(p))
+
+
+def _library() -> ctypes.CDLL | None:
+    if "lib" not in _state:
+        try:
+            lib = load_library(SOURCE)
+            lib.twinkle_dropout_f32.argtypes = [
+                ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint64,
+                ctypes.c_uint32, ctypes.c_float, ctypes.c_int,
+            ]  # fmt: skip
+            _state["lib"] = lib
+        except (OSError, RuntimeError) as error:
+            get_logger().warning("dropout kernel not available, masks are computed with torch ops: %s", error)
+            _state["lib"] = None
+    return _state["lib"]
+
+
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    """``dropout.c``'s ``mix`` on int64 holding uint32 values (products wrap; the low 32 bits are
+    exact)."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _M32
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & _M32
+    return x ^ (x >> 16)
+
+
+@lru_cache(maxsize=64)
+def _indices(n: int, device: torch.device) -> torch.Tensor:
+    return torch.arange(n, dtype=torch.int64, device=device)
+
+
+def keep_mask(
+    shape: torch.Size | tuple[int, ...], drop: Drop, device: torch.device | str = "cpu"
+) -> torch.Tensor:
+    """The mask as a bool tensor (True: kept), computed with torch ops."""
+    n = 1
+    for size in shape:
+        n *= size
+    k0, k1 = drop.seed & _M32, (drop.seed >> 32) & _M32
+    h = _mix((_mix(_indices(n, torch.device(device)) ^ k0) + k1) & _M32)
+    return (h >= drop.drop_below).view(shape)
+
+
+def apply(t: torch.Tensor, drop: Drop | None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``t`` with the mask applied and the kept values scaled by ``1 / (1 - p)``; ``t`` itself
+    when ``drop`` is None. ``out`` may be ``t`` (in place)."""
+    if drop is None:
+        return t if out is None else out.copy_(t)
+    if t.numel() >= 2**32:
+        raise ValueError("LoRA dropout: a tensor of 2^32 elements or more")
+    scale = drop.scale(t.dtype)
+    lib = _library() if t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() else None
+    if lib is None:
+        masked = t * torch.where(keep_mask(t.shape, drop, t.device), scale.to(t.device), 0)
+        return masked if out is None else out.copy_(masked)
+    if out is None:
+        out = torch.empty_like(t)
+    lib.twinkle_dropout_f32(
+        t.data_ptr(),
+        out.data_ptr(),
+        t.numel(),
+        drop.seed,
+        drop.drop_below,
+        float(scale),
+        torch.get_num_threads(),
+    )
+    return out

@@ -1,0 +1,144 @@
+"""LoRA dropout inside the fused nodes: PEFT's semantics (Bernoulli(1-p) on the branch's input,
+scaled by 1/(1-p), training mode only), masks from a seed drawn from torch's generator and
+recomputed in backward, nothing kept for them."""
+
+import copy
+
+import pytest
+import torch
+from masks import record, replay
+from peft import LoraConfig, get_peft_model
+from tiny import TINY_LLAMA_SHAPE
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from twinkle.kernel import KernelChoice, kernelize
+from twinkle.kernel.lora import dropout
+from twinkle.kernel.lora.linear import fuse_lora_linears
+
+
+@pytest.mark.parametrize("p", [0.05, 0.1, 0.5])
+def test_the_rate_and_the_scale(p):
+    x = torch.randn(2048, 2048)  # 4M elements: the rate's standard deviation is under 2.5e-4
+    torch.manual_seed(0)
+    for _ in range(3):
+        drop = dropout.draw(p)
+        out = dropout.apply(x, drop)
+        kept = out != 0
+        assert abs((1 - kept.float().mean().item()) - p) < 2e-3  # more than 8 standard deviations
+        scale = torch.tensor(1.0) / torch.tensor(1 - p)  # nn.Dropout's factor, in fp32
+        assert torch.equal(out[kept], x[kept] * scale)
+
+
+def test_the_kernel_and_the_torch_ops_give_the_same_mask(monkeypatch):
+    x = torch.randn(300, 577)
+    drop = dropout.draw(0.3)
+    assert dropout._library() is not None  # this machine has a compiler: the kernel runs
+    ours = dropout.apply(x, drop)
+    expected = x * torch.where(dropout.keep_mask(x.shape, drop), drop.scale(torch.float32), 0)
+    assert torch.equal(ours, expected)
+    monkeypatch.setitem(dropout._state, "lib", None)  # no compiler: torch ops
+    assert torch.equal(dropout.apply(x, drop), ours)
+    monkeypatch.undo()
+    # the mask follows the elements' logical order, whatever the memory layout
+    assert torch.equal(dropout.apply(x.t(), drop), dropout.apply(x.t().contiguous(), drop))
+
+
+def test_the_mask_depends_on_the_seed_only():
+    x = torch.randn(512, 512)
+    drop = dropout.draw(0.2)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = dropout.apply(x, drop)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(dropout.apply(x, drop), one)
+    a, b = dropout.keep_mask(x.shape, drop), dropout.keep_mask(x.shape, dropout.draw(0.2))
+    both_dropped = (~a & ~b).float().mean().item()
+    assert abs(both_dropped - 0.2 * 0.2) < 5e-3  # independent masks: p^2 (std 4e-4)
+
+
+def test_the_seeds_follow_torch_manual_seed():
+    torch.manual_seed(5)
+    first = [dropout.draw(0.1) for _ in range(3)]
+    torch.manual_seed(5)
+    assert [dropout.draw(0.1) for _ in range(3)] == first
+    assert len({d.seed for d in first}) == 3
+
+
+def test_nan_stays_nan_where_dropped_as_in_nn_dropout():
+    x = torch.full((64, 64), float("nan"))
+    assert torch.isnan(dropout.apply(x, dropout.draw(0.5))).all()
+
+
+def _models(p: float):
+    """A tiny LoRA Llama twice: PEFT's own forward, and kernelized into the fused nodes."""
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**dict(TINY_LLAMA_SHAPE, vocab_size=100)))
+    config = LoraConfig(
+        r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=p, init_lora_weights=False
+    )
+    peft_model = get_peft_model(model, config)
+    fused = copy.deepcopy(peft_model)
+    fuse_lora_linears(fused)
+    mapping = {
+        "LlamaAttention": KernelChoice("lora_attention", ("torch",)),
+        "LlamaMLP": KernelChoice("swiglu_mlp", ("torch",)),
+    }
+    return peft_model.train(), kernelize(fused, mapping).train()
+
+
+def _loss_and_grads(model, ids):
+    loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+    loss.backward()
+    return loss, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_a_model_gives_peft_gradients_given_the_same_masks(monkeypatch):
+    peft_model, fused = _models(0.3)
+    ids = torch.randint(0, 100, (2, 13))
+    drawn = record(monkeypatch)
+    loss, grads = _loss_and_grads(fused, ids)
+    assert len(drawn) == 7 * TINY_LLAMA_SHAPE["num_hidden_layers"]  # q k v o gate up down
+    queue = replay(peft_model, drawn)
+    loss_ref, grads_ref = _loss_and_grads(peft_model, ids)
+    assert not queue
+    torch.testing.assert_close(loss, loss_ref)
+    assert grads.keys() == grads_ref.keys() and len(grads) == 14 * TINY_LLAMA_SHAPE["num_hidden_layers"]
+    for name, grad in grads_ref.items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_eval_mode_draws_nothing(monkeypatch):
+    peft_model, fused = _models(0.3)
+    fused.eval()
+    drawn = record(monkeypatch)
+    ids = torch.randint(0, 100, (1, 9))
+    state = torch.get_rng_state()
+    with torch.no_grad():
+        out = fused(input_ids=ids, use_cache=False).logits
+    assert not drawn and torch.equal(torch.get_rng_state(), state)
+    with torch.no_grad():
+        torch.testing.assert_close(out, peft_model.eval()(input_ids=ids, use_cache=False).logits)
+
+
+def _saved_bytes(model, ids) -> int:
+    """Bytes autograd keeps for backward over one forward."""
+    total = 0
+
+    def pack(t):
+        nonlocal total
+        total += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(input_ids=ids, use_cache=False).logits.sum().backward()
+    return total
+
+
+def test_the_nodes_keep_nothing_for_their_masks():
+    ids = torch.randint(0, 100, (2, 64))
+    _, without = _models(0.0)
+    peft_model, with_dropout = _models(0.1)
+    assert _saved_bytes(with_dropout, ids) == _saved_bytes(without, ids)
+    assert _saved_bytes(peft_model, ids) > _saved_bytes(with_dropout, ids)
