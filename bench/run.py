@@ -2,11 +2,15 @@
 
     python bench/run.py --workload all            # W1 then W2, both sides each
     python bench/run.py --workload W1 --steps 32 --warmup 3 --out output/bench-results.json
+    python bench/run.py --workload all --config adamw   # AdamW, constant lr, no dropout
 
 For each workload this encodes the samples once with the Twinkle pipeline, then runs, back to
 back, each side in its own process (``twinkle_side.py``, ``trainer_side.py``) on the same
 samples in the same order, from the same weights and LoRA initialisation, for ``warmup + steps``
-optimizer steps of batch 4. It prints a markdown table and writes a JSON file with every step.
+optimizer steps of batch 4, with the same optimizer, schedule and LoRA dropout (``--config``;
+by default the contract script's). With dropout the two sides draw different masks (PEFT's
+``nn.Dropout`` against Twinkle's in-node masks), so their losses agree in distribution, not
+bit for bit. It prints a markdown table and writes a JSON file with every step.
 
 Columns (steady state: the steps after the warm-up, timed from the end of the last warm-up step
 to the end of the last step, so data loading and logging count):
@@ -45,13 +49,14 @@ from statistics import mean, median
 
 import harness  # noqa: F401  (puts bench/harness on sys.path)
 import torch
-from common import Spec, build_dataset, resolve_dtype, write_encoded
+from common import CONFIGS, Spec, build_dataset, resolve_dtype, write_encoded
 from flops import matmul_peak_gflops, step_flops
 from long_rows import write_long_rows
 from shapes import CHOICES, model_path
 
 HERE = Path(__file__).resolve().parent
 SIDES = {"twinkle": HERE / "harness" / "twinkle_side.py", "hf_trainer": HERE / "harness" / "trainer_side.py"}
+SCRIPT_SIDE = HERE / "harness" / "contract_side.py"  # the contract workload's Twinkle side
 LOSS_STEPS = 4
 
 
@@ -60,17 +65,25 @@ class Workload:
     long_rows: bool  # False: the bundled self-cognition rows
     max_length: int
     default_steps: int
+    script: bool = False  # the Twinkle side is the verbatim contract script (contract_side.py)
 
 
+# "contract" is W1's rows with the Twinkle side the contract script itself, unchanged.
 WORKLOADS = {
     "W1": Workload(long_rows=False, max_length=1024, default_steps=32),
     "W2": Workload(long_rows=True, max_length=1024, default_steps=8),
+    "contract": Workload(long_rows=False, max_length=1024, default_steps=32, script=True),
 }
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workload", choices=[*WORKLOADS, "all"], default="W1")
+    parser.add_argument(
+        "--workload",
+        choices=[*WORKLOADS, "all"],
+        default="W1",
+        help="all: W1, W2 and contract (the verbatim contract script against the Trainer on W1's rows)",
+    )
     parser.add_argument("--steps", type=int, default=None, help="timed steps (default: W1 32, W2 8)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first")
     parser.add_argument("--sides", default=",".join(SIDES), help=f"comma-separated, of {', '.join(SIDES)}")
@@ -99,6 +112,13 @@ def parse_args() -> argparse.Namespace:
         help="both sides' precision: auto (bf16 on CUDA, fp32 on CPU), or force one; bfloat16 on a CPU "
         "is the Trainer's bf16 autocast against Twinkle's bf16 weights",
     )
+    parser.add_argument(
+        "--config",
+        choices=list(CONFIGS),
+        default="contract",
+        help="how both sides train: contract (the contract script's defaults: Muon, cosine schedule, "
+        "LoRA dropout 0.05) or adamw (AdamW at a constant 1e-4, dropout 0)",
+    )
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--out", type=Path, default=Path("output") / "bench-results.json")
     args = parser.parse_args()
@@ -106,6 +126,8 @@ def parse_args() -> argparse.Namespace:
     unknown = [s for s in args.sides if s not in SIDES]
     if unknown or not args.sides:
         parser.error(f"--sides: unknown {unknown}; valid: {', '.join(SIDES)}")
+    if args.config != "contract" and args.workload in ("contract", "all"):
+        parser.error("the contract workload runs the script's own defaults: use --config contract")
     if args.warmup < 0 or (args.steps is not None and args.steps < 1) or args.rounds < 1:
         parser.error("need --warmup >= 0, --steps >= 1 and --rounds >= 1")
     return args
@@ -133,6 +155,7 @@ def prepare(name: str, args: argparse.Namespace, folder: Path) -> Spec:
         threads=args.threads,
         dtype=getattr(args, "dtype", "auto"),
         model_path=path,
+        config=getattr(args, "config", "contract"),
     )
     write_encoded(build_dataset(spec), Path(spec.encoded_path))
     return spec
@@ -144,7 +167,8 @@ def run_side(side: str, spec: Spec, folder: Path, threads: int) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
     print(f"== {spec.workload} {side}: {spec.warmup} warm-up + {spec.steps} timed steps", flush=True)
     start = time.perf_counter()
-    subprocess.run([sys.executable, str(SIDES[side]), str(spec_path), str(out_path)], check=True, env=env)
+    path = SCRIPT_SIDE if side == "twinkle" and WORKLOADS[spec.workload].script else SIDES[side]
+    subprocess.run([sys.executable, str(path), str(spec_path), str(out_path)], check=True, env=env)
     result = json.loads(out_path.read_text())
     result["process_seconds"] = time.perf_counter() - start
     return result

@@ -19,6 +19,25 @@ IGNORE_INDEX = -100
 MODEL_NAME, MODEL_AUTHOR = "Twinkle", "Acme"
 
 
+@dataclass(frozen=True)
+class TrainConfig:
+    """How both sides train: optimizer, learning rate and schedule, LoRA dropout."""
+
+    optimizer: str  # "Muon" (torch.optim.Muon, adjust_lr_fn='match_rms_adamw') or "AdamW"
+    lr: float
+    lora_dropout: float
+    warmup_steps: int | None  # CosineWarmupScheduler over the run after this many; None: constant lr
+    weight_decay: float | None  # None: the optimizer's default (Muon's is 0.1)
+
+
+# "contract": what cookbook/transformers/fsdp2.py runs with no flags. "adamw": AdamW at a
+# constant 1e-4, weight decay 0 and no dropout, the Trainer's defaults.
+CONFIGS = {
+    "contract": TrainConfig("Muon", 1e-3, 0.05, 5, None),
+    "adamw": TrainConfig("AdamW", 1e-4, 0.0, None, 0.0),
+}
+
+
 @dataclass
 class Spec:
     """One side's run: the data, the step counts and the optimizer settings (same on both sides)."""
@@ -31,7 +50,7 @@ class Spec:
     warmup: int
     encoded_path: str  # the Twinkle-encoded samples (input_ids, labels), one JSON object a line
     batch_size: int = 4
-    lr: float = 1e-4
+    config: str = "contract"  # a key of CONFIGS
     max_grad_norm: float = 1.0
     seed: int = 42
     threads: int = 2
@@ -41,6 +60,10 @@ class Spec:
     @property
     def torch_dtype(self) -> torch.dtype:
         return resolve_dtype(self.dtype)
+
+    @property
+    def train(self) -> TrainConfig:
+        return CONFIGS[self.config]
 
     @property
     def total_steps(self) -> int:
@@ -88,24 +111,40 @@ def batch_record(
     )
 
 
-def lora_config() -> Any:
+def lora_config(dropout: float = 0.0) -> Any:
+    """The contract's LoRA defaults: r 8, alpha 32, every linear layer."""
     from peft import LoraConfig
 
     return LoraConfig(
-        r=8, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM"
+        r=8, lora_alpha=32, lora_dropout=dropout, target_modules="all-linear", task_type="CAUSAL_LM"
     )
 
 
-def profiled_model(spec: Spec) -> Any:
+def optimizer_kwargs(train: TrainConfig) -> tuple[Any, dict[str, Any]]:
+    """``(optimizer class, its keywords)`` as the config sets them, for either side."""
+    kwargs: dict[str, Any] = {"lr": train.lr}
+    if train.weight_decay is not None:
+        kwargs["weight_decay"] = train.weight_decay
+    if train.optimizer == "Muon":
+        kwargs["adjust_lr_fn"] = "match_rms_adamw"  # as the contract script sets it
+        return torch.optim.Muon, kwargs
+    return torch.optim.AdamW, kwargs
+
+
+def profiled_model(spec: Spec, dropout: float | None = None) -> Any:
     """The Twinkle side's model as the profiling benches build it: kernelized, the LoRA adapter
-    seeded as on the Trainer side, AdamW at the spec's rate without weight decay, the fused CE."""
+    seeded as on the Trainer side, the spec's optimizer (no schedule), the fused CE.
+    ``dropout``: the LoRA dropout, default the spec's."""
     from twinkle.kernel import kernelize
     from twinkle.model import TransformersModel
 
     model = kernelize(TransformersModel(model_id=spec.model_path, dtype=spec.torch_dtype))
     torch.manual_seed(spec.seed)
-    model.add_adapter_to_model("default", lora_config())
-    model.set_optimizer("AdamW", lr=spec.lr, weight_decay=0.0)
+    model.add_adapter_to_model(
+        "default", lora_config(spec.train.lora_dropout if dropout is None else dropout)
+    )
+    optimizer_cls, kwargs = optimizer_kwargs(spec.train)
+    model.set_optimizer(optimizer_cls, **kwargs)
     model.set_loss("FusedLinearCrossEntropyLoss")
     return model
 

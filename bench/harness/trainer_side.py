@@ -3,9 +3,11 @@
 Run by ``bench/run.py`` as ``python bench/trainer_side.py SPEC.json OUT.json``. Configured as a
 careful user would: the same weights and LoRA config, the Twinkle-encoded samples in the same
 order (``train_sampling_strategy='sequential'``), its default collator for this data
-(``DataCollatorForSeq2Seq``), its default optimizer (fused AdamW, weight decay 0), a constant
-learning rate, gradient clipping at 1.0, no gradient checkpointing; fp32 on CPU, bf16 on CUDA
-with Liger kernels when ``liger_kernel`` is installed."""
+(``DataCollatorForSeq2Seq``), gradient clipping at 1.0, no gradient checkpointing; fp32 on CPU,
+bf16 on CUDA with Liger kernels when ``liger_kernel`` is installed. The optimizer follows the
+spec's config: for the contract's, the same ``torch.optim.Muon`` and the same schedule (Twinkle's
+``CosineWarmupScheduler``, a ``LambdaLR``) handed to the Trainer; for ``adamw``, its default
+optimizer (fused AdamW, weight decay 0) at a constant learning rate."""
 
 import importlib.util
 import tempfile
@@ -17,6 +19,7 @@ from common import (
     batch_record,
     log_step,
     lora_config,
+    optimizer_kwargs,
     read_encoded,
     samples_digest,
     set_up_process,
@@ -113,7 +116,18 @@ def main() -> None:
     tokenizer.padding_side = "right"  # as Twinkle pads; position ids then match
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     torch.manual_seed(spec.seed)  # the same LoRA initialisation as the Twinkle side
-    model = get_peft_model(model, lora_config())
+    model = get_peft_model(model, lora_config(spec.train.lora_dropout))
+    optimizers = (None, None)  # the Trainer's own
+    if spec.train.optimizer != "AdamW" or spec.train.warmup_steps is not None:
+        from twinkle.optim.scheduler import CosineWarmupScheduler
+
+        optimizer_cls, kwargs = optimizer_kwargs(spec.train)
+        optimizer = optimizer_cls([p for p in model.parameters() if p.requires_grad], **kwargs)
+        if spec.train.warmup_steps is None:
+            schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+        else:
+            schedule = CosineWarmupScheduler(optimizer, spec.train.warmup_steps, spec.total_steps)
+        optimizers = (optimizer, schedule)
 
     collator = CountingCollator(DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100))
     timer = StepTimer(spec, collator)
@@ -122,7 +136,7 @@ def main() -> None:
             output_dir=output_dir,
             per_device_train_batch_size=spec.batch_size,
             max_steps=spec.total_steps,
-            learning_rate=spec.lr,
+            learning_rate=spec.train.lr,
             lr_scheduler_type="constant",
             weight_decay=0.0,
             max_grad_norm=spec.max_grad_norm,
@@ -145,6 +159,7 @@ def main() -> None:
             data_collator=collator,
             processing_class=tokenizer,
             callbacks=[timer],
+            optimizers=optimizers,
         )
         for quiet in (PrinterCallback, ProgressCallback):  # one line a step comes from StepTimer
             trainer.remove_callback(quiet)
@@ -153,7 +168,12 @@ def main() -> None:
     records = [timer.record(i) for i in range(len(timer.losses))]
     if len(records) != spec.total_steps:
         raise SystemExit(f"[{SIDE}] logged {len(records)} steps, expected {spec.total_steps}")
-    extra = {"liger_kernel": args.use_liger_kernel, "optim": getattr(args.optim, "value", str(args.optim))}
+    optim = (
+        type(optimizers[0]).__name__
+        if optimizers[0] is not None
+        else getattr(args.optim, "value", str(args.optim))
+    )
+    extra = {"liger_kernel": args.use_liger_kernel, "optim": optim}
     write_result(out, SIDE, spec, records, model_shape(model), samples_digest(samples), extra)
 
 

@@ -1,8 +1,8 @@
 """Side A, "twinkle": the contract script's pipeline and loop, timed step by step.
 
-Run by ``bench/run.py`` as ``python bench/twinkle_side.py SPEC.json OUT.json``. The learning
-rate stays constant (no scheduler), as on the Trainer side; weight decay is 0, the Trainer's
-default, where ``torch.optim.AdamW`` would use 0.01."""
+Run by ``bench/run.py`` as ``python bench/twinkle_side.py SPEC.json OUT.json``. The optimizer,
+schedule and LoRA dropout are the spec's config (``common.CONFIGS``), the same on the Trainer
+side: by default the contract's (Muon, cosine after 5 warm-up steps, dropout 0.05)."""
 
 import time
 
@@ -12,6 +12,7 @@ from common import (
     build_dataset,
     log_step,
     lora_config,
+    optimizer_kwargs,
     samples_digest,
     set_up_process,
     side_args,
@@ -54,8 +55,15 @@ def main() -> None:
     # as the cookbook does (its default dtype is bf16 on CUDA, fp32 on CPU, which --dtype auto picks)
     model = kernelize(TransformersModel(model_id=spec.model_path, dtype=spec.torch_dtype))
     torch.manual_seed(spec.seed)  # the same LoRA initialisation as the Trainer side
-    model.add_adapter_to_model("default", lora_config())
-    model.set_optimizer("AdamW", lr=spec.lr, weight_decay=0.0)
+    model.add_adapter_to_model("default", lora_config(spec.train.lora_dropout))
+    optimizer_cls, kwargs = optimizer_kwargs(spec.train)
+    model.set_optimizer(optimizer_cls, **kwargs)
+    if spec.train.warmup_steps is not None:
+        model.set_lr_scheduler(
+            "CosineWarmupScheduler",
+            num_warmup_steps=spec.train.warmup_steps,
+            num_training_steps=spec.total_steps,
+        )
     # As the cookbook runs with --enable-liger: the chunked linear cross-entropy (our own on CPU),
     # so no (batch, seq, vocab) logits tensor exists; the head runs on supervised positions only.
     model.set_loss("FusedLinearCrossEntropyLoss")

@@ -16,7 +16,12 @@ Switches (each a kernel switch, ``twinkle/kernel/README.md``; on: its default, o
   them, or the per-sample flash calls (both ways without the C kernel);
 - ``native-attention``: packed rows' attention from the C kernel, or the rest of the chain;
 - ``lora-qkv``: the attention layers' q/k/v projections and rotary embedding as one node, or
-  layer by layer."""
+  layer by layer;
+- ``lora-dropout``: the LoRA adapters' dropout at the contract's 0.05, or 0 (not a kernel
+  switch: the cost of the masks on the fused path).
+
+The model trains with the contract's optimizer (Muon) and, unless a switch changes it, its LoRA
+dropout 0.05."""
 
 import argparse
 import resource
@@ -64,12 +69,24 @@ def _batched_attention() -> Callable[[bool], None]:
     return _switch("TWINKLE_BATCHED_ATTENTION", on="auto")
 
 
+def _lora_dropout(model) -> Callable[[bool], None]:
+    modules = [m for m in model.model.modules() if isinstance(m, torch.nn.Dropout)]
+    assert modules and all(m.p == 0.05 for m in modules), "expected the contract's LoRA dropout 0.05"
+
+    def switch(enabled: bool) -> None:
+        for module in modules:
+            module.p = 0.05 if enabled else 0.0
+
+    return switch
+
+
 SWITCHES = {
     "packed-weights": _packed_weights,
     "onednn": _onednn,
     "batched-attention": _batched_attention,
     "native-attention": lambda: _switch("TWINKLE_NATIVE_ATTENTION"),
     "lora-qkv": lambda: _switch("TWINKLE_LORA_QKV"),
+    "lora-dropout": None,  # needs the model: _lora_dropout
 }
 
 
@@ -84,7 +101,7 @@ def paired_steps(switch_name: str, workload: str, batches: int, rounds: int, thr
     twinkle.initialize(seed=42)
     dataset = build_dataset(spec)
     model = profiled_model(spec)
-    switch = SWITCHES[switch_name]()
+    switch = _lora_dropout(model) if switch_name == "lora-dropout" else SWITCHES[switch_name]()
     data = [b for _, b in zip(range(batches), DataLoader(dataset=dataset, batch_size=4), strict=False)]
 
     def step(batch, on: bool) -> float:
