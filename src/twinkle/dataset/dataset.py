@@ -1,143 +1,255 @@
 """``Dataset``: load -> map(preprocessor) -> set_template -> encode, on Hugging Face ``datasets``."""
 
-import hashlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import datasets
 
+from twinkle.dataset import combine
+from twinkle.dataset.encode import encode_dataset
+from twinkle.dataset.export import save_rows
+from twinkle.dataset.meta import DatasetMeta, load_rows
+from twinkle.dataset.ops import filter_rows, map_rows, reject_unsupported, resolve_function
 from twinkle.template import Template, get_template
-from twinkle.template.base import IGNORE_INDEX
 from twinkle.template.tokenizer import load_tokenizer
 from twinkle.utils.errors import UserError
 from twinkle.utils.logger import get_logger
 
 logger = get_logger()
-ENCODED_COLUMNS = ("input_ids", "labels", "attention_mask", "position_ids", "length")
-
-
-@dataclass
-class DatasetMeta:
-    """What to load. ``data_slice`` picks rows by index; indices past the end wrap around, so
-    ``range(1000)`` over a 150-row set repeats it in order."""
-
-    dataset_id: str | None = None
-    subset_name: str | None = None
-    split: str = "train"
-    data_slice: Sequence[int] | None = None
-
-
-def _fingerprint(*parts: Any) -> str:
-    return hashlib.sha256(repr(parts).encode()).hexdigest()[:16]
 
 
 class Dataset:
-    """A list of rows that becomes a list of encoded samples. Methods return ``self``."""
+    """Rows that become encoded samples. Methods change the dataset in place and return ``self``.
 
-    def __init__(self, dataset_meta: DatasetMeta):
-        from twinkle.hub import resolve_dataset
+    It may hold several datasets (``add_dataset``): ``map`` and ``filter`` take a
+    ``dataset_meta`` to work on one of them, and ``mix_dataset`` interleaves them. Until then the
+    rows read as the datasets one after another (``len``, indexing, ``encode``, ``save_as``)."""
 
-        self.meta = dataset_meta
-        data = resolve_dataset(
-            dataset_meta.dataset_id, subset_name=dataset_meta.subset_name, split=dataset_meta.split
-        )
-        if dataset_meta.data_slice is not None:
-            indices = [int(i) % len(data) for i in dataset_meta.data_slice]
-            if not indices:
-                raise UserError(
-                    f"data_slice selects no rows of dataset {dataset_meta.dataset_id or 'self-cognition'}; "
-                    "ask for at least one sample (e.g. --train-samples 1)"
-                )
-            if len(indices) > len(data):
-                logger.info(
-                    f"data_slice asks for {len(indices)} samples of a {len(data)}-row dataset: rows repeat"
-                )
-            data = data.select(indices)
-        self.data: datasets.Dataset = data
+    def __init__(self, dataset_meta: DatasetMeta | None = None):
         self.template: Template | None = None
+        # (DatasetMeta.get_id() or None once several were merged, rows)
+        self._parts: list[tuple[str | None, datasets.Dataset]] = []
+        self._joined: datasets.Dataset | None = None
+        if dataset_meta is not None:
+            self.add_dataset(dataset_meta)
+
+    @property
+    def data(self) -> datasets.Dataset:
+        """All rows as one ``datasets.Dataset``."""
+        if not self._parts:
+            raise UserError("this Dataset holds no rows; pass a DatasetMeta or call add_dataset(...)")
+        if self._joined is None:
+            self._joined = combine.concatenate([rows for _, rows in self._parts])
+        return self._joined
+
+    def _replace_all(self, rows: datasets.Dataset) -> None:
+        key = self._parts[0][0] if len(self._parts) == 1 else None
+        self._parts, self._joined = [(key, rows)], rows
 
     def __len__(self) -> int:
-        return len(self.data)
+        return sum(len(rows) for _, rows in self._parts)
 
     def __getitem__(self, index: int) -> dict[str, Any]:
         return self.data[index]
 
+    def add_dataset(self, dataset_meta: "DatasetMeta | Dataset") -> "Dataset":
+        """Load another dataset (a ``DatasetMeta``, or the rows of another ``Dataset``) next to these."""
+        if isinstance(dataset_meta, DatasetMeta):
+            self._parts.append((dataset_meta.get_id(), load_rows(dataset_meta)))
+        elif isinstance(dataset_meta, Dataset):
+            self._parts += dataset_meta._parts
+        else:
+            raise UserError(
+                f"add_dataset takes a DatasetMeta or a Dataset, got {type(dataset_meta).__name__}"
+            )
+        self._joined = None
+        return self
+
+    def _selected(self, dataset_meta: DatasetMeta | None, method: str) -> list[int]:
+        if not self._parts:
+            raise UserError(
+                f"Dataset.{method}: this Dataset holds no rows; pass a DatasetMeta or call add_dataset(...)"
+            )
+        if dataset_meta is None:
+            return list(range(len(self._parts)))
+        key = dataset_meta.get_id()
+        chosen = [i for i, (k, _) in enumerate(self._parts) if k == key]
+        if not chosen:
+            known = [k for k, _ in self._parts if k is not None]
+            raise UserError(
+                f"Dataset.{method}: no added dataset is {key!r} (added: {known or 'none'}); mixed or encoded "
+                f"datasets are one, call {method}() on them without dataset_meta"
+            )
+        return chosen
+
+    def map(
+        self,
+        preprocess_func: Callable[..., Any] | str | type,
+        dataset_meta: DatasetMeta | None = None,
+        init_args: dict[str, Any] | None = None,
+        batched: bool = False,
+        batch_size: int = 1000,
+        remove_columns: Sequence[str] | str | None = None,
+        num_proc: int | None = None,
+        load_from_cache_file: bool = False,
+        **unsupported: Any,
+    ) -> "Dataset":
+        """Transform rows with a function, a preprocessor instance, a preprocessor class (built
+        with ``init_args``) or the name of one in ``twinkle.preprocessor``.
+
+        A function gets each row (``batched=False``) or a dict of column lists (``batched=True``);
+        what it returns is merged into the row, minus ``remove_columns``; a row function that
+        returns ``None`` drops the row. A ``Preprocessor`` is called as ``(row, index)`` and its
+        output replaces all of the row's columns, so raw fields do not reach the template.
+        ``dataset_meta`` picks one of the datasets added with ``add_dataset``."""
+        reject_unsupported("map", unsupported)
+        if load_from_cache_file:
+            raise UserError(
+                "Dataset.map: not supported yet: load_from_cache_file=True (only encode() caches)"
+            )
+        fn = resolve_function(preprocess_func, init_args, "map")
+        for i in self._selected(dataset_meta, "map"):
+            key, rows = self._parts[i]
+            self._parts[i] = (key, map_rows(rows, fn, batched, batch_size, remove_columns, num_proc))
+        self._joined = None
+        return self
+
+    def filter(
+        self,
+        filter_func: Callable[..., Any] | type,
+        dataset_meta: DatasetMeta | None = None,
+        init_args: dict[str, Any] | None = None,
+        batched: bool = False,
+        batch_size: int = 1000,
+        num_proc: int | None = None,
+        **unsupported: Any,
+    ) -> "Dataset":
+        """Keep the rows for which ``filter_func(row)`` is true (with ``batched``, it gets a dict of
+        column lists and returns one bool per row). A class is built with ``init_args``."""
+        reject_unsupported("filter", unsupported)
+        fn = resolve_function(filter_func, init_args, "filter")
+        for i in self._selected(dataset_meta, "filter"):
+            key, rows = self._parts[i]
+            self._parts[i] = (key, filter_rows(rows, fn, batched, batch_size, num_proc))
+        self._joined = None
+        return self
+
+    def mix_dataset(
+        self,
+        interleave: bool = True,
+        ratios: Sequence[float] | None = None,
+        seed: int | None = None,
+        stopping_strategy: str = "first_exhausted",
+    ) -> "Dataset":
+        """Merge the added datasets into one: interleaved (one row of each in turn, or drawn with
+        the weights ``ratios``, fixed by ``seed``, default the run's seed) or, with
+        ``interleave=False``, concatenated. ``stopping_strategy`` ``first_exhausted`` stops with the
+        shortest dataset; ``all_exhausted`` repeats datasets until each is used up."""
+        if not interleave and ratios is not None:
+            raise UserError("mix_dataset: ratios weight an interleave; drop ratios or pass interleave=True")
+        if len(self._parts) < 2:
+            logger.info("mix_dataset: one dataset, nothing to mix")
+            return self
+        parts = [rows for _, rows in self._parts]
+        if interleave:
+            if seed is None:
+                from twinkle.runtime import run_defaults
+
+                seed = run_defaults().seed
+            self._replace_all(combine.interleave(parts, ratios, seed, stopping_strategy))
+        else:
+            self._replace_all(combine.concatenate(parts))
+        return self
+
     def set_template(
         self,
-        template_cls: str | type[Template] = "Template",
+        template_cls: str | type[Template] | Template = "Template",
         model_id: str | None = None,
         max_length: int = 1024,
         truncation_strategy: str = "right",
+        enable_thinking: bool | None = None,
+        default_system: str | None = None,
+        use_chat_template: bool | None = None,
+        **unsupported: Any,
     ) -> "Dataset":
-        """Choose how rows become tokens (the tokenizer comes from ``model_id``)."""
-        tokenizer = load_tokenizer(model_id)
+        """Choose how rows become tokens: a template name, class or built instance; the tokenizer
+        comes from ``model_id`` (None: the bundled model). See ``Template`` for the options."""
+        reject_unsupported("set_template", unsupported)
+        if isinstance(template_cls, Template):
+            given = {
+                "model_id": model_id is not None,
+                "max_length": max_length != 1024,
+                "truncation_strategy": truncation_strategy != "right",
+                "enable_thinking": enable_thinking is not None,
+                "default_system": default_system is not None,
+                "use_chat_template": use_chat_template is not None,
+            }
+            named = [name for name, set_ in given.items() if set_]
+            if named:
+                raise UserError(
+                    f"set_template: a built template carries its own settings; pass its class to set {', '.join(named)}"
+                )
+            self.template = template_cls
+            return self
+        options = {
+            "enable_thinking": enable_thinking,
+            "default_system": default_system,
+            "use_chat_template": use_chat_template,
+        }
         self.template = get_template(
-            template_cls, tokenizer, max_length=max_length, truncation_strategy=truncation_strategy
+            template_cls,
+            load_tokenizer(model_id),
+            max_length=max_length,
+            truncation_strategy=truncation_strategy,
+            **{name: value for name, value in options.items() if value is not None},
         )
         return self
 
-    def map(self, preprocessor: Callable[..., dict[str, Any]]) -> "Dataset":
-        """Apply ``preprocessor(row, index)`` to every row (e.g. ``SelfCognitionProcessor``)."""
-        self.data = self.data.map(
-            preprocessor,
-            with_indices=True,
-            remove_columns=self.data.column_names,
-            keep_in_memory=True,
-            new_fingerprint=_fingerprint(
-                self.data._fingerprint, type(preprocessor).__name__, vars(preprocessor)
-            ),
-            desc="preprocess",
-        )
-        return self
-
-    def encode(self) -> "Dataset":
+    def encode(
+        self,
+        add_generation_prompt: bool = False,
+        batched: bool = True,
+        batch_size: int = 1000,
+        num_proc: int | None = None,
+        load_from_cache_file: bool = False,
+        **unsupported: Any,
+    ) -> "Dataset":
         """Tokenise every conversation into ``input_ids``, ``labels``, ``attention_mask``,
-        ``position_ids`` and ``length``; rows dropped by ``truncation_strategy='delete'`` go."""
-        template = self.template
-        if template is None:
+        ``position_ids`` and ``length``; rows dropped by ``truncation_strategy='delete'`` go.
+
+        ``batched`` and ``num_proc`` (capped at the rows and CPUs) only change the speed.
+        ``load_from_cache_file=True`` reuses rows encoded before from the same rows, template,
+        settings, tokenizer and code (``twinkle.dataset.cache``), and stores them otherwise."""
+        reject_unsupported("encode", unsupported)
+        if add_generation_prompt:
+            raise UserError(
+                "Dataset.encode: not supported yet: add_generation_prompt=True (samples end with the reply)"
+            )
+        if self.template is None:
             raise UserError("call dataset.set_template(...) before dataset.encode()")
         if "messages" not in self.data.column_names:
             raise UserError("rows have no 'messages'; call dataset.map(<preprocessor>) before encode()")
-
-        def encode_row(row: dict[str, Any], index: int) -> dict[str, Any]:
-            out = template.encode(row["messages"], index=index)
-            return out if out is not None else {k: [] if k != "length" else 0 for k in ENCODED_COLUMNS}
-
-        encoded = self.data.map(
-            encode_row,
-            with_indices=True,
-            remove_columns=self.data.column_names,
-            keep_in_memory=True,
-            new_fingerprint=_fingerprint(
-                self.data._fingerprint,
-                type(template).__name__,
-                template.max_length,
-                template.truncation_strategy,
-                template.tokenizer.name_or_path,
-            ),
-            desc="encode",
+        encoded = encode_dataset(
+            self.data, self.template, batched, batch_size, num_proc, load_from_cache_file
         )
-        before = len(encoded)
-        # Dropped by 'delete', or truncated so that no reply token is left: such a sample
-        # costs a forward and backward and teaches nothing.
-        encoded = encoded.filter(
-            lambda n, labels: n > 0 and any(t != IGNORE_INDEX for t in labels),
-            input_columns=["length", "labels"],
-            keep_in_memory=True,
-        )
-        if 0 < len(encoded) < before:
-            logger.warning(
-                f"{before - len(encoded)} of {before} samples dropped: no supervised token left after "
-                f"--max-length {template.max_length} with --truncation-strategy {template.truncation_strategy}"
-            )
-        if len(encoded) == 0:
-            raise UserError(
-                f"no sample is left after encoding with --max-length {template.max_length} and "
-                f"--truncation-strategy {template.truncation_strategy}; raise --max-length"
-            )
-        self.data = encoded
+        self._replace_all(encoded)
         return self
+
+    def save_as(
+        self,
+        output_path: str | Path,
+        format: str | None = None,
+        batch_size: int = 1000,
+        mode: str = "immediate",
+        **unsupported: Any,
+    ) -> Path:
+        """Write the rows to ``output_path``: JSON lines (``.jsonl``, ``.json``), ``.csv`` or
+        ``.parquet``/``.pq``, by suffix unless ``format`` says. Returns the path written."""
+        reject_unsupported("save_as", unsupported)
+        if mode != "immediate":
+            raise UserError(f"Dataset.save_as: not supported yet: mode={mode!r}; use mode='immediate'")
+        return save_rows(self.data, output_path, format, batch_size)
 
     @property
     def pad_token_id(self) -> int:

@@ -17,9 +17,25 @@ class Template:
     ends; each piece is tokenised on its own so the label mask falls exactly on token borders.
     System, user and template tokens get label ``-100``; the assistant's reply and everything
     the template writes after it up to the next turn (its end-of-turn tokens, a newline) are
-    supervised."""
+    supervised.
 
-    def __init__(self, tokenizer: Any, max_length: int = 1024, truncation_strategy: str = "right"):
+    - ``enable_thinking``: handed to the chat template (Qwen3-style templates read it: ``False``
+      writes the empty ``<think>`` block into the prompt). ``None`` leaves the template's default;
+      a value the chat template never reads is an error rather than a silent no-op.
+    - ``default_system``: the system message of every conversation that has none.
+    - ``use_chat_template``: ``None`` is the class's own rendering (here the tokenizer's chat
+      template); ``True`` insists on the tokenizer's chat template; ``False`` trains on plain text
+      (pre-training): each row is one message whose text is supervised as a whole."""
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        max_length: int = 1024,
+        truncation_strategy: str = "right",
+        enable_thinking: bool | None = None,
+        default_system: str | None = None,
+        use_chat_template: bool | None = None,
+    ):
         if truncation_strategy not in TRUNCATION_STRATEGIES:
             raise UserError(
                 f"--truncation-strategy: {truncation_strategy!r} is not one of {', '.join(TRUNCATION_STRATEGIES)}"
@@ -29,6 +45,50 @@ class Template:
         self.tokenizer = tokenizer
         self.max_length = max_length
         self.truncation_strategy = truncation_strategy
+        self.enable_thinking = enable_thinking
+        self.default_system = default_system
+        self.use_chat_template = use_chat_template
+        self._check_options()
+
+    @property
+    def renders_with_tokenizer(self) -> bool:
+        """Whether conversations go through ``tokenizer.apply_chat_template``."""
+        return self.use_chat_template is not False
+
+    def _check_options(self) -> None:
+        chat_template = getattr(self.tokenizer, "chat_template", None)
+        if self.use_chat_template is False:
+            for name in ("enable_thinking", "default_system"):
+                if getattr(self, name) is not None:
+                    raise UserError(
+                        f"{name} needs a chat template, but use_chat_template=False trains on plain text; "
+                        f"drop {name} or use the chat template"
+                    )
+            return
+        if not self.renders_with_tokenizer:
+            return
+        if self.use_chat_template and not chat_template:
+            raise UserError(
+                "use_chat_template=True: the tokenizer has no chat_template; use a chat model, "
+                "or pass use_chat_template=False to train on plain text"
+            )
+        if self.enable_thinking is not None and chat_template and "enable_thinking" not in str(chat_template):
+            raise UserError(
+                f"enable_thinking={self.enable_thinking}: this tokenizer's chat template has no thinking "
+                "switch; leave enable_thinking unset or pick a template that has one (e.g. Qwen3_5Template)"
+            )
+
+    def settings(self) -> dict[str, Any]:
+        """Everything besides the tokenizer that decides how a row is encoded (for cache keys)."""
+        cls = type(self)
+        return {
+            "class": f"{cls.__module__}.{cls.__qualname__}",
+            "max_length": self.max_length,
+            "truncation_strategy": self.truncation_strategy,
+            "enable_thinking": self.enable_thinking,
+            "default_system": self.default_system,
+            "use_chat_template": self.use_chat_template,
+        }
 
     @property
     def pad_token_id(self) -> int:
@@ -40,12 +100,25 @@ class Template:
             raise UserError(
                 "the tokenizer has no chat template; use a chat model or pick one with --template-cls"
             )
+        extra = {} if self.enable_thinking is None else {"enable_thinking": self.enable_thinking}
         return self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt, **extra
         )
+
+    def with_default_system(self, messages: list[dict[str, str]]) -> list[dict[str, str]]:
+        if self.default_system is None or any(m["role"] == "system" for m in messages):
+            return messages
+        return [{"role": "system", "content": self.default_system}, *messages]
 
     def segments(self, messages: list[dict[str, str]]) -> list[Segment]:
         """Split the rendered conversation into unsupervised and supervised (assistant) pieces."""
+        if self.use_chat_template is False:
+            if len(messages) != 1:
+                raise UserError(
+                    f"use_chat_template=False trains on plain text: each row needs exactly one message "
+                    f"holding the text, got {len(messages)}"
+                )
+            return [(messages[0]["content"], True)]
         full = self.render(messages)
         pieces: list[Segment] = []
         pos = 0
@@ -68,17 +141,19 @@ class Template:
         return [p for p in pieces if p[0]]
 
     def tokenize(self, messages: list[dict[str, str]]) -> tuple[list[int], list[int]]:
+        # Plain text is a document: it gets the tokenizer's own special tokens (a BOS, say).
+        special = self.use_chat_template is False
         input_ids: list[int] = []
         labels: list[int] = []
         for text, supervised in self.segments(messages):
-            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            ids = self.tokenizer(text, add_special_tokens=special)["input_ids"]
             input_ids += ids
             labels += ids if supervised else [IGNORE_INDEX] * len(ids)
         return input_ids, labels
 
     def encode(self, messages: list[dict[str, str]], index: int | None = None) -> dict[str, Any] | None:
         """Tokenise and truncate one conversation; ``None`` means the row is dropped (``delete``)."""
-        input_ids, labels = self.tokenize(messages)
+        input_ids, labels = self.tokenize(self.with_default_system(messages))
         n, limit = len(input_ids), self.max_length
         if n > limit:
             strategy = self.truncation_strategy

@@ -1,0 +1,178 @@
+"""Row operations behind ``Dataset.map`` and ``Dataset.filter``, on Hugging Face ``datasets``.
+
+Every operation runs in memory (``keep_in_memory``): Hugging Face's own cache is keyed by a
+hash of the function, which cannot see a change inside a preprocessor's code. Encoded rows,
+the one costly step, have their own content-keyed cache (``twinkle.dataset.cache``)."""
+
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import datasets
+from datasets.fingerprint import generate_random_fingerprint
+
+from twinkle.preprocessor.base import Preprocessor
+from twinkle.utils.errors import UserError
+from twinkle.utils.logger import get_logger
+
+logger = get_logger()
+
+
+def reject_unsupported(method: str, unsupported: dict[str, Any]) -> None:
+    """Upstream passes any other keyword on to ``datasets``; here each one is named and refused."""
+    if unsupported:
+        names = ", ".join(sorted(unsupported))
+        raise UserError(f"Dataset.{method}: not supported yet: {names}; remove the keyword")
+
+
+def cap_num_proc(num_proc: int | None, rows: int, what: str) -> int | None:
+    """Worker processes for ``datasets``: at most one per row and per usable CPU; None is one."""
+    if num_proc is None:
+        return None
+    if num_proc < 1:
+        raise UserError(f"Dataset.{what}: num_proc must be at least 1, got {num_proc}")
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    capped = max(1, min(num_proc, rows, cpus))
+    if capped < num_proc:
+        logger.info(f"Dataset.{what}: num_proc={num_proc} capped to {capped} ({rows} rows, {cpus} CPUs)")
+    return capped if capped > 1 else None
+
+
+def resolve_function(fn: Any, init_args: dict[str, Any] | None, what: str) -> Callable[..., Any]:
+    """A function, a callable instance, a class (built with ``init_args``) or the name of a
+    class in ``twinkle.preprocessor``."""
+    if isinstance(fn, str):
+        import twinkle.preprocessor as registry
+
+        names = [n for n in registry.__all__ if n != "Preprocessor"]
+        if fn not in names:
+            raise UserError(f"Dataset.{what}: unknown preprocessor {fn!r}; valid names: {', '.join(names)}")
+        fn = getattr(registry, fn)
+    if isinstance(fn, type):
+        try:
+            return fn(**(init_args or {}))
+        except TypeError as exc:
+            raise UserError(f"Dataset.{what}: cannot build {fn.__name__} from init_args ({exc})") from exc
+    if init_args:
+        raise UserError(
+            f"Dataset.{what}: init_args builds a class, but {fn!r} is already built; drop init_args"
+        )
+    if not callable(fn):
+        raise UserError(f"Dataset.{what}: expected a function or preprocessor, got {type(fn).__name__}")
+    return fn
+
+
+def _rows(batch: dict[str, list]) -> list[dict[str, Any]]:
+    n = len(next(iter(batch.values()))) if batch else 0
+    return [{key: values[i] for key, values in batch.items()} for i in range(n)]
+
+
+class RowMapper:
+    """Calls ``fn`` on each row of a batch: ``fn(row, index)`` for a ``Preprocessor`` (its error
+    messages name the row), ``fn(row)`` for anything else. ``None`` drops the row. The columns
+    are fixed up front (``keys``), so a batch whose rows all drop still has them."""
+
+    def __init__(self, fn: Callable[..., Any], keep: Sequence[str], keys: Sequence[str]):
+        self.fn = fn
+        self.keep = set(keep)
+        self.keys = list(keys)
+
+    def call(self, row: dict[str, Any], index: int) -> dict[str, Any] | None:
+        out = self.fn(row, index) if isinstance(self.fn, Preprocessor) else self.fn(row)
+        if out is not None and not isinstance(out, dict):
+            raise UserError(
+                f"Dataset.map: row {index}: the function returned {type(out).__name__}; return a dict, or None to drop the row"
+            )
+        return out
+
+    def __call__(self, batch: dict[str, list], indices: list[int]) -> dict[str, list]:
+        columns: dict[str, list] = {key: [] for key in self.keys}
+        for row, index in zip(_rows(batch), indices, strict=True):
+            out = self.call(row, index)
+            if out is None:
+                continue
+            extra = set(out) - set(self.keys)
+            if extra:
+                raise UserError(
+                    f"Dataset.map: row {index} returned the column(s) {', '.join(sorted(extra))} that earlier rows "
+                    "did not; return the same keys from every row"
+                )
+            for key in self.keys:
+                columns[key].append(out[key] if key in out else row[key] if key in self.keep else None)
+        return columns
+
+
+class BatchMapper:
+    """Calls ``fn(batch)`` on a dict of column lists, as ``datasets`` does with ``batched=True``;
+    input columns it does not return are kept (unless removed), so it must then keep the rows."""
+
+    def __init__(self, fn: Callable[..., Any], keep: Sequence[str]):
+        self.fn = fn
+        self.keep = list(keep)
+
+    def __call__(self, batch: dict[str, list], indices: list[int]) -> dict[str, list]:
+        out = self.fn(batch)
+        if not isinstance(out, dict) or not all(isinstance(v, list) for v in out.values()):
+            raise UserError("Dataset.map(batched=True): the function must return a dict of column lists")
+        keep = [key for key in self.keep if key not in out]
+        lengths = {len(v) for v in out.values()}
+        if keep and lengths and lengths != {len(indices)}:
+            raise UserError(
+                f"Dataset.map(batched=True): the function returned {max(lengths)} rows for {len(indices)}; "
+                f"pass remove_columns={keep} (the input columns it does not return)"
+            )
+        return {**{key: batch[key] for key in keep}, **out}
+
+
+def map_rows(
+    data: datasets.Dataset,
+    fn: Callable[..., Any],
+    batched: bool,
+    batch_size: int,
+    remove_columns: Sequence[str] | str | None,
+    num_proc: int | None,
+) -> datasets.Dataset:
+    """``fn`` over ``data``. A ``Preprocessor`` replaces every column with what it returns; a
+    function's output is merged into the row, minus ``remove_columns``."""
+    columns = data.column_names
+    removed = [remove_columns] if isinstance(remove_columns, str) else list(remove_columns or [])
+    unknown = [c for c in removed if c not in columns]
+    if unknown:
+        raise UserError(f"Dataset.map: remove_columns names {unknown}, which are not columns ({columns})")
+    keep = [] if isinstance(fn, Preprocessor) else [c for c in columns if c not in removed]
+    if batched:
+        mapper: Any = BatchMapper(fn, keep)
+    else:
+        probe = RowMapper(fn, keep, [])
+        first = next(
+            ((i, out) for i in range(len(data)) if (out := probe.call(data[i], i)) is not None), None
+        )
+        if first is None:  # every row dropped
+            return data.select([]).remove_columns([c for c in columns if c not in keep])
+        mapper = RowMapper(fn, keep, list(dict.fromkeys([*first[1], *keep])))
+    return data.map(
+        mapper,
+        batched=True,
+        batch_size=batch_size,
+        with_indices=True,
+        remove_columns=columns,
+        keep_in_memory=True,
+        num_proc=cap_num_proc(num_proc, len(data), "map"),
+        new_fingerprint=generate_random_fingerprint(),
+        desc="preprocess",
+    )
+
+
+def filter_rows(
+    data: datasets.Dataset, fn: Callable[..., Any], batched: bool, batch_size: int, num_proc: int | None
+) -> datasets.Dataset:
+    """Keep the rows for which ``fn(row)`` is true (``fn(batch)`` gives one bool per row when batched)."""
+    return data.filter(
+        fn,
+        batched=batched,
+        batch_size=batch_size,
+        keep_in_memory=True,
+        num_proc=cap_num_proc(num_proc, len(data), "filter"),
+        new_fingerprint=generate_random_fingerprint(),
+        desc="filter",
+    )
