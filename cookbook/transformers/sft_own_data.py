@@ -7,6 +7,9 @@ or of Alpaca rows (``instruction``, ``input``, ``output``).
 
 Every flag of ``--help`` applies (model, LoRA, optimizer, schedule, batch, max length, resume).
 ``--eval-samples N`` holds the first N rows out for evaluation (default: none); the rest train.
+``--max-steps N`` ends the run after N optimizer steps (the schedule ends there too);
+``--save-steps N`` saves ``checkpoint-<step>`` every N optimizer steps; ``--max-grad-norm`` bounds
+each step's gradient norm.
 """
 
 from peft import LoraConfig
@@ -58,8 +61,13 @@ def main() -> None:
     model.add_adapter_to_model(args.lora.adapter_name, LoraConfig(**args.get_lora_args()),
                                gradient_accumulation_steps=args.training.gradient_accumulation_steps)  # fmt: skip
     model.set_optimizer(args.optimizer.optimizer_cls, lr=args.optimizer.learning_rate)
+    max_steps, save_steps = args.training.max_steps, args.training.save_steps
+    # The horizon counts micro-batches: with --max-steps the schedule ends at the last step taken.
+    horizon = len(train)
+    if max_steps is not None:
+        horizon = min(horizon, max_steps * args.training.gradient_accumulation_steps)
     model.set_lr_scheduler(args.scheduler.scheduler_cls, num_warmup_steps=args.scheduler.num_warmup_steps,
-                           num_training_steps=len(train))  # fmt: skip
+                           num_training_steps=horizon)  # fmt: skip
     if args.training.resume_from_checkpoint:
         progress = model.resume_from_checkpoint(args.training.resume_from_checkpoint)
         train.resume_from_checkpoint(progress["consumed_train_samples"])
@@ -71,18 +79,25 @@ def main() -> None:
                    consumed_train_samples=train.get_state()["consumed_train_samples"])  # fmt: skip
 
     group = model.optimizer_group[args.lora.adapter_name]
-    for batch in train:
+    done = max_steps is not None and group.optimizer_steps >= max_steps  # a resumed run may be done
+    for batch in [] if done else train:
+        updates = group.optimizer_steps
         model.forward_backward(inputs=batch, task="fused_lm_ce")
-        model.clip_grad_and_step()
-        step = group.cur_step
+        model.clip_grad_and_step(max_grad_norm=args.optimizer.max_grad_norm)
+        step, stepped = group.cur_step, group.optimizer_steps > updates
         if step % args.training.log_interval == 0:
-            logger.info(f"step {step} of {len(train)}: {model.calculate_metric(is_training=True)}")
-        if evaluation is not None and step % (args.training.eval_interval or 50) == 0:
+            logger.info(f"step {step} of {horizon}: {model.calculate_metric(is_training=True)}")
+        evaluate = evaluation is not None and step % (args.training.eval_interval or 50) == 0
+        if evaluate:
             for eval_batch in DataLoader(dataset=evaluation, batch_size=args.training.batch_size):
                 model.forward_only(inputs=eval_batch, task="fused_lm_ce")
                 model.calculate_loss()
             logger.info(f"eval at step {step}: {model.calculate_metric(is_training=False)}")
+        if evaluate or (save_steps is not None and stepped and group.optimizer_steps % save_steps == 0):
             save(f"checkpoint-{step}")
+        if max_steps is not None and group.optimizer_steps >= max_steps:
+            logger.info(f"--max-steps {max_steps}: stopping after optimizer step {group.optimizer_steps}")
+            break
     save("last-checkpoint")
 
 

@@ -98,6 +98,7 @@ def test_upstream_run_line():
         "dtype": "auto",
         "activation_checkpointing": "auto",
         "strategy": "fsdp",
+        "model_cls": None,
     }
     assert d["training"] == {
         "batch_size": 8,
@@ -110,9 +111,12 @@ def test_upstream_run_line():
         "resume_from_checkpoint": "ckpt",
         "resume_only_model": True,
         "ignore_data_skip": True,
+        "max_steps": None,
+        "save_steps": None,
+        "padding_free": True,
     }
     assert d["lora"]["adapter_name"] == "default"
-    assert d["optimizer"] == {"learning_rate": 1e-4, "optimizer_cls": "AdamW"}
+    assert d["optimizer"] == {"learning_rate": 1e-4, "optimizer_cls": "AdamW", "max_grad_norm": 1.0}
     assert d["scheduler"] == {"scheduler_cls": "CosineWarmupScheduler", "num_warmup_steps": 5}
     assert args.extra == {"model_name": "twinkle大模型", "model_author": "ModelScope社区"}
 

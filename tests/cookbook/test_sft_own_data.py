@@ -61,3 +61,27 @@ def test_the_script_trains_on_own_rows(tiny_model_dir, tmp_path, data_format):
     assert done.returncode == 0, done.stderr[-3000:]
     assert "step 2 of 2" in done.stderr and "eval at step 2" in done.stderr
     assert (tmp_path / "out" / "last-checkpoint" / ".twinkle-complete").exists()
+
+
+@pytest.mark.slow
+def test_the_script_honours_max_steps_and_save_steps(tiny_model_dir, tmp_path):
+    """8 rows in batches of 2 are 4 steps; --max-steps 3 stops after the third, --save-steps 2
+    saves after the second, and the schedule's horizon ("of 3") and the last checkpoint end at step 3."""
+    rows = [
+        {"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]} for q, a in ROWS
+    ]
+    data = _write(tmp_path / "rows.jsonl", rows[:8])
+    out = tmp_path / "out"
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--model-id", str(tiny_model_dir), "--dataset-id", str(data),
+         "--batch-size", "2", "--max-steps", "3", "--save-steps", "2", "--max-grad-norm", "0.5",
+         "--output-dir", str(out), "--log-interval", "1"],
+        capture_output=True, text=True, timeout=300,
+        env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "OMP_NUM_THREADS": "1", "TWINKLE_CACHE": str(tmp_path / "c")},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "step 3 of 3" in done.stderr and "step 4 of" not in done.stderr
+    assert "--max-steps 3: stopping after optimizer step 3" in done.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoint-2", "last-checkpoint"]
+    state = json.loads((out / "last-checkpoint" / "trainer_state.json").read_text())
+    assert (state["optimizer_steps"], state["consumed_train_samples"]) == (3, 6)

@@ -1,10 +1,11 @@
 """Command-line arguments for training scripts.
 
 Public names:
-    CLI        -- ``CLI.from_args(argv=None, env=None) -> Args``; the parse also sets the run
-                  defaults (``twinkle.runtime.set_run_defaults``)
+    CLI        -- ``CLI.from_args(argv=None, env=None, config_file=None, env_file=None) -> Args``;
+                  the parse also sets the run defaults (``twinkle.runtime.set_run_defaults``)
     Args       -- typed groups ``infra dataset template model training lora optimizer
-                  scheduler``, plus ``extra``, ``get_lora_args()`` and ``to_dict()``
+                  scheduler``, plus ``extra``, ``get_lora_args()``, upstream's
+                  ``get_<group>_args()`` dicts, ``get()`` and ``to_dict()``
     TEMPLATE_NAMES -- the template classes ``--template-cls`` accepts
 """
 

@@ -15,6 +15,7 @@ from typing import Any
 
 from twinkle.template.base import TRUNCATION_STRATEGIES
 from twinkle.template.registry import TEMPLATES
+from twinkle.utils.errors import UserError
 
 # The CLI rejects a typo before any model or tokenizer is loaded.
 TEMPLATE_NAMES: tuple[str, ...] = tuple(TEMPLATES)
@@ -109,6 +110,11 @@ class ModelArgs:
         "how several processes hold the model: fsdp (FSDP2 over the mesh; upstream's native_fsdp and accelerate) or ddp (a whole model per rank, --fsdp-size 1)",
         choices=("fsdp", "native_fsdp", "accelerate", "ddp"),
     )
+    model_cls: str | None = _opt(
+        None,
+        "transformers class the weights load into, e.g. Qwen3_5ForConditionalGeneration; None = AutoModelForCausalLM",
+        check=(str.isidentifier, "a transformers class name such as AutoModelForCausalLM"),
+    )
 
 
 @dataclass
@@ -132,6 +138,20 @@ class TrainingArgs:
     )
     resume_only_model: bool = _opt(False, "restore adapter weights only, not optimizer/scheduler/RNG")
     ignore_data_skip: bool = _opt(False, "on resume, restart the data from the beginning")
+    max_steps: int | None = _opt(
+        None,
+        "stop after N optimizer steps; None = one pass (read by the script's loop: sft_own_data.py, not fsdp2.py)",
+        check=_AT_LEAST_1,
+    )
+    save_steps: int | None = _opt(
+        None,
+        "save a checkpoint every N optimizer steps (read by the script's loop: sft_own_data.py, not fsdp2.py)",
+        check=_AT_LEAST_1,
+    )
+    padding_free: bool = _opt(
+        True,
+        "batches run packed into one row where the model allows it, with the padded loss; only true is accepted",
+    )
 
 
 @dataclass
@@ -152,6 +172,9 @@ class OptimizerArgs:
     )
     optimizer_cls: str = _opt(
         "AdamW", "optimizer for scripts that take it from the command line: a torch.optim name"
+    )
+    max_grad_norm: float = _opt(
+        1.0, "clip the gradients' global norm to this before each optimizer step", check=_POSITIVE
     )
 
 
@@ -191,10 +214,25 @@ def _field_owners() -> dict[str, str]:
 # Field name -> group name. Built (and checked for duplicates) at import time.
 FIELD_GROUP: dict[str, str] = _field_owners()
 
+# ``get_<group>_args()`` follows upstream's grouping: a field upstream keeps in another group than
+# ours is listed here (field -> upstream group); every other field is in its own group.
+UPSTREAM_GROUP: dict[str, str] = {"seed": "training"}
+# Upstream groups no field of ours belongs to: their helper raises instead of returning an empty
+# dict, which a ``**kwargs`` call would accept without a word. Name -> what to use instead.
+UNSUPPORTED_GROUPS: dict[str, str] = {
+    "loss": "choose the loss with model.set_loss(...)",
+    "checkpoint": "model.save(...) takes save_optimizer=; resume options are in get_training_args()",
+    "sampler": "there is no generation sampler (vLLM) here",
+    "sampling": "there is no generation sampler (vLLM) here",
+    "server": "there is no training server here",
+    "rl": "there is no RL trainer here",
+}
+
 
 @dataclass
 class Args:
-    """Everything a training script reads: eight typed groups plus free-form ``extra``.
+    """Everything a training script reads: eight typed groups plus free-form ``extra``, and
+    upstream's ``get_<group>_args()`` dicts (grouped as upstream groups them).
 
     ``extra`` holds unknown flags and config keys (for example ``model_name`` and
     ``model_author``, which the cookbook passes to ``SelfCognitionProcessor``) so that a
@@ -220,6 +258,73 @@ class Args:
             "target_modules": split_target_modules(self.lora.target_modules),
             "task_type": "CAUSAL_LM",
         }
+
+    def _upstream_group(self, group: str) -> dict[str, Any]:
+        """Our fields in upstream's group ``group``; a field left at None is left out, so that a
+        ``**kwargs`` call keeps the callee's own default."""
+        names = [n for n, owner in FIELD_GROUP.items() if UPSTREAM_GROUP.get(n, owner) == group]
+        if not names:
+            raise UserError(f"not supported yet: get_{group}_args() ({UNSUPPORTED_GROUPS[group]})")
+        values = {n: getattr(getattr(self, FIELD_GROUP[n]), n) for n in names}
+        return {n: v for n, v in values.items() if v is not None}
+
+    def get_model_args(self) -> dict[str, Any]:
+        """model_id, model_cls, dtype, strategy, activation_checkpointing, the loss kernel switches."""
+        return self._upstream_group("model")
+
+    def get_dataset_args(self) -> dict[str, Any]:
+        """dataset_id, subset_name, split (``DatasetMeta``'s keywords)."""
+        return self._upstream_group("dataset")
+
+    def get_template_args(self) -> dict[str, Any]:
+        """template_cls, max_length, truncation_strategy, and the model_id the tokenizer comes
+        from: ``dataset.set_template(**args.get_template_args())``."""
+        out = self._upstream_group("template")
+        if self.model.model_id is not None:
+            out["model_id"] = self.model.model_id
+        return out
+
+    def get_training_args(self) -> dict[str, Any]:
+        """The training group plus ``seed`` (upstream keeps the seed there)."""
+        return self._upstream_group("training")
+
+    def get_optimizer_args(self) -> dict[str, Any]:
+        """optimizer_cls, lr (upstream's key for learning_rate) and max_grad_norm."""
+        out = self._upstream_group("optimizer")
+        out["lr"] = out.pop("learning_rate")
+        return out
+
+    def get_scheduler_args(self) -> dict[str, Any]:
+        """scheduler_cls and num_warmup_steps (``model.set_lr_scheduler``'s keywords)."""
+        return self._upstream_group("scheduler")
+
+    def get_infra_args(self) -> dict[str, Any]:
+        """Mesh sizes, mode, timeouts and Ray placement (the seed is in get_training_args())."""
+        return self._upstream_group("infra")
+
+    def get_loss_args(self) -> dict[str, Any]:
+        """Raises: no option of ours belongs to upstream's loss group."""
+        return self._upstream_group("loss")
+
+    def get_checkpoint_args(self) -> dict[str, Any]:
+        """Raises: no option of ours belongs to upstream's checkpoint group."""
+        return self._upstream_group("checkpoint")
+
+    def get_sampler_args(self) -> dict[str, Any]:
+        """Raises: there is no sampler."""
+        return self._upstream_group("sampler")
+
+    def get_sampling_args(self) -> dict[str, Any]:
+        """Raises: there is no sampler."""
+        return self._upstream_group("sampling")
+
+    def get_server_args(self) -> dict[str, Any]:
+        """Raises: there is no server."""
+        return self._upstream_group("server")
+
+    def get_rl_args(self) -> dict[str, Any]:
+        """Raises: there is no RL trainer."""
+        return self._upstream_group("rl")
 
     def get(self, name: str, default: Any = None) -> Any:
         """A field by its name, whatever its group (``args.get("batch_size")``), else an ``extra``

@@ -25,13 +25,29 @@ class CLI:
     """Namespace for the parsing entry point; it holds no state of its own."""
 
     @staticmethod
-    def from_args(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> Args:
+    def from_args(
+        argv: Sequence[str] | None = None,
+        env: Mapping[str, str] | None = None,
+        config_file: str | os.PathLike | None = None,
+        env_file: str | os.PathLike | None = None,
+    ) -> Args:
         """Parse ``argv`` (default ``sys.argv[1:]``) and ``env`` (default ``os.environ``).
 
+        ``config_file``: a YAML or JSON file of defaults the script ships (a ``--config`` on the
+        command line is read after it, so its values win). ``env_file``: a dotenv file of
+        ``TWINKLE_<FIELD>=value`` lines, read below every other source; it is never copied into
+        ``os.environ``. Precedence, lowest first: defaults < env_file < config_file < --config <
+        environment < flags.
+
         ``-h``/``--help`` prints the usage and exits 0. The parsed values a run needs beyond the
-        script's own calls (seed, process-group timeout, dtype, activation checkpointing) become
-        the process's run defaults (``twinkle.runtime.set_run_defaults``).
+        script's own calls (seed, process-group timeout, dtype, activation checkpointing, gradient
+        clipping, model class) become the process's run defaults
+        (``twinkle.runtime.set_run_defaults``).
         """
+        if isinstance(env, str | os.PathLike):
+            raise UserError(
+                "CLI.from_args: the second argument is env, a mapping of variables; pass a dotenv file as env_file=..."
+            )
         from_sys = argv is None
         argv = list(sys.argv[1:] if argv is None else argv)
         env = os.environ if env is None else env
@@ -39,7 +55,12 @@ class CLI:
             print(format_help(Path(sys.argv[0]).name if sys.argv and sys.argv[0] else "train.py"))
             raise SystemExit(0)
         try:
-            args = parse(argv, env)
+            args = parse(
+                argv,
+                env,
+                config_file=None if config_file is None else os.fspath(config_file),
+                env_file=None if env_file is None else os.fspath(env_file),
+            )
         except UserError as exc:
             if not from_sys:
                 raise
@@ -66,6 +87,8 @@ def run_defaults_of(args: Args) -> RunDefaults:
         max_restarts=args.infra.max_restarts,
         ray_address=args.infra.ray_address,
         ray_placement=args.infra.ray_placement,
+        max_grad_norm=args.optimizer.max_grad_norm,
+        model_cls=args.model.model_cls,
     )
 
 
@@ -92,10 +115,11 @@ def format_help(prog: str = "train.py") -> str:
     lines = [
         f"usage: {prog} [--config FILE] [--flag VALUE ...]",
         "",
-        "Values come from, lowest precedence first: the defaults below < --config FILE (a YAML",
-        "mapping, flat {batch_size: 8} or grouped {training: {batch_size: 8}}) < environment",
-        f"variables {ENV_PREFIX}<FIELD> (e.g. {ENV_PREFIX}BATCH_SIZE=8; only this prefix is read, so",
-        "WORLD_SIZE, PORT, RANK... never change an option) < command-line flags.",
+        "Values come from, lowest precedence first: the defaults below < --config FILE (YAML or",
+        "JSON, flat {batch_size: 8} or grouped {training: {batch_size: 8}}; unknown keys are an",
+        f"error) < environment variables {ENV_PREFIX}<FIELD> (e.g. {ENV_PREFIX}BATCH_SIZE=8; only this",
+        "prefix is read, so WORLD_SIZE, PORT, RANK... never change an option) < command-line flags.",
+        "A script may add CLI.from_args(config_file=..., env_file=...): both sit below --config.",
         "Write --flag value or --flag=value; booleans take --flag, --no-flag or --flag true|false;",
         "optional values accept 'none'.",
     ]

@@ -105,6 +105,11 @@ def coerce(spec: FieldSpec, value: Any, label: str) -> Any:
         raise UserError(f"{label}: must be {spec.check[1]}, got {out!r}")
     if spec.name == "target_modules" and not split_target_modules(out):
         raise UserError(f"{label}: expected 'all-linear' or comma-separated module names, got {out!r}")
+    if spec.name == "padding_free" and out is False:
+        # Packing changes no number (the loss is the padded batch's), so there is nothing to turn off.
+        raise UserError(
+            f"{label}: batches always run padding-free where the model allows it (same loss as padded); drop the option"
+        )
     return out
 
 

@@ -38,6 +38,8 @@ class RunDefaults:
     max_restarts: int = 0  # Ray: relaunches after a worker dies
     ray_address: str | None = None  # Ray: the cluster to join; None: $RAY_ADDRESS, else a local one
     ray_placement: str = "pack"  # Ray: "pack" or "spread" the workers over the nodes
+    max_grad_norm: float = 1.0  # clip_grad_and_step's gradient-norm bound when the call gives none
+    model_cls: str | None = None  # the transformers class to load; None: AutoModelForCausalLM
 
 
 _DEFAULTS = [RunDefaults()]
