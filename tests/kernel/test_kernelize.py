@@ -45,9 +45,11 @@ def twinkle_log(caplog):
 
 @pytest.fixture
 def scratch_registry(monkeypatch):
-    """A copy of the registry, so a test may register ops without leaking them to others."""
+    """A copy of the registry, so a test may register ops without leaking them to others (their
+    availability, asked once per process, included)."""
     scratch = {op: dict(impls) for op, impls in registry_module._REGISTRY.items()}
     monkeypatch.setattr(registry_module, "_REGISTRY", scratch)
+    monkeypatch.setattr(registry_module, "_available", dict(registry_module._available))
     return scratch
 
 
@@ -177,6 +179,26 @@ def test_unavailable_backend_falls_through(scratch_registry, tiny_llama):
     register_op("probe_norm", "npu", lambda: True, lambda m: _rms_norm_forward.__get__(m))
     model = kernelize(tiny_llama(), {"LlamaRMSNorm": KernelChoice("probe_norm", ("liger", "npu", "torch"))})
     assert all(m._twinkle_kernel == ("probe_norm", "npu") for m in _modules(model, "LlamaRMSNorm"))
+
+
+def test_a_failing_probe_falls_through_with_one_warning_once_per_process(scratch_registry, twinkle_log, tiny_llama):
+    """As a Triton kernel on a GPU machine without a C compiler: importable, but its first call
+    fails. The probe's failure, not the user's first forward, picks the next backend."""
+    probes = []
+
+    def failing_probe():
+        probes.append(1)
+        raise RuntimeError("Failed to find C compiler")
+
+    register_op("probe_norm", "liger", lambda: True, lambda m: _rms_norm_forward.__get__(m), failing_probe)
+    register_op("probe_norm", "torch", lambda: True, lambda m: _rms_norm_forward.__get__(m))
+    mapping = {"LlamaRMSNorm": KernelChoice("probe_norm", ("liger", "torch"))}
+    model = kernelize(tiny_llama(), mapping)
+    assert all(m._twinkle_kernel == ("probe_norm", "torch") for m in _modules(model, "LlamaRMSNorm"))
+    kernelize(tiny_llama(), mapping)
+    assert probes == [1]  # once per process
+    [warning] = _records(twinkle_log, logging.WARNING)
+    assert "probe_norm [liger] failed its probe call (RuntimeError: Failed to find C compiler)" in warning
 
 
 def test_failing_patch_falls_through_with_one_warning(scratch_registry, twinkle_log, tiny_llama):

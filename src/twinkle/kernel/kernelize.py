@@ -17,7 +17,7 @@ import torch
 
 from twinkle.kernel.config import DEFAULT_KERNEL_CONFIG
 from twinkle.kernel.hub_layers import HUB_REF, hub, is_hub_ref, load_hub_layer
-from twinkle.kernel.registry import KernelChoice, implementations, registered_ops, validate_choice
+from twinkle.kernel.registry import KernelChoice, implementations, op_available, registered_ops, validate_choice
 from twinkle.utils.errors import UserError
 from twinkle.utils.logger import get_logger
 
@@ -138,7 +138,6 @@ def kernelize(model: Any, mapping: Mapping[Any, Any] | None = None) -> Any:
 
     counts: dict[tuple[str, str, str], int] = {}  # (target, op, backend) -> instances patched
     failures: dict[tuple[str, str, str], tuple[int, str]] = {}  # -> (instances, last error)
-    available: dict[tuple[str, str], bool] = {}  # asked once per call, not once per instance
     for module, choice in plan:
         target = type(module).__name__
         if isinstance(choice, _Custom):
@@ -150,7 +149,7 @@ def kernelize(model: Any, mapping: Mapping[Any, Any] | None = None) -> Any:
         for impl in implementations(choice):
             key = (target, impl.op, impl.backend)
             try:
-                if not available.setdefault((impl.op, impl.backend), bool(impl.available())):
+                if not op_available(impl):  # its check and probe, once per process
                     continue
                 module.forward = impl.patch(module)
             except Exception as exc:  # an optional kernel failed to check or load: try the next

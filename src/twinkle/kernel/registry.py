@@ -9,7 +9,11 @@ Two kinds of op:
   walking the op's chain (``DEFAULT_CALL_CHAINS``) and taking the first backend that is
   available on this machine, not switched off (``switches.py``), and accepts the call.
 
-Availability is asked once per process and kept; a backend that fails at run time is taken out
+Availability is asked once per process and kept. A backend counts as available only if its
+check passes and, where it has one, a tiny probe call of it succeeds: a Triton kernel, say,
+compiles its launcher with the system's C compiler at its first call, which a machine without
+one fails. A failing probe makes the backend unavailable with one warning naming it and the
+reason, and the next backend of the chain runs. A backend that fails at run time is taken out
 of its chain for the process with one warning (``disable``)."""
 
 from collections.abc import Callable
@@ -26,12 +30,14 @@ BACKENDS = ("liger", "npu", "torch")
 @dataclass(frozen=True)
 class KernelImpl:
     """``available()`` says whether it can run here (device, package); ``patch(module)`` returns the
-    new ``forward`` for that module instance (it must compute what the original computes)."""
+    new ``forward`` for that module instance (it must compute what the original computes).
+    ``probe()``: a tiny call of the kernel, forward and backward, that raises where it cannot run."""
 
     op: str
     backend: str
     available: Callable[[], bool]
     patch: Callable[[Any], Callable[..., Any]]
+    probe: Callable[[], None] | None = None
 
 
 @dataclass(frozen=True)
@@ -54,6 +60,7 @@ class CallImpl:
     available: Callable[[], bool]
     requires: str
     needs: str | None = None
+    probe: Callable[[], None] | None = None
 
 
 _REGISTRY: dict[str, dict[str, KernelImpl]] = {}
@@ -65,14 +72,49 @@ _usable: dict[tuple[str, str], bool] = {}  # (op, backend) -> in the chain now (
 
 
 def register_op(
-    op: str, backend: str, available: Callable[[], bool], patch: Callable[[Any], Callable[..., Any]]
+    op: str,
+    backend: str,
+    available: Callable[[], bool],
+    patch: Callable[[Any], Callable[..., Any]],
+    probe: Callable[[], None] | None = None,
 ) -> None:
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; valid backends: {', '.join(BACKENDS)}")
     impls = _REGISTRY.setdefault(op, {})
     if backend in impls:
         raise ValueError(f"op {op!r} already has a {backend!r} implementation")
-    impls[backend] = KernelImpl(op, backend, available, patch)
+    impls[backend] = KernelImpl(op, backend, available, patch, probe)
+
+
+def _checked(op: str, backend: str, available: Callable[[], bool], probe: Callable[[], None] | None) -> bool:
+    """``available()`` and then ``probe()``; any exception of either is an unavailable backend
+    with one warning, never a crash."""
+    try:
+        if not available():
+            return False
+    except Exception as exc:
+        get_logger().warning(f"kernel: {op} [{backend}] is unavailable here: {type(exc).__name__}: {exc}")
+        return False
+    if probe is None:
+        return True
+    try:
+        probe()
+    except Exception as exc:
+        get_logger().warning(
+            f"kernel: {op} [{backend}] failed its probe call ({type(exc).__name__}: {exc}); "
+            "using the next backend"
+        )
+        return False
+    return True
+
+
+def op_available(impl: KernelImpl) -> bool:
+    """Whether a module op's implementation can run here: its check and its probe, asked once per
+    process."""
+    key = (f"module:{impl.op}", impl.backend)
+    if key not in _available:
+        _available[key] = _checked(impl.op, impl.backend, impl.available, impl.probe)
+    return _available[key]
 
 
 def registered_ops() -> dict[str, tuple[str, ...]]:
@@ -117,14 +159,19 @@ def define_call_op(op: str, chain: tuple[str, ...]) -> None:
 
 
 def register_call(
-    op: str, backend: str, available: Callable[[], bool], requires: str, needs: str | None = None
+    op: str,
+    backend: str,
+    available: Callable[[], bool],
+    requires: str,
+    needs: str | None = None,
+    probe: Callable[[], None] | None = None,
 ) -> None:
     if op in _CHAINS and backend not in _CHAINS[op]:
         raise ValueError(f"{backend!r} is not in {op!r}'s chain {_CHAINS[op]}")
     impls = _CALLS.setdefault(op, {})
     if backend in impls:
         raise ValueError(f"op {op!r} already has a {backend!r} implementation")
-    impls[backend] = CallImpl(op, backend, available, requires, needs)
+    impls[backend] = CallImpl(op, backend, available, requires, needs, probe)
 
 
 def switch_of(op: str, backend: str) -> switches.Switch | None:
@@ -132,15 +179,12 @@ def switch_of(op: str, backend: str) -> switches.Switch | None:
 
 
 def is_available(op: str, backend: str) -> bool:
-    """Whether ``backend`` of call op ``op`` can run on this machine (asked once per process)."""
+    """Whether ``backend`` of call op ``op`` can run on this machine: its check and its probe
+    call, asked once per process."""
     key = (op, backend)
     if key not in _available:
         impl = _CALLS[op][backend]
-        try:
-            _available[key] = bool(impl.available())
-        except Exception as exc:  # a failing check is an unavailable backend, never a crash
-            get_logger().warning(f"kernel: {op} [{backend}] is unavailable here: {type(exc).__name__}: {exc}")
-            _available[key] = False
+        _available[key] = _checked(op, backend, impl.available, impl.probe)
     return _available[key]
 
 
