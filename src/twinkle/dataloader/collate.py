@@ -1,4 +1,10 @@
-"""Pad a list of encoded samples into one batch of tensors."""
+"""Pad a list of encoded samples into one batch of tensors.
+
+A row of a ``PackingDataset`` holds several samples end to end, its ``position_ids`` starting
+again at 0 at each one. ``collate`` gives each of those samples its own row of the batch: the
+model keeps the rows of a batch apart (and, padding-free, lays them end to end again with
+attention per sample, see ``twinkle.model.packing``), whereas one row with restarting positions
+would let every sample attend to the samples before it."""
 
 from collections.abc import Sequence
 from typing import Any
@@ -6,13 +12,44 @@ from typing import Any
 import torch
 
 from twinkle.template.base import IGNORE_INDEX
+from twinkle.utils.errors import UserError
+
+
+def segment_starts(position_ids: Sequence[int]) -> list[int]:
+    """Where each sample of a row begins: 0 and every later position whose id is 0."""
+    ids = position_ids.tolist() if hasattr(position_ids, "tolist") else list(position_ids)
+    try:
+        ids.index(0, 1)
+    except ValueError:  # the common case, one sample: found at C speed
+        return [0]
+    return [0] + [i for i in range(1, len(ids)) if ids[i] == 0]
+
+
+def split_packed(sample: dict[str, Any]) -> list[dict[str, Any]]:
+    """A packed row -> its samples (``input_ids`` and ``labels`` each); a plain sample as is."""
+    positions = sample.get("position_ids")
+    starts = segment_starts(positions) if positions is not None else [0]
+    if len(starts) == 1:
+        return [sample]
+    bounds = [*starts, len(sample["input_ids"])]
+    return [
+        {"input_ids": sample["input_ids"][a:b], "labels": sample["labels"][a:b]}
+        for a, b in zip(bounds, bounds[1:], strict=False)
+    ]
 
 
 def collate(samples: Sequence[dict[str, Any]], pad_token_id: int) -> dict[str, torch.Tensor]:
     """Right-pad to the longest sample: pad tokens get ``attention_mask`` 0 and label -100.
 
-    An empty list (a rank whose share of a short last batch is nothing) gives tensors of shape
-    ``(0, 0)``; the model still joins the collectives for it."""
+    A packed row becomes one row per sample it holds (see the module docstring). An empty list
+    (a rank whose share of a short last batch is nothing) gives tensors of shape ``(0, 0)``; the
+    model still joins the collectives for it."""
+    if any("input_ids" not in s for s in samples):
+        raise UserError(
+            "the rows are not encoded (no 'input_ids'); call dataset.encode() first, "
+            "or pass DataLoader(collate_fn=...) for rows of your own"
+        )
+    samples = [part for s in samples for part in split_packed(s)]
     width = max((len(s["input_ids"]) for s in samples), default=0)
     n = len(samples)
     input_ids = torch.full((n, width), pad_token_id, dtype=torch.long)
@@ -21,8 +58,8 @@ def collate(samples: Sequence[dict[str, Any]], pad_token_id: int) -> dict[str, t
     position_ids = torch.zeros((n, width), dtype=torch.long)
     for i, s in enumerate(samples):
         k = len(s["input_ids"])
-        input_ids[i, :k] = torch.tensor(s["input_ids"])
-        labels[i, :k] = torch.tensor(s["labels"])
+        input_ids[i, :k] = torch.as_tensor(s["input_ids"])
+        labels[i, :k] = torch.as_tensor(s["labels"])
         attention_mask[i, :k] = 1
         position_ids[i, :k] = torch.arange(k)
     return {
