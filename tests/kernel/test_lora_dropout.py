@@ -142,3 +142,21 @@ def test_the_nodes_keep_nothing_for_their_masks():
     peft_model, with_dropout = _models(0.1)
     assert _saved_bytes(with_dropout, ids) == _saved_bytes(without, ids)
     assert _saved_bytes(peft_model, ids) > _saved_bytes(with_dropout, ids)
+
+
+def test_a_built_kernel_that_disagrees_with_the_torch_ops_is_not_used(monkeypatch, caplog):
+    real = dropout._library()
+
+    class OtherSeed:  # as a miscompiled build: a valid mask, but not the one the seed names
+        @staticmethod
+        def twinkle_dropout_f32(x, out, n, seed, drop_below, scale, threads):
+            real.twinkle_dropout_f32(x, out, n, seed ^ 1, drop_below, scale, threads)
+
+    monkeypatch.setattr(dropout, "load_library", lambda source: OtherSeed)
+    monkeypatch.setattr(dropout, "_state", {})
+    with caplog.at_level("WARNING", logger="twinkle"):
+        assert dropout._library() is None
+    assert any("masks are computed with torch ops" in r.getMessage() for r in caplog.records)
+    x = torch.randn(64, 64)
+    drop = dropout.draw(0.5)
+    assert torch.equal(dropout.apply(x, drop) != 0, dropout.keep_mask(x.shape, drop))

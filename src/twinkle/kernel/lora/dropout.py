@@ -62,10 +62,23 @@ def _library() -> ctypes.CDLL | None:
                 ctypes.c_uint32, ctypes.c_float, ctypes.c_int,
             ]  # fmt: skip
             _state["lib"] = lib
+            _check(lib)
         except (OSError, RuntimeError) as error:
-            get_logger().warning("dropout kernel not available, masks are computed with torch ops: %s", error)
             _state["lib"] = None
+            get_logger().warning("dropout kernel not available, masks are computed with torch ops: %s", error)
     return _state["lib"]
+
+
+def _check(lib: ctypes.CDLL) -> None:
+    """The built kernel gives the torch ops' mask on a probe tensor, or it is not used."""
+    x = torch.arange(1, 4097, dtype=torch.float32)
+    drop = Drop(0x123456789ABCDEF, 0.25)
+    out = torch.empty_like(x)
+    lib.twinkle_dropout_f32(
+        x.data_ptr(), out.data_ptr(), x.numel(), drop.seed, drop.drop_below, float(drop.scale(x.dtype)), 1
+    )
+    if not torch.equal(out != 0, keep_mask(x.shape, drop)):
+        raise RuntimeError("the built dropout kernel's mask differs from the torch ops' mask")
 
 
 def _mix(x: torch.Tensor) -> torch.Tensor:
