@@ -181,7 +181,9 @@ def test_unavailable_backend_falls_through(scratch_registry, tiny_llama):
     assert all(m._twinkle_kernel == ("probe_norm", "npu") for m in _modules(model, "LlamaRMSNorm"))
 
 
-def test_a_failing_probe_falls_through_with_one_warning_once_per_process(scratch_registry, twinkle_log, tiny_llama):
+def test_a_failing_probe_falls_through_with_one_warning_once_per_process(
+    scratch_registry, twinkle_log, tiny_llama
+):
     """As a Triton kernel on a GPU machine without a C compiler: importable, but its first call
     fails. The probe's failure, not the user's first forward, picks the next backend."""
     probes = []

@@ -17,7 +17,13 @@ import torch
 
 from twinkle.kernel.config import DEFAULT_KERNEL_CONFIG
 from twinkle.kernel.hub_layers import HUB_REF, hub, is_hub_ref, load_hub_layer
-from twinkle.kernel.registry import KernelChoice, implementations, op_available, registered_ops, validate_choice
+from twinkle.kernel.registry import (
+    KernelChoice,
+    implementations,
+    op_available,
+    registered_ops,
+    validate_choice,
+)
 from twinkle.utils.errors import UserError
 from twinkle.utils.logger import get_logger
 
