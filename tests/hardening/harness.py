@@ -1,6 +1,9 @@
-"""Helpers of the hardening tests: run the contract script in its own process, snapshot weights."""
+"""Helpers of the hardening tests: run the contract script in its own process, check that it
+failed in one line, snapshot weights."""
 
 import os
+import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -42,3 +45,19 @@ def run_script(tmp_path: Path, model_dir: Path, output_dir: Path, *flags: str, *
 def trainable(model) -> dict[str, torch.Tensor]:
     """Copies of the trainable (LoRA) weights of a ``TransformersModel``."""
     return {n: p.detach().clone() for n, p in model.model.named_parameters() if p.requires_grad}
+
+
+def no_checkpoint_written(out: Path) -> bool:
+    return not out.exists() or not any(out.iterdir())
+
+
+def assert_one_line_error(result: subprocess.CompletedProcess, pattern: str, out: Path) -> str:
+    """A non-zero exit whose last stderr line is ``error: ...`` matching ``pattern``, no
+    traceback, and nothing left in ``out``; returns that line."""
+    assert result.returncode != 0, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: "), result.stderr[-3000:]
+    assert re.search(pattern, last), last
+    assert no_checkpoint_written(out), sorted(p.name for p in out.iterdir())
+    return last

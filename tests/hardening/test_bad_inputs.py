@@ -12,14 +12,13 @@ import json
 import os
 import re
 import shutil
-import subprocess
 import textwrap
 from pathlib import Path
 
 import pytest
 import torch
 import warm
-from harness import run_script, script_env
+from harness import assert_one_line_error, no_checkpoint_written, run_script, script_env
 from safetensors.torch import load_file
 
 from twinkle.checkpoint import check_output_dir
@@ -40,20 +39,6 @@ def _jsonl(tmp_path: Path, lines: list[str]) -> str:
 def _below_a_file(tmp_path: Path) -> str:
     (tmp_path / "a-file").write_text("x")
     return str(tmp_path / "a-file" / "out")
-
-
-def _no_checkpoint_written(out: Path) -> bool:
-    return not out.exists() or not any(out.iterdir())
-
-
-def assert_one_line_error(result: subprocess.CompletedProcess, pattern: str, out: Path) -> str:
-    assert result.returncode != 0, result.stderr[-3000:]
-    assert "Traceback" not in result.stderr, result.stderr[-3000:]
-    last = result.stderr.strip().splitlines()[-1]
-    assert last.startswith("error: "), result.stderr[-3000:]
-    assert re.search(pattern, last), last
-    assert _no_checkpoint_written(out), sorted(p.name for p in out.iterdir())
-    return last
 
 
 # ---------------------------------------------------------------- the script, one case per run
@@ -122,7 +107,7 @@ def test_script_reports_bad_input_in_one_line(case, tmp_path, tiny_model_dir):
     env = {k: str(tmp_path / v) if k == "HF_HOME" else v for k, v in env.items()}
     result = run_script(tmp_path, tiny_model_dir, tmp_path / "out", *FAST, *extra, **env)
     assert_one_line_error(result, pattern, out)
-    assert _no_checkpoint_written(tmp_path / "out")
+    assert no_checkpoint_written(tmp_path / "out")
 
 
 @pytest.fixture(scope="module")
@@ -315,4 +300,4 @@ def test_debug_shows_the_traceback(tmp_path, tiny_model_dir):
     )
     assert result.returncode != 0
     assert "Traceback" in result.stderr and "UserError: model path" in result.stderr
-    assert _no_checkpoint_written(tmp_path / "out")
+    assert no_checkpoint_written(tmp_path / "out")

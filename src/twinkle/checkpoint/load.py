@@ -1,4 +1,5 @@
-"""Restore a checkpoint written by ``save_checkpoint``."""
+"""Restore a checkpoint written by ``save_checkpoint``; every file is checked against the
+completion marker's size and checksum before any of them is read (``integrity.verify``)."""
 
 import random
 from pathlib import Path
@@ -8,7 +9,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
-from twinkle.checkpoint import layout
+from twinkle.checkpoint import integrity, layout
 from twinkle.utils.errors import UserError
 
 
@@ -22,6 +23,11 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def load_adapter_weights(model: Any, folder: Path, adapter_name: str) -> None:
+    integrity.verify(folder, [layout.ADAPTER_WEIGHTS])
+    _load_adapter_weights(model, folder, adapter_name)
+
+
+def _load_adapter_weights(model: Any, folder: Path, adapter_name: str) -> None:
     from peft import set_peft_model_state_dict
 
     weights = load_file(folder / layout.ADAPTER_WEIGHTS)
@@ -36,11 +42,19 @@ def load_checkpoint(
 ) -> dict:
     """Load weights (and, unless ``only_model``, optimizer, schedule, RNG). Returns this rank's
     open-window state for the caller to place: ``grads`` (name -> local gradient) and, in
-    checkpoints that have it, ``window_tokens``; ``{}`` when ``only_model``."""
-    load_adapter_weights(model, folder, adapter_name)
+    checkpoints that have it, ``window_tokens``; ``{}`` when ``only_model``.
+
+    The files it reads are verified first (``read_trainer_state``, which a resume calls before,
+    checks the whole folder), all of them before the model is touched: a damaged optimizer
+    state fails the resume before the weights are replaced."""
+    rank_file = folder / layout.rank_state_file(rank)
+    reads = [layout.ADAPTER_WEIGHTS]
+    if not only_model:
+        reads += [rank_file.name, layout.OPTIMIZER, layout.SCHEDULER]
+    integrity.verify(folder, reads)
+    _load_adapter_weights(model, folder, adapter_name)
     if only_model:
         return {}
-    rank_file = folder / layout.rank_state_file(rank)
     if not rank_file.is_file():
         raise UserError(
             f"checkpoint {folder} has no state for rank {rank}; resume with the world size it was saved with"

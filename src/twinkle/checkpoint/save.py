@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from safetensors.torch import save as safetensors_bytes
 
-from twinkle.checkpoint import layout
+from twinkle.checkpoint import integrity, layout
 from twinkle.distributed.collectives import all_reduce_sum
 from twinkle.utils.errors import UserError
 from twinkle.utils.fileio import fsync_tree, swap_into_place
@@ -139,6 +139,7 @@ def _write_files(
 
 
 def _finish(tmp: Path, final: Path) -> None:
-    (tmp / layout.MARKER).write_text("complete\n")
+    # Every rank's files are written (the phases agree first): the marker lists them all.
+    (tmp / layout.MARKER).write_text(integrity.marker_text(tmp))
     fsync_tree(tmp)
     swap_into_place(tmp, final)

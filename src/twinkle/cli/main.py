@@ -1,5 +1,6 @@
 """The ``twinkle`` command: ``twinkle chat`` talks to a base model with an optional adapter;
-``twinkle kernels`` says what each kernel op resolves to on this machine and why."""
+``twinkle kernels`` says what each kernel op resolves to on this machine and why; ``twinkle
+verify`` checks checkpoint folders against the sizes and checksums their save recorded."""
 
 import argparse
 import sys
@@ -24,6 +25,15 @@ def _build_parser() -> argparse.ArgumentParser:
         "--model-id", help="the model to resolve for (default: the bundled SmolLM2-135M-Instruct)"
     )
     kernels.add_argument("--no-model", action="store_true", help="report the machine alone, loading no model")
+    verify = sub.add_parser(
+        "verify", help="check checkpoints against their recorded sizes and checksums (exit 0: all intact)"
+    )
+    verify.add_argument(
+        "paths",
+        nargs="+",
+        metavar="CKPT",
+        help="a checkpoint folder, or an output dir to check every one in it",
+    )
     return parser
 
 
@@ -53,6 +63,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "kernels":
             _kernels(args.model_id, not args.no_model)
             return 0
+        if args.command == "verify":
+            from twinkle.cli.verify import verify_paths
+
+            return verify_paths(args.paths)
         from twinkle.cli.chat import chat
 
         prompts = args.prompt or [line.strip() for line in sys.stdin if line.strip()]

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from twinkle.distributed.fsdp import release_process_groups
 from twinkle.distributed.mesh import DeviceMesh
-from twinkle.runtime import preemption
+from twinkle.runtime import output_lock, preemption
 from twinkle.utils.errors import UserError
 from twinkle.utils.framework import Torch
 
@@ -48,6 +48,7 @@ _DEFAULTS = [RunDefaults()]
 def set_run_defaults(defaults: RunDefaults) -> None:
     """Make ``defaults`` this process's run defaults (the CLI calls this after parsing)."""
     _DEFAULTS[0] = defaults
+    output_lock.arm(defaults)
 
 
 def run_defaults() -> RunDefaults:
@@ -105,14 +106,19 @@ def initialize(
 
     ``seed`` defaults to the run defaults' (``--seed``, else 42). Every rank uses the same seed
     so that LoRA weights start identical on all ranks. ``timeout_s`` bounds how long a
-    collective waits for a dead peer (default: the run defaults', ``--process-group-timeout``)."""
+    collective waits for a dead peer (default: the run defaults', ``--process-group-timeout``).
+
+    A run whose command line the CLI parsed takes the lock on its ``--output-dir`` here, in rank 0
+    or the Ray driver: a second run into that folder is refused (``output_lock``)."""
     global _RUNTIME
     if mode not in MODES:
         raise UserError(f"--mode: {mode!r} is not one of {', '.join(MODES)}")
-    if mode == "ray" and os.environ.get(RAY_WORKER) != "1":
+    ray_worker = os.environ.get(RAY_WORKER) == "1"
+    if mode == "ray" and not ray_worker:
         # the driver: run this script on the workers and end with the job's exit code
         from twinkle.runtime.ray_job import run_job
 
+        output_lock.take_for_run(run_defaults(), owner=True)  # held for the workers, who never ask
         raise SystemExit(run_job(global_device_mesh or DeviceMesh.from_sizes(), run_defaults()))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     mesh = global_device_mesh or DeviceMesh.from_sizes(world_size=world)
@@ -122,6 +128,7 @@ def initialize(
             f"process(es); launch with torchrun --nproc_per_node {mesh.world_size} or change --fsdp-size/--dp-size"
         )
     rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
+    output_lock.take_for_run(run_defaults(), owner=rank == 0 and not ray_worker)
     device = _pick_device(local_rank)
     if world > 1 and not dist.is_initialized():
         if timeout_s is None:
@@ -139,6 +146,7 @@ def initialize(
 def get_runtime() -> Runtime:
     """The runtime of this process; a single-process CPU/GPU runtime if ``initialize`` was not called."""
     if _RUNTIME is None:
+        output_lock.disarm()  # started by a library call, not by the script: no run to lock for
         return initialize()
     return _RUNTIME
 
