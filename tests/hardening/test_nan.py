@@ -8,22 +8,28 @@ import torch
 from harness import trainable
 
 from twinkle.dataloader import DataLoader
+from twinkle.loss import HeadLoss
 from twinkle.utils.errors import UserError
 
 
-class PoisonedLoss:
+class PoisonedLoss(HeadLoss):
     """Wraps the model's loss; the calls whose number is in ``bad`` return a NaN loss."""
 
     def __init__(self, inner, bad: set[int]):
         self.inner, self.bad, self.calls = inner, bad, 0
         self.reduction = inner.reduction
 
-    def __call__(self, *args):
-        out = self.inner(*args)
+    def _poison(self, out):
         self.calls += 1
         if self.calls in self.bad:
             out = dataclasses.replace(out, loss_sum=out.loss_sum * float("nan"))
         return out
+
+    def head_loss(self, *args, **kwargs):
+        return self._poison(self.inner.head_loss(*args, **kwargs))
+
+    def logits_loss(self, *args, **kwargs):
+        return self._poison(self.inner.logits_loss(*args, **kwargs))
 
 
 def _batches(dataset, n: int) -> list[dict]:

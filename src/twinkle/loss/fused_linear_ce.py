@@ -13,10 +13,22 @@ with its hidden-state gradient, the variants alternating): 0.92-0.95x the time o
 passes (a max with its indices, an in-place ``exp(x - max)``, a sum and a division) at 104-1000
 rows, the same loss to the last bit; the max's indices alone cost about as much as the softmax."""
 
+from collections.abc import Mapping
+from typing import Any
+
 import torch
+import torch.nn.functional as F
 
 from twinkle.kernel.cpu_gemm import linear, times_weight
-from twinkle.loss.cross_entropy import LossOutput, check_reduction, finish
+from twinkle.loss.base import HeadLoss
+from twinkle.loss.cross_entropy import (
+    IGNORE_INDEX,
+    LossOutput,
+    ce_from_outputs,
+    check_reduction,
+    finish,
+    top_is_target,
+)
 
 # On the CPU a chunk holds about this many logits (fp32): 32M = 128 MiB, ~680 rows at a 49k
 # vocabulary. On 2 CPU cores 2048 rows of SmolLM2's head took 1.89 s in chunks of 170 rows, 1.67 s
@@ -111,14 +123,18 @@ def fused_linear_cross_entropy(
     return _FusedLinearCE.apply(hidden, weight, bias, targets, chunk_rows)
 
 
-class FusedLinearCrossEntropyLoss:
-    """Drop-in for ``CrossEntropyLoss`` with a memory footprint of one chunk of logits."""
+class FusedLinearCrossEntropyLoss(HeadLoss):
+    """Drop-in for ``CrossEntropyLoss`` with a memory footprint of one chunk of logits.
+
+    Called as ``loss(inputs, outputs)`` (upstream's convention), it runs fused when
+    ``outputs["lm_head"]`` holds the head and ``outputs["logits"]`` the final hidden states, and
+    as plain cross-entropy on ``outputs["logps"]``/``outputs["logits"]`` otherwise."""
 
     def __init__(self, reduction: str = "sum", chunk_rows: int | None = None):
         self.reduction = check_reduction(reduction)
         self.chunk_rows = chunk_rows
 
-    def __call__(
+    def head_loss(
         self,
         hidden: torch.Tensor,
         weight: torch.Tensor,
@@ -127,3 +143,28 @@ class FusedLinearCrossEntropyLoss:
     ) -> LossOutput:
         loss_sum, correct = fused_linear_cross_entropy(hidden, weight, targets, bias, self.chunk_rows)
         return finish(loss_sum, targets.numel(), correct, self.reduction)
+
+    def logits_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> LossOutput:
+        loss_sum = F.cross_entropy(logits, targets, reduction="sum")
+        return finish(loss_sum, targets.numel(), top_is_target(logits.detach(), targets), self.reduction)
+
+    def from_outputs(self, inputs: Mapping[str, Any], outputs: Mapping[str, Any]) -> dict:
+        head = outputs.get("lm_head")
+        if head is None:
+            return ce_from_outputs(inputs, outputs, IGNORE_INDEX, self.reduction, dft=False)
+        return fused_from_outputs(self, inputs["labels"], outputs["logits"], head, IGNORE_INDEX)
+
+
+def fused_from_outputs(
+    loss: HeadLoss, labels: torch.Tensor, hidden: torch.Tensor, head: torch.nn.Module, ignore_index: int
+) -> dict[str, Any]:
+    """Upstream's fused convention: ``hidden`` ``(..., hidden_size)`` and ``labels`` ``(...)``
+    (already shifted) with the head module; ``{"loss", "num_tokens"}`` as ``ce_from_outputs``."""
+    weight = head.weight.full_tensor() if hasattr(head.weight, "full_tensor") else head.weight
+    bias = getattr(head, "bias", None)
+    if bias is not None and hasattr(bias, "full_tensor"):
+        bias = bias.full_tensor()
+    labels = labels.reshape(-1).to(hidden.device)
+    keep = (labels != ignore_index) & (labels != IGNORE_INDEX)
+    out = loss.head_loss(hidden.reshape(-1, hidden.shape[-1])[keep], weight, labels[keep], bias)
+    return {"loss": out.loss, "num_tokens": max(1, out.num_tokens) if loss.reduction == "sum" else 0}

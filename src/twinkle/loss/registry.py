@@ -2,16 +2,20 @@
 
 from typing import Any
 
+from twinkle.loss.chunked_cross_entropy import ChunkedCrossEntropyLoss
 from twinkle.loss.cross_entropy import CrossEntropyLoss
 from twinkle.loss.fused_linear_ce import FusedLinearCrossEntropyLoss
+from twinkle.loss.liger_fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
+from twinkle.loss.mse import MSELoss
 from twinkle.utils.errors import UserError
 
-# 'LigerFusedLinearCrossEntropyLoss' is the name upstream scripts use; it maps to our chunked
-# implementation, which runs on every device (Liger's Triton kernel needs CUDA).
 LOSSES: dict[str, type] = {
     "CrossEntropyLoss": CrossEntropyLoss,
+    "ChunkedCrossEntropyLoss": ChunkedCrossEntropyLoss,
     "FusedLinearCrossEntropyLoss": FusedLinearCrossEntropyLoss,
-    "LigerFusedLinearCrossEntropyLoss": FusedLinearCrossEntropyLoss,
+    # upstream's name; our chunked fused loss on every device (see its module)
+    "LigerFusedLinearCrossEntropyLoss": LigerFusedLinearCrossEntropyLoss,
+    "MSELoss": MSELoss,
 }
 
 
@@ -20,5 +24,24 @@ def build_loss(name: str, **kwargs: Any):
         raise UserError(f"unknown loss {name!r}; valid names: {', '.join(LOSSES)}")
     try:
         return LOSSES[name](**kwargs)
-    except (TypeError, ValueError) as exc:
+    except TypeError as exc:
         raise UserError(f"loss {name}: {exc}") from exc
+
+
+def resolve_loss(loss_cls: Any, **kwargs: Any):
+    """What ``model.set_loss`` takes: a name in ``LOSSES`` or a class (built with ``kwargs``), or
+    a loss instance or callable (used as it is)."""
+    if isinstance(loss_cls, str):
+        return build_loss(loss_cls, **kwargs)
+    if isinstance(loss_cls, type):
+        try:
+            return loss_cls(**kwargs)
+        except TypeError as exc:
+            raise UserError(f"loss {loss_cls.__name__}: {exc}") from exc
+    if not callable(loss_cls):
+        raise UserError(
+            f"set_loss: {loss_cls!r} is neither a loss name ({', '.join(LOSSES)}), class nor callable"
+        )
+    if kwargs:
+        raise UserError(f"set_loss got a loss instance and keywords {sorted(kwargs)}; pass one or the other")
+    return loss_cls

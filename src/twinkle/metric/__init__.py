@@ -1,7 +1,13 @@
-"""Training and evaluation metrics, reduced over ranks: ``TokenMetrics``.
+"""Training and evaluation metrics, reduced over ranks.
 
-Public names: ``TokenMetrics``."""
+Public names: ``TokenMetrics`` (the model's built-in numbers), ``Metric``, ``Accuracy``,
+``LossMetric``, ``TrainMetric``, ``METRICS``, ``build_metric``."""
 
+from twinkle.metric.accuracy import Accuracy
+from twinkle.metric.base import Metric
+from twinkle.metric.loss import LossMetric
+from twinkle.metric.registry import METRICS, build_metric
 from twinkle.metric.token_metrics import TokenMetrics
+from twinkle.metric.train_metric import TrainMetric
 
-__all__ = ["TokenMetrics"]
+__all__ = ["TokenMetrics", "Metric", "Accuracy", "LossMetric", "TrainMetric", "METRICS", "build_metric"]

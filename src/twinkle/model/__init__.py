@@ -1,8 +1,10 @@
 """The model facade: ``TransformersModel`` (load, LoRA, optimizer, step, metrics, checkpoints).
 
-Public names: ``TransformersModel``, ``OptimizerGroup``."""
+Public names: ``TransformersModel``, ``OptimizerGroup``, ``InputProcessor`` (what turns encoded
+rows into a batch, ``TransformersModel.set_processor``)."""
 
+from twinkle.model.inputs import InputProcessor
 from twinkle.model.train_state import OptimizerGroup
 from twinkle.model.transformers_model import TransformersModel
 
-__all__ = ["TransformersModel", "OptimizerGroup"]
+__all__ = ["TransformersModel", "OptimizerGroup", "InputProcessor"]

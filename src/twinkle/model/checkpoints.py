@@ -1,10 +1,22 @@
-"""``TransformersModel``'s checkpoints: save, resume, and the save of a preempted run."""
+"""``TransformersModel``'s checkpoints: save, resume, load, the adapter's state dict, and the
+save of a preempted run."""
 
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from twinkle.checkpoint import load_checkpoint, read_trainer_state, rotate_checkpoints, save_checkpoint
+import torch
+
+from twinkle.checkpoint import (
+    layout,
+    load_checkpoint,
+    read_trainer_state,
+    rotate_checkpoints,
+    save_checkpoint,
+    verify_checkpoint,
+)
+from twinkle.checkpoint.load import load_adapter_weights
+from twinkle.checkpoint.save import full_adapter_state
 from twinkle.distributed.collectives import all_reduce_sum
 from twinkle.model.lora import lora_signature
 from twinkle.model.resume import check_resumable, fast_forward_scheduler
@@ -34,22 +46,34 @@ class Checkpoints:
 
     def save(
         self,
-        name: str,
-        output_dir: str = "output",
+        name: str | None = None,
+        output_dir: str | None = "output",
         adapter_name: str | None = None,
         save_optimizer: bool = True,
         consumed_train_samples: int = 0,
         save_total_limit: int | None = None,
         metric: float | None = None,
         keep: Sequence[str] = (),
-    ) -> Path:
+        interval: int = 1,
+    ) -> Path | None:
         """Write ``output_dir/name`` completely under a temporary name, then rename it into place.
 
+        ``name`` None is ``checkpoint-<step>``; ``output_dir`` None is ``output``. ``interval``:
+        save only when the step count (micro-batches, ``cur_step``) is a multiple of it, so a
+        loop may call ``save`` every step; otherwise nothing is written and None is returned.
         ``metric`` (an eval loss, lower is better) is stored with the checkpoint. With
         ``save_total_limit``, the oldest complete ``checkpoint-*`` folders beyond it are then
         deleted, except the newest, the one with the lowest stored metric and those in ``keep``
         (``twinkle.checkpoint.rotate_checkpoints``)."""
         group = self._group(adapter_name)
+        if not isinstance(interval, int) or interval < 1:
+            raise UserError(
+                f"save(interval={interval!r}): interval must be a positive integer (1 saves every call)"
+            )
+        if group.cur_step % interval:
+            return None
+        name = f"checkpoint-{group.cur_step}" if name is None else name
+        output_dir = "output" if output_dir is None else output_dir
         if save_total_limit is not None and save_total_limit < 1:
             raise UserError(
                 f"save_total_limit must be at least 1 (or None to keep all), got {save_total_limit}"
@@ -119,6 +143,81 @@ class Checkpoints:
         group.resumed_samples, group.local_samples = int(state["consumed_train_samples"]), 0
         logger.info(f"resumed from {folder} at step {group.cur_step}")
         return {"consumed_train_samples": int(state["consumed_train_samples"]), "cur_step": group.cur_step}
+
+    def load(
+        self,
+        name: str,
+        output_dir: str | None = None,
+        adapter_name: str | None = None,
+        load_optimizer: bool = False,
+    ) -> Path:
+        """Load the adapter weights of a folder (``output_dir/name``, or the path ``name``) that
+        ``save`` or PEFT's ``save_pretrained`` wrote into adapter ``adapter_name``; with
+        ``load_optimizer`` also the optimizer and schedule state. Unlike
+        ``resume_from_checkpoint``, the step counters, data position and RNG stay as they are.
+        Returns the folder."""
+        group = self._group(adapter_name)
+        folder = Path(name).expanduser() if output_dir is None else Path(output_dir).expanduser() / name
+        if not folder.is_dir():
+            raise UserError(
+                f"load: {folder} is not a folder; pass name=<folder path>, or name=<folder name> with output_dir=<its parent>"
+            )
+        if (folder / layout.TRAINER_STATE).exists() or (folder / layout.MARKER).exists():
+            read_trainer_state(folder)  # a Twinkle checkpoint: refuse an interrupted or damaged one
+        config_file, weights_file = folder / layout.ADAPTER_CONFIG, folder / layout.ADAPTER_WEIGHTS
+        if not (config_file.is_file() and weights_file.is_file()):
+            raise UserError(
+                f"{folder} holds no LoRA adapter ({layout.ADAPTER_CONFIG} and {layout.ADAPTER_WEIGHTS}); "
+                "pass a folder that model.save(...) or PEFT's save_pretrained wrote"
+            )
+        self._check_lora_matches(folder, group.adapter_name)
+        if load_optimizer and group.optimizer is None:
+            raise UserError(
+                "load(..., load_optimizer=True) restores the optimizer: call set_optimizer(...) first"
+            )
+        if load_optimizer and not (folder / layout.OPTIMIZER).is_file():
+            raise UserError(
+                f"{folder} holds no optimizer state ({layout.OPTIMIZER}); it was saved with save_optimizer=False, "
+                "so load it with load_optimizer=False"
+            )
+        if load_optimizer:  # checked before the weights are replaced, like a resume
+            verify_checkpoint(folder, [layout.OPTIMIZER, layout.SCHEDULER])
+        load_adapter_weights(self.model, folder, group.adapter_name)
+        if load_optimizer:  # read onto the CPU: the optimizer moves its state to its parameters
+            group.optimizer.load_state_dict(
+                torch.load(folder / layout.OPTIMIZER, map_location="cpu", weights_only=True)
+            )
+            if group.lr_scheduler is not None and (folder / layout.SCHEDULER).is_file():
+                group.lr_scheduler.load_state_dict(
+                    torch.load(folder / layout.SCHEDULER, map_location="cpu", weights_only=False)
+                )
+        if group.optimizer is not None:
+            group.optimizer.sync_copies()
+        logger.info(f"loaded adapter {group.adapter_name!r} from {folder}")
+        return folder
+
+    def _check_lora_matches(self, folder: Path, adapter_name: str) -> None:
+        from peft import LoraConfig
+
+        try:
+            saved = lora_signature(LoraConfig.from_pretrained(str(folder)))
+        except (TypeError, ValueError, AttributeError) as exc:
+            raise UserError(
+                f"{folder / layout.ADAPTER_CONFIG} is not a LoRA config this PEFT reads ({exc})"
+            ) from exc
+        current = lora_signature(self.model.peft_config[adapter_name])
+        if saved != current:
+            raise UserError(
+                f"{folder} holds a LoRA adapter {saved}, adapter {adapter_name!r} is {current}; "
+                "add the adapter with the same r, lora_alpha and target_modules"
+            )
+
+    def get_state_dict(self, adapter_name: str | None = None) -> dict[str, torch.Tensor]:
+        """The adapter's weights, full size on the CPU, under the names of its
+        ``adapter_model.safetensors`` (PEFT's, without the adapter name). Under FSDP every rank
+        must call it (the shards are gathered)."""
+        group = self._group(adapter_name)
+        return full_adapter_state(self.model, group.adapter_name)
 
     def _save_and_exit(self, group: OptimizerGroup) -> None:
         """Preempted (SIGTERM): save ``checkpoint-<step>`` under the run's output dir and exit

@@ -3,20 +3,23 @@
 The model's own forward runs with its output head swapped for the identity, so the
 ``(batch, seq, vocab)`` logits tensor is never built; the loss applies the head only where the
 next token is supervised (see ``twinkle.loss``). Running the top-level forward (rather than the
-inner decoder) keeps FSDP2's root hooks in play, which gather the embedding and final norm."""
+inner decoder) keeps FSDP2's root hooks in play, which gather the embedding and final norm.
+
+A loss of upstream's convention (``loss(inputs, outputs)``, any callable that is not a
+``twinkle.loss.HeadLoss``) gets the real logits instead (``outputs_loss``)."""
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from twinkle.kernel.lora.linear import plain_linear
-from twinkle.loss import LossOutput
-from twinkle.loss.cross_entropy import finish, top_is_target
+from twinkle.loss import HeadLoss, LossOutput
+from twinkle.loss.cross_entropy import target_logps, top_is_target
 from twinkle.model.packing import can_pack, pack, shifted_targets
 from twinkle.template.base import IGNORE_INDEX
+from twinkle.utils.errors import UserError
 
 
 def causal_lm_of(model: Any) -> Any:
@@ -74,6 +77,8 @@ def compute_loss(
     With ``padding_free`` the batch runs packed into one row (see ``twinkle.model.packing``);
     the loss is the same either way."""
     lm = causal_lm_of(model)
+    if not isinstance(loss_fn, HeadLoss):
+        return outputs_loss(lm, batch, loss_fn)
     inputs, targets_2d = _model_inputs(lm, batch, padding_free)
     mask = targets_2d != IGNORE_INDEX
     targets = targets_2d[mask]
@@ -81,10 +86,48 @@ def compute_loss(
     # a head that is not a plain Linear (a LoRA on lm_head, a wrapper) runs as the model's own
     if has_logit_transform(lm) or not plain_linear(head):
         logits = lm(**inputs, use_cache=False).logits[mask].float()
-        loss_sum = F.cross_entropy(logits, targets, reduction="sum")
-        correct = top_is_target(logits.detach(), targets)
-        return finish(loss_sum, targets.numel(), correct, loss_fn.reduction)
+        return loss_fn.logits_loss(logits, targets)
     with head_as_identity(head):
         hidden = lm(**inputs, use_cache=False).logits[mask]
     bias = getattr(head, "bias", None)
-    return loss_fn(hidden, full_weight(head.weight), targets, None if bias is None else full_weight(bias))
+    return loss_fn.head_loss(
+        hidden, full_weight(head.weight), targets, None if bias is None else full_weight(bias)
+    )
+
+
+def outputs_loss(lm: Any, batch: dict[str, torch.Tensor], loss_fn: Any) -> LossOutput:
+    """``loss_fn(inputs, outputs)`` on the padded batch (never packed, so the loss sees
+    ``(batch, seq)`` shapes): ``inputs`` is the batch with each position's target as ``labels``
+    (-100 where none); ``outputs`` holds ``logps`` (unless ``loss_fn.require_logps`` is False)
+    and ``logits`` (if ``loss_fn.require_logits``), in fp32. A result with a non-zero
+    ``num_tokens`` is a sum over that many tokens; otherwise (a bare scalar, or ``num_tokens``
+    0) it is a mean over the supervised tokens, and its sum is the mean times their count, so
+    training still takes the mean over every supervised token of the global batch."""
+    if getattr(loss_fn, "require_entropy", False):
+        raise UserError(
+            f"{type(loss_fn).__name__}.require_entropy is not supported yet: require_entropy; the model "
+            "hands logps and logits, compute the entropy from outputs['logits'] (require_logits = True)"
+        )
+    targets = shifted_targets(batch["labels"], batch["attention_mask"])
+    model_inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids")}
+    logits = lm(**model_inputs, use_cache=False).logits.float()
+    mask = targets != IGNORE_INDEX
+    outputs: dict[str, Any] = {"logits": logits if getattr(loss_fn, "require_logits", False) else None}
+    if getattr(loss_fn, "require_logps", True):
+        outputs["logps"] = target_logps(logits, targets)
+    result = loss_fn({**batch, "labels": targets}, outputs)
+    loss = result.get("loss") if isinstance(result, Mapping) else result
+    if not (torch.is_tensor(loss) and loss.numel() == 1):
+        raise UserError(
+            f"the loss {getattr(loss_fn, '__name__', type(loss_fn).__name__)} returned {type(result).__name__}; "
+            "return a scalar tensor or {'loss': scalar tensor, 'num_tokens': ...}"
+        )
+    loss = loss.reshape(()).float()
+    supervised = int(mask.sum())
+    counted = result.get("num_tokens") if isinstance(result, Mapping) else None
+    if counted is not None and int(counted) != 0:
+        num_tokens, loss_sum = (int(counted) if supervised else 0), loss
+    else:
+        num_tokens, loss_sum = supervised, loss * supervised
+    correct = top_is_target(logits[mask].detach(), targets[mask])
+    return LossOutput(loss=loss, loss_sum=loss_sum, num_tokens=num_tokens, num_correct=correct)

@@ -42,6 +42,14 @@ class OptimizerGroup:
     reduced: tuple[float, float, float] | None = None
     train_metrics: TokenMetrics = field(default_factory=TokenMetrics)
     eval_metrics: TokenMetrics = field(default_factory=TokenMetrics)
+    # what raw rows pass through before the step (``set_template``, ``set_processor``); None:
+    # the default, built on first use
+    template: Any = None
+    processor: Any = None
+    # metrics ``add_metric`` gave, by is_training, and the last recorded micro-batch of each kind,
+    # accumulated once the step after it is known (``twinkle.model.metrics_api``)
+    added_metrics: dict[bool, list[Any]] = field(default_factory=lambda: {True: [], False: []})
+    pending_metric_batch: dict[bool, tuple[Any, Any]] = field(default_factory=dict)
 
     def window_is_full(self) -> bool:
         """Step after exactly ``gradient_accumulation_steps`` micro-batches, and at the end of the data."""

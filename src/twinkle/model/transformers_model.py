@@ -13,12 +13,14 @@ import torch
 from twinkle.distributed.collectives import all_reduce_sum
 from twinkle.distributed.fsdp import apply_fsdp2
 from twinkle.kernel import cpu_gemm as gemm
-from twinkle.loss import FusedLinearCrossEntropyLoss, build_loss
+from twinkle.loss import FusedLinearCrossEntropyLoss, HeadLoss, build_loss, resolve_loss
 from twinkle.model.activation_checkpointing import LayerCheckpointing
 from twinkle.model.checkpoints import Checkpoints
 from twinkle.model.forward import causal_lm_of, compute_loss
+from twinkle.model.inputs import InputsAPI
 from twinkle.model.loading import load_causal_lm, resolve_dtype
 from twinkle.model.lora import add_lora, trainable_parameters
+from twinkle.model.metrics_api import MetricsAPI
 from twinkle.model.options import resolve_precision, resolve_strategy
 from twinkle.model.step import clip_gradients
 from twinkle.model.train_state import OptimizerGroup
@@ -33,7 +35,11 @@ TASKS = ("causal_lm", "fused_lm_ce")
 logger = get_logger()
 
 
-class TransformersModel(Checkpoints):
+class TransformersModel(InputsAPI, MetricsAPI, Checkpoints):
+    """The model, its adapters and their training pieces; the methods come in groups: set-up and
+    the training step here, raw inputs in ``twinkle.model.inputs``, evaluation and metrics in
+    ``twinkle.model.metrics_api``, checkpoints in ``twinkle.model.checkpoints``."""
+
     def __init__(
         self,
         model_id: str | None = None,
@@ -88,7 +94,7 @@ class TransformersModel(Checkpoints):
         )
         self.checkpointing = LayerCheckpointing(self.model, activation_checkpointing)
         self.optimizer_group: dict[str, OptimizerGroup] = {}
-        self._pending_eval: tuple[str, Any, int, int] | None = None
+        self._pending_eval: tuple[str, Any, Any] | None = None
         self._pending_backward: tuple[OptimizerGroup, Any, dict[str, torch.Tensor]] | None = None
         self._in_train_mode = False  # set by forward_backward's train(), cleared by forward_only's eval()
 
@@ -132,7 +138,7 @@ class TransformersModel(Checkpoints):
         elif self.device.type == "cpu":
             self._pack_frozen_weights()
         self.optimizer_group[adapter_name] = OptimizerGroup(
-            adapter_name, gradient_accumulation_steps, loss_fn=build_loss("CrossEntropyLoss")
+            adapter_name, gradient_accumulation_steps, loss_fn=build_loss("CrossEntropyLoss", reduction="sum")
         )
 
     def _pack_frozen_weights(self) -> None:
@@ -176,8 +182,10 @@ class TransformersModel(Checkpoints):
         )
         group.last_lr = group.optimizer.param_groups[0]["lr"]
 
-    def set_loss(self, loss: str, adapter_name: str | None = None, **kwargs: Any) -> None:
-        self._group(adapter_name).loss_fn = build_loss(loss, **kwargs)
+    def set_loss(self, loss_cls: Any, adapter_name: str | None = None, **kwargs: Any) -> None:
+        """``loss_cls``: a name in ``twinkle.loss.LOSSES`` or a class (built with ``kwargs``), or
+        a loss instance or callable ``(inputs, outputs) -> loss`` (``twinkle.loss.base``)."""
+        self._group(adapter_name).loss_fn = resolve_loss(loss_cls, **kwargs)
 
     # ----------------------------------------------------------------- steps
     def _to_device(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -198,19 +206,29 @@ class TransformersModel(Checkpoints):
     def _loss_fn(self, group: OptimizerGroup, task: str) -> Any:
         if task not in TASKS:
             raise UserError(f"unknown task {task!r}; valid tasks: {', '.join(TASKS)}")
-        if task == "fused_lm_ce" and not isinstance(group.loss_fn, FusedLinearCrossEntropyLoss):
-            group.loss_fn = FusedLinearCrossEntropyLoss(reduction=group.loss_fn.reduction)
+        loss = group.loss_fn
+        if task == "fused_lm_ce" and not isinstance(loss, FusedLinearCrossEntropyLoss):
+            # the fused loss computes plain cross-entropy on every supervised token, nothing else
+            unfusable = not isinstance(loss, HeadLoss) or getattr(loss, "dft", False)
+            if unfusable or getattr(loss, "ignore_index", IGNORE_INDEX) != IGNORE_INDEX:
+                raise UserError(
+                    f"task='fused_lm_ce' replaces the loss by FusedLinearCrossEntropyLoss, which cannot compute "
+                    f"{type(loss).__name__} as it is set; use task='causal_lm'"
+                )
+            group.loss_fn = FusedLinearCrossEntropyLoss(reduction=loss.reduction)
         return group.loss_fn
 
     def forward(
-        self, inputs: dict[str, torch.Tensor], task: str = "causal_lm", adapter_name: str | None = None
+        self, inputs: Any, task: str = "causal_lm", adapter_name: str | None = None
     ) -> dict[str, float]:
         """The training forward of one micro-batch; ``backward()`` then runs its backward.
+        ``inputs``: a batch of tensors, or rows (``twinkle.model.inputs``).
 
         Returns ``{"loss": this rank's mean token loss, "num_tokens": supervised tokens}`` (no
         logits: the packed rows and the fused loss never build them). A model in eval mode
         (after ``forward_only``) is put back in training mode first."""
         group = self._group(adapter_name)
+        inputs = self._prepare_inputs(group, inputs)
         group.train_metrics.start_batch()
         batch = self._to_device(inputs)
         # train() sets the flag on every module and reading them all walks them too (6.9 and
@@ -241,17 +259,19 @@ class TransformersModel(Checkpoints):
         if not math.isfinite(loss_sum):
             group.window_nonfinite = True
             return loss_sum  # kept out of the metrics, whose loss would otherwise read low
+        correct = int(out.num_correct)
         group.train_metrics.update(
             loss_sum,
             out.num_tokens,
-            int(out.num_correct),
+            correct,
             int(inputs["attention_mask"].sum()),
             inputs["input_ids"].shape[0],
         )
+        self._record_metric_batch(group, True, inputs, out, loss_sum, correct)
         return loss_sum / max(1, out.num_tokens)
 
     def forward_backward(
-        self, inputs: dict[str, torch.Tensor], task: str = "causal_lm", adapter_name: str | None = None
+        self, inputs: Any, task: str = "causal_lm", adapter_name: str | None = None
     ) -> float:
         """``forward`` then ``backward``. Returns this rank's mean token loss."""
         self.forward(inputs, task=task, adapter_name=adapter_name)
@@ -370,65 +390,3 @@ class TransformersModel(Checkpoints):
                 f"training diverged: {limit} optimizer steps in a row had a NaN/inf loss or gradient "
                 f"(last at step {group.cur_step}); lower --lr, check the data, or resume from an earlier checkpoint"
             )
-
-    @torch.no_grad()
-    def forward_only(
-        self, inputs: dict[str, torch.Tensor], task: str = "causal_lm", adapter_name: str | None = None
-    ) -> float:
-        """Evaluate one batch (no gradients, dropout off); ``calculate_loss()`` records it."""
-        group = self._group(adapter_name)
-        group.eval_metrics.start_batch()
-        batch = self._to_device(inputs)
-        if any(m.training for m in self.model.modules()):
-            self.model.eval()
-        self._in_train_mode = False
-        out = compute_loss(self.model, batch, self._loss_fn(group, task), self.padding_free)
-        self._pending_eval = (
-            group.adapter_name,
-            out,
-            int(inputs["attention_mask"].sum()),
-            inputs["input_ids"].shape[0],
-        )
-        return float(out.loss_sum) / max(1, out.num_tokens)
-
-    def calculate_loss(self) -> float:
-        """Record the last ``forward_only`` batch in the eval metrics; return its mean token loss."""
-        if self._pending_eval is None:
-            raise UserError("call forward_only(inputs=...) before calculate_loss()")
-        name, out, input_tokens, samples = self._pending_eval
-        self._pending_eval = None
-        loss_sum = float(out.loss_sum)
-        self.optimizer_group[name].eval_metrics.update(
-            loss_sum, out.num_tokens, int(out.num_correct), input_tokens, samples
-        )
-        return loss_sum / max(1, out.num_tokens)
-
-    def calculate_metric(self, is_training: bool = True, adapter_name: str | None = None) -> dict[str, float]:
-        """Numbers since the last call, reduced over all ranks: loss, accuracy, tokens/s, and for
-        training also grad_norm, lr, step counters."""
-        group = self._group(adapter_name)
-        if not is_training:
-            return group.eval_metrics.compute()
-        metrics = group.train_metrics.compute()
-        metrics.update(
-            grad_norm=group.last_grad_norm,
-            lr=group.last_lr,
-            step=group.cur_step,
-            optimizer_steps=group.optimizer_steps,
-            skipped_steps=group.skipped_steps,
-            nonfinite_steps=group.nonfinite_steps,
-        )
-        return metrics
-
-    def get_train_configs(self, adapter_name: str | None = None) -> str:
-        group = self._group(adapter_name)
-        params = trainable_parameters(self.model)
-        n_train = sum(p.numel() for p in params)
-        n_all = sum(p.numel() for p in self.model.parameters())
-        sched = type(group.lr_scheduler).__name__ if group.lr_scheduler is not None else None
-        return (
-            f"model={self.model_path} device={self.device} dtype={next(self.model.parameters()).dtype} "
-            f"adapter={group.adapter_name} trainable={n_train:,}/{n_all:,} ({100 * n_train / max(1, n_all):.2f}%) "
-            f"optimizer={type(group.optimizer.optimizer).__name__} scheduler={sched} loss={type(group.loss_fn).__name__} "
-            f"gradient_accumulation_steps={group.gradient_accumulation_steps}"
-        )

@@ -1,0 +1,145 @@
+"""``TransformersModel``'s evaluation and numbers: ``forward_only``, ``calculate_loss``,
+``add_metric``, ``calculate_metric``, ``get_train_configs``.
+
+The built-in numbers (``twinkle.metric.TokenMetrics`` and the step counters) are always
+reported. Metrics from ``add_metric`` see each micro-batch whose loss is finite (training: at
+``backward``; evaluation: at ``calculate_loss``), but only once the next one arrives or
+``calculate_metric`` is called, so the learning rate and gradient norm they read are those of
+the step that used the micro-batch. Their numbers join the built-in ones, replacing a built-in
+number of the same name."""
+
+import copy
+import math
+from typing import Any
+
+import torch
+
+from twinkle.loss import LossOutput
+from twinkle.metric import build_metric
+from twinkle.model.forward import compute_loss
+from twinkle.model.lora import trainable_parameters
+from twinkle.model.packing import shifted_targets
+from twinkle.model.train_state import OptimizerGroup
+from twinkle.utils.errors import UserError
+
+
+class MetricsAPI:
+    """Mixed into ``TransformersModel`` (which provides ``model``, ``runtime``, ``_group``,
+    ``_prepare_inputs``, ``_to_device``, ``_loss_fn``, ``padding_free``)."""
+
+    @torch.no_grad()
+    def forward_only(self, inputs: Any, task: str = "causal_lm", adapter_name: str | None = None) -> float:
+        """Evaluate one batch (no gradients, dropout off); ``calculate_loss()`` records it.
+        ``inputs``: a batch of tensors, or rows (``twinkle.model.inputs``)."""
+        group = self._group(adapter_name)
+        inputs = self._prepare_inputs(group, inputs)
+        group.eval_metrics.start_batch()
+        batch = self._to_device(inputs)
+        if any(m.training for m in self.model.modules()):
+            self.model.eval()
+        self._in_train_mode = False
+        out = compute_loss(self.model, batch, self._loss_fn(group, task), self.padding_free)
+        self._pending_eval = (group.adapter_name, out, inputs)
+        return float(out.loss_sum) / max(1, out.num_tokens)
+
+    def calculate_loss(self) -> float:
+        """Record the last ``forward_only`` batch in the eval metrics; return its mean token loss."""
+        if self._pending_eval is None:
+            raise UserError("call forward_only(inputs=...) before calculate_loss()")
+        name, out, inputs = self._pending_eval
+        self._pending_eval = None
+        group = self.optimizer_group[name]
+        loss_sum = float(out.loss_sum)
+        correct = int(out.num_correct)
+        group.eval_metrics.update(
+            loss_sum,
+            out.num_tokens,
+            correct,
+            int(inputs["attention_mask"].sum()),
+            inputs["input_ids"].shape[0],
+        )
+        if math.isfinite(loss_sum):
+            self._record_metric_batch(group, False, inputs, out, loss_sum, correct)
+        return loss_sum / max(1, out.num_tokens)
+
+    def add_metric(
+        self, metric_cls: Any, is_training: bool | None = None, adapter_name: str | None = None, **kwargs: Any
+    ) -> None:
+        """Report ``metric_cls`` (a name in ``twinkle.metric.METRICS``, a ``Metric`` class built
+        with the model's mesh and ``kwargs``, or an instance) from ``calculate_metric``: for
+        training (``is_training=True``), evaluation (``False``) or both (None, a copy each)."""
+        group = self._group(adapter_name)
+        kinds = (True, False) if is_training is None else (bool(is_training),)
+        for kind in kinds:
+            metric = build_metric(metric_cls, device_mesh=self.runtime.mesh, process_group=None, **kwargs)
+            if metric is metric_cls and kind is False and len(kinds) == 2:
+                metric = copy.deepcopy(metric)  # an instance must not count both kinds of batch
+            group.added_metrics[kind].append(metric)
+
+    def calculate_metric(self, is_training: bool = True, adapter_name: str | None = None) -> dict[str, float]:
+        """Numbers since the last call, reduced over all ranks: loss, accuracy, tokens/s, and for
+        training also grad_norm, lr, step counters; then those of the added metrics."""
+        group = self._group(adapter_name)
+        if not is_training:
+            metrics = group.eval_metrics.compute()
+        else:
+            metrics = group.train_metrics.compute()
+            metrics.update(
+                grad_norm=group.last_grad_norm,
+                lr=group.last_lr,
+                step=group.cur_step,
+                optimizer_steps=group.optimizer_steps,
+                skipped_steps=group.skipped_steps,
+                nonfinite_steps=group.nonfinite_steps,
+            )
+        self._flush_metric_batch(group, is_training)
+        for metric in group.added_metrics[is_training]:
+            metrics.update(metric.calculate())
+        return metrics
+
+    def _record_metric_batch(
+        self,
+        group: OptimizerGroup,
+        is_training: bool,
+        inputs: Any,
+        out: LossOutput,
+        loss_sum: float,
+        correct: int,
+    ) -> None:
+        if not group.added_metrics[is_training]:
+            return
+        self._flush_metric_batch(group, is_training)
+        shifted = {**inputs, "labels": shifted_targets(inputs["labels"], inputs["attention_mask"])}
+        outputs = {"loss": loss_sum, "num_tokens": out.num_tokens, "num_correct": correct, "logits": None}
+        group.pending_metric_batch[is_training] = (shifted, outputs)
+
+    def _flush_metric_batch(self, group: OptimizerGroup, is_training: bool) -> None:
+        pending = group.pending_metric_batch.pop(is_training, None)
+        if pending is None:
+            return
+        lr = group.last_lr
+        if not math.isfinite(lr):
+            lr = group.optimizer.param_groups[0]["lr"] if group.optimizer is not None else None
+        context = {
+            "lr": lr,
+            "step": group.cur_step,
+            "gradient_accumulation_steps": group.gradient_accumulation_steps,
+            "grad_norm": group.last_grad_norm if math.isfinite(group.last_grad_norm) else None,
+            "loss_reduction": "sum",
+        }
+        for metric in group.added_metrics[is_training]:
+            metric.accumulate(*pending, **context)
+
+    def get_train_configs(self, adapter_name: str | None = None) -> str:
+        group = self._group(adapter_name)
+        params = trainable_parameters(self.model)
+        n_train = sum(p.numel() for p in params)
+        n_all = sum(p.numel() for p in self.model.parameters())
+        sched = type(group.lr_scheduler).__name__ if group.lr_scheduler is not None else None
+        loss = getattr(group.loss_fn, "__name__", type(group.loss_fn).__name__)  # a function by its name
+        return (
+            f"model={self.model_path} device={self.device} dtype={next(self.model.parameters()).dtype} "
+            f"adapter={group.adapter_name} trainable={n_train:,}/{n_all:,} ({100 * n_train / max(1, n_all):.2f}%) "
+            f"optimizer={type(group.optimizer.optimizer).__name__} scheduler={sched} loss={loss} "
+            f"gradient_accumulation_steps={group.gradient_accumulation_steps}"
+        )

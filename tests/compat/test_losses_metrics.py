@@ -1,0 +1,303 @@
+"""Upstream's loss and metric classes against plain torch, and with ``set_loss``/``add_metric``.
+
+Upstream's convention: ``loss(inputs, outputs)`` with ``inputs["labels"]`` already shifted (each
+position's target, -100 where none) and ``outputs["logits"]``/``["logps"]``."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from twinkle.dataloader import DataLoader
+from twinkle.loss import (
+    ChunkedCrossEntropyLoss,
+    CrossEntropyLoss,
+    FusedLinearCrossEntropyLoss,
+    LigerFusedLinearCrossEntropyLoss,
+    MSELoss,
+    build_loss,
+)
+from twinkle.metric import Accuracy, LossMetric, TrainMetric
+from twinkle.utils.errors import UserError
+
+# fp32 throughout: the losses and the references differ only in summation order
+ATOL, RTOL = 1e-5, 1e-5
+B, L, V, H = 3, 7, 11, 5
+
+
+def _labels(seed=0, ignore=-100):
+    g = torch.Generator().manual_seed(seed)
+    labels = torch.randint(0, V, (B, L), generator=g)
+    labels[:, :2] = ignore  # a prompt
+    labels[2, 5:] = ignore  # padding
+    return labels
+
+
+def _logits(seed=1):
+    return torch.randn(B, L, V, generator=torch.Generator().manual_seed(seed), requires_grad=True)
+
+
+def _reference_ce(logits, labels, reduction, ignore=(-100,)):
+    mask = torch.ones_like(labels, dtype=torch.bool)
+    for value in ignore:
+        mask &= labels != value
+    return F.cross_entropy(logits[mask], labels[mask], reduction=reduction), int(mask.sum())
+
+
+def _grad(loss, leaf):
+    (grad,) = torch.autograd.grad(loss, leaf, retain_graph=True)
+    return grad
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize(
+    "make",
+    [CrossEntropyLoss, lambda **kw: ChunkedCrossEntropyLoss(chunk_size=4, **kw)],
+    ids=["ce", "chunked"],
+)
+def test_cross_entropy_from_logits_and_logps(make, reduction):
+    labels, logits = _labels(), _logits()
+    expected, count = _reference_ce(logits, labels, reduction)
+    out = make(reduction=reduction)({"labels": labels}, {"logits": logits})
+    torch.testing.assert_close(out["loss"], expected, atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(_grad(out["loss"], logits), _grad(expected, logits), atol=ATOL, rtol=RTOL)
+    assert int(out["num_tokens"]) == (count if reduction == "sum" else 0)  # upstream's signal of a mean
+    logps = torch.log_softmax(logits, -1).gather(-1, labels.clamp(min=0)[..., None]).squeeze(-1)
+    from_logps = make(reduction=reduction)({"labels": labels}, {"logps": logps})
+    torch.testing.assert_close(from_logps["loss"], expected, atol=ATOL, rtol=RTOL)
+
+
+def test_ignore_index_and_dft():
+    labels, logits = _labels(), _logits()
+    expected, _ = _reference_ce(logits, labels, "sum", ignore=(-100, 3))
+    out = CrossEntropyLoss(ignore_index=3, reduction="sum")({"labels": labels}, {"logits": logits})
+    torch.testing.assert_close(out["loss"], expected, atol=ATOL, rtol=RTOL)
+    # DFT: each token's -log p weighted by p, which is not differentiated (arXiv 2508.05629)
+    mask = labels != -100
+    logp = torch.log_softmax(logits[mask], -1).gather(-1, labels[mask][:, None]).squeeze(-1)
+    reference = (-(logp.detach().exp()) * logp).mean()
+    for make in (CrossEntropyLoss, lambda **kw: ChunkedCrossEntropyLoss(chunk_size=4, **kw)):
+        dft = make(dft=True)({"labels": labels}, {"logits": logits})
+        torch.testing.assert_close(dft["loss"], reference, atol=ATOL, rtol=RTOL)
+        torch.testing.assert_close(_grad(dft["loss"], logits), _grad(reference, logits), atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.parametrize(
+    "loss",
+    [
+        CrossEntropyLoss(reduction="sum", ignore_index=4),
+        CrossEntropyLoss(reduction="sum", dft=True),
+        ChunkedCrossEntropyLoss(chunk_size=3, reduction="sum"),
+        ChunkedCrossEntropyLoss(chunk_size=3, reduction="sum", dft=True),
+        LigerFusedLinearCrossEntropyLoss(chunk_rows=3),
+    ],
+    ids=["ce-ignore", "ce-dft", "chunked", "chunked-dft", "liger"],
+)
+def test_the_model_convention_matches_torch(loss):
+    """``loss(hidden, weight, targets)``: hidden states of the supervised rows and the head."""
+    g = torch.Generator().manual_seed(2)
+    hidden = torch.randn(10, H, generator=g, requires_grad=True)
+    weight = torch.randn(V, H, generator=g, requires_grad=True)
+    targets = torch.randint(0, V, (10,), generator=g)
+    keep = targets != getattr(loss, "ignore_index", -100)
+    logits = F.linear(hidden[keep], weight)
+    if getattr(loss, "dft", False):
+        logp = -F.cross_entropy(logits, targets[keep], reduction="none")
+        expected = (-(logp.detach().exp()) * logp).sum()
+    else:
+        expected = F.cross_entropy(logits, targets[keep], reduction="sum")
+    out = loss(hidden, weight, targets)
+    assert out.num_tokens == int(keep.sum()) and int(out.num_correct) == int(
+        (logits.argmax(-1) == targets[keep]).sum()
+    )
+    torch.testing.assert_close(out.loss, expected, atol=ATOL, rtol=RTOL)
+    for leaf in (hidden, weight):
+        torch.testing.assert_close(_grad(out.loss, leaf), _grad(expected, leaf), atol=ATOL, rtol=RTOL)
+
+
+def test_fused_losses_take_upstreams_hidden_states_and_head():
+    labels = _labels()
+    hidden = torch.randn(B, L, H, generator=torch.Generator().manual_seed(3), requires_grad=True)
+    head = torch.nn.Linear(H, V, bias=False)
+    expected, count = _reference_ce(head(hidden), labels, "sum")
+    for loss in (LigerFusedLinearCrossEntropyLoss(), FusedLinearCrossEntropyLoss()):
+        out = loss({"labels": labels}, {"logits": hidden, "lm_head": head})
+        torch.testing.assert_close(out["loss"], expected, atol=ATOL, rtol=RTOL)
+        assert out["num_tokens"] == count
+        # without the head, the logits are real logits: plain cross-entropy
+        plain = loss({"labels": labels}, {"logits": head(hidden)})
+        torch.testing.assert_close(plain["loss"], expected, atol=ATOL, rtol=RTOL)
+    assert isinstance(build_loss("LigerFusedLinearCrossEntropyLoss"), FusedLinearCrossEntropyLoss)
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (
+            lambda: LigerFusedLinearCrossEntropyLoss(label_smoothing=0.1),
+            r"not supported yet: label_smoothing",
+        ),
+        (lambda: LigerFusedLinearCrossEntropyLoss(softcap=30.0), r"not supported yet: softcap"),
+        (lambda: ChunkedCrossEntropyLoss(chunk_size=0), r"chunk_size must be a positive integer"),
+        (
+            lambda: CrossEntropyLoss(reduction="none"),
+            r"reduction='none' is not supported; use one of sum, mean",
+        ),
+        (lambda: build_loss("MSELoss", reduction="sum"), r"loss MSELoss: MSELoss\(\) takes no arguments"),
+    ],
+)
+def test_unsupported_arguments_are_user_errors(make, message):
+    with pytest.raises(UserError, match=message):
+        make()
+
+
+def test_mse():
+    g = torch.Generator().manual_seed(4)
+    preds, labels = torch.randn(6, 1, generator=g, requires_grad=True), torch.randn(6, 1, generator=g)
+    out = MSELoss()({"labels": labels}, {"logits": preds})
+    torch.testing.assert_close(out["loss"], F.mse_loss(preds, labels))
+    with pytest.raises(UserError, match=r"logits \(3, 7, 11\) and labels \(3, 7\) differ in shape"):
+        MSELoss()({"labels": _labels()}, {"logits": _logits()})
+
+
+def test_accuracy_from_logits_and_from_the_models_counts():
+    labels, logits = _labels(), _logits()
+    mask = labels != -100
+    metric = Accuracy()
+    metric.accumulate({"labels": labels}, {"logits": logits})
+    metric.accumulate({"labels": labels}, {"num_correct": 3, "num_tokens": 10, "logits": None})
+    correct = int(((logits.argmax(-1) == labels) & mask).sum()) + 3
+    total = int(mask.sum()) + 10
+    assert metric.calculate() == {
+        "accuracy": correct / total,
+        "correct_tokens": correct,
+        "total_tokens": total,
+    }
+    assert metric.calculate() == {}  # calculate resets
+    completion = torch.zeros_like(labels)
+    completion[:, -2:] = 1
+    metric.accumulate({"labels": labels, "completion_mask": completion}, {"logits": logits})
+    assert metric.calculate()["total_tokens"] == 2 * B
+
+
+def test_loss_metric_sum_and_mean():
+    metric = LossMetric()
+    metric.accumulate({}, {"loss": 6.0, "num_tokens": 4}, loss_reduction="sum", grad_norm=0.5)
+    metric.accumulate({}, {"loss": torch.tensor(3.0), "num_tokens": 2}, loss_reduction="sum")
+    assert metric.calculate() == {"loss": 9.0 / 6, "grad_norm": 0.5}
+    metric.accumulate({}, {"loss": 2.0})
+    metric.accumulate({}, {"loss": 4.0})  # mean reduction: the mean of the micro-batches
+    assert metric.calculate() == {"loss": 3.0}
+    labels = torch.tensor([[-100, 1, 2], [3, -100, -100]])
+    metric.accumulate({"labels": labels}, {"loss": 6.0}, loss_reduction="sum")  # tokens from the labels
+    assert metric.calculate() == {"loss": 2.0} and metric.calculate() == {}
+
+
+def test_train_metric():
+    metric = TrainMetric()
+    metric.accumulate(None, None, lr=1e-4, step=10, gradient_accumulation_steps=2)
+    out = metric.calculate()
+    assert (
+        out["lr"] == 1e-4
+        and out["iters"] == 5
+        and out["iters_per_second"] > 0
+        and out["elapsed_seconds"] >= 0
+    )
+    metric.accumulate(None, None, lr=[1e-4, 2e-4], step=12)
+    assert {k: v for k, v in metric.calculate().items() if k.startswith("lr")} == {
+        "lr/group0": 1e-4,
+        "lr/group1": 2e-4,
+    }
+
+
+def _upstream_style_ce(inputs, outputs):
+    """A loss the way upstream documents one: a plain callable of (inputs, outputs)."""
+    mask = inputs["labels"] != -100
+    return {"loss": -(outputs["logps"] * mask).sum(), "num_tokens": mask.sum()}
+
+
+def _mean_ce(inputs, outputs):
+    mask = inputs["labels"] != -100
+    return -(outputs["logps"] * mask).sum() / mask.sum()  # a bare scalar: a mean
+
+
+@pytest.mark.parametrize(
+    ("loss_cls", "kwargs", "exact"),
+    [
+        (CrossEntropyLoss(reduction="sum"), {}, True),
+        (CrossEntropyLoss, {"reduction": "mean"}, True),  # the reported value only: same training
+        (ChunkedCrossEntropyLoss, {"chunk_size": 5}, False),
+        (_upstream_style_ce, {}, False),
+        (_mean_ce, {}, False),
+    ],
+    ids=["instance", "class", "chunked", "callable-sum", "callable-mean"],
+)
+def test_set_loss_takes_classes_instances_and_callables(make_model, dataset, loss_cls, kwargs, exact):
+    batches = list(DataLoader(dataset, batch_size=4))[:2]
+    reference, model = make_model(init_lora_weights=False), make_model(init_lora_weights=False)
+    model.set_loss(loss_cls, **kwargs)
+    for batch in batches:
+        expected, actual = reference.forward_backward(inputs=batch), model.forward_backward(inputs=batch)
+        assert actual == expected if exact else actual == pytest.approx(expected, rel=1e-5)
+        reference.clip_grad_and_step()
+        model.clip_grad_and_step()
+    a = {n: p for n, p in reference.model.named_parameters() if p.requires_grad}
+    for name, param in model.model.named_parameters():
+        if param.requires_grad:
+            torch.testing.assert_close(param, a[name], atol=0 if exact else 1e-5, rtol=0 if exact else 1e-4)
+    metrics, expected = model.calculate_metric(), reference.calculate_metric()
+    assert metrics["accuracy"] == expected["accuracy"]
+    assert metrics["supervised_tokens"] == expected["supervised_tokens"]
+
+
+def test_losses_the_model_cannot_run_say_so(make_model, dataset):
+    batch = next(iter(DataLoader(dataset, batch_size=2)))
+    model = make_model()
+    model.set_loss(MSELoss)
+    with pytest.raises(
+        UserError, match=r"MSELoss: logits \(2, \d+, \d+\) and labels \(2, \d+\) differ in shape"
+    ):
+        model.forward_backward(inputs=batch)
+    model.set_loss(lambda inputs, outputs: 3.0)
+    with pytest.raises(UserError, match=r"returned float; return a scalar tensor"):
+        model.forward_backward(inputs=batch)
+    for loss in (CrossEntropyLoss(dft=True), _upstream_style_ce):
+        model.set_loss(loss)
+        with pytest.raises(UserError, match=r"task='fused_lm_ce' replaces the loss .* use task='causal_lm'"):
+            model.forward_backward(inputs=batch, task="fused_lm_ce")
+    with pytest.raises(UserError, match=r"a loss instance and keywords \['reduction'\]"):
+        model.set_loss(CrossEntropyLoss(), reduction="sum")
+    with pytest.raises(UserError, match=r"set_loss: 3 is neither a loss name"):
+        model.set_loss(3)
+
+
+def _metrics_on_rank(rank: int, init_file: str, results) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        accuracy, loss = Accuracy(), LossMetric()
+        accuracy.accumulate({}, {"num_correct": rank + 1, "num_tokens": 10 * (rank + 1)})
+        loss.accumulate(
+            {}, {"loss": 3.0 * (rank + 1), "num_tokens": rank + 1}, loss_reduction="sum", grad_norm=rank + 0.5
+        )
+        results[rank] = {**accuracy.calculate(), **loss.calculate()}
+    finally:
+        dist.destroy_process_group()
+
+
+def test_metrics_reduce_over_ranks(tmp_path):
+    """Two gloo ranks with different counts: both report the totals (and the largest grad norm)."""
+    import torch.multiprocessing as mp
+
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(_metrics_on_rank, args=(str(tmp_path / "init"), results), nprocs=2)
+        results = dict(results)
+    expected = {
+        "accuracy": 3 / 30,
+        "correct_tokens": 3,
+        "total_tokens": 30,
+        "loss": 9.0 / 3,
+        "grad_norm": 1.5,
+    }
+    assert results == {0: expected, 1: expected}
