@@ -205,3 +205,22 @@ def test_resume_in_a_new_process_continues_the_run_exactly(resume_runs, case):
         json.loads((case_dir / f"{run}-end" / "trainer_state.json").read_text()) for run in ("full", "resume")
     ]
     assert states[0]["optimizer_steps"] == states[1]["optimizer_steps"] == -(-2 * n // accumulation)
+
+
+def test_every_checkpoint_file_is_read_onto_the_cpu(checkpoint, make_model, monkeypatch):
+    """Each rank loads onto the CPU and places its own copy: a checkpoint saved from GPU 0 is
+    never materialised on GPU 0 by every rank (the optimizer moves its state to its params)."""
+    _, path = checkpoint
+    reads, real = [], torch.load
+
+    def spy(*args, **kwargs):
+        reads.append(kwargs.get("map_location"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "load", spy)
+    model = make_model(gradient_accumulation_steps=2)
+    model.set_lr_scheduler("CosineWarmupScheduler", num_warmup_steps=1, num_training_steps=10)
+    model.resume_from_checkpoint(str(path), resume_only_model=False, adapter_name="default")
+    assert len(reads) == 3 and set(reads) == {"cpu"}  # the rank state, the optimizer, the schedule
+    model.load(path.name, output_dir=str(path.parent), adapter_name="default", load_optimizer=True)
+    assert len(reads) == 5 and set(reads) == {"cpu"}

@@ -1,5 +1,10 @@
 """Restore a checkpoint written by ``save_checkpoint``; every file is checked against the
-completion marker's size and checksum before any of them is read (``integrity.verify``)."""
+completion marker's size and checksum before any of them is read (``integrity.verify``).
+
+Every file is read onto the CPU (``read_state``): a checkpoint saved on GPU 0 would otherwise be
+materialised on GPU 0 by every rank before its own copy is placed. The optimizer's
+``load_state_dict`` moves its state to its parameters' device, the open window's gradients are
+placed on each parameter's device, and RNG states are CPU tensors by definition."""
 
 import random
 from pathlib import Path
@@ -11,6 +16,11 @@ from safetensors.torch import load_file
 
 from twinkle.checkpoint import integrity, layout
 from twinkle.utils.errors import UserError
+
+
+def read_state(path: Path, weights_only: bool = True) -> Any:
+    """``torch.load`` of a checkpoint file, onto the CPU whatever device it was saved from."""
+    return torch.load(path, map_location="cpu", weights_only=weights_only)
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
@@ -30,7 +40,7 @@ def load_adapter_weights(model: Any, folder: Path, adapter_name: str) -> None:
 def _load_adapter_weights(model: Any, folder: Path, adapter_name: str) -> None:
     from peft import set_peft_model_state_dict
 
-    weights = load_file(folder / layout.ADAPTER_WEIGHTS)
+    weights = load_file(folder / layout.ADAPTER_WEIGHTS, device="cpu")
     result = set_peft_model_state_dict(model, weights, adapter_name=adapter_name)
     unexpected = getattr(result, "unexpected_keys", [])
     if unexpected:
@@ -59,12 +69,12 @@ def load_checkpoint(
         raise UserError(
             f"checkpoint {folder} has no state for rank {rank}; resume with the world size it was saved with"
         )
-    rank_state = torch.load(rank_file, weights_only=False)
+    rank_state = read_state(rank_file, weights_only=False)
     opt_file = folder / layout.OPTIMIZER
     if group.optimizer is not None and opt_file.is_file():
-        group.optimizer.load_state_dict(torch.load(opt_file, weights_only=True))
+        group.optimizer.load_state_dict(read_state(opt_file))
     sched_file = folder / layout.SCHEDULER
     if group.lr_scheduler is not None and sched_file.is_file():
-        group.lr_scheduler.load_state_dict(torch.load(sched_file, weights_only=False))
+        group.lr_scheduler.load_state_dict(read_state(sched_file, weights_only=False))
     set_rng_state(rank_state["rng"])
     return {k: v for k, v in rank_state.items() if k != "rng"}
