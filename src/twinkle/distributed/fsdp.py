@@ -69,12 +69,22 @@ def apply_fsdp2(
     mesh: DeviceMesh,
     device: torch.device,
     no_split_modules: list[str] | None,
+    fallback: list[str] | None = None,
 ) -> torch.nn.Module:
-    """Shard ``root`` in place over ``mesh`` and return it (now an ``FSDPModule``)."""
+    """Shard ``root`` in place over ``mesh`` and return it (now an ``FSDPModule``). ``fallback``:
+    the layer classes to wrap when ``no_split_modules`` names none of the model's (given for
+    one-rank shards, where the wrapping only groups the gradients' all-reduce)."""
     from torch.distributed.fsdp import fully_shard
 
     names = set(no_split_modules or [])
     layers = [m for m in root.modules() if type(m).__name__ in names]
+    if not layers and fallback:
+        logger.warning(
+            f"_no_split_modules {sorted(names)} names no module of this model; with whole-model "
+            f"replicas it only groups the gradients' all-reduce, so the model's own {sorted(fallback)} is used"
+        )
+        names = set(fallback)
+        layers = [m for m in root.modules() if type(m).__name__ in names]
     if not layers:
         raise UserError(
             f"no module of the model is one of _no_split_modules {sorted(names)}; set "

@@ -43,6 +43,12 @@ def load_causal_lm(
     path = resolve_model(model_id)
     dtype = dtype or default_dtype(device)
     model_cls = model_cls or AutoModelForCausalLM
+    if isinstance(model_cls, str):  # --model-cls: a transformers class name
+        import transformers
+
+        name, model_cls = model_cls, getattr(transformers, model_cls, None)
+        if model_cls is None:
+            raise UserError(f"--model-cls {name}: transformers has no such class; e.g. AutoModelForCausalLM")
     if not hasattr(model_cls, "from_pretrained"):
         raise UserError(f"model_cls={model_cls!r} has no from_pretrained(); pass a transformers model class")
     extra = {} if config is None else {"config": config}

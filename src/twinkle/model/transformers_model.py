@@ -90,7 +90,7 @@ class TransformersModel(InputsAPI, MetricsAPI, Checkpoints):
         self.device = runtime.device
         self.model_id = model_id
         self.model, self.tokenizer, self.model_path = load_causal_lm(
-            model_id, self.device, dtype, model_cls=model_cls, config=config
+            model_id, self.device, dtype, model_cls=model_cls or defaults.model_cls, config=config
         )
         self.checkpointing = LayerCheckpointing(self.model, activation_checkpointing)
         self.optimizer_group: dict[str, OptimizerGroup] = {}
@@ -131,7 +131,8 @@ class TransformersModel(InputsAPI, MetricsAPI, Checkpoints):
                     f"({self.runtime.mesh.describe()}); use --fsdp-size 1 --dp-size N, or an FSDP strategy"
                 )
             lm = causal_lm_of(self.model)
-            apply_fsdp2(lm, self.runtime.mesh, self.device, getattr(lm, "_no_split_modules", None))
+            own = getattr(type(lm), "_no_split_modules", None) if self.strategy == "ddp" else None
+            apply_fsdp2(lm, self.runtime.mesh, self.device, getattr(lm, "_no_split_modules", None), own)
             # Every rank drew the same LoRA initialisation (one seed); from here on each rank
             # needs its own stream, or all ranks would draw the same dropout masks.
             torch.manual_seed(self.runtime.seed + 1_000_003 * self.runtime.rank)
@@ -294,10 +295,12 @@ class TransformersModel(InputsAPI, MetricsAPI, Checkpoints):
         return group.reduced
 
     def clip_grad_norm(
-        self, max_grad_norm: float = 1.0, norm_type: float = 2, adapter_name: str | None = None
+        self, max_grad_norm: float | None = None, norm_type: float = 2, adapter_name: str | None = None
     ) -> float:
         """Clip the window's gradients (their global ``norm_type`` norm, after the rescale to the
-        token mean) to ``max_grad_norm``; returns the norm before clipping."""
+        token mean) to ``max_grad_norm`` (default: ``--max-grad-norm``, 1.0); returns the norm
+        before clipping."""
+        max_grad_norm = run_defaults().max_grad_norm if max_grad_norm is None else max_grad_norm
         group = self._group(adapter_name)
         total, _, _ = self._reduce_window(group)
         if total == 0:
@@ -346,9 +349,13 @@ class TransformersModel(InputsAPI, MetricsAPI, Checkpoints):
         group.lr_scheduler.step()
 
     def clip_grad_and_step(
-        self, max_grad_norm: float = 1.0, max_nonfinite_steps: int = 5, adapter_name: str | None = None
+        self,
+        max_grad_norm: float | None = None,
+        max_nonfinite_steps: int = 5,
+        adapter_name: str | None = None,
     ) -> bool:
         """Step the optimizer when the accumulation window is full; returns whether it stepped.
+        The gradients are clipped to ``max_grad_norm`` (default: ``--max-grad-norm``, 1.0).
 
         A window whose loss or gradient is NaN/inf on any rank is dropped (counted in the
         ``nonfinite_steps`` metric); ``max_nonfinite_steps`` such windows in a row stop training."""
@@ -357,6 +364,7 @@ class TransformersModel(InputsAPI, MetricsAPI, Checkpoints):
             raise UserError("call set_optimizer(...) before clip_grad_and_step()")
         if not group.window_is_full():
             return False
+        max_grad_norm = run_defaults().max_grad_norm if max_grad_norm is None else max_grad_norm
         total, nonfinite, _ = self._reduce_window(group)
         stepped = False
         if total == 0:
