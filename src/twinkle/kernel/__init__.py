@@ -5,6 +5,7 @@ Public names: ``kernelize``, ``KernelChoice``, ``DEFAULT_KERNEL_CONFIG``, ``DEFA
 ``describe``, ``hub``, ``HubRef``. See ``README.md`` beside this file."""
 
 from twinkle.kernel import backends as _backends  # noqa: F401  (registers the module ops)
+from twinkle.kernel import muon as _muon  # noqa: F401  (registers muon_step)
 from twinkle.kernel.attention import packed as _packed  # noqa: F401  (registers packed_attention)
 from twinkle.kernel.config import DEFAULT_CALL_CHAINS, DEFAULT_KERNEL_CONFIG
 from twinkle.kernel.hub_layers import HubRef, hub

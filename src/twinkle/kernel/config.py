@@ -39,6 +39,8 @@ DEFAULT_CALL_CHAINS: dict[str, tuple[str, ...]] = {
     "lora_qkv": ("fused", "modules"),
     # the frozen weights' fp32 CPU products: oneDNN (packed copies first) where it is faster
     "cpu_gemm": ("packed", "onednn", "torch"),
+    # torch.optim.Muon's step: one batched Newton-Schulz iteration per matrix shape, else torch's
+    "muon_step": ("batched", "torch"),
 }
 for _op, _chain in DEFAULT_CALL_CHAINS.items():
     define_call_op(_op, _chain)

@@ -113,6 +113,14 @@ SWITCHES: dict[str, Switch] = {
             ("on", "off"),
             "q/k/v LoRA projections and the rotary embedding as one autograd node (off: layer by layer)",
         ),
+        Switch(
+            "TWINKLE_BATCHED_MUON",
+            "muon_step",
+            "batched",
+            "on",
+            ("on", "off"),
+            "torch.optim.Muon's Newton-Schulz iterations batched over same-shaped matrices (off: torch's own step)",
+        ),
     )
 }
 

@@ -44,7 +44,9 @@ def build_optimizer(
     **kwargs: Any,
 ) -> torch.optim.Optimizer:
     """Create the optimizer over ``params``; extra keyword arguments go to its constructor."""
-    cls = resolve_optimizer_cls(optimizer_cls)
+    from twinkle.kernel.muon import muon_class
+
+    cls = muon_class(resolve_optimizer_cls(optimizer_cls))  # torch's Muon: batched, same results
     params = list(params)
     if not params:
         raise UserError("no trainable parameters: add a LoRA adapter before set_optimizer()")
