@@ -148,6 +148,9 @@ def test_a_built_kernel_that_disagrees_with_the_torch_ops_is_not_used(monkeypatc
     real = dropout._library()
 
     class OtherSeed:  # as a miscompiled build: a valid mask, but not the one the seed names
+        twinkle_lora_masked_down_f32 = real.twinkle_lora_masked_down_f32
+        twinkle_lora_masked_up_grad_f32 = real.twinkle_lora_masked_up_grad_f32
+
         @staticmethod
         def twinkle_dropout_f32(x, out, n, seed, drop_below, scale, threads):
             real.twinkle_dropout_f32(x, out, n, seed ^ 1, drop_below, scale, threads)
@@ -160,3 +163,33 @@ def test_a_built_kernel_that_disagrees_with_the_torch_ops_is_not_used(monkeypatc
     x = torch.randn(64, 64)
     drop = dropout.draw(0.5)
     assert torch.equal(dropout.apply(x, drop) != 0, dropout.keep_mask(x.shape, drop))
+
+
+@pytest.mark.parametrize("tokens, hidden, rank", [(37, 100, 8), (5, 1536, 4), (64, 576, 8)])
+def test_the_fused_masked_products_equal_the_torch_ops(tokens, hidden, rank, monkeypatch):
+    torch.manual_seed(0)
+    x, a = torch.randn(tokens, hidden), torch.randn(rank, hidden)
+    g_low = torch.randn(rank, tokens).t()  # (tokens, r) with the nodes' strides
+    base = torch.randn(tokens, hidden)
+    drop = dropout.draw(0.3)
+    assert dropout._library() is not None
+
+    def run():
+        grad_x = base.clone()
+        grad_a = dropout.masked_input_grads(x, a, g_low, drop, grad_x, True)
+        return dropout.masked_low(x, a, drop), grad_a, grad_x
+
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = run()
+        torch.set_num_threads(2)
+        two = run()
+    finally:
+        torch.set_num_threads(threads)
+    for a_, b_ in zip(one, two, strict=True):
+        assert torch.equal(a_, b_)  # the same sums whatever the thread count
+    monkeypatch.setitem(dropout._state, "lib", None)
+    expected = run()  # torch ops on the masked copy
+    for got, want in zip(one, expected, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

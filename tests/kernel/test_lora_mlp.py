@@ -182,8 +182,10 @@ def test_with_an_active_dropout_it_gives_peft_gradients_given_the_same_masks(mon
     torch.testing.assert_close(out, out_ref)
     torch.testing.assert_close(gx, gx_ref)
     assert grads.keys() == grads_ref.keys()
-    for name, grad in grads_ref.items():
-        torch.testing.assert_close(grads[name], grad, msg=name)
+    for name, grad in grads_ref.items():  # equal up to summation order (the masked products' own)
+        torch.testing.assert_close(
+            grads[name], grad, rtol=1e-5, atol=1e-6 * float(grad.abs().max()), msg=name
+        )
 
 
 def test_on_a_bf16_model_backward_frees_each_wide_tensor_and_fp32_copy_after_its_last_use():

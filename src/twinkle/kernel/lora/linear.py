@@ -49,11 +49,14 @@ def project(
     lora_a: torch.Tensor,
     lora_b: torch.Tensor,
     scaling: float,
+    drop: Drop | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(flat W^T + bias + scaling (flat_lora A^T) B^T, flat_lora A^T)`` for 2-D ``flat``. An
+    """``(flat W^T + bias + scaling (dropout(flat_lora) A^T) B^T, dropout(flat_lora) A^T)`` for 2-D
+    ``flat``; ``flat_lora`` is x in the adapter's dtype, ``drop`` its dropout mask (None: none). An
     adapter wider than the base (PEFT's fp32 adapters on a bf16 model) runs in its own dtype and
     the sum is rounded once to the base's dtype, as PEFT does."""
-    low = _thin(lora_a, flat_lora.t())  # (tokens, r)
+    # (tokens, r)
+    low = _thin(lora_a, flat_lora.t()) if drop is None else dropout.masked_low(flat_lora, lora_a, drop)
     out = linear(flat, weight, bias)
     if lora_a.dtype != flat.dtype:
         return out.to(lora_a.dtype).addmm_(low, lora_b.t(), alpha=scaling).to(flat.dtype), low
@@ -87,30 +90,59 @@ def param_grads(
 
 
 def input_grad(
-    g: torch.Tensor,
-    weight: torch.Tensor,
-    g_low: torch.Tensor,
-    lora_a: torch.Tensor,
-    drop: Drop | None = None,
+    g: torch.Tensor, weight: torch.Tensor, g_low: torch.Tensor, lora_a: torch.Tensor
 ) -> torch.Tensor:
-    """Both branches' gradient for x, summed in x's dtype as autograd sums PEFT's; the adapter's
-    through its dropout mask when ``drop`` is given. A wider adapter's branch is rounded to x's
-    dtype before the base's gradient is allocated, so its wide copy is gone by then."""
-    if lora_a.dtype != g.dtype or drop is not None:
-        product = g_low @ lora_a
-        from_adapter = dropout.apply(product, drop, out=product).to(g.dtype)
+    """Both branches' gradient for x, summed in x's dtype as autograd sums PEFT's. A wider adapter's
+    branch is rounded to x's dtype before the base's gradient is allocated, so its wide copy is
+    gone by then."""
+    if lora_a.dtype != g.dtype:
+        from_adapter = (g_low @ lora_a).to(g.dtype)
         return times_weight(g, weight).add_(from_adapter)
     return times_weight(g, weight).addmm_(g_low, lora_a)
+
+
+def branch_grads(
+    g: torch.Tensor,
+    flat: torch.Tensor | None,
+    flat_lora: torch.Tensor | None,
+    weight: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    low: torch.Tensor,
+    scaling: float,
+    drop: Drop | None,
+    needs: tuple[bool, bool, bool, bool],
+    need_x: bool,
+) -> tuple[torch.Tensor | None, tuple[torch.Tensor | None, ...]]:
+    """``project``'s gradients for the output gradient ``g`` (2-D): ``(grad_x, (grad_weight,
+    grad_bias, grad_a, grad_b))``, each None unless ``need_x`` / ``needs`` asks for it. ``flat``
+    is x for the base weight's gradient, ``flat_lora`` x as the adapter took it before its mask
+    (either dtype). With a mask, A's gradient and the adapter's share of x's gradient come from
+    one pass over x (``dropout.masked_input_grads``)."""
+    if drop is None:
+        g_low, grads = param_grads(g, flat, flat_lora, lora_a, lora_b, low, scaling, needs)
+        return (input_grad(g, weight, g_low, lora_a) if need_x else None), grads
+    need_w, need_bias, need_a, need_b = needs
+    g_low, (grad_w, grad_bias, _, grad_b) = param_grads(
+        g, flat, None, lora_a, lora_b, low, scaling, (need_w, need_bias, False, need_b)
+    )
+    grad_x = times_weight(g, weight) if need_x else None
+    grad_a = None
+    if need_a or need_x:
+        source = adapter_input(flat_lora, lora_a)
+        grad_a = dropout.masked_input_grads(source, lora_a, g_low, drop, grad_x, need_a)
+    return grad_x, (grad_w, grad_bias, grad_a, grad_b)
 
 
 class _LoraLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, lora_a, lora_b, scaling, drop):
         flat = x.reshape(-1, x.shape[-1])
-        flat_lora = dropout.apply(adapter_input(flat, lora_a), drop)
-        out, low = project(flat, flat_lora, weight, bias, lora_a, lora_b, scaling)
-        # The adapter's input is rebuilt in backward where it differs from x: an exact cast (on a
-        # bf16 model, an fp32 copy of every LoRA layer's input) or a mask recomputed from its seed.
+        flat_lora = adapter_input(flat, lora_a)
+        out, low = project(flat, flat_lora, weight, bias, lora_a, lora_b, scaling, drop)
+        # x in the adapter's dtype is an exact cast of x: backward casts again rather than keep the
+        # wider copy (on a bf16 model, an fp32 copy of every LoRA layer's input); a mask is
+        # recomputed from its seed
         rebuild = flat_lora is not flat
         keep = flat if ctx.needs_input_grad[1] else None  # x for the base weight's gradient only
         ctx.save_for_backward(keep, flat if rebuild else flat_lora, weight, lora_a, lora_b, low)
@@ -124,15 +156,11 @@ class _LoraLinear(torch.autograd.Function):
         flat, source, weight, lora_a, lora_b, low = ctx.saved_tensors
         need_x, need_w, need_bias, need_a, need_b, _, _ = ctx.needs_input_grad
         g = grad_out.reshape(-1, grad_out.shape[-1])
-        flat_lora = source
-        if ctx.rebuild and need_a:
-            flat_lora = dropout.apply(adapter_input(source, lora_a), ctx.drop)
         needs = (need_w, need_bias and ctx.has_bias, need_a, need_b)
-        g_low, (grad_w, grad_bias, grad_a, grad_b) = param_grads(
-            g, flat, flat_lora, lora_a, lora_b, low, ctx.scaling, needs
+        grad_x, (grad_w, grad_bias, grad_a, grad_b) = branch_grads(
+            g, flat, source, weight, lora_a, lora_b, low, ctx.scaling, ctx.drop, needs, need_x
         )
-        del flat_lora
-        grad_x = input_grad(g, weight, g_low, lora_a, ctx.drop).view(ctx.x_shape) if need_x else None
+        grad_x = grad_x.view(ctx.x_shape) if grad_x is not None else None
         return grad_x, grad_w, grad_bias, grad_a, grad_b, None, None
 
 

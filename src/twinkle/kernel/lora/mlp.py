@@ -31,13 +31,11 @@ import torch
 import torch.nn.functional as F
 
 from twinkle.kernel import registry
-from twinkle.kernel.lora import dropout
 from twinkle.kernel.lora.linear import (
     adapter_input,
+    branch_grads,
     draw_drop,
-    input_grad,
     lora_params,
-    param_grads,
     plain_loras,
     project,
 )
@@ -54,13 +52,13 @@ class _LoraMLP(torch.autograd.Function):
         # adapters' dropout masks (None for none)
         gate_p, up_p, down_p = params[0:4], params[4:8], params[8:12]
         flat = x.reshape(-1, x.shape[-1])
-        gate, low_gate = project(flat, _lora_input(flat, gate_p[2], drops[0]), *gate_p, scalings[0])
-        up, low_up = project(flat, _lora_input(flat, up_p[2], drops[1]), *up_p, scalings[1])
+        gate, low_gate = project(flat, adapter_input(flat, gate_p[2]), *gate_p, scalings[0], drops[0])
+        up, low_up = project(flat, adapter_input(flat, up_p[2]), *up_p, scalings[1], drops[1])
         silu = F.silu(gate)
         act = silu * up
         kept = (gate, up) if recompute else (gate, up, silu, act)
         del silu  # before down's adapter casts the product to its dtype (on a bf16 model, fp32)
-        out, low_down = project(act, _lora_input(act, down_p[2], drops[2]), *down_p, scalings[2])
+        out, low_down = project(act, adapter_input(act, down_p[2]), *down_p, scalings[2], drops[2])
         ctx.save_for_backward(flat, low_gate, low_up, low_down, *kept, *params)
         ctx.recompute = recompute
         ctx.scalings, ctx.drops = scalings, drops
@@ -80,12 +78,14 @@ class _LoraMLP(torch.autograd.Function):
         needs = ctx.needs_input_grad[4:]
         scalings, drops = ctx.scalings, ctx.drops
 
-        def layer_grads(i: int, grad: torch.Tensor, x_in: torch.Tensor, low: torch.Tensor):
-            _, bias, lora_a, lora_b = params[4 * i : 4 * i + 4]
+        def layer_grads(i: int, grad: torch.Tensor, x_in: torch.Tensor, low: torch.Tensor, need_input: bool):
+            """``(grad for the layer's input or None, its parameters' grads)``."""
+            weight, bias, lora_a, lora_b = params[4 * i : 4 * i + 4]
             need_w, need_bias, need_a, need_b = needs[4 * i : 4 * i + 4]
             wanted = (need_w, need_bias and bias is not None, need_a, need_b)
-            x_lora = _lora_input(x_in, lora_a, drops[i]) if need_a else x_in
-            return param_grads(grad, x_in, x_lora, lora_a, lora_b, low, scalings[i], wanted)
+            return branch_grads(
+                grad, x_in, x_in, weight, lora_a, lora_b, low, scalings[i], drops[i], wanted, need_input
+            )
 
         # Ordered for the peak on a bf16 model with fp32 adapters, where each intermediate-wide
         # tensor has a twice as large fp32 copy for its adapter: every tensor made here goes once
@@ -93,9 +93,8 @@ class _LoraMLP(torch.autograd.Function):
         # lives only inside one call (``param_grads``, ``input_grad``). The ops and their inputs
         # are those autograd runs on the unfused layers, so the results do not change.
         g = grad_out.reshape(-1, grad_out.shape[-1])
-        g_low, down_grads = layer_grads(2, g, act, low_down)
+        grad_act, down_grads = layer_grads(2, g, act, low_down, True)
         del act
-        grad_act = input_grad(g, params[8], g_low, params[10], drops[2])
         grad_silu = grad_act * up
         # in place, each into a buffer at its last use: the same products, two fewer
         # intermediate-wide tensors to allocate (on the CPU a long row's are each a fresh
@@ -104,21 +103,12 @@ class _LoraMLP(torch.autograd.Function):
         del silu, grad_act
         grad_gate = _SILU_BACKWARD(grad_silu, gate, grad_input=grad_silu)
         del grad_silu
-        grad_x = None
-        g_low, gate_grads = layer_grads(0, grad_gate, flat, low_gate)
-        if need_x:
-            grad_x_gate = input_grad(grad_gate, params[0], g_low, params[2], drops[0])
+        grad_x_gate, gate_grads = layer_grads(0, grad_gate, flat, low_gate, need_x)
         del grad_gate
-        g_low, up_grads = layer_grads(1, grad_up, flat, low_up)
+        grad_x, up_grads = layer_grads(1, grad_up, flat, low_up, need_x)
         if need_x:
-            grad_x = input_grad(grad_up, params[4], g_low, params[6], drops[1])
             grad_x = grad_x.add_(grad_x_gate).view(ctx.x_shape)
         return grad_x, None, None, None, *gate_grads, *up_grads, *down_grads
-
-
-def _lora_input(t: torch.Tensor, lora_a: torch.Tensor, drop: dropout.Drop | None) -> torch.Tensor:
-    """``t`` as an adapter takes it: in the adapter's dtype, through its dropout mask."""
-    return dropout.apply(adapter_input(t, lora_a), drop)
 
 
 def lora_mlp(mlp: Any, x: torch.Tensor, recompute: bool | None = None) -> torch.Tensor | None:

@@ -99,30 +99,36 @@ class _LoraQKV(torch.autograd.Function):
             start += rank
         drops = ctx.drops
         masked = any(d is not None for d in drops)
+        need_a = [ctx.needs_input_grad[6 + 4 * i + 2] for i in range(3)]
         grad_x = None
         if ctx.needs_input_grad[0]:
             grad_x = times_weight(grads_out[0], params[0])
             grad_x.add_(times_weight(grads_out[1], params[4])).add_(times_weight(grads_out[2], params[8]))
-            if masked:  # each adapter's share through its own mask
-                for rows, drop in zip(_row_slices(params), drops, strict=True):
-                    product = g_low[rows].t() @ a_all[rows]
-                    grad_x.add_(dropout.apply(product, drop, out=product))
-                grad_x = grad_x.view(ctx.x_shape)
-            else:
-                grad_x = grad_x.addmm_(g_low.t(), a_all).view(ctx.x_shape)
-        if masked:
-            slices = _row_slices(params)
-            grad_a_all = torch.cat(
-                [g_low[rows] @ dropout.apply(flat, drop) for rows, drop in zip(slices, drops, strict=True)]
-            )
+            if not masked:
+                grad_x.addmm_(g_low.t(), a_all)
+        if masked:  # each adapter through its own mask: A's gradient and its share of x's at once
+            grad_as = []
+            for i, (rows, drop) in enumerate(zip(_row_slices(params), drops, strict=True)):
+                lora_a = params[4 * i + 2]
+                if drop is None:
+                    if grad_x is not None:
+                        grad_x.addmm_(g_low[rows].t(), lora_a)
+                    grad_as.append(g_low[rows] @ flat if need_a[i] else None)
+                else:
+                    grad_as.append(
+                        dropout.masked_input_grads(flat, lora_a, g_low[rows].t(), drop, grad_x, need_a[i])
+                    )
         else:
             grad_a_all = torch.mm(g_low, flat)
+            grad_as = [grad_a_all[rows] for rows in _row_slices(params)]
+        if grad_x is not None:
+            grad_x = grad_x.view(ctx.x_shape)
         grads: list[torch.Tensor | None] = []
         start = 0
         for i, g in enumerate(grads_out):
             lora_a = params[4 * i + 2]
             rank = lora_a.shape[0]
-            grad_a = grad_a_all[start : start + rank] if ctx.needs_input_grad[6 + 4 * i + 2] else None
+            grad_a = grad_as[i] if need_a[i] else None
             grad_b = None
             if ctx.needs_input_grad[6 + 4 * i + 3]:
                 grad_b = torch.mm(low[start : start + rank], g).t().mul_(ctx.scalings[i])
@@ -148,7 +154,10 @@ def _low(flat: torch.Tensor, a_all: torch.Tensor, drops: tuple, params: tuple) -
         return torch.mm(a_all, flat.t())
     low = torch.empty(a_all.shape[0], flat.shape[0], dtype=flat.dtype, device=flat.device)
     for rows, drop in zip(_row_slices(params), drops, strict=True):
-        torch.mm(a_all[rows], dropout.apply(flat, drop).t(), out=low[rows])
+        if drop is None:
+            torch.mm(a_all[rows], flat.t(), out=low[rows])
+        else:
+            dropout.masked_low(flat, a_all[rows], drop, out=low[rows].t())
     return low
 
 
