@@ -77,7 +77,8 @@ def save_checkpoint(
 
     The ranks agree after each phase (an all-reduce of failures, in place of a barrier), so a
     write that fails on one rank fails the save on all of them at once instead of leaving the
-    others waiting for the process-group timeout."""
+    others waiting for the process-group timeout. When the agreement itself fails (another rank's
+    process died), rank 0 removes the temporary folder before the error ends the job."""
     final = Path(final)
     tmp = final.with_name(f".{final.name}.tmp")
     phases = (
@@ -89,7 +90,12 @@ def save_checkpoint(
     )
     for phase in phases:
         error = _run_phase(phase)
-        (failures,) = all_reduce_sum([error is not None])
+        try:
+            (failures,) = all_reduce_sum([error is not None])
+        except Exception:  # a rank is gone (killed mid-save): the job ends, leaving no half-written folder
+            if rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
         if failures:
             if rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)  # whatever failed, leave no half-written folder
