@@ -25,7 +25,7 @@ TIERS = [
         "metric",
         "checkpoint",
     },
-    {"model"},
+    {"model", "export"},
     {"cli"},
 ]
 TIER = {package: level for level, packages in enumerate(TIERS) for package in packages}

@@ -62,8 +62,15 @@ def test_a_parse_hands_the_run_defaults_to_the_runtime():
         ],
         env={},
     )
-    assert run_defaults() == RunDefaults(
-        seed=7, process_group_timeout_s=30, dtype="bfloat16", activation_checkpointing="on"
+    parsed = run_defaults()
+    assert parsed.run_args["infra"]["seed"] == 7  # the command line, saved with the metrics
+    assert parsed == RunDefaults(
+        seed=7,
+        process_group_timeout_s=30,
+        dtype="bfloat16",
+        activation_checkpointing="on",
+        report_to=(),  # a CLI run records metrics.jsonl
+        run_args=parsed.run_args,
     )
 
 
@@ -85,6 +92,7 @@ def test_upstream_run_line():
         "dataset_id": "ms://swift/self-cognition",
         "subset_name": None,
         "split": "train",
+        "skip_bad_rows": False,
     }
     assert d["template"] == {
         "template_cls": "Qwen3_5Template",
@@ -108,6 +116,7 @@ def test_upstream_run_line():
         "log_interval": 5,
         "eval_interval": 40,
         "output_dir": "out",
+        "report_to": "none",
         "resume_from_checkpoint": "ckpt",
         "resume_only_model": True,
         "ignore_data_skip": True,

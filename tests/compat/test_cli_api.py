@@ -59,7 +59,9 @@ def test_the_new_fields_parse_from_flags_env_and_files(tmp_path):
 
 def test_the_run_defaults_carry_max_grad_norm_and_model_cls():
     parse("--max-grad-norm", "0.25", "--model-cls", "Qwen3ForCausalLM")
-    assert run_defaults() == RunDefaults(max_grad_norm=0.25, model_cls="Qwen3ForCausalLM")
+    defaults = run_defaults()
+    assert (defaults.max_grad_norm, defaults.model_cls) == (0.25, "Qwen3ForCausalLM")
+    assert defaults.seed == RunDefaults().seed  # the rest as parsed by default
 
 
 @pytest.mark.parametrize(

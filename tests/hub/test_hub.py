@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from fake_gguf import gguf_header
 
 from twinkle.hub import bundled_gguf_path, ensure_converted, resolve_dataset, resolve_model
 from twinkle.hub import dataset as hub_dataset
@@ -94,9 +95,15 @@ def test_failed_build_leaves_nothing(tmp_path):
 # ---------------------------------------------------------------- resolve_model
 
 
-def test_local_folder_with_config(tmp_path):
+def test_local_folder_with_config(tiny_model_dir):
+    assert resolve_model(str(tiny_model_dir)) == tiny_model_dir.resolve()
+
+
+def test_local_folder_is_checked(tmp_path):
+    """The first of the folder checks; the others: tests/hardening/test_model_folders.py."""
     (tmp_path / "config.json").write_text("{}")
-    assert resolve_model(str(tmp_path)) == tmp_path.resolve()
+    with pytest.raises(UserError, match=r'config.json has no "model_type"'):
+        resolve_model(str(tmp_path))
 
 
 def test_missing_model_path_names_it(tmp_path):
@@ -125,7 +132,7 @@ def test_local_gguf_is_converted_once_per_file_version(tmp_path, monkeypatch):
     calls = []
     monkeypatch.setattr(hub_gguf, "convert_gguf", functools.partial(_fake_convert, calls))
     gguf = tmp_path / "tiny.Q8_0.gguf"
-    gguf.write_bytes(b"GGUF-not-really")
+    gguf.write_bytes(gguf_header("llama"))
     first = resolve_model(str(gguf))
     assert first.parent == tmp_path / "twinkle-cache" / "models"
     assert first.name.startswith("tiny.Q8_0-") and (first / COMPLETE_MARKER).is_file()
@@ -163,21 +170,25 @@ def test_hub_model_not_cached_fails_fast(model_id):
     assert time.perf_counter() - start < 10
 
 
-def _fake_hf_cache(tmp_path: Path, kind: str, repo: str, files: dict[str, str]) -> Path:
+def _fake_hf_cache(tmp_path: Path, kind: str, repo: str, files: dict[str, str | bytes]) -> Path:
     """Lay out a huggingface_hub cache entry by hand: refs/main -> snapshots/<commit>/."""
     commit = "0123456789abcdef0123456789abcdef01234567"
     entry = tmp_path / "hf-home" / "hub" / f"{kind}s--{repo.replace('/', '--')}"
     (entry / "refs").mkdir(parents=True)
     (entry / "refs" / "main").write_text(commit)
     snapshot = entry / "snapshots" / commit
-    for name, text in files.items():
+    for name, content in files.items():
         (snapshot / name).parent.mkdir(parents=True, exist_ok=True)
-        (snapshot / name).write_text(text)
+        if isinstance(content, bytes):
+            (snapshot / name).write_bytes(content)
+        else:
+            (snapshot / name).write_text(content)
     return snapshot
 
 
-def test_hub_model_found_in_local_cache(tmp_path):
-    snapshot = _fake_hf_cache(tmp_path, "model", "org/name", {"config.json": "{}"})
+def test_hub_model_found_in_local_cache(tmp_path, tiny_model_dir):
+    files = {p.name: p.read_bytes() for p in tiny_model_dir.iterdir() if p.is_file()}
+    snapshot = _fake_hf_cache(tmp_path, "model", "org/name", files)
     assert resolve_model("hf://org/name") == snapshot
 
 

@@ -72,6 +72,10 @@ class DatasetArgs:
     )
     subset_name: str | None = _opt(None, "dataset subset (config) name")
     split: str = _opt("train", "dataset split")
+    skip_bad_rows: bool = _opt(
+        False,
+        "drop the rows that cannot be trained on (wrong value types, empty text, unknown roles, no assistant turn) and log how many and which, instead of stopping at the first",
+    )
 
 
 @dataclass
@@ -131,7 +135,11 @@ class TrainingArgs:
     )
     log_interval: int = _opt(5, "log metrics every N steps", check=_AT_LEAST_1)
     eval_interval: int | None = _opt(None, "evaluate every N steps; None = script default", check=_AT_LEAST_1)
-    output_dir: str = _opt("output", "where checkpoints are written")
+    output_dir: str = _opt("output", "where checkpoints, metrics.jsonl and curves.png are written")
+    report_to: str = _opt(
+        "none",
+        "where metrics go besides OUTPUT_DIR/metrics.jsonl: none, tensorboard, wandb, swanlab (a comma list)",
+    )
     resume_from_checkpoint: str | None = _opt(
         None,
         "checkpoint folder to resume from, or auto|latest for the newest complete one under --output-dir",
@@ -216,7 +224,9 @@ FIELD_GROUP: dict[str, str] = _field_owners()
 
 # ``get_<group>_args()`` follows upstream's grouping: a field upstream keeps in another group than
 # ours is listed here (field -> upstream group); every other field is in its own group.
-UPSTREAM_GROUP: dict[str, str] = {"seed": "training"}
+# ``skip_bad_rows`` is a ``Dataset`` setting, not a ``DatasetMeta`` keyword: it stays out of
+# get_dataset_args(), whose dict is passed as ``DatasetMeta(**...)``.
+UPSTREAM_GROUP: dict[str, str] = {"seed": "training", "skip_bad_rows": "training"}
 # Upstream groups no field of ours belongs to: their helper raises instead of returning an empty
 # dict, which a ``**kwargs`` call would accept without a word. Name -> what to use instead.
 UNSUPPORTED_GROUPS: dict[str, str] = {

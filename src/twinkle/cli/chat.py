@@ -10,13 +10,20 @@ from twinkle.utils.errors import UserError
 
 
 def load_for_chat(model_id: str | None, adapter: str | None):
+    """The model (fp32, eval mode) with ``adapter`` applied, and its tokenizer. ``resolve_model``
+    checks the folder first (``twinkle.hub.check_model_folder``); what transformers still refuses
+    becomes one line too."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from twinkle.hub import resolve_model
 
     path = resolve_model(model_id)
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
+    except (OSError, ValueError, RuntimeError) as exc:
+        reason = " ".join(str(exc).split())[:200] or type(exc).__name__
+        raise UserError(f"cannot load a chat model from {path} ({reason})") from exc
     if adapter:
         from peft import PeftModel
 

@@ -13,6 +13,7 @@ import traceback
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from twinkle.metric.sinks import parse_report_to
 from twinkle.runtime import RunDefaults, set_run_defaults
 from twinkle.utils.errors import UserError
 
@@ -42,7 +43,7 @@ class CLI:
         ``-h``/``--help`` prints the usage and exits 0. The parsed values a run needs beyond the
         script's own calls (seed, process-group timeout, dtype, activation checkpointing, gradient
         clipping, model class) become the process's run defaults
-        (``twinkle.runtime.set_run_defaults``).
+        (``twinkle.runtime.set_run_defaults``); ``--skip-bad-rows`` becomes ``Dataset``'s default.
         """
         if isinstance(env, str | os.PathLike):
             raise UserError(
@@ -69,7 +70,15 @@ class CLI:
             message = " ".join(str(exc).split())  # guarantee a single line
             print(f"error: {message}", file=sys.stderr)
             sys.exit(2)
-        set_run_defaults(run_defaults_of(args))
+        try:
+            defaults = run_defaults_of(args)
+        except UserError as exc:
+            if not from_sys:
+                raise
+            print(f"error: {' '.join(str(exc).split())}", file=sys.stderr)
+            sys.exit(2)
+        set_run_defaults(defaults)
+        _set_dataset_defaults(args)
         if from_sys and not args.infra.debug:
             sys.excepthook = _one_line_user_errors
         return args
@@ -89,7 +98,19 @@ def run_defaults_of(args: Args) -> RunDefaults:
         ray_placement=args.infra.ray_placement,
         max_grad_norm=args.optimizer.max_grad_norm,
         model_cls=args.model.model_cls,
+        report_to=parse_report_to(args.training.report_to),
+        resuming=args.training.resume_from_checkpoint is not None,
+        run_args=args.to_dict(),
     )
+
+
+def _set_dataset_defaults(args: Args) -> None:
+    """``--skip-bad-rows`` becomes the default of every ``Dataset`` the script builds (its class
+    attribute; ``Dataset(skip_bad_rows=...)`` overrides it), as the run defaults do for
+    ``initialize`` and the model."""
+    from twinkle.dataset import Dataset
+
+    Dataset.skip_bad_rows = args.dataset.skip_bad_rows
 
 
 def _one_line_user_errors(kind, exc, tb):  # noqa: ANN001 - the sys.excepthook signature

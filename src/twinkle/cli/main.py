@@ -1,10 +1,16 @@
-"""The ``twinkle`` command: ``twinkle chat`` talks to a base model with an optional adapter;
+"""The ``twinkle`` command: ``twinkle chat`` talks to a base model with an optional adapter
+(a multi-turn conversation without ``--prompt``); ``twinkle eval`` prints a checkpoint's eval
+loss and accuracy;
 ``twinkle kernels`` says what each kernel op resolves to on this machine and why; ``twinkle
-verify`` checks checkpoint folders against the sizes and checksums their save recorded."""
+verify`` checks checkpoint folders against the sizes and checksums their save recorded;
+``twinkle export`` merges a checkpoint into its base model and writes it as a Hugging Face
+folder and GGUF files."""
 
 import argparse
 import sys
 
+from twinkle.cli.evaluate import add_eval_parser, run_eval
+from twinkle.cli.export import add_export_parser, run_export
 from twinkle.utils.errors import UserError
 
 
@@ -15,7 +21,9 @@ def _build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--adapter", help="a checkpoint folder written by model.save(...)")
     chat.add_argument("--model-id", help="base model (default: the bundled SmolLM2-135M-Instruct)")
     chat.add_argument(
-        "--prompt", action="append", help="a question; repeat for several (default: read stdin)"
+        "--prompt",
+        action="append",
+        help="a question; repeat for several (default: a conversation on the terminal, or one question per stdin line)",
     )
     chat.add_argument("--system", default=None, help="system prompt (default: the one used in training)")
     chat.add_argument("--max-new-tokens", type=int, default=64)
@@ -34,6 +42,8 @@ def _build_parser() -> argparse.ArgumentParser:
         metavar="CKPT",
         help="a checkpoint folder, or an output dir to check every one in it",
     )
+    add_export_parser(sub)
+    add_eval_parser(sub)
     return parser
 
 
@@ -67,6 +77,14 @@ def main(argv: list[str] | None = None) -> int:
             from twinkle.cli.verify import verify_paths
 
             return verify_paths(args.paths)
+        if args.command == "export":
+            return run_export(args)
+        if args.command == "eval":
+            return run_eval(args)
+        if not args.prompt:  # a conversation: interactive on a terminal, else one question per line
+            from twinkle.cli.repl import run_repl
+
+            return run_repl(args.model_id, args.adapter, args.system, args.max_new_tokens, args.template_cls)
         from twinkle.cli.chat import chat
 
         prompts = args.prompt or [line.strip() for line in sys.stdin if line.strip()]

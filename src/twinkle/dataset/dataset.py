@@ -11,6 +11,7 @@ from twinkle.dataset.encode import encode_dataset
 from twinkle.dataset.export import save_rows
 from twinkle.dataset.meta import DatasetMeta, load_rows
 from twinkle.dataset.ops import filter_rows, map_rows, reject_unsupported, resolve_function
+from twinkle.dataset.origin import RowOrigin, bad_rows_text, report_skipped
 from twinkle.template import Template, get_template
 from twinkle.template.tokenizer import load_tokenizer
 from twinkle.utils.errors import UserError
@@ -24,12 +25,24 @@ class Dataset:
 
     It may hold several datasets (``add_dataset``): ``map`` and ``filter`` take a
     ``dataset_meta`` to work on one of them, and ``mix_dataset`` interleaves them. Until then the
-    rows read as the datasets one after another (``len``, indexing, ``encode``, ``save_as``)."""
+    rows read as the datasets one after another (``len``, indexing, ``encode``, ``save_as``).
 
-    def __init__(self, dataset_meta: DatasetMeta | None = None):
+    A row that cannot become a training sample (a preprocessor's ``BadRow``: a value of the
+    wrong type, empty text, unknown roles, no assistant turn; or nothing left to learn after the
+    template) is an error naming its file, line and field. With ``skip_bad_rows`` such rows are
+    dropped instead, and each step that drops some logs one line with their count and the first
+    few. ``skip_bad_rows=None`` takes the class attribute, which the command line parser sets from
+    ``--skip-bad-rows`` (so a script that builds ``Dataset(meta)`` gets the flag's choice)."""
+
+    skip_bad_rows: bool = False
+
+    def __init__(self, dataset_meta: DatasetMeta | None = None, skip_bad_rows: bool | None = None):
         self.template: Template | None = None
-        # (DatasetMeta.get_id() or None once several were merged, rows)
+        if skip_bad_rows is not None:
+            self.skip_bad_rows = skip_bad_rows
+        # (DatasetMeta.get_id() or None once several were merged, rows); and where each row came from
         self._parts: list[tuple[str | None, datasets.Dataset]] = []
+        self._origins: list[RowOrigin] = []
         self._joined: datasets.Dataset | None = None
         if dataset_meta is not None:
             self.add_dataset(dataset_meta)
@@ -43,9 +56,9 @@ class Dataset:
             self._joined = combine.concatenate([rows for _, rows in self._parts])
         return self._joined
 
-    def _replace_all(self, rows: datasets.Dataset) -> None:
+    def _replace_all(self, rows: datasets.Dataset, origin: RowOrigin) -> None:
         key = self._parts[0][0] if len(self._parts) == 1 else None
-        self._parts, self._joined = [(key, rows)], rows
+        self._parts, self._origins, self._joined = [(key, rows)], [origin], rows
 
     def __len__(self) -> int:
         return sum(len(rows) for _, rows in self._parts)
@@ -56,9 +69,12 @@ class Dataset:
     def add_dataset(self, dataset_meta: "DatasetMeta | Dataset") -> "Dataset":
         """Load another dataset (a ``DatasetMeta``, or the rows of another ``Dataset``) next to these."""
         if isinstance(dataset_meta, DatasetMeta):
-            self._parts.append((dataset_meta.get_id(), load_rows(dataset_meta)))
+            rows, origin = load_rows(dataset_meta, self.skip_bad_rows)
+            self._parts.append((dataset_meta.get_id(), rows))
+            self._origins.append(origin)
         elif isinstance(dataset_meta, Dataset):
             self._parts += dataset_meta._parts
+            self._origins += dataset_meta._origins
         else:
             raise UserError(
                 f"add_dataset takes a DatasetMeta or a Dataset, got {type(dataset_meta).__name__}"
@@ -111,7 +127,11 @@ class Dataset:
         fn = resolve_function(preprocess_func, init_args, "map")
         for i in self._selected(dataset_meta, "map"):
             key, rows = self._parts[i]
-            self._parts[i] = (key, map_rows(rows, fn, batched, batch_size, remove_columns, num_proc))
+            mapped, origin, bad = map_rows(
+                rows, fn, batched, batch_size, remove_columns, num_proc, self._origins[i], self.skip_bad_rows
+            )
+            report_skipped(bad_rows_text(bad, self._origins[i]), len(bad), len(rows), "map")
+            self._parts[i], self._origins[i] = (key, mapped), origin
         self._joined = None
         return self
 
@@ -131,7 +151,10 @@ class Dataset:
         fn = resolve_function(filter_func, init_args, "filter")
         for i in self._selected(dataset_meta, "filter"):
             key, rows = self._parts[i]
-            self._parts[i] = (key, filter_rows(rows, fn, batched, batch_size, num_proc))
+            kept = filter_rows(rows, fn, batched, batch_size, num_proc)
+            if len(kept) != len(rows):  # which rows it kept is not known: number them anew
+                self._origins[i] = RowOrigin.in_place("the rows after Dataset.filter", len(kept))
+            self._parts[i] = (key, kept)
         self._joined = None
         return self
 
@@ -157,9 +180,10 @@ class Dataset:
                 from twinkle.runtime import run_defaults
 
                 seed = run_defaults().seed
-            self._replace_all(combine.interleave(parts, ratios, seed, stopping_strategy))
+            mixed = combine.interleave(parts, ratios, seed, stopping_strategy)
+            self._replace_all(mixed, RowOrigin.in_place("the mixed rows", len(mixed)))
         else:
-            self._replace_all(combine.concatenate(parts))
+            self._replace_all(combine.concatenate(parts), RowOrigin.concat(self._origins))
         return self
 
     def set_template(
@@ -230,10 +254,17 @@ class Dataset:
             raise UserError("call dataset.set_template(...) before dataset.encode()")
         if "messages" not in self.data.column_names:
             raise UserError("rows have no 'messages'; call dataset.map(<preprocessor>) before encode()")
-        encoded = encode_dataset(
-            self.data, self.template, batched, batch_size, num_proc, load_from_cache_file
+        encoded, origin = encode_dataset(
+            self.data,
+            self.template,
+            batched,
+            batch_size,
+            num_proc,
+            load_from_cache_file,
+            RowOrigin.concat(self._origins),
+            self.skip_bad_rows,
         )
-        self._replace_all(encoded)
+        self._replace_all(encoded, origin)
         return self
 
     def save_as(

@@ -1,18 +1,28 @@
 """Encoding: every row's ``messages`` to ``input_ids``, ``labels``, ``attention_mask``,
-``position_ids`` and ``length`` with a template, optionally through the on-disk cache."""
+``position_ids`` and ``length`` with a template, optionally through the on-disk cache.
+
+A row that leaves nothing to learn once the template has rendered it (no assistant reply after
+another turn, a reply that renders to nothing) is a bad row (``BadRow``): an error naming its
+file and line, or, with ``skip_bad_rows``, dropped and reported. A sample whose reply tokens
+truncation cut away is dropped with a warning, as ``--truncation-strategy`` asks."""
 
 import functools
+import json
 from typing import Any
 
 import datasets
+import numpy as np
 from datasets.fingerprint import generate_random_fingerprint
 
 from twinkle.dataset.cache import Built, EncodeCache, encode_key
-from twinkle.dataset.ops import cap_num_proc
+from twinkle.dataset.ops import ROW_COLUMN, cap_num_proc
+from twinkle.dataset.origin import RowOrigin, bad_rows_text, located, report_skipped
+from twinkle.preprocessor.base import BadRow
 from twinkle.template import Template
 from twinkle.template.base import IGNORE_INDEX
 from twinkle.utils.errors import UserError
 from twinkle.utils.logger import get_logger
+from twinkle.utils.values import kind_of
 
 logger = get_logger()
 ENCODED_COLUMNS = ("input_ids", "labels", "attention_mask", "position_ids", "length")
@@ -27,61 +37,142 @@ FEATURES = datasets.Features(
         "length": datasets.Value("int64"),
     }
 )
+# Each output row also says which input row it is (``ROW_COLUMN``) and, for a bad row that
+# ``skip_bad_rows`` keeps out (``length`` -1), what is wrong with it (``BAD_COLUMN``: JSON
+# ``[field, text]``). Both are removed before the rows are handed out.
+BAD_COLUMN = "__twinkle_bad__"
+_OUT_FEATURES = datasets.Features(
+    {**FEATURES, ROW_COLUMN: datasets.Value("int64"), BAD_COLUMN: datasets.Value("string")}
+)
 _EMPTY = {"input_ids": [], "labels": [], "attention_mask": [], "position_ids": [], "length": 0}
+_KEPT_BAD = 20  # bad rows whose reasons an encoding keeps (the summary quotes the first few)
+
+
+def _check_encodable(messages: Any, index: int) -> None:
+    """What the template needs of every row, whoever wrote its ``messages``: a list of messages
+    whose ``role`` and ``content`` are text (rows a function built, not a preprocessor)."""
+    if not isinstance(messages, list) or not messages:
+        raise BadRow(
+            index,
+            "messages",
+            f": 'messages' is {kind_of(messages)}, not a list of messages",
+        )
+    for i, m in enumerate(messages):
+        for key in ("role", "content"):
+            value = m.get(key) if isinstance(m, dict) else None
+            if not isinstance(value, str):
+                raise BadRow(
+                    index, f"messages[{i}].{key}", f": messages[{i}].{key} is {kind_of(value)}, not text"
+                )
+
+
+def _learns_something(template: Template, messages: list[dict[str, str]]) -> bool:
+    _, labels = template.tokenize(template.with_default_system(messages))
+    return any(t != IGNORE_INDEX for t in labels)
 
 
 def _encode_one(template: Template, messages: list[dict[str, str]], index: int) -> dict[str, Any] | None:
-    """The encoded sample, or None when it goes: dropped by ``delete``, or truncated so that no
-    reply token is left (such a sample costs a forward and backward and teaches nothing)."""
+    """The encoded sample, or None when truncation drops it (``delete``, or no reply token left:
+    such a sample costs a forward and backward and teaches nothing). Raises ``BadRow`` when the
+    row itself has nothing to learn."""
+    _check_encodable(messages, index)
     out = template.encode(messages, index=index)
-    return out if out is not None and any(t != IGNORE_INDEX for t in out["labels"]) else None
+    if out is None or any(t != IGNORE_INDEX for t in out["labels"]):
+        return out
+    # Truncation yields exactly max_length tokens; a shorter sample was never cut.
+    if out["length"] < template.max_length or not _learns_something(template, messages):
+        raise BadRow(
+            index,
+            "messages",
+            f": 'messages' leaves no token to learn after the template ({type(template).__name__}): "
+            "no assistant reply is rendered after another turn",
+        )
+    return None
 
 
-class _BatchEncoder:
-    def __init__(self, template: Template):
+def _bad_marker(exc: BadRow, index: int) -> dict[str, Any]:
+    return {**_EMPTY, "length": -1, ROW_COLUMN: index, BAD_COLUMN: json.dumps([exc.field, exc.text])}
+
+
+class _Encoder:
+    def __init__(self, template: Template, skip_bad_rows: bool):
         self.template = template
+        self.skip_bad_rows = skip_bad_rows
 
-    def __call__(self, batch: dict[str, list], indices: list[int]) -> dict[str, list]:
-        columns: dict[str, list] = {key: [] for key in ENCODED_COLUMNS}
-        for messages, index in zip(batch["messages"], indices, strict=True):
+    def one(self, messages: list[dict[str, str]], index: int) -> dict[str, Any]:
+        """The sample, ``_EMPTY`` when truncation drops it, a marker for a bad row that is skipped."""
+        try:
             out = _encode_one(self.template, messages, index)
-            for key in ENCODED_COLUMNS if out is not None else ():
+        except BadRow as exc:
+            if not self.skip_bad_rows:
+                raise
+            return _bad_marker(exc, index)
+        return {**(out or _EMPTY), ROW_COLUMN: index, BAD_COLUMN: ""}
+
+
+class _BatchEncoder(_Encoder):
+    def __call__(self, batch: dict[str, list], indices: list[int]) -> dict[str, list]:
+        columns: dict[str, list] = {key: [] for key in _OUT_FEATURES}
+        for messages, index in zip(batch["messages"], indices, strict=True):
+            out = self.one(messages, index)
+            for key in _OUT_FEATURES if out["length"] != 0 else ():
                 columns[key].append(out[key])
         return columns
 
 
-class _RowEncoder:
-    def __init__(self, template: Template):
-        self.template = template
-
+class _RowEncoder(_Encoder):
     def __call__(self, row: dict[str, Any], index: int) -> dict[str, Any]:
-        return _encode_one(self.template, row["messages"], index) or _EMPTY
+        return self.one(row["messages"], index)
+
+
+def _no_sample_left(template: Template) -> UserError:
+    return UserError(
+        f"no sample is left after encoding with --max-length {template.max_length} and "
+        f"--truncation-strategy {template.truncation_strategy}; raise --max-length"
+    )
 
 
 def encode_rows(
-    data: datasets.Dataset, template: Template, batched: bool, batch_size: int, num_proc: int | None
+    data: datasets.Dataset,
+    template: Template,
+    batched: bool,
+    batch_size: int,
+    num_proc: int | None,
+    skip_bad_rows: bool = False,
 ) -> Built:
-    """Encode ``data`` in memory; ``batched`` and ``num_proc`` change the speed, never the result."""
+    """Encode ``data`` in memory; ``batched`` and ``num_proc`` change the speed, never the result.
+    The rows keep ``ROW_COLUMN``; ``info`` counts the rows truncation dropped and lists the bad
+    rows ``skip_bad_rows`` dropped (``bad``: ``[index, field, text]``, the first few)."""
     common: dict[str, Any] = dict(
         with_indices=True,
         remove_columns=data.column_names,
         keep_in_memory=True,
-        features=FEATURES,
+        features=_OUT_FEATURES,
         num_proc=cap_num_proc(num_proc, len(data), "encode"),
         new_fingerprint=generate_random_fingerprint(),
         desc="encode",
     )
     if batched:
-        encoded = data.map(_BatchEncoder(template), batched=True, batch_size=batch_size, **common)
+        encoder: Any = _BatchEncoder(template, skip_bad_rows)
+        encoded = data.map(encoder, batched=True, batch_size=batch_size, **common)
     else:
-        encoded = data.map(_RowEncoder(template), **common)
-        encoded = encoded.filter(lambda n: n > 0, input_columns=["length"], keep_in_memory=True)
-    if len(encoded) == 0:
-        raise UserError(
-            f"no sample is left after encoding with --max-length {template.max_length} and "
-            f"--truncation-strategy {template.truncation_strategy}; raise --max-length"
-        )
-    return encoded, {"rows": len(data), "dropped": len(data) - len(encoded)}
+        encoded = data.map(_RowEncoder(template, skip_bad_rows), **common)
+    lengths = np.asarray(encoded["length"], dtype=np.int64)
+    bad_at, keep = np.flatnonzero(lengths < 0), np.flatnonzero(lengths > 0)
+    bad = [
+        [encoded[int(i)][ROW_COLUMN], *json.loads(encoded[int(i)][BAD_COLUMN])] for i in bad_at[:_KEPT_BAD]
+    ]
+    if len(keep) == 0 and len(bad_at) == 0:
+        raise _no_sample_left(template)
+    if len(keep) < len(encoded):
+        encoded = encoded.select(keep)
+    info = {
+        "rows": len(data),
+        "dropped": len(data) - len(keep) - len(bad_at),
+        "bad": bad,
+        "bad_count": len(bad_at),
+    }
+    return encoded.remove_columns([BAD_COLUMN]), info
 
 
 def encode_dataset(
@@ -91,18 +182,35 @@ def encode_dataset(
     batch_size: int,
     num_proc: int | None,
     load_from_cache_file: bool,
-) -> datasets.Dataset:
-    """Encoded rows: built here, or with ``load_from_cache_file`` loaded from (and else stored
-    in) the cache under ``cache_root()``, keyed by the rows' content, the template and its
-    settings, the tokenizer, and this code."""
-    build = functools.partial(encode_rows, data, template, batched, batch_size, num_proc)
-    if load_from_cache_file:
-        encoded, info = EncodeCache(encode_key(data, template, __name__)).get_or_build(build)
-    else:
-        encoded, info = build()
+    origin: RowOrigin | None = None,
+    skip_bad_rows: bool = False,
+) -> tuple[datasets.Dataset, RowOrigin]:
+    """Encoded rows and their origin: built here, or with ``load_from_cache_file`` loaded from
+    (and else stored in) the cache under ``cache_root()``, keyed by the rows' content, the
+    template and its settings, the tokenizer, and this code.
+
+    A bad row is an error naming its file and line (``origin``), also when the cached rows were
+    encoded with ``skip_bad_rows``; with ``skip_bad_rows`` the rows dropped are logged in one line."""
+    origin = origin if origin is not None else RowOrigin.in_place("the rows", len(data))
+    build = functools.partial(encode_rows, data, template, batched, batch_size, num_proc, skip_bad_rows)
+    try:
+        if load_from_cache_file:
+            encoded, info = EncodeCache(encode_key(data, template, __name__)).get_or_build(build)
+        else:
+            encoded, info = build()
+    except BadRow as exc:
+        raise located(exc, origin) from exc
+    bad = [(index, BadRow(index, field, text)) for index, field, text in info.get("bad", [])]
+    if bad and not skip_bad_rows:
+        raise located(bad[0][1], origin)
+    report_skipped(bad_rows_text(bad, origin), info.get("bad_count", 0), info["rows"], "encode")
+    kept = encoded[ROW_COLUMN]
+    encoded = encoded.remove_columns([ROW_COLUMN])
+    if len(encoded) == 0:
+        raise _no_sample_left(template)
     if info.get("dropped"):
         logger.warning(
             f"{info['dropped']} of {info['rows']} samples dropped: no supervised token left after "
             f"--max-length {template.max_length} with --truncation-strategy {template.truncation_strategy}"
         )
-    return encoded
+    return encoded, origin.take(kept)

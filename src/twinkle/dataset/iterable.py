@@ -19,6 +19,7 @@ import torch.utils.data
 from twinkle.dataset.dataset import DatasetMeta
 from twinkle.hub.dataset import BUNDLED_DATASET_NAMES, FORMATS, _data_files, bundled_dataset_path
 from twinkle.hub.remote import looks_like_hub_id, snapshot
+from twinkle.preprocessor.base import BadRow
 from twinkle.template import Template, get_template
 from twinkle.template.base import IGNORE_INDEX
 from twinkle.template.tokenizer import load_tokenizer
@@ -200,8 +201,11 @@ class IterableDataset(torch.utils.data.IterableDataset):
 
     def finish_row(self, row: dict[str, Any], index: int) -> dict[str, Any] | None:
         """Preprocess and (after ``encode()``) encode one row; ``None`` when encoding drops it."""
-        for preprocessor in self.preprocessors:
-            row = preprocessor(row, index)
+        try:
+            for preprocessor in self.preprocessors:
+                row = preprocessor(row, index)
+        except BadRow as exc:  # a stream knows its dataset's name and the row's number in it
+            raise UserError(f"{exc.at(f'dataset {self.name}: row {index}')}; fix the row") from exc
         if not self.encoded:
             return row
         if "messages" not in row:

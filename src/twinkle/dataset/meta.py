@@ -1,4 +1,5 @@
-"""``DatasetMeta``: what to load (a dataset id, or rows in memory), and ``load_rows`` to load it."""
+"""``DatasetMeta``: what to load (a dataset id, or rows in memory), and ``load_rows`` to load it
+with the origin of each row (``RowOrigin``)."""
 
 import os
 from collections.abc import Iterable
@@ -8,6 +9,8 @@ from typing import Any
 import datasets
 
 from twinkle.dataset.hashing import rows_hash, value_hash
+from twinkle.dataset.origin import RowOrigin, report_skipped
+from twinkle.hub.dataset import RowSource
 from twinkle.utils.errors import UserError
 from twinkle.utils.logger import get_logger
 
@@ -64,10 +67,14 @@ def _memory_hash(data: Any) -> str:
     return rows_hash(data) if isinstance(data, datasets.Dataset) else value_hash(data)
 
 
-def rows_from_memory(data: Any) -> datasets.Dataset:
-    """Rows given as ``DatasetMeta(data=...)`` as a ``datasets.Dataset``."""
+MEMORY = "DatasetMeta(data=...)"
+
+
+def rows_from_memory(data: Any, skip_bad_rows: bool = False) -> tuple[datasets.Dataset, RowOrigin, list[str]]:
+    """Rows given as ``DatasetMeta(data=...)`` as a ``datasets.Dataset``, their origin, and the
+    rows ``skip_bad_rows`` left out because a value's type differs from the other rows'."""
     if isinstance(data, datasets.Dataset):
-        rows = data
+        rows, kept, skipped = data, None, []
     elif isinstance(data, datasets.DatasetDict):
         raise UserError(
             f"DatasetMeta(data=...) got a DatasetDict; pass one split, e.g. data=d['train'] (splits: {list(data)})"
@@ -80,43 +87,52 @@ def rows_from_memory(data: Any) -> datasets.Dataset:
     elif isinstance(data, list):
         if not all(isinstance(row, dict) for row in data):
             raise UserError("DatasetMeta(data=[...]) must be a list of dicts, one per row")
-        # Every key of every row, in first-seen order (``from_list`` keeps only the first row's).
-        columns = list(dict.fromkeys(key for row in data for key in row))
-        rows = _from_columns({key: [row.get(key) for row in data] for key in columns})
+        rows, kept, skipped = _from_rows(data, skip_bad_rows)
     elif isinstance(data, dict):
         lengths = {len(v) if isinstance(v, list) else -1 for v in data.values()}
         if -1 in lengths or len(lengths) > 1:
             raise UserError("DatasetMeta(data={...}) must map each column name to a list, all of one length")
-        rows = _from_columns(data)
+        try:
+            rows, kept, skipped = datasets.Dataset.from_dict(data), None, []
+        except Exception:  # name the row and field that mix types
+            rows, kept, skipped = _from_rows(
+                [dict(zip(data, v, strict=True)) for v in zip(*data.values(), strict=True)], skip_bad_rows
+            )
     else:
         raise UserError(
             f"DatasetMeta(data=...) must be a list of dicts, a dict of lists or a datasets.Dataset, got {type(data).__name__}"
         )
-    if len(rows) == 0:
+    if len(rows) == 0 and not skipped:
         raise UserError("DatasetMeta(data=...) holds no rows; pass at least one")
-    return rows
+    numbers = None if kept is None or not skipped else tuple(kept)
+    return rows, RowOrigin.of_sources([RowSource(MEMORY, len(rows), None, numbers)]), skipped
 
 
-def _from_columns(columns: dict[str, list]) -> datasets.Dataset:
-    try:
-        return datasets.Dataset.from_dict(columns)
-    except Exception as exc:
-        reason = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else type(exc).__name__
-        raise UserError(
-            f"DatasetMeta(data=...): a column mixes value types ({reason}); make rows consistent"
-        ) from exc
+def _from_rows(
+    data: list[dict[str, Any]], skip_bad_rows: bool
+) -> tuple[datasets.Dataset, list[int], list[str]]:
+    from twinkle.hub.dataset import rows_with_conflicts
+
+    return rows_with_conflicts(data, MEMORY, lambda i: f"{MEMORY}: row {i}", skip_bad_rows)
 
 
-def load_rows(meta: DatasetMeta) -> datasets.Dataset:
-    """The rows ``meta`` names, narrowed to its ``data_slice``."""
-    from twinkle.hub import resolve_dataset
+def load_rows(meta: DatasetMeta, skip_bad_rows: bool = False) -> tuple[datasets.Dataset, RowOrigin]:
+    """The rows ``meta`` names, narrowed to its ``data_slice``, and where each one came from.
+    A row whose value has another type than the other rows' in that field is an error naming
+    it; with ``skip_bad_rows`` it is left out, and the rows left out are logged in one line."""
+    from twinkle.hub.dataset import resolve_dataset_sources
 
     if meta.data is not None:
-        data = rows_from_memory(meta.data)
+        data, origin, skipped = rows_from_memory(meta.data, skip_bad_rows)
+        read = len(data) + len(skipped)
     else:
-        data = resolve_dataset(meta.dataset_id, subset_name=meta.subset_name, split=meta.split)
+        data, sources, skipped, read = resolve_dataset_sources(
+            meta.dataset_id, subset_name=meta.subset_name, split=meta.split, skip_bad_rows=skip_bad_rows
+        )
+        origin = RowOrigin.of_sources(sources)
+    report_skipped(skipped, len(skipped), read, "load")
     if meta.data_slice is None:
-        return data
+        return data, origin
     indices = [int(i) % len(data) for i in meta.data_slice]
     if not indices:
         name = "data=..." if meta.data is not None else meta.dataset_id or "self-cognition"
@@ -125,4 +141,4 @@ def load_rows(meta: DatasetMeta) -> datasets.Dataset:
         )
     if len(indices) > len(data):
         logger.info(f"data_slice asks for {len(indices)} samples of a {len(data)}-row dataset: rows repeat")
-    return data.select(indices)
+    return data.select(indices), origin.take(indices)

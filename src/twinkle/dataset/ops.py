@@ -2,7 +2,10 @@
 
 Every operation runs in memory (``keep_in_memory``): Hugging Face's own cache is keyed by a
 hash of the function, which cannot see a change inside a preprocessor's code. Encoded rows,
-the one costly step, have their own content-keyed cache (``twinkle.dataset.cache``)."""
+the one costly step, have their own content-keyed cache (``twinkle.dataset.cache``).
+
+Each operation also carries the rows' ``RowOrigin`` along, so that a row a preprocessor finds
+bad (``BadRow``) is named by its file and line, or, with ``skip_bad_rows``, dropped and listed."""
 
 import os
 from collections.abc import Callable, Sequence
@@ -11,11 +14,15 @@ from typing import Any
 import datasets
 from datasets.fingerprint import generate_random_fingerprint
 
-from twinkle.preprocessor.base import Preprocessor
+from twinkle.dataset.origin import RowOrigin, located
+from twinkle.preprocessor.base import BadRow, Preprocessor
 from twinkle.utils.errors import UserError
 from twinkle.utils.logger import get_logger
 
 logger = get_logger()
+# The position each output row had in the input: how the origin follows rows a map drops.
+ROW_COLUMN = "__twinkle_row__"
+BadRows = list[tuple[int, BadRow]]  # (position in the input rows, what is wrong)
 
 
 def reject_unsupported(method: str, unsupported: dict[str, Any]) -> None:
@@ -44,7 +51,8 @@ def resolve_function(fn: Any, init_args: dict[str, Any] | None, what: str) -> Ca
     if isinstance(fn, str):
         import twinkle.preprocessor as registry
 
-        names = [n for n in registry.__all__ if n != "Preprocessor"]
+        classes = {n: getattr(registry, n) for n in registry.__all__ if n != "Preprocessor"}
+        names = [n for n, c in classes.items() if isinstance(c, type) and issubclass(c, Preprocessor)]
         if fn not in names:
             raise UserError(f"Dataset.{what}: unknown preprocessor {fn!r}; valid names: {', '.join(names)}")
         fn = getattr(registry, fn)
@@ -69,13 +77,17 @@ def _rows(batch: dict[str, list]) -> list[dict[str, Any]]:
 
 class RowMapper:
     """Calls ``fn`` on each row of a batch: ``fn(row, index)`` for a ``Preprocessor`` (its error
-    messages name the row), ``fn(row)`` for anything else. ``None`` drops the row. The columns
-    are fixed up front (``keys``), so a batch whose rows all drop still has them."""
+    messages name the row), ``fn(row)`` for anything else. ``None`` drops the row, and so does a
+    ``BadRow`` with ``skip_bad_rows``. The columns are fixed up front (``keys``), so a batch
+    whose rows all drop still has them; ``ROW_COLUMN`` records where each kept row came from."""
 
-    def __init__(self, fn: Callable[..., Any], keep: Sequence[str], keys: Sequence[str]):
+    def __init__(
+        self, fn: Callable[..., Any], keep: Sequence[str], keys: Sequence[str], skip_bad_rows: bool = False
+    ):
         self.fn = fn
         self.keep = set(keep)
         self.keys = list(keys)
+        self.skip_bad_rows = skip_bad_rows
 
     def call(self, row: dict[str, Any], index: int) -> dict[str, Any] | None:
         out = self.fn(row, index) if isinstance(self.fn, Preprocessor) else self.fn(row)
@@ -85,10 +97,18 @@ class RowMapper:
             )
         return out
 
+    def call_or_skip(self, row: dict[str, Any], index: int) -> dict[str, Any] | None:
+        try:
+            return self.call(row, index)
+        except BadRow:
+            if self.skip_bad_rows:
+                return None
+            raise
+
     def __call__(self, batch: dict[str, list], indices: list[int]) -> dict[str, list]:
-        columns: dict[str, list] = {key: [] for key in self.keys}
+        columns: dict[str, list] = {key: [] for key in [*self.keys, ROW_COLUMN]}
         for row, index in zip(_rows(batch), indices, strict=True):
-            out = self.call(row, index)
+            out = self.call_or_skip(row, index)
             if out is None:
                 continue
             extra = set(out) - set(self.keys)
@@ -99,6 +119,7 @@ class RowMapper:
                 )
             for key in self.keys:
                 columns[key].append(out[key] if key in out else row[key] if key in self.keep else None)
+            columns[ROW_COLUMN].append(index)
         return columns
 
 
@@ -131,9 +152,30 @@ def map_rows(
     batch_size: int,
     remove_columns: Sequence[str] | str | None,
     num_proc: int | None,
-) -> datasets.Dataset:
-    """``fn`` over ``data``. A ``Preprocessor`` replaces every column with what it returns; a
-    function's output is merged into the row, minus ``remove_columns``."""
+    origin: RowOrigin | None = None,
+    skip_bad_rows: bool = False,
+) -> tuple[datasets.Dataset, RowOrigin, BadRows]:
+    """``fn`` over ``data``, the origin of the rows it returns, and the rows ``skip_bad_rows``
+    dropped. A ``Preprocessor`` replaces every column with what it returns; a function's output
+    is merged into the row, minus ``remove_columns``. Without ``skip_bad_rows`` a ``BadRow``
+    is raised again as a ``UserError`` naming the row's file and line."""
+    origin = origin if origin is not None else RowOrigin.in_place("the rows", len(data))
+    try:
+        return _map_rows(data, fn, batched, batch_size, remove_columns, num_proc, origin, skip_bad_rows)
+    except BadRow as exc:
+        raise located(exc, origin) from exc
+
+
+def _map_rows(
+    data: datasets.Dataset,
+    fn: Callable[..., Any],
+    batched: bool,
+    batch_size: int,
+    remove_columns: Sequence[str] | str | None,
+    num_proc: int | None,
+    origin: RowOrigin,
+    skip_bad_rows: bool,
+) -> tuple[datasets.Dataset, RowOrigin, BadRows]:
     columns = data.column_names
     removed = [remove_columns] if isinstance(remove_columns, str) else list(remove_columns or [])
     unknown = [c for c in removed if c not in columns]
@@ -143,14 +185,16 @@ def map_rows(
     if batched:
         mapper: Any = BatchMapper(fn, keep)
     else:
-        probe = RowMapper(fn, keep, [])
+        probe = RowMapper(fn, keep, [], skip_bad_rows)
         first = next(
-            ((i, out) for i in range(len(data)) if (out := probe.call(data[i], i)) is not None), None
+            ((i, out) for i in range(len(data)) if (out := probe.call_or_skip(data[i], i)) is not None),
+            None,
         )
         if first is None:  # every row dropped
-            return data.select([]).remove_columns([c for c in columns if c not in keep])
-        mapper = RowMapper(fn, keep, list(dict.fromkeys([*first[1], *keep])))
-    return data.map(
+            empty = data.select([]).remove_columns([c for c in columns if c not in keep])
+            return empty, origin.take([]), _bad_rows(data, probe, range(len(data)))
+        mapper = RowMapper(fn, keep, list(dict.fromkeys([*first[1], *keep])), skip_bad_rows)
+    mapped = data.map(
         mapper,
         batched=True,
         batch_size=batch_size,
@@ -161,6 +205,28 @@ def map_rows(
         new_fingerprint=generate_random_fingerprint(),
         desc="preprocess",
     )
+    if batched:  # a batched function does not say which rows it kept
+        same = len(mapped) == len(data)
+        return mapped, origin if same else RowOrigin.in_place("the rows after a batched map", len(mapped)), []
+    kept = mapped[ROW_COLUMN]
+    mapped = mapped.remove_columns([ROW_COLUMN])
+    dropped = sorted(set(range(len(data))) - set(kept)) if skip_bad_rows and len(kept) < len(data) else []
+    return mapped, origin.take(kept), _bad_rows(data, mapper, dropped)
+
+
+def _bad_rows(data: datasets.Dataset, mapper: RowMapper, dropped: Sequence[int]) -> BadRows:
+    """Which of the ``dropped`` rows were dropped as bad, and why (the function runs again on
+    them, here, because worker processes cannot report back; rows it returned None for are the
+    function's own choice and not counted)."""
+    if not mapper.skip_bad_rows:
+        return []
+    bad: BadRows = []
+    for i in dropped:
+        try:
+            mapper.call(data[i], i)
+        except BadRow as exc:
+            bad.append((i, exc))
+    return bad
 
 
 def filter_rows(

@@ -4,6 +4,9 @@ Public names:
 
 - ``resolve_model(model_id)``: a local folder that ``AutoModelForCausalLM.from_pretrained`` and
   ``AutoTokenizer.from_pretrained`` load. ``None`` is the bundled SmolLM2-135M-Instruct.
+- ``check_model_folder(folder, name=None, weights=True)``: one ``UserError`` line naming what
+  makes a model folder unusable (config, model type, tokenizer files, weights), before any load;
+  ``resolve_model`` runs it on every folder the user gives.
 - ``resolve_dataset(dataset_id, subset_name=None, split='train')``: a ``datasets.Dataset``.
   ``None`` is the bundled self-cognition data.
 - ``bundled_gguf_path()``: the GGUF file of the bundled default model.
@@ -12,9 +15,17 @@ Public names:
 """
 
 from twinkle.hub.cache import ensure_converted
+from twinkle.hub.check_folder import check_model_folder
 from twinkle.hub.dataset import resolve_dataset
 from twinkle.hub.gguf import bundled_gguf_path
 from twinkle.hub.model import resolve_model
 from twinkle.utils.cache import cache_root
 
-__all__ = ["bundled_gguf_path", "cache_root", "ensure_converted", "resolve_dataset", "resolve_model"]
+__all__ = [
+    "bundled_gguf_path",
+    "cache_root",
+    "check_model_folder",
+    "ensure_converted",
+    "resolve_dataset",
+    "resolve_model",
+]

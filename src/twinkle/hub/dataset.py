@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import importlib.resources
 import re
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, NamedTuple
 
-from twinkle.hub.jsonrows import read_json_rows
+from twinkle.hub.jsonrows import SKIP_HINT, read_json_records, type_conflicts
 from twinkle.hub.remote import looks_like_hub_id, snapshot
 from twinkle.utils.cache import cache_root
 from twinkle.utils.errors import UserError
@@ -23,6 +24,78 @@ FORMATS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parque
 # Metadata that hub dataset snapshots carry next to the data; never rows.
 _METADATA_FILES = {"dataset_infos.json", "dataset_info.json", "dataset_dict.json", "state.json"}
 _SPLIT_WORDS = {"train", "validation", "valid", "val", "test", "dev", "eval"}
+
+
+@dataclass(frozen=True)
+class RowSource:
+    """``count`` consecutive rows of a loaded dataset came from ``name``: a file, or the dataset
+    when its files cannot be told apart (several CSV files). ``lines`` holds each row's line in a
+    JSON-lines file (None elsewhere); ``numbers`` each row's number in the file when rows were
+    left out (None: they are the file's rows 0, 1, ...)."""
+
+    name: str
+    count: int
+    lines: tuple[int, ...] | None = None
+    numbers: tuple[int, ...] | None = field(default=None)
+
+    def where(self, record: int) -> str:
+        """``<file>:<line>: row <n>``, or ``<source>: row <n>`` without lines."""
+        number = self.numbers[record] if self.numbers is not None else record
+        if self.lines is not None:
+            return f"{self.name}:{self.lines[record]}: row {number}"
+        return f"{self.name}: row {number}"
+
+
+class Loaded(NamedTuple):
+    """Rows as loaded, where they came from, and the rows ``skip_bad_rows`` left out (each as
+    ``<where>: <what is wrong>``) of the ``read`` rows there were."""
+
+    data: datasets.Dataset
+    sources: list[RowSource]
+    skipped: list[str]
+    read: int
+
+
+def rows_to_dataset(rows: list[dict[str, Any]]) -> datasets.Dataset:
+    """A ``datasets.Dataset`` holding every key of every row, in first-seen order (``from_list``
+    keeps only the first row's); a key missing from a row is null there."""
+    import datasets
+
+    columns = list(dict.fromkeys(key for row in rows for key in row))
+    return datasets.Dataset.from_dict({key: [row.get(key) for row in rows] for key in columns})
+
+
+def rows_with_conflicts(
+    rows: list[dict[str, Any]], name: str, where: Any, skip_bad_rows: bool
+) -> tuple[datasets.Dataset, list[int], list[str]]:
+    """``rows`` as a dataset; when a column mixes value types (which Arrow cannot store), the
+    first row that breaks it is an error naming ``where(index)`` and the field, or, with
+    ``skip_bad_rows``, every such row is left out. Returns the dataset, the indices kept and
+    what was left out."""
+    try:
+        return rows_to_dataset(rows), list(range(len(rows))), []
+    except Exception as exc:
+        conflicts = type_conflicts(rows)
+        if not conflicts:
+            reason = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else type(exc).__name__
+            raise UserError(
+                f"dataset {name}: a column mixes value types ({reason}); make rows consistent"
+            ) from exc
+        if not skip_bad_rows:
+            index, _, text = conflicts[0]
+            raise UserError(f"{where(index)}: {text}; fix the row, {SKIP_HINT}") from exc
+    bad = {index for index, _, _ in conflicts}
+    kept = [i for i in range(len(rows)) if i not in bad]
+    skipped = [f"{where(index)}: {text}" for index, _, text in conflicts]
+    if not kept:
+        return rows_to_dataset([]), kept, skipped
+    try:
+        return rows_to_dataset([rows[i] for i in kept]), kept, skipped
+    except Exception as exc:
+        reason = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else type(exc).__name__
+        raise UserError(
+            f"dataset {name}: a column mixes value types ({reason}); make rows consistent"
+        ) from exc
 
 
 def bundled_dataset_path() -> Path:
@@ -76,31 +149,59 @@ def _has_rows(path: Path, builder: str) -> bool:
         return sum(1 for line, _ in zip(handle, range(2), strict=False) if line.strip()) > 1
 
 
-def _from_json_files(files: list[Path], name: str) -> datasets.Dataset:
-    import datasets
-
-    rows = [row for path in files for row in read_json_rows(path)]
+def _from_json_files(files: list[Path], name: str, skip_bad_rows: bool) -> Loaded:
+    rows: list[dict[str, Any]] = []
+    sources: list[RowSource] = []
+    owner: list[tuple[int, int]] = []  # (source, row in it) of each row
+    for path in files:
+        records, lines = read_json_records(path)
+        owner += [(len(sources), i) for i in range(len(records))]
+        rows += records
+        sources.append(RowSource(str(path), len(records), None if lines is None else tuple(lines)))
     if not rows:
         raise UserError(f"dataset {name!r} has no rows; add records to the file(s)")
-    # Every key of every row, in first-seen order (``from_list`` keeps only the first row's).
-    columns = list(dict.fromkeys(key for row in rows for key in row))
-    try:
-        return datasets.Dataset.from_dict({key: [row.get(key) for row in rows] for key in columns})
-    except Exception as exc:
-        reason = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else type(exc).__name__
-        raise UserError(
-            f"dataset {name!r}: a column mixes value types ({reason}); make rows consistent"
-        ) from exc
+
+    def where(index: int) -> str:
+        source, record = owner[index]
+        return sources[source].where(record)
+
+    data, kept, skipped = rows_with_conflicts(rows, repr(name), where, skip_bad_rows)
+    if skipped:  # the sources describe the rows kept
+        sources = [
+            _kept_of(source, [r for s, r in (owner[i] for i in kept) if s == k])
+            for k, source in enumerate(sources)
+        ]
+    return Loaded(data, sources, skipped, len(rows))
 
 
-def _from_tabular_files(files: list[Path], builder: str, name: str) -> datasets.Dataset:
+def _kept_of(source: RowSource, records: list[int]) -> RowSource:
+    lines = None if source.lines is None else tuple(source.lines[r] for r in records)
+    return RowSource(source.name, len(records), lines, tuple(records))
+
+
+def _tabular_sources(files: list[Path], builder: str, name: str, rows: int) -> list[RowSource]:
+    """One source per file where each file's row count is known without reading it (a single
+    file; parquet metadata), else the dataset as one source."""
+    if len(files) == 1:
+        return [RowSource(str(files[0]), rows)]
+    if builder == "parquet":
+        import pyarrow.parquet
+
+        counts = [pyarrow.parquet.ParquetFile(path).metadata.num_rows for path in files]
+        if sum(counts) == rows:
+            return [RowSource(str(path), n) for path, n in zip(files, counts, strict=True)]
+    return [RowSource(f"dataset {name}", rows)]
+
+
+def _from_tabular_files(files: list[Path], builder: str, name: str) -> Loaded:
+    """CSV and parquet rows: their columns are typed by the reader, so no row mixes types."""
     import datasets
 
     if not any(_has_rows(path, builder) for path in files):
         raise UserError(f"dataset {name!r} has no rows; add records to the file(s)")
     root = cache_root() / "datasets"
     try:
-        return datasets.load_dataset(
+        data = datasets.load_dataset(
             builder,
             data_files=[str(path) for path in files],
             split="train",
@@ -111,9 +212,10 @@ def _from_tabular_files(files: list[Path], builder: str, name: str) -> datasets.
     except Exception as exc:
         reason = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else type(exc).__name__
         raise UserError(f"could not read dataset {name!r} as {builder} ({reason})") from exc
+    return Loaded(data, _tabular_sources(files, builder, name, len(data)), [], len(data))
 
 
-def _load_files(files: list[Path], name: str) -> datasets.Dataset:
+def _load_files(files: list[Path], name: str, skip_bad_rows: bool) -> Loaded:
     builders = {FORMATS[path.suffix.lower()] for path in files}
     if len(builders) > 1:
         raise UserError(
@@ -121,26 +223,27 @@ def _load_files(files: list[Path], name: str) -> datasets.Dataset:
         )
     builder = builders.pop()
     if builder == "json":
-        return _from_json_files(files, name)
+        return _from_json_files(files, name, skip_bad_rows)
     return _from_tabular_files(files, builder, name)
 
 
-def _load_path(path: Path, name: str, subset_name: str | None, split: str) -> datasets.Dataset:
+def _load_path(path: Path, name: str, subset_name: str | None, split: str, skip_bad_rows: bool) -> Loaded:
     if path.is_dir():
-        return _load_files(_data_files(path, name, subset_name, split), name)
+        return _load_files(_data_files(path, name, subset_name, split), name, skip_bad_rows)
     if path.suffix.lower() not in FORMATS:
         raise UserError(
             f"dataset file {name!r} has an unsupported extension; supported: {', '.join(FORMATS)}"
         )
     if split != "train":
         raise UserError(f"dataset file {name!r} has only a 'train' split; use split='train'")
-    return _load_files([path], name)
+    return _load_files([path], name, skip_bad_rows)
 
 
 def resolve_dataset(
     dataset_id: str | None, subset_name: str | None = None, split: str = "train"
 ) -> datasets.Dataset:
     """Load ``dataset_id`` as a ``datasets.Dataset`` without touching the network unless needed.
+    (``resolve_dataset_sources`` also says which file and line each row came from.)
 
     - ``None``, ``'self-cognition'``, ``'twinkle://self-cognition'``, ``'swift/self-cognition'``
       or ``'ms://swift/self-cognition'``: the bundled self-cognition rows. These names always
@@ -153,16 +256,26 @@ def resolve_dataset(
 
     Raises ``UserError`` for a missing path, an unsupported file type, a malformed JSON line
     (``<file>:<line>: invalid JSON (...)``), an empty dataset, or an unavailable hub id."""
+    return resolve_dataset_sources(dataset_id, subset_name, split).data
+
+
+def resolve_dataset_sources(
+    dataset_id: str | None, subset_name: str | None = None, split: str = "train", skip_bad_rows: bool = False
+) -> Loaded:
+    """``resolve_dataset``'s rows and the sources they came from, in row order. A JSON row
+    whose value has another type than the other rows' in the same field (``"query": 42`` among
+    text) is an error naming its file, line and field; with ``skip_bad_rows`` it is left out and
+    listed in ``skipped``."""
     if dataset_id is None or dataset_id in BUNDLED_DATASET_NAMES:
         path = bundled_dataset_path()
         if not path.is_file():
             raise UserError(f"the bundled self-cognition dataset is missing at {path}; reinstall twinkle")
-        return _load_path(path, "self-cognition", None, split)
+        return _load_path(path, "self-cognition", None, split, skip_bad_rows)
     path = Path(dataset_id).expanduser()
     if path.exists():
-        return _load_path(path.resolve(), dataset_id, subset_name, split)
+        return _load_path(path.resolve(), dataset_id, subset_name, split, skip_bad_rows)
     if looks_like_hub_id(dataset_id):
-        return _load_path(snapshot(dataset_id, "dataset"), dataset_id, subset_name, split)
+        return _load_path(snapshot(dataset_id, "dataset"), dataset_id, subset_name, split, skip_bad_rows)
     raise UserError(
         f"dataset path {dataset_id!r} does not exist; pass an existing file or folder, or hf://org/name"
     )

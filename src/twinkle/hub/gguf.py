@@ -6,8 +6,10 @@ under ``<cache root>/models/<gguf stem>-<hash>`` and every later run loads that 
 
 import hashlib
 import importlib.util
+import struct
 import time
 from pathlib import Path
+from typing import Any, BinaryIO
 
 from twinkle.hub.cache import ensure_converted
 from twinkle.utils.cache import cache_root
@@ -79,14 +81,124 @@ def convert_gguf(gguf_path: Path, dst: Path) -> None:
     tokenizer.save_pretrained(dst)
 
 
+# GGUF metadata value types (the GGUF spec): scalar struct formats; 8 is a string, 9 an array.
+_SCALARS = {
+    0: "<B",
+    1: "<b",
+    2: "<H",
+    3: "<h",
+    4: "<I",
+    5: "<i",
+    6: "<f",
+    7: "<?",
+    10: "<Q",
+    11: "<q",
+    12: "<d",
+}
+_STRING, _ARRAY = 8, 9
+# llama.cpp's architecture names that transformers reads under another model type.
+_GGUF_RENAMES = {
+    "qwen2moe": "qwen2_moe",
+    "qwen3moe": "qwen3_moe",
+    "gpt-oss": "gpt_oss",
+    "minimax-m2": "minimax_m2",
+}
+
+
+class _CutShort(Exception):
+    """The file ended inside its header."""
+
+
+def _read(handle: BinaryIO, fmt: str) -> Any:
+    size = struct.calcsize(fmt)
+    data = handle.read(size)
+    if len(data) != size:
+        raise _CutShort
+    return struct.unpack(fmt, data)[0]
+
+
+def _read_value(handle: BinaryIO, kind: int) -> Any:
+    if kind in _SCALARS:
+        return _read(handle, _SCALARS[kind])
+    if kind == _STRING:
+        return handle.read(_read(handle, "<Q")).decode("utf-8", errors="replace")
+    if kind == _ARRAY:
+        item, count = _read(handle, "<I"), _read(handle, "<Q")
+        if item in _SCALARS:  # skipped, not read
+            handle.seek(count * struct.calcsize(_SCALARS[item]), 1)
+            return None
+        for _ in range(count):
+            _read_value(handle, item)
+        return None
+    raise ValueError(f"unknown metadata type {kind}")
+
+
+def gguf_metadata(
+    path: Path, keys: tuple[str, ...] = ("general.architecture", "general.name")
+) -> dict[str, Any]:
+    """The header values ``keys`` of a GGUF file, read without loading its tensors (the
+    ``general.*`` keys come first, so this reads a few hundred bytes)."""
+    found: dict[str, Any] = {}
+    try:
+        with open(path, "rb") as handle:
+            if handle.read(4) != b"GGUF":
+                raise UserError(
+                    f"{path} is not a GGUF file (it does not start with 'GGUF'); download it again"
+                )
+            version = _read(handle, "<I")
+            count = "<I" if version == 1 else "<Q"
+            _read(handle, count)  # tensor count
+            for _ in range(_read(handle, count)):
+                key = handle.read(_read(handle, count)).decode("utf-8", errors="replace")
+                value = _read_value(handle, _read(handle, "<I"))
+                if key in keys:
+                    found[key] = value
+                    if len(found) == len(keys):
+                        break
+    except _CutShort:
+        raise UserError(f"{path} is cut short inside its header; download it again") from None
+    except ValueError as exc:
+        raise UserError(f"{path} has a damaged header ({exc}); download it again") from None
+    return found
+
+
+def check_gguf(path: Path) -> str:
+    """The model type ``path`` converts to; a ``UserError`` when transformers cannot convert its
+    architecture into a causal LM, listing the ones it can."""
+    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    architecture = gguf_metadata(path).get("general.architecture")
+    if not isinstance(architecture, str):
+        raise UserError(f"{path.name} names no architecture (general.architecture); it cannot be converted")
+    model_type = _GGUF_RENAMES.get(architecture, architecture)
+    convertible = sorted(a for a in GGUF_SUPPORTED_ARCHITECTURES if a in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+    if model_type not in convertible:
+        raise UserError(
+            f"{path.name} is a GGUF of architecture {architecture!r}, which transformers cannot convert into "
+            f"a causal LM; convertible: {', '.join(convertible)}; pass a safetensors model folder instead"
+        )
+    return model_type
+
+
 def resolve_gguf(gguf_path: Path) -> Path:
-    """Return the converted folder for ``gguf_path``, converting it on first use."""
+    """Return the converted folder for ``gguf_path``, converting it on first use (after
+    ``check_gguf``: an architecture transformers cannot convert fails before the slow read)."""
     final = gguf_cache_dir(gguf_path)
 
     def build(tmp: Path) -> None:
+        check_gguf(gguf_path)
         logger.info("converting %s once (~40 s) into %s", gguf_path.name, final)
         start = time.perf_counter()
-        convert_gguf(gguf_path, tmp)
+        try:
+            convert_gguf(gguf_path, tmp)
+        except UserError:
+            raise
+        except Exception as exc:
+            reason = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else type(exc).__name__
+            raise UserError(
+                f"could not convert {gguf_path.name} ({reason}); pass a safetensors model folder instead"
+            ) from exc
         logger.info("converted %s in %.1f s", gguf_path.name, time.perf_counter() - start)
 
     return ensure_converted(final, build)

@@ -2,6 +2,7 @@
 
 from pathlib import Path
 
+from twinkle.hub.check_folder import check_model_folder
 from twinkle.hub.gguf import BUNDLED_MODEL_NAMES, bundled_gguf_path, resolve_gguf
 from twinkle.hub.remote import looks_like_hub_id, snapshot
 from twinkle.utils.errors import UserError
@@ -15,6 +16,7 @@ def _local_model(path: Path, name: str) -> Path:
             raise UserError(f"model {name!r} is a file but not a .gguf file; {_HINT}")
         return resolve_gguf(path)
     if (path / "config.json").is_file():
+        check_model_folder(path, name)
         return path
     ggufs = sorted(path.glob("*.gguf"))
     if len(ggufs) == 1:
@@ -33,6 +35,10 @@ def resolve_model(model_id: str | None) -> Path:
     - a local folder with ``config.json``: that folder.
     - ``hf://org/name``, ``ms://org/name`` or a bare ``org/name`` that is not a local path: the
       hub's local cache, else a download when the network is allowed.
+
+    A folder from the user (local or a hub snapshot) passes ``check_model_folder`` first: its
+    config, tokenizer files and weights are checked before transformers reads them. A GGUF file
+    is checked for an architecture transformers can convert.
 
     Raises ``UserError`` naming the id when none of these works."""
     if model_id is None or model_id in BUNDLED_MODEL_NAMES:

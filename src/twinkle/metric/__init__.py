@@ -1,7 +1,10 @@
 """Training and evaluation metrics, reduced over ranks.
 
 Public names: ``TokenMetrics`` (the model's built-in numbers), ``Metric``, ``Accuracy``,
-``LossMetric``, ``TrainMetric``, ``METRICS``, ``build_metric``."""
+``LossMetric``, ``TrainMetric``, ``METRICS``, ``build_metric``.
+
+A run's record (``metrics.jsonl``, ``--report-to`` sinks, progress, summary and ``curves.png``)
+lives in ``twinkle.metric.report``, which the model's step and metric calls feed."""
 
 from twinkle.metric.accuracy import Accuracy
 from twinkle.metric.base import Metric

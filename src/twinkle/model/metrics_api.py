@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from twinkle.loss import LossOutput
-from twinkle.metric import build_metric
+from twinkle.metric import build_metric, report
 from twinkle.model.forward import compute_loss
 from twinkle.model.lora import trainable_parameters
 from twinkle.model.packing import shifted_targets
@@ -95,6 +95,7 @@ class MetricsAPI:
         self._flush_metric_batch(group, is_training)
         for metric in group.added_metrics[is_training]:
             metrics.update(metric.calculate())
+        report.on_metrics(self.runtime, group, metrics, is_training)  # metrics.jsonl, --report-to
         return metrics
 
     def _record_metric_batch(

@@ -14,6 +14,7 @@ from twinkle.distributed.collectives import all_reduce_sum
 from twinkle.distributed.fsdp import apply_fsdp2
 from twinkle.kernel import cpu_gemm as gemm
 from twinkle.loss import FusedLinearCrossEntropyLoss, HeadLoss, build_loss, resolve_loss
+from twinkle.metric import report
 from twinkle.model.activation_checkpointing import LayerCheckpointing
 from twinkle.model.checkpoints import Checkpoints
 from twinkle.model.forward import causal_lm_of, compute_loss
@@ -254,6 +255,7 @@ class TransformersModel(InputsAPI, MetricsAPI, Checkpoints):
         out.loss_sum.backward()  # even when not finite: under FSDP every rank must run backward
         loss_sum = float(out.loss_sum.detach())
         group.cur_step += 1
+        report.on_backward(self.runtime, group)  # progress (twinkle.metric.report)
         group.local_samples += inputs["input_ids"].shape[0]
         group.window_batches += 1
         group.window_tokens += out.num_tokens

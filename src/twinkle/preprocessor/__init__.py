@@ -1,10 +1,11 @@
 """Row preprocessors: turn a raw data row into chat ``messages``.
 
 Public names: ``Preprocessor``, ``SelfCognitionProcessor``, ``MessagesProcessor``, ``AlpacaProcessor``,
-``ToolCallProcessor``."""
+``ToolCallProcessor``, and ``BadRow``: what a preprocessor raises for a row that cannot become a
+sample (``Dataset`` names the row's file and line, or drops it with ``skip_bad_rows``)."""
 
 from twinkle.preprocessor.alpaca import AlpacaProcessor
-from twinkle.preprocessor.base import MessagesProcessor, Preprocessor
+from twinkle.preprocessor.base import BadRow, MessagesProcessor, Preprocessor
 from twinkle.preprocessor.self_cognition import SelfCognitionProcessor
 from twinkle.preprocessor.tool_call import ToolCallProcessor
 
@@ -14,4 +15,5 @@ __all__ = [
     "SelfCognitionProcessor",
     "AlpacaProcessor",
     "ToolCallProcessor",
+    "BadRow",
 ]

@@ -4,8 +4,7 @@
 import json
 from typing import Any
 
-from twinkle.preprocessor.base import Preprocessor
-from twinkle.utils.errors import UserError
+from twinkle.preprocessor.base import SPOKEN_ROLES, BadRow, Preprocessor
 
 TOOL_ROLES = ("system", "user", "assistant", "tool")
 
@@ -20,12 +19,12 @@ def _without_nulls(value: Any) -> Any:
     return value
 
 
-def _json_value(value: Any, what: str, where: str) -> Any:
+def _json_value(value: Any, what: str, field: str, index: int | None) -> Any:
     if isinstance(value, str):
         try:
             return json.loads(value) if value.strip() else None
         except json.JSONDecodeError as exc:
-            raise UserError(f"{where}: {what} is not valid JSON ({exc.msg})") from None
+            raise BadRow(index, field, f": {what} is not valid JSON ({exc.msg})") from None
     return _without_nulls(value)
 
 
@@ -46,37 +45,61 @@ class ToolCallProcessor(Preprocessor):
     """
 
     def __call__(self, row: dict[str, Any], index: int | None = None) -> dict[str, Any]:
-        where = f"row {index}" if index is not None else "a row"
         messages = row.get("messages")
         if not isinstance(messages, list) or not messages:
-            raise UserError(f"{where} has no 'messages' list")
-        tools = _json_value(row.get("tools"), "'tools'", where) or []
+            raise BadRow(index, "messages", " has no 'messages' list")
+        tools = _json_value(row.get("tools"), "'tools'", "tools", index) or []
         if not isinstance(tools, list) or not all(_tool_name(t) for t in tools):
-            raise UserError(f"{where}: 'tools' must be a list of function schemas, each with a function name")
-        out = [self._message(m, i, messages, where) for i, m in enumerate(messages)]
+            raise BadRow(
+                index, "tools", ": 'tools' must be a list of function schemas, each with a function name"
+            )
+        out = [self._message(m, i, messages, index) for i, m in enumerate(messages)]
+        if not any(m["role"] == "assistant" for m in out[1:]):
+            raise BadRow(
+                index,
+                "messages",
+                ": 'messages' has no assistant turn after the first message, so nothing is learnt; "
+                "add the reply to train on",
+            )
         out[0]["tools"] = json.dumps(tools, ensure_ascii=False) if tools else ""
         return {"messages": out}
 
-    def _message(self, m: Any, i: int, messages: list, where: str) -> dict[str, str]:
+    def _message(self, m: Any, i: int, messages: list, index: int | None) -> dict[str, str]:
+        field = f"messages[{i}]"
         if not isinstance(m, dict) or m.get("role") not in TOOL_ROLES:
-            raise UserError(f"{where}: each message needs a role in {TOOL_ROLES}, got {m!r}")
+            role = m.get("role") if isinstance(m, dict) else None
+            raise BadRow(
+                index,
+                f"{field}.role",
+                f": {field}.role is {role!r}; each message needs a role in {TOOL_ROLES}",
+            )
         role, content = m["role"], m.get("content")
-        calls = _json_value(m.get("tool_calls"), "'tool_calls'", where) or []
+        calls = _json_value(m.get("tool_calls"), f"{field}.tool_calls", f"{field}.tool_calls", index) or []
         if calls and role != "assistant":
-            raise UserError(
-                f"{where}: message {i} ({role}) has tool_calls; only assistant messages call tools"
+            raise BadRow(
+                index,
+                f"{field}.tool_calls",
+                f": {field} ({role}) has tool_calls; only assistant messages call tools",
             )
         if role == "system" and i != 0:
-            raise UserError(f"{where}: only the first message may be a system message (message {i})")
+            raise BadRow(
+                index, f"{field}.role", f": only the first message may be a system message ({field})"
+            )
         previous = messages[i - 1] if i > 0 and isinstance(messages[i - 1], dict) else {}
         if role == "tool" and not (previous.get("role") == "tool" or previous.get("tool_calls")):
-            raise UserError(f"{where}: tool message {i} must follow an assistant message with tool_calls")
+            raise BadRow(
+                index, f"{field}.role", f": tool {field} must follow an assistant message with tool_calls"
+            )
         if not isinstance(content, str) and not (content is None and calls):
-            raise UserError(f"{where}: message {i} ({role}) needs a text content, got {content!r}")
+            raise BadRow(
+                index, f"{field}.content", f": {field}.content ({role}) needs a text content, got {content!r}"
+            )
+        if role in SPOKEN_ROLES and not calls and not content.strip():
+            raise BadRow(index, f"{field}.content", f": {field}.content ({role}) is empty")
         return {
             "role": role,
             "content": content or "",
-            "tool_calls": _calls_json(calls, i, where),
+            "tool_calls": _calls_json(calls, i, index),
             "tools": "",
         }
 
@@ -90,17 +113,18 @@ def _tool_name(tool: Any) -> str | None:
     )
 
 
-def _calls_json(calls: Any, i: int, where: str) -> str:
+def _calls_json(calls: Any, i: int, index: int | None) -> str:
+    field = f"messages[{i}].tool_calls"
     if not isinstance(calls, list):
-        raise UserError(f"{where}: message {i}: 'tool_calls' must be a list, got {type(calls).__name__}")
+        raise BadRow(index, field, f": {field} must be a list, got {type(calls).__name__}")
     normal = []
     for call in calls:
         function = (call.get("function") or call) if isinstance(call, dict) else None
         name = function.get("name") if isinstance(function, dict) else None
         if not isinstance(name, str) or not name:
-            raise UserError(f"{where}: message {i}: each tool call needs a function name, got {call!r}")
-        arguments = _json_value(function.get("arguments"), f"the arguments of {name!r}", where)
+            raise BadRow(index, field, f": {field}: each tool call needs a function name, got {call!r}")
+        arguments = _json_value(function.get("arguments"), f"the arguments of {name!r}", field, index)
         if not isinstance(arguments, dict | None):
-            raise UserError(f"{where}: message {i}: the arguments of {name!r} must be a JSON object")
+            raise BadRow(index, field, f": {field}: the arguments of {name!r} must be a JSON object")
         normal.append({"type": "function", "function": {"name": name, "arguments": arguments or {}}})
     return json.dumps(normal, ensure_ascii=False) if normal else ""

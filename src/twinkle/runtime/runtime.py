@@ -34,12 +34,17 @@ class RunDefaults:
     dtype: str = "auto"  # the weights' dtype: auto (bf16 on accelerators, fp32 on CPU), float32, bfloat16
     activation_checkpointing: str = "auto"  # auto, on, off
     strategy: str = "fsdp"  # how several processes hold the model: fsdp or ddp
-    output_dir: str = "output"  # where a preempted run saves its checkpoint
+    output_dir: str = "output"  # where a preempted run saves its checkpoint and metrics.jsonl goes
     max_restarts: int = 0  # Ray: relaunches after a worker dies
     ray_address: str | None = None  # Ray: the cluster to join; None: $RAY_ADDRESS, else a local one
     ray_placement: str = "pack"  # Ray: "pack" or "spread" the workers over the nodes
     max_grad_norm: float = 1.0  # clip_grad_and_step's gradient-norm bound when the call gives none
     model_cls: str | None = None  # the transformers class to load; None: AutoModelForCausalLM
+    # A CLI-parsed run records its metrics (``twinkle.metric.report``): the --report-to sinks, ()
+    # for the JSONL alone; None (a library call) records nothing.
+    report_to: tuple[str, ...] | None = None
+    resuming: bool = False  # the run resumes a checkpoint: its metrics.jsonl is appended to
+    run_args: dict | None = None  # the parsed command line, saved next to the metrics
 
 
 _DEFAULTS = [RunDefaults()]

@@ -1,0 +1,115 @@
+"""``twinkle eval --adapter CKPT [--dataset-id ID] [--eval-samples N]``: the eval loss and
+token accuracy of a checkpoint, computed as the training script's ``evaluate`` does
+(``forward_only`` + ``calculate_loss`` per batch, then ``calculate_metric(is_training=False)``).
+
+The rows go through the training pipeline: the self-cognition preprocessor and the template
+with its max length and truncation. Their settings, and the base model, come from the run that
+wrote the checkpoint (``run_args.json`` next to it, written with ``metrics.jsonl``; the base
+model also from the checkpoint's ``trainer_state.json``); a flag given here wins."""
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from twinkle.utils.errors import UserError
+
+DEFAULT_SAMPLES = 100  # the contract's eval default
+
+
+def add_eval_parser(sub: Any) -> None:
+    p = sub.add_parser("eval", help="eval loss and accuracy of a checkpoint on a dataset")
+    p.add_argument("--adapter", required=True, help="a checkpoint folder written by model.save(...)")
+    p.add_argument("--model-id", help="base model (default: the one the checkpoint was trained on)")
+    p.add_argument("--dataset-id", help="dataset path or id (default: the training run's, else bundled)")
+    p.add_argument("--eval-samples", type=int, help=f"rows to evaluate (default: {DEFAULT_SAMPLES})")
+    p.add_argument("--batch-size", type=int, help="rows per batch (default: the training run's, else 4)")
+    p.add_argument("--template-cls", help="template class (default: the training run's)")
+    p.add_argument("--max-length", type=int, help="maximum tokens per row (default: the training run's)")
+    p.add_argument("--model-name", help="SelfCognitionProcessor's model name (default: the training run's)")
+    p.add_argument("--model-author", help="SelfCognitionProcessor's author (default: the training run's)")
+
+
+def training_settings(folder: Path) -> dict[str, Any]:
+    """The settings of the run that wrote ``folder``: its ``run_args.json`` (in the folder or
+    its parent, the output dir), with the base model of its ``trainer_state.json``."""
+    found: dict[str, Any] = {}
+    for candidate in (folder / "run_args.json", folder.parent / "run_args.json"):
+        if candidate.is_file():
+            run = json.loads(candidate.read_text())
+            found = {**run.get("dataset", {}), **run.get("template", {}), **run.get("model", {})}
+            found.update(run.get("training", {}), **run.get("extra", {}))
+            break
+    state = folder / "trainer_state.json"
+    if found.get("model_id") is None and state.is_file():
+        found["model_id"] = json.loads(state.read_text()).get("model_path")
+    return found
+
+
+def run_eval(args: argparse.Namespace) -> int:
+    folder = Path(args.adapter).expanduser()
+    if not (folder / "adapter_config.json").is_file():
+        raise UserError(
+            f"{folder} holds no adapter (adapter_config.json); pass a checkpoint folder to --adapter"
+        )
+    saved = training_settings(folder)
+
+    def pick(name: str, default: Any) -> Any:
+        value = getattr(args, name, None)
+        return value if value is not None else saved.get(name) if saved.get(name) is not None else default
+
+    samples = pick("eval_samples", DEFAULT_SAMPLES)
+    if samples < 1:
+        raise UserError(f"--eval-samples must be at least 1, got {samples}")
+    metrics = evaluate_checkpoint(
+        folder,
+        model_id=pick("model_id", None),
+        dataset_id=pick("dataset_id", None),
+        samples=samples,
+        batch_size=pick("batch_size", 4),
+        template_cls=pick("template_cls", "Template"),
+        max_length=pick("max_length", 1024),
+        truncation_strategy=saved.get("truncation_strategy", "right"),
+        model_name=pick("model_name", "twinkle大模型"),
+        model_author=pick("model_author", "ModelScope社区"),
+    )
+    print(
+        f"eval loss {metrics['loss']:.4f}, accuracy {metrics['accuracy']:.4f} "
+        f"({metrics['samples']} samples, {metrics['supervised_tokens']} supervised tokens)",
+        flush=True,
+    )
+    return 0
+
+
+def evaluate_checkpoint(
+    folder: Path,
+    model_id: str | None,
+    dataset_id: str | None,
+    samples: int,
+    batch_size: int,
+    template_cls: str,
+    max_length: int,
+    truncation_strategy: str,
+    model_name: str,
+    model_author: str,
+) -> dict[str, float]:
+    from peft import LoraConfig
+
+    from twinkle.dataloader import DataLoader
+    from twinkle.dataset import Dataset, DatasetMeta
+    from twinkle.model import TransformersModel
+    from twinkle.preprocessor import SelfCognitionProcessor
+
+    model = TransformersModel(model_id=model_id)
+    model.add_adapter_to_model("default", LoraConfig.from_pretrained(str(folder)))
+    model.load(str(folder), adapter_name="default")
+    dataset = Dataset(dataset_meta=DatasetMeta(dataset_id, data_slice=range(samples)))
+    dataset.set_template(
+        template_cls, model_id=model_id, max_length=max_length, truncation_strategy=truncation_strategy
+    )
+    dataset.map(SelfCognitionProcessor(model_name, model_author))
+    dataset.encode()
+    for batch in DataLoader(dataset=dataset, batch_size=batch_size):
+        model.forward_only(inputs=batch)
+        model.calculate_loss()
+    return model.calculate_metric(is_training=False)

@@ -1,0 +1,66 @@
+"""``curves.png``: train loss, eval loss and learning rate against the step, from ``metrics.jsonl``.
+
+Drawn from the file, not from memory, so a resumed run's picture holds the whole run and a
+crashed one can still be drawn (``draw_curves(output_dir)``). matplotlib is imported here, with
+the Agg backend (no display), only when a picture is drawn."""
+
+import json
+import math
+from pathlib import Path
+
+
+def read_records(path: Path) -> list[dict]:
+    """The JSON lines of ``path``; a torn last line (a killed run) is skipped."""
+    records = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return records
+
+
+def _series(records: list[dict], kind: str, name: str) -> tuple[list[int], list[float]]:
+    by_step: dict[int, float] = {}  # a resumed run may repeat steps: the later record wins
+    for r in records:
+        value = r.get(name)
+        if r.get("kind") == kind and isinstance(value, int | float) and math.isfinite(value):
+            by_step[int(r["step"])] = float(value)
+    steps = sorted(by_step)
+    return steps, [by_step[s] for s in steps]
+
+
+def draw_curves(jsonl: Path, png: Path) -> Path | None:
+    """Write ``png`` from ``jsonl``: losses on the top panel, the learning rate below, sharing
+    the step axis. Returns the picture, or None when there is nothing to draw."""
+    records = read_records(jsonl) if jsonl.is_file() else []
+    train = _series(records, "train", "loss")
+    evals = _series(records, "eval", "loss")
+    lr = _series(records, "train", "lr")
+    if not (train[0] or evals[0]):
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    from matplotlib import pyplot as plt
+
+    fig, (top, bottom) = plt.subplots(
+        2, 1, figsize=(8, 6), sharex=True, gridspec_kw={"height_ratios": [3, 1]}, constrained_layout=True
+    )
+    top.plot(*train, label="train loss", color="tab:blue", marker="." if len(train[0]) < 50 else None)
+    top.plot(*evals, label="eval loss", color="tab:orange", marker="o")
+    top.set_ylabel("loss (mean per token)")
+    top.set_title(f"{png.parent.name or 'run'}: loss and learning rate")
+    top.grid(True, alpha=0.3)
+    top.legend()
+    bottom.plot(*lr, label="learning rate", color="tab:green")
+    bottom.set_ylabel("learning rate")
+    bottom.set_xlabel("step (micro-batches)")
+    bottom.ticklabel_format(axis="y", style="sci", scilimits=(-2, 2))
+    bottom.grid(True, alpha=0.3)
+    bottom.legend()
+    tmp = png.with_name(png.name + ".tmp.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    tmp.replace(png)
+    return png

@@ -1,0 +1,177 @@
+"""A run's record: ``<output_dir>/metrics.jsonl``, ``--report-to`` sinks, progress, the end-of-run
+summary and ``curves.png``.
+
+The model calls two hooks, so a script needs no line of its own: ``on_backward`` after each
+micro-batch (the progress) and ``on_metrics`` from every ``calculate_metric`` (one JSON line
+per call: ``kind`` train or eval, ``step`` (micro-batches, the script's ``cur_step``), ``time``
+(Unix seconds), ``elapsed_s``, the metric numbers with lr, grad_norm and tokens_per_second, and
+``peak_memory_mb``: ``torch.cuda.max_memory_allocated`` on CUDA, the process's peak RSS
+elsewhere). Only rank 0 records, and only in a run whose command line the CLI parsed
+(``RunDefaults.report_to`` is then a tuple): a library call writes nothing.
+
+A resumed run appends to the file; its steps continue, as the step counter is restored. A fresh
+run starts the file again. Each line is flushed when written, so a crashed run keeps its
+record. The end of the run is the process's exit (``atexit``, which also runs after an uncaught
+exception or a preemption's ``SystemExit``): the sinks are closed, the summary line is logged
+and ``curves.png`` is drawn from the file."""
+
+import atexit
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from twinkle.metric.curves import draw_curves
+from twinkle.metric.progress import Progress, _clock
+from twinkle.metric.sinks import open_sinks
+from twinkle.runtime import RunDefaults, run_defaults
+from twinkle.utils.logger import get_logger
+
+JSONL = "metrics.jsonl"
+CURVES = "curves.png"
+RUN_ARGS = "run_args.json"  # the parsed command line; ``twinkle eval`` reads the template from it
+logger = get_logger()
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def _number(value: Any) -> float | int | None:
+    """A JSON-safe number (NaN and inf become null), or None for what is not a number."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return value if isinstance(value, int) or math.isfinite(value) else None
+
+
+class RunReport:
+    """The record of one run on rank 0; files are opened at the first metric record."""
+
+    def __init__(self, defaults: RunDefaults, device: torch.device):
+        self.defaults = defaults
+        self.device = device
+        self.output_dir = Path(defaults.output_dir).expanduser()
+        self.progress = Progress(logger)
+        self.file: Any = None
+        self.sinks: list[Any] = []
+        self.started = time.time()
+        self.first_step_time: float | None = None
+        self.steps = 0
+        self.train_tokens = 0
+        self.best: tuple[float, int] | None = None  # (eval loss, step)
+        self.finished = False
+        atexit.register(self.finish)
+
+    def _open(self) -> None:
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        self.file = open(self.output_dir / JSONL, "a" if self.defaults.resuming else "w", encoding="utf-8")  # noqa: SIM115
+        config = dict(self.defaults.run_args or {})
+        if config:
+            (self.output_dir / RUN_ARGS).write_text(json.dumps(config, indent=2, default=str))
+        self.sinks = open_sinks(self.defaults.report_to or (), self.output_dir, config)
+
+    def on_backward(self, cur_step: int, total: int | None) -> None:
+        if self.first_step_time is None:
+            self.first_step_time = time.time()
+        self.steps = cur_step
+        self.progress.step(cur_step, total)
+
+    def on_metrics(self, metrics: dict[str, Any], is_training: bool, cur_step: int) -> None:
+        if self.finished:
+            return
+        if self.file is None:
+            self._open()
+        kind = "train" if is_training else "eval"
+        numbers = {k: v for k, v in ((k, _number(v)) for k, v in metrics.items()) if v is not None}
+        numbers.pop("step", None)
+        numbers["peak_memory_mb"] = round(peak_memory_mb(self.device), 1)
+        record = {"kind": kind, "step": cur_step, "time": round(time.time(), 3)}
+        record["elapsed_s"] = round(time.time() - self.started, 3)
+        self.file.write(json.dumps({**record, **numbers}) + "\n")
+        self.file.flush()
+        for sink in self.sinks:
+            sink.log(kind, cur_step, numbers)
+        if is_training:
+            self.train_tokens += int(numbers.get("tokens", 0))
+            self.progress.metrics(numbers)
+        elif "loss" in numbers and (self.best is None or numbers["loss"] < self.best[0]):
+            self.best = (float(numbers["loss"]), cur_step)
+
+    def summary(self) -> str:
+        wall = time.time() - self.started
+        train_s = time.time() - (self.first_step_time or self.started)
+        parts = [
+            f"wall {_clock(wall)}",
+            f"{self.steps} steps",
+            f"{self.train_tokens / max(train_s, 1e-9):,.0f} tokens/s",
+        ]
+        parts.append(f"peak memory {peak_memory_mb(self.device):,.0f} MiB")
+        if self.best is not None:
+            loss, step = self.best
+            folder = self.output_dir / f"checkpoint-{step}"
+            where = str(folder) if folder.is_dir() else "no checkpoint saved at that step"
+            parts.append(f"best eval loss {loss:.4f} at step {step} ({where})")
+        return "run summary: " + ", ".join(parts)
+
+    def finish(self) -> None:
+        """Close the sinks and the file, log the summary, draw the curves. Safe to call twice."""
+        if self.finished:
+            return
+        self.finished = True
+        self.progress.close()
+        for sink in self.sinks:
+            try:
+                sink.close()
+            except Exception as exc:  # noqa: BLE001 - a sink's failure must not hide the summary
+                logger.warning(f"closing {type(sink).__name__} failed: {exc}")
+        if self.file is None:
+            return
+        self.file.close()
+        try:
+            png = draw_curves(self.output_dir / JSONL, self.output_dir / CURVES)
+        except Exception as exc:  # noqa: BLE001 - the run's record stays in the JSONL
+            logger.warning(f"drawing {self.output_dir / CURVES} failed: {exc}")
+            png = None
+        tail = f"; metrics in {self.output_dir / JSONL}" + (f", curves in {png}" if png else "")
+        logger.info(self.summary() + tail)
+
+
+_ACTIVE: list[RunReport | None] = [None]
+
+
+def current(runtime: Any) -> RunReport | None:
+    """This run's report on rank 0 of a CLI-parsed run, else None."""
+    defaults = run_defaults()
+    if defaults.report_to is None or not runtime.is_main:
+        return None
+    report = _ACTIVE[0]
+    if report is None or report.defaults is not defaults:
+        if report is not None:
+            report.finish()
+        report = _ACTIVE[0] = RunReport(defaults, runtime.device)
+    return report
+
+
+def on_backward(runtime: Any, group: Any) -> None:
+    report = current(runtime)
+    if report is not None:
+        report.on_backward(group.cur_step, group.num_training_steps)
+
+
+def on_metrics(runtime: Any, group: Any, metrics: dict[str, Any], is_training: bool) -> None:
+    report = current(runtime)
+    if report is not None:
+        report.on_metrics(metrics, is_training, group.cur_step)
+
+
+def finish() -> None:
+    """End the current report now (the process's exit does it otherwise)."""
+    if _ACTIVE[0] is not None:
+        _ACTIVE[0].finish()
