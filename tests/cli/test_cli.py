@@ -352,3 +352,15 @@ def test_activation_checkpointing_flag_and_variable():
     assert parse(env=env).model.activation_checkpointing == "off"
     with pytest.raises(UserError, match="'sometimes' is not one of auto, on, off"):
         parse("--activation-checkpointing", "sometimes")
+
+
+def test_a_collective_cut_off_by_a_dead_rank_is_one_line(capsys):
+    from twinkle.cli.cli import _one_line_user_errors
+
+    error = RuntimeError(
+        "[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:29500"
+    )
+    _one_line_user_errors(RuntimeError, error, None)
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: another rank of this job stopped")
+    assert "Connection closed by peer" in err and "--resume-from-checkpoint auto" in err

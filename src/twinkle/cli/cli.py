@@ -113,11 +113,31 @@ def _set_dataset_defaults(args: Args) -> None:
     Dataset.skip_bad_rows = args.dataset.skip_bad_rows
 
 
+_PEER_LOST = ("Connection closed by peer", "Connection reset by peer")
+
+
+def _peer_lost(exc: BaseException) -> bool:
+    """A collective that failed because another rank of the job died (gloo's transport error, or
+    torch's ``DistBackendError``)."""
+    return type(exc).__name__ == "DistBackendError" or (
+        isinstance(exc, RuntimeError) and any(s in str(exc) for s in _PEER_LOST)
+    )
+
+
 def _one_line_user_errors(kind, exc, tb):  # noqa: ANN001 - the sys.excepthook signature
     """A script run from the command line reports a ``UserError`` as one line (``--debug`` shows
-    the traceback); every other exception keeps its traceback."""
+    the traceback), and so is a collective cut off by the death of another rank: that rank's own
+    exit is the cause, and this one's traceback would only bury it. Every other exception keeps
+    its traceback."""
     if isinstance(exc, UserError):
         print(f"error: {' '.join(str(exc).split())}", file=sys.stderr)
+    elif _peer_lost(exc):
+        first = " ".join(str(exc).split("\n")[0].split())[:200]
+        print(
+            f"error: another rank of this job stopped during a collective ({first}); relaunch with "
+            "--resume-from-checkpoint auto to continue from the last complete checkpoint",
+            file=sys.stderr,
+        )
     else:
         sys.__excepthook__(kind, exc, tb)
 
