@@ -210,6 +210,9 @@ def test_killing_one_rank_in_a_step_and_in_a_save_then_resuming_equals_an_uninte
             assert code != 0, text[-4000:]
             assert took < END_S, took
             assert KILLED_RANK_1.search(text), text[-4000:]  # torchrun's summary names the dead rank
+            # the survivor says in one line what happened instead of gloo's traceback
+            assert "error: another rank of this job stopped during a collective" in text, text[-4000:]
+            assert "[rank0]: Traceback" not in text  # (torchrun's own failure report follows)
             job.assert_no_worker_left()
             assert_nothing_torn_passes(out)
             # rank 0 outlives rank 1 long enough to remove the temporary folder of the save it was in
