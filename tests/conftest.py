@@ -5,13 +5,14 @@ import pytest
 import torch
 from peft import LoraConfig
 
-from twinkle.dataset import Dataset, DatasetMeta
+from twinkle.dataset import Dataset
 from twinkle.kernel import switches
 from twinkle.model import TransformersModel
-from twinkle.preprocessor import SelfCognitionProcessor
 from twinkle.runtime import RunDefaults, set_run_defaults
 
 sys.path.insert(0, str(Path(__file__).parent / "assets"))
+
+from shared_data import build_dataset  # noqa: E402  (after the assets folder is on the path)
 
 
 @pytest.fixture(scope="session")
@@ -46,14 +47,6 @@ def _fresh_run_defaults_and_switches():
     yield
     set_run_defaults(RunDefaults())
     switches.set_switches(before)
-
-
-def build_dataset(model_dir, rows: int) -> Dataset:
-    dataset = Dataset(DatasetMeta(None, data_slice=range(rows)))
-    dataset.set_template("Template", model_id=str(model_dir), max_length=128)
-    dataset.map(SelfCognitionProcessor("Twinkle", "Acme"))
-    dataset.encode()
-    return dataset
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,7 @@ settings, equal to ``model.calculate_metric(is_training=False)`` on the same row
 import json
 import re
 
-from conftest import build_dataset
+from shared_data import build_dataset
 
 from twinkle.cli.main import main
 from twinkle.dataloader import DataLoader
