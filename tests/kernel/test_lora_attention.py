@@ -60,7 +60,10 @@ def _assert_close(a, b):
     torch.testing.assert_close(out_b, out_a, rtol=1e-5, atol=1e-5)
     assert (gx_a is None) == (gx_b is None)
     if gx_a is not None:
-        torch.testing.assert_close(gx_b, gx_a, rtol=1e-4, atol=1e-5)
+        # x's gradient sums q's, k's and v's shares in another order: rounding of the order of
+        # 1e-6 of its largest element (about 20 here), which near-zero elements see whole
+        scale = gx_a.abs().max().item()
+        torch.testing.assert_close(gx_b, gx_a, rtol=1e-4, atol=max(1e-5, 5e-6 * scale))
     assert grads_a.keys() == grads_b.keys() and grads_a
     for name, grad in grads_a.items():
         torch.testing.assert_close(grads_b[name], grad, rtol=1e-4, atol=1e-5, msg=name)

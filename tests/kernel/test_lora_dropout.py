@@ -136,12 +136,29 @@ def _saved_bytes(model, ids) -> int:
     return total
 
 
-def test_the_nodes_keep_nothing_for_their_masks():
+def test_the_nodes_keep_their_masks_as_bits_only():
     ids = torch.randint(0, 100, (2, 64))
     _, without = _models(0.0)
     peft_model, with_dropout = _models(0.1)
-    assert _saved_bytes(with_dropout, ids) == _saved_bytes(without, ids)
+    shape = TINY_LLAMA_SHAPE
+    tokens, words = ids.numel(), lambda width: -(-width // 16)
+    # a 16-bit word per 16 elements of each masked input: q, k, v, o, gate and up read hidden-wide
+    # inputs, down an intermediate-wide one
+    bits = shape["num_hidden_layers"] * tokens * 2 * (
+        6 * words(shape["hidden_size"]) + words(shape["intermediate_size"])
+    )
+    assert _saved_bytes(with_dropout, ids) == _saved_bytes(without, ids) + bits
+    masked_inputs = shape["num_hidden_layers"] * tokens * 4 * (6 * shape["hidden_size"] + shape["intermediate_size"])
+    assert bits * 32 == masked_inputs  # 1/32 of the fp32 inputs the masks cover
     assert _saved_bytes(peft_model, ids) > _saved_bytes(with_dropout, ids)
+
+
+def test_without_the_kernel_the_nodes_keep_nothing_for_their_masks(monkeypatch):
+    monkeypatch.setitem(dropout._state, "lib", None)
+    ids = torch.randint(0, 100, (2, 64))
+    _, without = _models(0.0)
+    _, with_dropout = _models(0.1)
+    assert _saved_bytes(with_dropout, ids) == _saved_bytes(without, ids)  # recomputed from seeds
 
 
 def test_a_built_kernel_that_disagrees_with_the_torch_ops_is_not_used(monkeypatch, caplog):
@@ -165,7 +182,7 @@ def test_a_built_kernel_that_disagrees_with_the_torch_ops_is_not_used(monkeypatc
     assert torch.equal(dropout.apply(x, drop) != 0, dropout.keep_mask(x.shape, drop))
 
 
-@pytest.mark.parametrize("tokens, hidden, rank", [(37, 100, 8), (5, 1536, 4), (64, 576, 8)])
+@pytest.mark.parametrize("tokens, hidden, rank", [(37, 100, 8), (5, 1536, 4), (64, 576, 8), (71, 200, 20), (3, 7, 1)])
 def test_the_fused_masked_products_equal_the_torch_ops(tokens, hidden, rank, monkeypatch):
     torch.manual_seed(0)
     x, a = torch.randn(tokens, hidden), torch.randn(rank, hidden)
@@ -174,10 +191,13 @@ def test_the_fused_masked_products_equal_the_torch_ops(tokens, hidden, rank, mon
     drop = dropout.draw(0.3)
     assert dropout._library() is not None
 
-    def run():
+    def run(use_bits=True):
+        low, bits = dropout.masked_low(x, a, drop)
+        if dropout._state["lib"] is not None:
+            assert bits is not None and bits.shape == (tokens, -(-hidden // 16))
         grad_x = base.clone()
-        grad_a = dropout.masked_input_grads(x, a, g_low, drop, grad_x, True)
-        return dropout.masked_low(x, a, drop), grad_a, grad_x
+        grad_a = dropout.masked_input_grads(x, a, g_low, drop, grad_x, True, bits if use_bits else None)
+        return low, grad_a, grad_x
 
     threads = torch.get_num_threads()
     try:
@@ -189,7 +209,21 @@ def test_the_fused_masked_products_equal_the_torch_ops(tokens, hidden, rank, mon
         torch.set_num_threads(threads)
     for a_, b_ in zip(one, two, strict=True):
         assert torch.equal(a_, b_)  # the same sums whatever the thread count
+    for a_, b_ in zip(one, run(use_bits=False), strict=True):
+        assert torch.equal(a_, b_)  # the kept bits are the mask the seed gives
     monkeypatch.setitem(dropout._state, "lib", None)
     expected = run()  # torch ops on the masked copy
     for got, want in zip(one, expected, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("hidden", [48, 50])
+def test_the_kept_bits_are_the_mask(hidden):
+    x, a = torch.randn(5, hidden), torch.randn(4, hidden)
+    drop = dropout.draw(0.4)
+    _, bits = dropout.masked_low(x, a, drop)
+    words = bits.to(torch.int32) & 0xFFFF  # each int16 word as its 16 bits
+    unpacked = (words.unsqueeze(-1) >> torch.arange(16)) & 1  # (tokens, words, 16)
+    flat = unpacked.reshape(5, -1).bool()
+    assert torch.equal(flat[:, :hidden], dropout.keep_mask(x.shape, drop))
+    assert not flat[:, hidden:].any()  # the last word's padding is zero

@@ -1,4 +1,4 @@
-"""LoRA dropout inside the fused nodes, with no mask kept for backward.
+"""LoRA dropout inside the fused nodes, its mask kept as bits for backward.
 
 PEFT's adapter dropout is ``nn.Dropout`` on the LoRA branch's input: a Bernoulli(1-p) mask,
 scaled by 1/(1-p), in training mode only; the base path sees none. torch draws that mask one
@@ -8,16 +8,16 @@ W1 step at dropout 0.05) and autograd keeps it and the masked copy for backward.
 Here each adapter call draws one 64-bit seed from torch's default generator, so runs are
 deterministic under the seed and a resumed run (which restores the generator) draws the same
 masks. Element i of the branch input is kept when a counter-based hash of (seed, i) clears
-``round(p * 2^32)``: backward recomputes the mask from the seed instead of keeping it.
-``dropout.c`` computes it (0.2 ns an element on the same cores); on other devices, dtypes or
-without a C compiler the same hash runs as torch ops and gives the same mask. The masks are not
-the ones PEFT's ``nn.Dropout`` would draw: the same distribution, another stream.
+``round(p * 2^32)``. ``dropout.c`` computes it with vector integer ops; on other devices,
+dtypes or without a C compiler the same hash runs as torch ops and gives the same mask. The
+masks are not the ones PEFT's ``nn.Dropout`` would draw: the same distribution, another stream.
 
 On the CPU in fp32 the nodes never write the masked input out: ``masked_low`` masks each row
 into a scratch row and multiplies it by the adapter's A at once, and ``masked_input_grads``
-computes A's gradient and adds the branch's share of x's gradient in one pass over x (each
-written out, masked copy and mask, was a pass over a layer's whole input: together 9% of a
-W1 step on the Xeon)."""
+computes A's gradient and adds the branch's share of x's gradient in one pass over x. The
+forward keeps the mask as bits (1/32 of the fp32 input) for that pass: hashing again cost
+backward 40% more time. Elsewhere backward recomputes the mask from the seed and nothing is
+kept."""
 
 import ctypes
 from functools import lru_cache
@@ -67,7 +67,7 @@ def _library() -> ctypes.CDLL | None:
                 ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_float, ctypes.c_int,
             )  # fmt: skip
             lib.twinkle_dropout_f32.argtypes = [P, P, I64, U64, U32, F, INT]
-            lib.twinkle_lora_masked_down_f32.argtypes = [P, P, P, I64, I64, I64, I64, I64, U64, U32, F, INT]
+            lib.twinkle_lora_masked_down_f32.argtypes = [P, P, P, I64, I64, I64, I64, I64, U64, U32, F, P, INT]
             lib.twinkle_lora_masked_down_f32.restype = INT
             lib.twinkle_lora_masked_up_grad_f32.argtypes = [
                 P,
@@ -83,6 +83,7 @@ def _library() -> ctypes.CDLL | None:
                 U64,
                 U32,
                 F,
+                P,
                 INT,
             ]
             lib.twinkle_lora_masked_up_grad_f32.restype = INT
@@ -167,26 +168,34 @@ def _fused(*tensors: torch.Tensor | None) -> ctypes.CDLL | None:
     return _library()
 
 
+def bits_shape(tokens: int, hidden: int) -> tuple[int, int]:
+    """The shape of a mask kept as bits: a 16-bit word per 16 elements of each row."""
+    return tokens, -(-hidden // 16)
+
+
 def masked_low(
     flat: torch.Tensor, lora_a: torch.Tensor, drop: Drop, out: torch.Tensor | None = None
-) -> torch.Tensor:
-    """``apply(flat, drop) @ lora_a.T``, (tokens, r), for ``flat`` (tokens, hidden) already in the
-    adapter's dtype. ``out`` (tokens, r), any strides, receives it."""
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(apply(flat, drop) @ lora_a.T, bits)``: the product (tokens, r) for ``flat`` (tokens,
+    hidden) already in the adapter's dtype, and, where the kernel ran, the mask as bits for
+    ``masked_input_grads`` (int16, ``bits_shape``: 1/32 of fp32 ``flat``), else None. ``out``
+    (tokens, r), any strides, receives the product."""
     lib = _fused(flat, lora_a) if flat.numel() < 2**32 else None
     if lib is None:
         low = torch.mm(lora_a, apply(flat, drop).t()).t()  # r rows tall, as the nodes compute it
-        return low if out is None else out.copy_(low)
+        return (low if out is None else out.copy_(low)), None
     if out is None:
         out = torch.empty(lora_a.shape[0], flat.shape[0], dtype=flat.dtype).t()
     tokens, hidden = flat.shape
+    bits = torch.empty(bits_shape(tokens, hidden), dtype=torch.int16)
     failed = lib.twinkle_lora_masked_down_f32(
         flat.data_ptr(), lora_a.data_ptr(), out.data_ptr(), tokens, hidden, lora_a.shape[0],
         out.stride(0), out.stride(1), drop.seed, drop.drop_below, float(drop.scale(flat.dtype)),
-        torch.get_num_threads(),
+        bits.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
     if failed:
         raise MemoryError("LoRA dropout: no memory for the kernel's scratch")
-    return out
+    return out, bits
 
 
 def masked_input_grads(
@@ -196,11 +205,13 @@ def masked_input_grads(
     drop: Drop,
     grad_x: torch.Tensor | None,
     need_a: bool,
+    bits: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """The adapter side of backward through its mask, for ``flat`` (tokens, hidden) in the
     adapter's dtype and ``g_low`` (tokens, r), the gradient of ``masked_low``'s result: adds the
     branch's share of x's gradient to ``grad_x`` (when given; x's dtype, rounded once) and returns
-    A's gradient (when ``need_a``)."""
+    A's gradient (when ``need_a``). ``bits``: the mask ``masked_low`` kept, else it is recomputed
+    from the seed (the same mask)."""
     lib = _fused(flat, lora_a, grad_x) if flat.numel() < 2**32 and g_low.dtype == torch.float32 else None
     if lib is None:
         grad_a = g_low.t() @ apply(flat, drop) if need_a else None
@@ -210,11 +221,13 @@ def masked_input_grads(
         return grad_a
     grad_a = torch.empty_like(lora_a) if need_a else None
     tokens, hidden = flat.shape
+    if bits is not None and (bits.shape != bits_shape(tokens, hidden) or not bits.is_contiguous()):
+        raise ValueError(f"LoRA dropout: mask bits of shape {tuple(bits.shape)} for input {tuple(flat.shape)}")
     failed = lib.twinkle_lora_masked_up_grad_f32(
         flat.data_ptr(), lora_a.data_ptr(), g_low.data_ptr(), g_low.stride(0), g_low.stride(1),
         grad_a.data_ptr() if grad_a is not None else None, grad_x.data_ptr() if grad_x is not None else None,
         tokens, hidden, lora_a.shape[0], drop.seed, drop.drop_below, float(drop.scale(flat.dtype)),
-        torch.get_num_threads(),
+        bits.data_ptr() if bits is not None else None, torch.get_num_threads(),
     )  # fmt: skip
     if failed:
         raise MemoryError("LoRA dropout: no memory for the kernel's scratch")

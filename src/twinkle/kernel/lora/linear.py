@@ -5,8 +5,8 @@ elementwise ops, each a node in the graph with its own output tensor. ``lora_lin
 same math in one autograd function: the scaled rank-r product is accumulated straight into the
 base output (``addmm``), and backward accumulates both input gradients into one tensor. Outputs
 and gradients equal PEFT's up to summation order. An active adapter dropout is applied inside
-the node (``dropout.py``: PEFT's semantics, a mask recomputed in backward from its seed rather
-than kept), so with a mask the gradients are PEFT's given the same mask.
+the node (``dropout.py``: PEFT's semantics, a mask drawn from a seed and kept as bits, not as
+PEFT's fp32 mask and masked copy), so with a mask the gradients are PEFT's given the same mask.
 
 ``fuse_lora_linears`` routes every PEFT ``lora.Linear`` of a model through it whenever the call
 is plain LoRA: one active adapter, not merged, dropout (if any) ``nn.Dropout`` with p < 1, no DoRA or other
@@ -50,17 +50,21 @@ def project(
     lora_b: torch.Tensor,
     scaling: float,
     drop: Drop | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(flat W^T + bias + scaling (dropout(flat_lora) A^T) B^T, dropout(flat_lora) A^T)`` for 2-D
-    ``flat``; ``flat_lora`` is x in the adapter's dtype, ``drop`` its dropout mask (None: none). An
-    adapter wider than the base (PEFT's fp32 adapters on a bf16 model) runs in its own dtype and
-    the sum is rounded once to the base's dtype, as PEFT does."""
-    # (tokens, r)
-    low = _thin(lora_a, flat_lora.t()) if drop is None else dropout.masked_low(flat_lora, lora_a, drop)
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``(flat W^T + bias + scaling (dropout(flat_lora) A^T) B^T, dropout(flat_lora) A^T, bits)``
+    for 2-D ``flat``; ``flat_lora`` is x in the adapter's dtype, ``drop`` its dropout mask (None:
+    none), ``bits`` the mask kept for backward where the kernel drew it (``dropout.masked_low``),
+    else None. An adapter wider than the base (PEFT's fp32 adapters on a bf16 model) runs in its
+    own dtype and the sum is rounded once to the base's dtype, as PEFT does."""
+    bits = None
+    if drop is None:
+        low = _thin(lora_a, flat_lora.t())  # (tokens, r)
+    else:
+        low, bits = dropout.masked_low(flat_lora, lora_a, drop)
     out = linear(flat, weight, bias)
     if lora_a.dtype != flat.dtype:
-        return out.to(lora_a.dtype).addmm_(low, lora_b.t(), alpha=scaling).to(flat.dtype), low
-    return out.addmm_(low, lora_b.t(), alpha=scaling), low
+        return out.to(lora_a.dtype).addmm_(low, lora_b.t(), alpha=scaling).to(flat.dtype), low, bits
+    return out.addmm_(low, lora_b.t(), alpha=scaling), low, bits
 
 
 def param_grads(
@@ -113,12 +117,13 @@ def branch_grads(
     drop: Drop | None,
     needs: tuple[bool, bool, bool, bool],
     need_x: bool,
+    bits: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, tuple[torch.Tensor | None, ...]]:
     """``project``'s gradients for the output gradient ``g`` (2-D): ``(grad_x, (grad_weight,
     grad_bias, grad_a, grad_b))``, each None unless ``need_x`` / ``needs`` asks for it. ``flat``
     is x for the base weight's gradient, ``flat_lora`` x as the adapter took it before its mask
-    (either dtype). With a mask, A's gradient and the adapter's share of x's gradient come from
-    one pass over x (``dropout.masked_input_grads``)."""
+    (either dtype). With a mask (its bits from ``project``, or None), A's gradient and the
+    adapter's share of x's gradient come from one pass over x (``dropout.masked_input_grads``)."""
     if drop is None:
         g_low, grads = param_grads(g, flat, flat_lora, lora_a, lora_b, low, scaling, needs)
         return (input_grad(g, weight, g_low, lora_a) if need_x else None), grads
@@ -130,7 +135,7 @@ def branch_grads(
     grad_a = None
     if need_a or need_x:
         source = adapter_input(flat_lora, lora_a)
-        grad_a = dropout.masked_input_grads(source, lora_a, g_low, drop, grad_x, need_a)
+        grad_a = dropout.masked_input_grads(source, lora_a, g_low, drop, grad_x, need_a, bits)
     return grad_x, (grad_w, grad_bias, grad_a, grad_b)
 
 
@@ -139,13 +144,13 @@ class _LoraLinear(torch.autograd.Function):
     def forward(ctx, x, weight, bias, lora_a, lora_b, scaling, drop):
         flat = x.reshape(-1, x.shape[-1])
         flat_lora = adapter_input(flat, lora_a)
-        out, low = project(flat, flat_lora, weight, bias, lora_a, lora_b, scaling, drop)
+        out, low, bits = project(flat, flat_lora, weight, bias, lora_a, lora_b, scaling, drop)
         # x in the adapter's dtype is an exact cast of x: backward casts again rather than keep the
-        # wider copy (on a bf16 model, an fp32 copy of every LoRA layer's input); a mask is
-        # recomputed from its seed
+        # wider copy (on a bf16 model, an fp32 copy of every LoRA layer's input); a mask is kept as
+        # bits, or recomputed from its seed
         rebuild = flat_lora is not flat
         keep = flat if ctx.needs_input_grad[1] else None  # x for the base weight's gradient only
-        ctx.save_for_backward(keep, flat if rebuild else flat_lora, weight, lora_a, lora_b, low)
+        ctx.save_for_backward(keep, flat if rebuild else flat_lora, weight, lora_a, lora_b, low, bits)
         ctx.scaling, ctx.drop, ctx.rebuild = scaling, drop, rebuild
         ctx.has_bias = bias is not None
         ctx.x_shape = x.shape
@@ -153,12 +158,12 @@ class _LoraLinear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        flat, source, weight, lora_a, lora_b, low = ctx.saved_tensors
+        flat, source, weight, lora_a, lora_b, low, bits = ctx.saved_tensors
         need_x, need_w, need_bias, need_a, need_b, _, _ = ctx.needs_input_grad
         g = grad_out.reshape(-1, grad_out.shape[-1])
         needs = (need_w, need_bias and ctx.has_bias, need_a, need_b)
         grad_x, (grad_w, grad_bias, grad_a, grad_b) = branch_grads(
-            g, flat, source, weight, lora_a, lora_b, low, ctx.scaling, ctx.drop, needs, need_x
+            g, flat, source, weight, lora_a, lora_b, low, ctx.scaling, ctx.drop, needs, need_x, bits
         )
         grad_x = grad_x.view(ctx.x_shape) if grad_x is not None else None
         return grad_x, grad_w, grad_bias, grad_a, grad_b, None, None

@@ -20,7 +20,8 @@ counted) has the two-tensor node's backward hold 4.5 intermediate-wide bf16 tens
 what it keeps, its forward 5.75.
 
 Active adapter dropout is applied inside the node (``dropout.py``): gate's and up's adapters
-each mask x, down's masks the product, and backward recomputes the masks from their seeds.
+each mask x, down's masks the product; backward reads the masks' bits where the kernel kept them
+and recomputes them from their seeds elsewhere.
 
 ``lora_mlp`` returns None where the MLP is not three plain-LoRA calls (see ``lora_linear``) or
 ``TWINKLE_LORA_MLP`` is off; the caller then runs the layers one by one."""
@@ -52,14 +53,14 @@ class _LoraMLP(torch.autograd.Function):
         # adapters' dropout masks (None for none)
         gate_p, up_p, down_p = params[0:4], params[4:8], params[8:12]
         flat = x.reshape(-1, x.shape[-1])
-        gate, low_gate = project(flat, adapter_input(flat, gate_p[2]), *gate_p, scalings[0], drops[0])
-        up, low_up = project(flat, adapter_input(flat, up_p[2]), *up_p, scalings[1], drops[1])
+        gate, low_gate, bits_gate = project(flat, adapter_input(flat, gate_p[2]), *gate_p, scalings[0], drops[0])
+        up, low_up, bits_up = project(flat, adapter_input(flat, up_p[2]), *up_p, scalings[1], drops[1])
         silu = F.silu(gate)
         act = silu * up
         kept = (gate, up) if recompute else (gate, up, silu, act)
         del silu  # before down's adapter casts the product to its dtype (on a bf16 model, fp32)
-        out, low_down = project(act, adapter_input(act, down_p[2]), *down_p, scalings[2], drops[2])
-        ctx.save_for_backward(flat, low_gate, low_up, low_down, *kept, *params)
+        out, low_down, bits_down = project(act, adapter_input(act, down_p[2]), *down_p, scalings[2], drops[2])
+        ctx.save_for_backward(flat, low_gate, low_up, low_down, bits_gate, bits_up, bits_down, *kept, *params)
         ctx.recompute = recompute
         ctx.scalings, ctx.drops = scalings, drops
         ctx.x_shape = x.shape
@@ -68,6 +69,7 @@ class _LoraMLP(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         flat, low_gate, low_up, low_down, *rest = ctx.saved_tensors
+        bits, rest = rest[:3], rest[3:]  # the masks' bits (None where not kept)
         if ctx.recompute:
             (gate, up), params = rest[:2], rest[2:]
             silu = F.silu(gate)
@@ -84,7 +86,7 @@ class _LoraMLP(torch.autograd.Function):
             need_w, need_bias, need_a, need_b = needs[4 * i : 4 * i + 4]
             wanted = (need_w, need_bias and bias is not None, need_a, need_b)
             return branch_grads(
-                grad, x_in, x_in, weight, lora_a, lora_b, low, scalings[i], drops[i], wanted, need_input
+                grad, x_in, x_in, weight, lora_a, lora_b, low, scalings[i], drops[i], wanted, need_input, bits[i]
             )
 
         # Ordered for the peak on a bf16 model with fp32 adapters, where each intermediate-wide

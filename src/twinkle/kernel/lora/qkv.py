@@ -13,8 +13,9 @@ dozen elementwise autograd nodes for the rotation. ``lora_qkv`` computes the sam
   the projection's output in place;
 - the frozen weights' products are the LoRA node's (``project``'s oneDNN calls).
 
-With an active adapter dropout each adapter takes x through its own mask (``dropout.py``,
-recomputed in backward from its seed), so the stacked product splits into one per adapter.
+With an active adapter dropout each adapter takes x through its own mask (``dropout.py``: kept
+as bits by the CPU kernel, else recomputed in backward from its seed), so the stacked product
+splits into one per adapter.
 
 Outputs and gradients equal the layer-by-layer path up to summation order. ``lora_qkv`` returns
 None where the node does not apply (see ``usable``); the caller then runs the layers one by one."""
@@ -62,7 +63,8 @@ class _LoraQKV(torch.autograd.Function):
         cos_f = cos.reshape(tokens, 1, head_dim)
         sin_f = sin.reshape(tokens, 1, head_dim)
         a_all = torch.cat([params[2], params[6], params[10]])
-        low = _low(flat, a_all, drops, params)  # (3r, tokens): the three adapters' x A^T, r rows each
+        # (3r, tokens): the three adapters' x A^T, r rows each; their masks' bits (or None)
+        low, bits = _low(flat, a_all, drops, params)
         outs = []
         start = 0
         for i in range(3):
@@ -74,7 +76,7 @@ class _LoraQKV(torch.autograd.Function):
             start += rank
             out = out.view(tokens, -1, head_dim)
             outs.append(rotate(out, cos_f, sin_f) if i < 2 else out)
-        ctx.save_for_backward(flat, low, a_all, cos_f, sin_f, *params)
+        ctx.save_for_backward(flat, low, a_all, cos_f, sin_f, *bits, *params)
         ctx.scalings, ctx.drops = scalings, drops
         ctx.x_shape = x.shape
         lead = x.shape[:-1]
@@ -82,7 +84,8 @@ class _LoraQKV(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_q, grad_k, grad_v):
-        flat, low, a_all, cos_f, sin_f, *params = ctx.saved_tensors
+        flat, low, a_all, cos_f, sin_f, *rest = ctx.saved_tensors
+        bits, params = rest[:3], rest[3:]
         tokens = flat.shape[0]
         grads_out = []
         for i, g in enumerate((grad_q, grad_k, grad_v)):
@@ -108,7 +111,7 @@ class _LoraQKV(torch.autograd.Function):
                 grad_x.addmm_(g_low.t(), a_all)
         if masked:  # each adapter through its own mask: A's gradient and its share of x's at once
             grad_as = []
-            for i, (rows, drop) in enumerate(zip(_row_slices(params), drops, strict=True)):
+            for i, (rows, drop, kept) in enumerate(zip(_row_slices(params), drops, bits, strict=True)):
                 lora_a = params[4 * i + 2]
                 if drop is None:
                     if grad_x is not None:
@@ -116,7 +119,7 @@ class _LoraQKV(torch.autograd.Function):
                     grad_as.append(g_low[rows] @ flat if need_a[i] else None)
                 else:
                     grad_as.append(
-                        dropout.masked_input_grads(flat, lora_a, g_low[rows].t(), drop, grad_x, need_a[i])
+                        dropout.masked_input_grads(flat, lora_a, g_low[rows].t(), drop, grad_x, need_a[i], kept)
                     )
         else:
             grad_a_all = torch.mm(g_low, flat)
@@ -147,18 +150,22 @@ def _row_slices(params: tuple) -> list[slice]:
     return slices
 
 
-def _low(flat: torch.Tensor, a_all: torch.Tensor, drops: tuple, params: tuple) -> torch.Tensor:
+def _low(
+    flat: torch.Tensor, a_all: torch.Tensor, drops: tuple, params: tuple
+) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
     """The three adapters' ``x A^T`` stacked (3r, tokens): one product, or one per adapter where
-    a dropout mask gives each its own input."""
+    a dropout mask gives each its own input; and each mask's bits where the kernel kept them."""
     if all(d is None for d in drops):
-        return torch.mm(a_all, flat.t())
+        return torch.mm(a_all, flat.t()), [None] * 3
     low = torch.empty(a_all.shape[0], flat.shape[0], dtype=flat.dtype, device=flat.device)
+    bits: list[torch.Tensor | None] = []
     for rows, drop in zip(_row_slices(params), drops, strict=True):
         if drop is None:
             torch.mm(a_all[rows], flat.t(), out=low[rows])
+            bits.append(None)
         else:
-            dropout.masked_low(flat, a_all[rows], drop, out=low[rows].t())
-    return low
+            bits.append(dropout.masked_low(flat, a_all[rows], drop, out=low[rows].t())[1])
+    return low, bits
 
 
 def usable(layers: tuple[Any, ...], x: torch.Tensor) -> list[str] | None:
