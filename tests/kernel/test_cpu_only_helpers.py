@@ -57,8 +57,8 @@ def _dispatch(device: str) -> None:
     x, a, g = (torch.randn(s).to(device) for s in ((30, 64), (4, 64), (30, 4)))
     drop = dropout.draw(0.1)
     dropout.apply(x, drop)
-    dropout.masked_low(x, a, drop)
-    dropout.masked_input_grads(x, a, g, drop, torch.zeros(30, 64, device=device), True)
+    dropout.masked_low(x, a, (drop,))
+    dropout.masked_input_grads(x, a, g, (drop,), torch.zeros(30, 64, device=device), True)
     w = torch.randn(16, 64).to(device)
     with torch.no_grad():
         gemm.linear(x, w)

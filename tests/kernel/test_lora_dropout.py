@@ -109,6 +109,25 @@ def test_a_model_gives_peft_gradients_given_the_same_masks(monkeypatch):
         torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
+def test_nodes_with_some_adapters_unmasked_give_peft_gradients(monkeypatch):
+    """k's and up's adapters without dropout: the q/k/v and MLP nodes mask the others one by one."""
+    peft_model, fused = _models(0.3)
+    for model in (peft_model, fused):
+        for name, module in model.named_modules():
+            if name.endswith(("k_proj", "up_proj")) and hasattr(module, "lora_dropout"):
+                module.lora_dropout["default"] = torch.nn.Identity()
+    ids = torch.randint(0, 100, (2, 13))
+    drawn = record(monkeypatch)
+    loss, grads = _loss_and_grads(fused, ids)
+    assert len(drawn) == 5 * TINY_LLAMA_SHAPE["num_hidden_layers"]
+    queue = replay(peft_model, drawn)
+    loss_ref, grads_ref = _loss_and_grads(peft_model, ids)
+    assert not queue
+    torch.testing.assert_close(loss, loss_ref)
+    for name, grad in grads_ref.items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
 def test_eval_mode_draws_nothing(monkeypatch):
     peft_model, fused = _models(0.3)
     fused.eval()
@@ -182,21 +201,24 @@ def test_a_built_kernel_that_disagrees_with_the_torch_ops_is_not_used(monkeypatc
     assert torch.equal(dropout.apply(x, drop) != 0, dropout.keep_mask(x.shape, drop))
 
 
-@pytest.mark.parametrize("tokens, hidden, rank", [(37, 100, 8), (5, 1536, 4), (64, 576, 8), (71, 200, 20), (3, 7, 1)])
-def test_the_fused_masked_products_equal_the_torch_ops(tokens, hidden, rank, monkeypatch):
+@pytest.mark.parametrize(
+    "tokens, hidden, rank, adapters",
+    [(37, 100, 8, 1), (5, 1536, 4, 1), (64, 576, 8, 3), (71, 200, 20, 2), (3, 7, 1, 1), (9, 40, 3, 3)],
+)
+def test_the_fused_masked_products_equal_the_torch_ops(tokens, hidden, rank, adapters, monkeypatch):
     torch.manual_seed(0)
-    x, a = torch.randn(tokens, hidden), torch.randn(rank, hidden)
-    g_low = torch.randn(rank, tokens).t()  # (tokens, r) with the nodes' strides
+    x, a = torch.randn(tokens, hidden), torch.randn(adapters * rank, hidden)  # the A matrices stacked
+    g_low = torch.randn(adapters * rank, tokens).t()  # (tokens, n r) with the nodes' strides
     base = torch.randn(tokens, hidden)
-    drop = dropout.draw(0.3)
+    drops = tuple(dropout.draw(0.3) for _ in range(adapters))
     assert dropout._library() is not None
 
     def run(use_bits=True):
-        low, bits = dropout.masked_low(x, a, drop)
+        low, bits = dropout.masked_low(x, a, drops)
         if dropout._state["lib"] is not None:
-            assert bits is not None and bits.shape == (tokens, -(-hidden // 16))
+            assert bits is not None and bits.shape == (adapters, tokens, -(-hidden // 16))
         grad_x = base.clone()
-        grad_a = dropout.masked_input_grads(x, a, g_low, drop, grad_x, True, bits if use_bits else None)
+        grad_a = dropout.masked_input_grads(x, a, g_low, drops, grad_x, True, bits if use_bits else None)
         return low, grad_a, grad_x
 
     threads = torch.get_num_threads()
@@ -210,20 +232,26 @@ def test_the_fused_masked_products_equal_the_torch_ops(tokens, hidden, rank, mon
     for a_, b_ in zip(one, two, strict=True):
         assert torch.equal(a_, b_)  # the same sums whatever the thread count
     for a_, b_ in zip(one, run(use_bits=False), strict=True):
-        assert torch.equal(a_, b_)  # the kept bits are the mask the seed gives
+        assert torch.equal(a_, b_)  # the kept bits are the masks the seeds give
     monkeypatch.setitem(dropout._state, "lib", None)
-    expected = run()  # torch ops on the masked copy
+    expected = run()  # torch ops on the masked copies
     for got, want in zip(one, expected, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # each adapter alone gives its own slice: the stacked call is n single ones
+    for i, drop in enumerate(drops):
+        rows = slice(i * rank, (i + 1) * rank)
+        torch.testing.assert_close(one[0][:, rows], dropout.masked_low(x, a[rows], (drop,))[0])
+        torch.testing.assert_close(one[1][rows], dropout.masked_input_grads(x, a[rows], g_low[:, rows], (drop,), None, True))
 
 
 @pytest.mark.parametrize("hidden", [48, 50])
 def test_the_kept_bits_are_the_mask(hidden):
-    x, a = torch.randn(5, hidden), torch.randn(4, hidden)
-    drop = dropout.draw(0.4)
-    _, bits = dropout.masked_low(x, a, drop)
+    x, a = torch.randn(5, hidden), torch.randn(8, hidden)
+    drops = (dropout.draw(0.4), dropout.draw(0.4))
+    _, bits = dropout.masked_low(x, a, drops)
     words = bits.to(torch.int32) & 0xFFFF  # each int16 word as its 16 bits
-    unpacked = (words.unsqueeze(-1) >> torch.arange(16)) & 1  # (tokens, words, 16)
-    flat = unpacked.reshape(5, -1).bool()
-    assert torch.equal(flat[:, :hidden], dropout.keep_mask(x.shape, drop))
-    assert not flat[:, hidden:].any()  # the last word's padding is zero
+    unpacked = (words.unsqueeze(-1) >> torch.arange(16)) & 1  # (adapters, tokens, words, 16)
+    flat = unpacked.reshape(2, 5, -1).bool()
+    for i, drop in enumerate(drops):
+        assert torch.equal(flat[i, :, :hidden], dropout.keep_mask(x.shape, drop))
+    assert not flat[:, :, hidden:].any()  # the last word's padding is zero

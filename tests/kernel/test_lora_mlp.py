@@ -163,7 +163,13 @@ def test_with_an_active_dropout_it_equals_the_layers_drawing_the_same_masks(monk
     ours = _run(node, x)
     assert type(ours[0].grad_fn).__name__ == "_LoraMLPBackward"
     assert len(drawn) == 6 and drawn[:3] == drawn[3:]  # gate, up, down: the same seeds in order
-    _assert_same(theirs, ours)
+    # the same masks; gate's and up's adapters run through theirs in one pass, which sums their
+    # shares of x's gradient in another order: equal up to that rounding
+    assert torch.equal(theirs[0], ours[0])
+    torch.testing.assert_close(ours[1], theirs[1], rtol=1e-5, atol=1e-6)
+    assert theirs[2].keys() == ours[2].keys()
+    for name, grad in theirs[2].items():
+        torch.testing.assert_close(ours[2][name], grad, rtol=1e-5, atol=1e-6, msg=name)
 
 
 def test_with_an_active_dropout_it_gives_peft_gradients_given_the_same_masks(monkeypatch):

@@ -166,18 +166,21 @@ static inline void dots(const float *u, const float *w, const float *a, int64_t 
     }
 }
 
-/* An adapter's down product through its mask: low[t, j] = sum_h a[j, h] * x[t, h] * keep(t, h)
- * * scale, for x (T, H), a (R, H); low's element (t, j) at low[t * lt + j * lr]. Rows are taken
- * two at a time: each is masked into a scratch row (in L1) and both are multiplied by the rows
- * of a together, so a's loads serve two rows and the masked x is never written out. Where bits
- * is not NULL, the mask goes to it as bits, (H + VW - 1) / VW words a row (mask_row), for the
- * backward below to read instead of hashing again. Rows are split between threads in pairs.
- * Returns 1 without memory. */
+/* The down products of n adapters that share their input, each through its own mask:
+ * low[t, j] = sum_h a[j, h] * x[t, h] * keep_i(t, h) * scale_i for x (T, H) and a (n * R, H),
+ * the n adapters' A stacked (rank R each), i = j / R the adapter of row j; low's element (t, j)
+ * at low[t * lt + j * lr]. Adapter i's mask comes from seeds[i], drop_below[i] and scales[i].
+ * Rows are taken two at a time: each is masked into a scratch row (in L1) and both are
+ * multiplied by the adapter's rows of a together, so a's loads serve two rows and the masked x
+ * is never written out; the two rows of x stay in L1 for the n masks. Where bits is not NULL,
+ * the masks go to it as bits, (n, T, (H + VW - 1) / VW) words (mask_row), for the backward
+ * below to read instead of hashing again. Rows are split between threads in pairs. Returns 1
+ * without memory. */
 int twinkle_lora_masked_down_f32(const float *x, const float *a, float *low, int64_t T, int64_t H,
-                                 int64_t R, int64_t lt, int64_t lr, uint64_t seed,
-                                 uint32_t drop_below, float scale, uint16_t *bits, int threads) {
+                                 int64_t R, int64_t lt, int64_t lr, int n, const uint64_t *seeds,
+                                 const uint32_t *drop_below, const float *scales, uint16_t *bits,
+                                 int threads) {
     const int64_t words = (H + VW - 1) / VW;
-    const uint32_t k0 = (uint32_t)seed, k1 = (uint32_t)(seed >> 32);
     const vu iota = lanes();
     const int64_t pairs = (T + 1) / 2;
     int failed = 0;
@@ -193,19 +196,23 @@ int twinkle_lora_masked_down_f32(const float *x, const float *a, float *low, int
             if (!xm) continue;
             const int64_t t = 2 * p;
             const int two = t + 1 < T;
-            mask_row(x + t * H, xm, bits ? bits + t * words : NULL, H, (uint32_t)(t * H), iota, k0,
-                     k1, drop_below, scale);
-            if (two)
-                mask_row(x + (t + 1) * H, xm + H, bits ? bits + (t + 1) * words : NULL, H,
-                         (uint32_t)((t + 1) * H), iota, k0, k1, drop_below, scale);
-            const float *second = two ? xm + H : xm;
-            for (int64_t j0 = 0; j0 < R; j0 += JB) {
-                const int nj = R - j0 < JB ? (int)(R - j0) : JB;
-                float s0[JB], s1[JB];
-                dots(xm, second, a + j0 * H, H, nj, s0, s1);
-                for (int j = 0; j < nj; j++) {
-                    low[t * lt + (j0 + j) * lr] = s0[j];
-                    if (two) low[(t + 1) * lt + (j0 + j) * lr] = s1[j];
+            for (int i = 0; i < n; i++) {
+                const uint32_t k0 = (uint32_t)seeds[i], k1 = (uint32_t)(seeds[i] >> 32);
+                uint16_t *rows = bits ? bits + ((int64_t)i * T + t) * words : NULL;
+                mask_row(x + t * H, xm, rows, H, (uint32_t)(t * H), iota, k0, k1, drop_below[i],
+                         scales[i]);
+                if (two)
+                    mask_row(x + (t + 1) * H, xm + H, rows ? rows + words : NULL, H,
+                             (uint32_t)((t + 1) * H), iota, k0, k1, drop_below[i], scales[i]);
+                const float *second = two ? xm + H : xm;
+                for (int64_t j0 = i * R; j0 < (i + 1) * R; j0 += JB) {
+                    const int nj = (i + 1) * R - j0 < JB ? (int)((i + 1) * R - j0) : JB;
+                    float s0[JB], s1[JB];
+                    dots(xm, second, a + j0 * H, H, nj, s0, s1);
+                    for (int j = 0; j < nj; j++) {
+                        low[t * lt + (j0 + j) * lr] = s0[j];
+                        if (two) low[(t + 1) * lt + (j0 + j) * lr] = s1[j];
+                    }
                 }
             }
         }
@@ -213,6 +220,9 @@ int twinkle_lora_masked_down_f32(const float *x, const float *a, float *low, int
     }
     return failed;
 }
+
+/* How far ahead in a row the backward prefetches: four blocks. */
+#define PREFETCH (4 * VW)
 
 /* Rows t0 .. t1 - 1 of one column block [h, h + VW) of the backward below, for rows j0 ..
  * j0 + nj - 1 of a: A's gradient for the block is read from grad_a, added to in t order and
@@ -229,6 +239,10 @@ static inline void up_grad_block(const float *x, const float *a, const float *g,
         av[j] = j < nj ? load(a + (j0 + j) * H + h) : (vf){0};
     }
     for (int64_t t = t0; t < t1; t++) {
+        /* the row's later blocks: a tile's rows are a page apart, too far for the hardware's
+         * prefetcher, and the walk down a block column would wait on each */
+        __builtin_prefetch(x + t * H + h + PREFETCH, 0, 3);
+        if (grad_x) __builtin_prefetch(grad_x + t * H + h + PREFETCH, 1, 3);
         const vf m = bits ? bits_factor(bits[t * words + h / VW], lane_bit, vscale)
                           : vfactor((uint32_t)(t * H + h), iota, k0, k1, drop_below, vscale);
         const float *gl = g + t * gt + j0 * gr;
@@ -274,40 +288,49 @@ static void up_grad_column(const float *x, const float *a, const float *g, int64
 /* Rows per tile of the backward: a tile's rows of x stay in L2 while its column blocks pass. */
 #define TT 32
 
-/* Its backward on the adapter's side, in one pass over x: with g_low (T, R) the gradient of low
- * (element (t, j) at g[t * gt + j * gr]), grad_a[j, h] = sum_t g_low[t, j] * x[t, h] * m(t, h)
- * (written, when grad_a is not NULL) and grad_x[t, h] += m(t, h) * sum_j g_low[t, j] * a[j, h]
- * (added, when grad_x is not NULL), m = keep * scale, the mask read from bits where it is not
- * NULL (as masked_down wrote it) and hashed from the seed otherwise. Column blocks of VW are split between
- * threads, the last H % VW columns going to the last thread. Each thread walks its columns a
- * tile of rows at a time, holding a block of A and of A's gradient in registers over the
- * tile's rows; each sum over t runs in t order, so the result does not depend on the thread
- * count. */
+/* Their backward on the adapters' side, in one pass over x: with g_low (T, n * R) the gradient
+ * of low (element (t, j) at g[t * gt + j * gr]), grad_a[j, h] = sum_t g_low[t, j] * x[t, h] *
+ * m_i(t, h) (written, when grad_a is not NULL) and grad_x[t, h] += sum_i m_i(t, h) * sum_j
+ * g_low[t, j] * a[j, h], j over adapter i's rows (added, when grad_x is not NULL), m_i = keep_i
+ * * scale_i, the masks read from bits where it is not NULL (as masked_down wrote them) and
+ * hashed from the seeds otherwise. Column blocks of VW are split between threads, the last
+ * H % VW columns going to the last thread. Each thread walks its columns a tile of rows at a
+ * time, holding a block of A and of A's gradient in registers over the tile's rows (the tile's
+ * block of x stays in L1 for the n adapters); each sum over t runs in t order and grad_x's
+ * additions come in adapter order, so the result does not depend on the thread count. */
 int twinkle_lora_masked_up_grad_f32(const float *x, const float *a, const float *g, int64_t gt,
                                     int64_t gr, float *grad_a, float *grad_x, int64_t T, int64_t H,
-                                    int64_t R, uint64_t seed, uint32_t drop_below, float scale,
+                                    int64_t R, int n, const uint64_t *seeds,
+                                    const uint32_t *drop_below, const float *scales,
                                     const uint16_t *bits, int threads) {
-    const uint32_t k0 = (uint32_t)seed, k1 = (uint32_t)(seed >> 32);
     const vu iota = lanes(), lane_bit = ((vu){0} + 1) << iota;
-    const vf vscale = (vf){0} + scale;
-    const int64_t blocks = H / VW;
+    const int64_t blocks = H / VW, words = (H + VW - 1) / VW;
 #pragma omp parallel num_threads(threads)
     {
-        const int n = omp_get_num_threads(), id = omp_get_thread_num();
-        const int64_t b0 = blocks * id / n, b1 = blocks * (id + 1) / n;
-        const int64_t h0 = b0 * VW, h1 = id == n - 1 ? H : b1 * VW;
+        const int nt = omp_get_num_threads(), id = omp_get_thread_num();
+        const int64_t b0 = blocks * id / nt, b1 = blocks * (id + 1) / nt;
+        const int64_t h0 = b0 * VW, h1 = id == nt - 1 ? H : b1 * VW;
         if (grad_a)
-            for (int64_t j = 0; j < R; j++) memset(grad_a + j * H + h0, 0, sizeof(float) * (size_t)(h1 - h0));
+            for (int64_t j = 0; j < n * R; j++)
+                memset(grad_a + j * H + h0, 0, sizeof(float) * (size_t)(h1 - h0));
         for (int64_t t0 = 0; t0 < T; t0 += TT) {
             const int64_t t1 = t0 + TT < T ? t0 + TT : T;
             for (int64_t b = b0; b < b1; b++)
-                for (int64_t j0 = 0; j0 < R; j0 += JB)
-                    up_grad_block(x, a, g, gt, gr, grad_a, grad_x, t0, t1, H, b * VW, j0,
-                                  R - j0 < JB ? (int)(R - j0) : JB, k0, k1, drop_below, vscale, iota,
-                                  bits, lane_bit);
+                for (int i = 0; i < n; i++) {
+                    const uint32_t k0 = (uint32_t)seeds[i], k1 = (uint32_t)(seeds[i] >> 32);
+                    const vf vscale = (vf){0} + scales[i];
+                    const uint16_t *own = bits ? bits + (int64_t)i * T * words : NULL;
+                    for (int64_t j0 = i * R; j0 < (i + 1) * R; j0 += JB)
+                        up_grad_block(x, a, g, gt, gr, grad_a, grad_x, t0, t1, H, b * VW, j0,
+                                      (i + 1) * R - j0 < JB ? (int)((i + 1) * R - j0) : JB, k0, k1,
+                                      drop_below[i], vscale, iota, own, lane_bit);
+                }
             for (int64_t h = b1 * VW; h < h1; h++)
-                up_grad_column(x, a, g, gt, gr, grad_a, grad_x, t0, t1, H, h, R, k0, k1, drop_below,
-                               scale, bits);
+                for (int i = 0; i < n; i++)
+                    up_grad_column(x, a + i * R * H, g + i * R * gr, gt, gr,
+                                   grad_a ? grad_a + i * R * H : NULL, grad_x, t0, t1, H, h, R,
+                                   (uint32_t)seeds[i], (uint32_t)(seeds[i] >> 32), drop_below[i],
+                                   scales[i], bits ? bits + (int64_t)i * T * words : NULL);
         }
     }
     return 0;

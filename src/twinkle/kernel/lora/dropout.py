@@ -67,25 +67,10 @@ def _library() -> ctypes.CDLL | None:
                 ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_float, ctypes.c_int,
             )  # fmt: skip
             lib.twinkle_dropout_f32.argtypes = [P, P, I64, U64, U32, F, INT]
-            lib.twinkle_lora_masked_down_f32.argtypes = [P, P, P, I64, I64, I64, I64, I64, U64, U32, F, P, INT]
+            lib.twinkle_lora_masked_down_f32.argtypes = [P, P, P, I64, I64, I64, I64, I64, INT, P, P, P, P, INT]
             lib.twinkle_lora_masked_down_f32.restype = INT
-            lib.twinkle_lora_masked_up_grad_f32.argtypes = [
-                P,
-                P,
-                P,
-                I64,
-                I64,
-                P,
-                P,
-                I64,
-                I64,
-                I64,
-                U64,
-                U32,
-                F,
-                P,
-                INT,
-            ]
+            up = [P, P, P, I64, I64, P, P, I64, I64, I64, INT, P, P, P, P, INT]
+            lib.twinkle_lora_masked_up_grad_f32.argtypes = up
             lib.twinkle_lora_masked_up_grad_f32.restype = INT
             _state["lib"] = lib
             _check(lib)
@@ -168,30 +153,54 @@ def _fused(*tensors: torch.Tensor | None) -> ctypes.CDLL | None:
     return _library()
 
 
-def bits_shape(tokens: int, hidden: int) -> tuple[int, int]:
-    """The shape of a mask kept as bits: a 16-bit word per 16 elements of each row."""
-    return tokens, -(-hidden // 16)
+def bits_shape(adapters: int, tokens: int, hidden: int) -> tuple[int, int, int]:
+    """The shape of masks kept as bits: a 16-bit word per 16 elements of each row, per adapter."""
+    return adapters, tokens, -(-hidden // 16)
+
+
+def _keys(drops: tuple[Drop, ...]) -> tuple[ctypes.Array, ctypes.Array, ctypes.Array]:
+    """The masks' seeds, thresholds and fp32 scales as the C arrays the kernels take."""
+    n = len(drops)
+    return (
+        (ctypes.c_uint64 * n)(*[d.seed for d in drops]),
+        (ctypes.c_uint32 * n)(*[d.drop_below for d in drops]),
+        (ctypes.c_float * n)(*[_scale_f32(d.p) for d in drops]),
+    )
+
+
+@lru_cache(maxsize=64)
+def _scale_f32(p: float) -> float:
+    return float(_scale(p, torch.float32))
+
+
+def _rank(lora_a: torch.Tensor, drops: tuple[Drop, ...]) -> int:
+    rank, rest = divmod(lora_a.shape[0], len(drops))
+    if rest:
+        raise ValueError(f"LoRA dropout: {lora_a.shape[0]} stacked rows of A for {len(drops)} adapters")
+    return rank
 
 
 def masked_low(
-    flat: torch.Tensor, lora_a: torch.Tensor, drop: Drop, out: torch.Tensor | None = None
+    flat: torch.Tensor, lora_a: torch.Tensor, drops: tuple[Drop, ...], out: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``(apply(flat, drop) @ lora_a.T, bits)``: the product (tokens, r) for ``flat`` (tokens,
-    hidden) already in the adapter's dtype, and, where the kernel ran, the mask as bits for
-    ``masked_input_grads`` (int16, ``bits_shape``: 1/32 of fp32 ``flat``), else None. ``out``
-    (tokens, r), any strides, receives the product."""
+    """``(low, bits)`` for n adapters that share ``flat`` (tokens, hidden), already in their
+    dtype, with their A matrices stacked in ``lora_a`` (n * r, hidden) and ``drops`` their n
+    masks: ``low[:, i r:(i + 1) r] = apply(flat, drops[i]) @ A_i^T`` (tokens, n * r), and where the
+    kernel ran, the masks as bits for ``masked_input_grads`` (int16, ``bits_shape``: 1/32 of fp32
+    ``flat`` per adapter), else None. ``out`` (tokens, n * r), any strides, receives ``low``."""
+    rank = _rank(lora_a, drops)
     lib = _fused(flat, lora_a) if flat.numel() < 2**32 else None
-    if lib is None:
-        low = torch.mm(lora_a, apply(flat, drop).t()).t()  # r rows tall, as the nodes compute it
-        return (low if out is None else out.copy_(low)), None
     if out is None:
-        out = torch.empty(lora_a.shape[0], flat.shape[0], dtype=flat.dtype).t()
+        out = torch.empty(lora_a.shape[0], flat.shape[0], dtype=flat.dtype, device=flat.device).t()
+    if lib is None:
+        for i, drop in enumerate(drops):  # r rows tall, as the nodes compute it
+            out[:, i * rank : (i + 1) * rank] = torch.mm(lora_a[i * rank : (i + 1) * rank], apply(flat, drop).t()).t()
+        return out, None
     tokens, hidden = flat.shape
-    bits = torch.empty(bits_shape(tokens, hidden), dtype=torch.int16)
+    bits = torch.empty(bits_shape(len(drops), tokens, hidden), dtype=torch.int16)
     failed = lib.twinkle_lora_masked_down_f32(
-        flat.data_ptr(), lora_a.data_ptr(), out.data_ptr(), tokens, hidden, lora_a.shape[0],
-        out.stride(0), out.stride(1), drop.seed, drop.drop_below, float(drop.scale(flat.dtype)),
-        bits.data_ptr(), torch.get_num_threads(),
+        flat.data_ptr(), lora_a.data_ptr(), out.data_ptr(), tokens, hidden, rank, out.stride(0), out.stride(1),
+        len(drops), *_keys(drops), bits.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
     if failed:
         raise MemoryError("LoRA dropout: no memory for the kernel's scratch")
@@ -202,32 +211,37 @@ def masked_input_grads(
     flat: torch.Tensor,
     lora_a: torch.Tensor,
     g_low: torch.Tensor,
-    drop: Drop,
+    drops: tuple[Drop, ...],
     grad_x: torch.Tensor | None,
     need_a: bool,
     bits: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
-    """The adapter side of backward through its mask, for ``flat`` (tokens, hidden) in the
-    adapter's dtype and ``g_low`` (tokens, r), the gradient of ``masked_low``'s result: adds the
-    branch's share of x's gradient to ``grad_x`` (when given; x's dtype, rounded once) and returns
-    A's gradient (when ``need_a``). ``bits``: the mask ``masked_low`` kept, else it is recomputed
-    from the seed (the same mask)."""
+    """The adapters' side of backward through their masks, for ``masked_low``'s ``flat``,
+    stacked ``lora_a`` and ``drops``, and ``g_low`` (tokens, n * r) the gradient of its ``low``:
+    adds the branches' shares of x's gradient to ``grad_x`` (when given; x's dtype, rounded once)
+    and returns the stacked A's gradient (n * r, hidden; when ``need_a``). ``bits``: the masks
+    ``masked_low`` kept, else they are recomputed from the seeds (the same masks)."""
+    rank = _rank(lora_a, drops)
     lib = _fused(flat, lora_a, grad_x) if flat.numel() < 2**32 and g_low.dtype == torch.float32 else None
     if lib is None:
-        grad_a = g_low.t() @ apply(flat, drop) if need_a else None
-        if grad_x is not None:
-            product = g_low @ lora_a
-            grad_x.add_(apply(product, drop, out=product).to(grad_x.dtype))
+        grad_a = torch.empty_like(lora_a) if need_a else None
+        for i, drop in enumerate(drops):
+            rows = slice(i * rank, (i + 1) * rank)
+            if need_a:
+                torch.mm(g_low[:, rows].t(), apply(flat, drop), out=grad_a[rows])
+            if grad_x is not None:
+                product = g_low[:, rows] @ lora_a[rows]
+                grad_x.add_(apply(product, drop, out=product).to(grad_x.dtype))
         return grad_a
     grad_a = torch.empty_like(lora_a) if need_a else None
     tokens, hidden = flat.shape
-    if bits is not None and (bits.shape != bits_shape(tokens, hidden) or not bits.is_contiguous()):
+    if bits is not None and (bits.shape != bits_shape(len(drops), tokens, hidden) or not bits.is_contiguous()):
         raise ValueError(f"LoRA dropout: mask bits of shape {tuple(bits.shape)} for input {tuple(flat.shape)}")
     failed = lib.twinkle_lora_masked_up_grad_f32(
         flat.data_ptr(), lora_a.data_ptr(), g_low.data_ptr(), g_low.stride(0), g_low.stride(1),
         grad_a.data_ptr() if grad_a is not None else None, grad_x.data_ptr() if grad_x is not None else None,
-        tokens, hidden, lora_a.shape[0], drop.seed, drop.drop_below, float(drop.scale(flat.dtype)),
-        bits.data_ptr() if bits is not None else None, torch.get_num_threads(),
+        tokens, hidden, rank, len(drops), *_keys(drops), bits.data_ptr() if bits is not None else None,
+        torch.get_num_threads(),
     )  # fmt: skip
     if failed:
         raise MemoryError("LoRA dropout: no memory for the kernel's scratch")

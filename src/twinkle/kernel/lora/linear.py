@@ -50,17 +50,21 @@ def project(
     lora_b: torch.Tensor,
     scaling: float,
     drop: Drop | None = None,
+    low: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """``(flat W^T + bias + scaling (dropout(flat_lora) A^T) B^T, dropout(flat_lora) A^T, bits)``
     for 2-D ``flat``; ``flat_lora`` is x in the adapter's dtype, ``drop`` its dropout mask (None:
     none), ``bits`` the mask kept for backward where the kernel drew it (``dropout.masked_low``),
-    else None. An adapter wider than the base (PEFT's fp32 adapters on a bf16 model) runs in its
-    own dtype and the sum is rounded once to the base's dtype, as PEFT does."""
+    else None. ``low``: the branch's product, when the caller computed it (then ``bits`` is None).
+    An adapter wider than the base (PEFT's fp32 adapters on a bf16 model) runs in its own dtype
+    and the sum is rounded once to the base's dtype, as PEFT does."""
     bits = None
-    if drop is None:
+    if low is not None:
+        pass
+    elif drop is None:
         low = _thin(lora_a, flat_lora.t())  # (tokens, r)
     else:
-        low, bits = dropout.masked_low(flat_lora, lora_a, drop)
+        low, bits = dropout.masked_low(flat_lora, lora_a, (drop,))
     out = linear(flat, weight, bias)
     if lora_a.dtype != flat.dtype:
         return out.to(lora_a.dtype).addmm_(low, lora_b.t(), alpha=scaling).to(flat.dtype), low, bits
@@ -135,7 +139,7 @@ def branch_grads(
     grad_a = None
     if need_a or need_x:
         source = adapter_input(flat_lora, lora_a)
-        grad_a = dropout.masked_input_grads(source, lora_a, g_low, drop, grad_x, need_a, bits)
+        grad_a = dropout.masked_input_grads(source, lora_a, g_low, (drop,), grad_x, need_a, bits)
     return grad_x, (grad_w, grad_bias, grad_a, grad_b)
 
 

@@ -20,7 +20,7 @@ counted) has the two-tensor node's backward hold 4.5 intermediate-wide bf16 tens
 what it keeps, its forward 5.75.
 
 Active adapter dropout is applied inside the node (``dropout.py``): gate's and up's adapters
-each mask x, down's masks the product; backward reads the masks' bits where the kernel kept them
+each mask x (both in one pass over it), down's masks the product; backward reads the masks' bits where the kernel kept them
 and recomputes them from their seeds elsewhere.
 
 ``lora_mlp`` returns None where the MLP is not three plain-LoRA calls (see ``lora_linear``) or
@@ -32,11 +32,14 @@ import torch
 import torch.nn.functional as F
 
 from twinkle.kernel import registry
+from twinkle.kernel.cpu_gemm import times_weight
+from twinkle.kernel.lora import dropout
 from twinkle.kernel.lora.linear import (
     adapter_input,
     branch_grads,
     draw_drop,
     lora_params,
+    param_grads,
     plain_loras,
     project,
 )
@@ -53,15 +56,25 @@ class _LoraMLP(torch.autograd.Function):
         # adapters' dropout masks (None for none)
         gate_p, up_p, down_p = params[0:4], params[4:8], params[8:12]
         flat = x.reshape(-1, x.shape[-1])
-        gate, low_gate, bits_gate = project(flat, adapter_input(flat, gate_p[2]), *gate_p, scalings[0], drops[0])
-        up, low_up, bits_up = project(flat, adapter_input(flat, up_p[2]), *up_p, scalings[1], drops[1])
+        paired = _paired(drops, gate_p, up_p)
+        if paired:  # gate's and up's masks in one pass over x
+            flat_lora = adapter_input(flat, gate_p[2])
+            rank = gate_p[2].shape[0]
+            low_pair, bits_gate = dropout.masked_low(flat_lora, torch.cat([gate_p[2], up_p[2]]), drops[:2])
+            bits_up = None
+            gate, low_gate, _ = project(flat, flat_lora, *gate_p, scalings[0], low=low_pair[:, :rank])
+            up, low_up, _ = project(flat, flat_lora, *up_p, scalings[1], low=low_pair[:, rank:])
+            del flat_lora, low_pair
+        else:
+            gate, low_gate, bits_gate = project(flat, adapter_input(flat, gate_p[2]), *gate_p, scalings[0], drops[0])
+            up, low_up, bits_up = project(flat, adapter_input(flat, up_p[2]), *up_p, scalings[1], drops[1])
         silu = F.silu(gate)
         act = silu * up
         kept = (gate, up) if recompute else (gate, up, silu, act)
         del silu  # before down's adapter casts the product to its dtype (on a bf16 model, fp32)
         out, low_down, bits_down = project(act, adapter_input(act, down_p[2]), *down_p, scalings[2], drops[2])
         ctx.save_for_backward(flat, low_gate, low_up, low_down, bits_gate, bits_up, bits_down, *kept, *params)
-        ctx.recompute = recompute
+        ctx.recompute, ctx.paired = recompute, paired
         ctx.scalings, ctx.drops = scalings, drops
         ctx.x_shape = x.shape
         return out.view(*x.shape[:-1], out.shape[-1])
@@ -105,12 +118,53 @@ class _LoraMLP(torch.autograd.Function):
         del silu, grad_act
         grad_gate = _SILU_BACKWARD(grad_silu, gate, grad_input=grad_silu)
         del grad_silu
-        grad_x_gate, gate_grads = layer_grads(0, grad_gate, flat, low_gate, need_x)
-        del grad_gate
-        grad_x, up_grads = layer_grads(1, grad_up, flat, low_up, need_x)
+        if ctx.paired:
+            grad_x, gate_grads, up_grads = _paired_grads(
+                (grad_gate, grad_up), flat, (low_gate, low_up), params, needs, scalings, drops, bits[0], need_x
+            )
+        else:
+            grad_x_gate, gate_grads = layer_grads(0, grad_gate, flat, low_gate, need_x)
+            del grad_gate
+            grad_x, up_grads = layer_grads(1, grad_up, flat, low_up, need_x)
+            if need_x:
+                grad_x = grad_x.add_(grad_x_gate)
         if need_x:
-            grad_x = grad_x.add_(grad_x_gate).view(ctx.x_shape)
+            grad_x = grad_x.view(ctx.x_shape)
         return grad_x, None, None, None, *gate_grads, *up_grads, *down_grads
+
+
+def _paired(drops: tuple, gate_p: tuple, up_p: tuple) -> bool:
+    """Whether gate's and up's masked products run as one: both masked, adapters alike."""
+    a_gate, a_up = gate_p[2], up_p[2]
+    return drops[0] is not None and drops[1] is not None and a_gate.shape == a_up.shape and a_gate.dtype == a_up.dtype
+
+
+def _paired_grads(grads, flat, lows, params, needs, scalings, drops, bits, need_x):
+    """Gate's and up's gradients when their masks ran as one (``_paired``): ``(grad_x, gate's,
+    up's)``, A's gradients and both adapters' shares of x's from one pass over x."""
+    g_lows, out = [], []
+    grad_x = None
+    for i in range(2):
+        weight, bias, lora_a, lora_b = params[4 * i : 4 * i + 4]
+        need_w, need_bias, _, need_b = needs[4 * i : 4 * i + 4]
+        wanted = (need_w, need_bias and bias is not None, False, need_b)
+        g_low, layer = param_grads(grads[i], flat, None, lora_a, lora_b, lows[i], scalings[i], wanted)
+        g_lows.append(g_low)
+        out.append(layer)
+        if need_x:
+            grad_x = times_weight(grads[i], weight) if grad_x is None else grad_x.add_(times_weight(grads[i], weight))
+    a_gate, a_up = params[2], params[6]
+    need_a = (needs[2], needs[6])
+    grad_a = dropout.masked_input_grads(
+        adapter_input(flat, a_gate), torch.cat([a_gate, a_up]), torch.cat(g_lows, 1), drops[:2], grad_x,
+        any(need_a), bits,
+    )  # fmt: skip
+    rank = a_gate.shape[0]
+    parts = (grad_a[:rank], grad_a[rank:]) if grad_a is not None else (None, None)
+    layers = tuple(
+        (w, b, part if need else None, b_grad) for (w, b, _, b_grad), part, need in zip(out, parts, need_a, strict=True)
+    )
+    return grad_x, layers[0], layers[1]
 
 
 def lora_mlp(mlp: Any, x: torch.Tensor, recompute: bool | None = None) -> torch.Tensor | None:

@@ -109,7 +109,10 @@ class _LoraQKV(torch.autograd.Function):
             grad_x.add_(times_weight(grads_out[1], params[4])).add_(times_weight(grads_out[2], params[8]))
             if not masked:
                 grad_x.addmm_(g_low.t(), a_all)
-        if masked:  # each adapter through its own mask: A's gradient and its share of x's at once
+        if masked and _stacked(drops, params):  # the three masks in one pass over x
+            grad_a_all = dropout.masked_input_grads(flat, a_all, g_low.t(), drops, grad_x, any(need_a), bits[0])
+            grad_as = [grad_a_all[rows] if grad_a_all is not None else None for rows in _row_slices(params)]
+        elif masked:  # each adapter through its own mask: A's gradient and its share of x's at once
             grad_as = []
             for i, (rows, drop, kept) in enumerate(zip(_row_slices(params), drops, bits, strict=True)):
                 lora_a = params[4 * i + 2]
@@ -119,7 +122,7 @@ class _LoraQKV(torch.autograd.Function):
                     grad_as.append(g_low[rows] @ flat if need_a[i] else None)
                 else:
                     grad_as.append(
-                        dropout.masked_input_grads(flat, lora_a, g_low[rows].t(), drop, grad_x, need_a[i], kept)
+                        dropout.masked_input_grads(flat, lora_a, g_low[rows].t(), (drop,), grad_x, need_a[i], kept)
                     )
         else:
             grad_a_all = torch.mm(g_low, flat)
@@ -153,19 +156,28 @@ def _row_slices(params: tuple) -> list[slice]:
 def _low(
     flat: torch.Tensor, a_all: torch.Tensor, drops: tuple, params: tuple
 ) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
-    """The three adapters' ``x A^T`` stacked (3r, tokens): one product, or one per adapter where
-    a dropout mask gives each its own input; and each mask's bits where the kernel kept them."""
+    """The three adapters' ``x A^T`` stacked (3r, tokens): one product without masks, one masked
+    pass over x for all three where each has its mask and the same rank, else one product per
+    adapter; and the masks' bits where the kernel kept them (one tensor for all three, or one
+    per adapter)."""
     if all(d is None for d in drops):
         return torch.mm(a_all, flat.t()), [None] * 3
     low = torch.empty(a_all.shape[0], flat.shape[0], dtype=flat.dtype, device=flat.device)
+    if _stacked(drops, params):
+        return low, [dropout.masked_low(flat, a_all, drops, out=low.t())[1], None, None]
     bits: list[torch.Tensor | None] = []
     for rows, drop in zip(_row_slices(params), drops, strict=True):
         if drop is None:
             torch.mm(a_all[rows], flat.t(), out=low[rows])
             bits.append(None)
         else:
-            bits.append(dropout.masked_low(flat, a_all[rows], drop, out=low[rows].t())[1])
+            bits.append(dropout.masked_low(flat, a_all[rows], (drop,), out=low[rows].t())[1])
     return low, bits
+
+
+def _stacked(drops: tuple, params: tuple) -> bool:
+    """Whether the three masked products run as one: every adapter masked, all of one rank."""
+    return all(d is not None for d in drops) and len({params[4 * i + 2].shape[0] for i in range(3)}) == 1
 
 
 def usable(layers: tuple[Any, ...], x: torch.Tensor) -> list[str] | None:
