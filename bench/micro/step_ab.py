@@ -4,7 +4,8 @@
     python bench/micro/step_ab.py --switch packed-weights --workload W2 --batches 4 --rounds 2
 
 The same batches run with the switch on and off, alternating which goes first; prints the median
-step of each, and each way's page faults and kernel (system) time per step. The model trains on
+step of each, the median of each batch's paired ratio (on a shared virtual machine the speed
+drifts by tens of percent over minutes, which the pairing cancels), and each way's page faults and kernel (system) time per step. The model trains on
 every run, so both see the same sequence of weights but not the same ones at the same batch:
 that shifts both alike.
 
@@ -116,6 +117,7 @@ def paired_steps(switch_name: str, workload: str, batches: int, rounds: int, thr
         step(batch, True)
         step(batch, False)
     times = {True: [], False: []}
+    ratios = []  # each batch's step on over its step off, the two run back to back
     faults = {True: 0, False: 0}  # minor page faults, each way
     system = {True: 0.0, False: 0.0}  # seconds in the kernel, each way
     for r in range(rounds):
@@ -126,11 +128,17 @@ def paired_steps(switch_name: str, workload: str, batches: int, rounds: int, thr
                 after = resource.getrusage(resource.RUSAGE_SELF)
                 faults[on] += after.ru_minflt - before.ru_minflt
                 system[on] += after.ru_stime - before.ru_stime
+            ratios.append(times[True][-1] / times[False][-1])
     switch(True)
     off, on = statistics.median(times[False]), statistics.median(times[True])
     print(
         f"{workload} {switch_name}: median step off {off:.3f} s, on {on:.3f} s, on / off {on / off:.3f} "
         f"({len(times[True])} steps each)"
+    )
+    quartiles = statistics.quantiles(ratios, n=4)
+    print(
+        f"paired: median of each batch's on / off {statistics.median(ratios):.3f} "
+        f"(quartiles {quartiles[0]:.3f} to {quartiles[2]:.3f}; robust to the machine's speed drifting)"
     )
     steps = len(times[True])
     print(
