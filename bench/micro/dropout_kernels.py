@@ -41,26 +41,31 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     assert dropout._library() is not None, "the dropout kernel did not build"
-    print(f"tokens {args.tokens}, rank {args.rank}, {args.threads} threads; microseconds per call (ns/element)")
+    print(
+        f"tokens {args.tokens}, rank {args.rank}, {args.threads} threads; microseconds per call (ns/element)"
+    )
     for hidden in (576, 1536):
-        x = torch.randn(args.tokens, hidden)
-        a = torch.randn(args.rank, hidden)
-        g_low = torch.randn(args.rank, args.tokens).t()
-        grad_x = torch.randn(args.tokens, hidden)
-        drop = dropout.draw(0.05)
-        bits = dropout.masked_low(x, a, drop)[1]
-        n = x.numel()
-        rows = {
-            "forward, masked": lambda: dropout.masked_low(x, a, drop),
-            "forward, no mask": lambda: torch.mm(a, x.t()),
-            "backward, bits": lambda: dropout.masked_input_grads(x, a, g_low, drop, grad_x, True, bits),
-            "backward, seed": lambda: dropout.masked_input_grads(x, a, g_low, drop, grad_x, True),
-            "backward, no mask": lambda: (g_low.t() @ x, grad_x.addmm_(g_low, a)),
-            "mask only": lambda: dropout.apply(x, drop),
-        }
-        for name, fn in rows.items():
-            us = median_us(fn, args.reps)
+        for name, us, n in rows(args.tokens, hidden, args.rank, args.reps):
             print(f"hidden {hidden:5d}  {name:18s} {us:9.1f} us  ({us * 1e3 / n:.2f} ns/element)")
+
+
+def rows(tokens: int, hidden: int, rank: int, reps: int) -> list[tuple[str, float, int]]:
+    """``(what, microseconds a call, elements)`` for each way at one input width."""
+    x = torch.randn(tokens, hidden)
+    a = torch.randn(rank, hidden)
+    g_low = torch.randn(rank, tokens).t()
+    grad_x = torch.randn(tokens, hidden)
+    drops = (dropout.draw(0.05),)
+    bits = dropout.masked_low(x, a, drops)[1]
+    ways = {
+        "forward, masked": lambda: dropout.masked_low(x, a, drops),
+        "forward, no mask": lambda: torch.mm(a, x.t()),
+        "backward, bits": lambda: dropout.masked_input_grads(x, a, g_low, drops, grad_x, True, bits),
+        "backward, seed": lambda: dropout.masked_input_grads(x, a, g_low, drops, grad_x, True),
+        "backward, no mask": lambda: (g_low.t() @ x, grad_x.addmm_(g_low, a)),
+        "mask only": lambda: dropout.apply(x, drops[0]),
+    }
+    return [(name, median_us(fn, reps), x.numel()) for name, fn in ways.items()]
 
 
 if __name__ == "__main__":

@@ -163,11 +163,16 @@ def test_the_nodes_keep_their_masks_as_bits_only():
     tokens, words = ids.numel(), lambda width: -(-width // 16)
     # a 16-bit word per 16 elements of each masked input: q, k, v, o, gate and up read hidden-wide
     # inputs, down an intermediate-wide one
-    bits = shape["num_hidden_layers"] * tokens * 2 * (
-        6 * words(shape["hidden_size"]) + words(shape["intermediate_size"])
+    bits = (
+        shape["num_hidden_layers"]
+        * tokens
+        * 2
+        * (6 * words(shape["hidden_size"]) + words(shape["intermediate_size"]))
     )
     assert _saved_bytes(with_dropout, ids) == _saved_bytes(without, ids) + bits
-    masked_inputs = shape["num_hidden_layers"] * tokens * 4 * (6 * shape["hidden_size"] + shape["intermediate_size"])
+    masked_inputs = (
+        shape["num_hidden_layers"] * tokens * 4 * (6 * shape["hidden_size"] + shape["intermediate_size"])
+    )
     assert bits * 32 == masked_inputs  # 1/32 of the fp32 inputs the masks cover
     assert _saved_bytes(peft_model, ids) > _saved_bytes(with_dropout, ids)
 
@@ -241,7 +246,9 @@ def test_the_fused_masked_products_equal_the_torch_ops(tokens, hidden, rank, ada
     for i, drop in enumerate(drops):
         rows = slice(i * rank, (i + 1) * rank)
         torch.testing.assert_close(one[0][:, rows], dropout.masked_low(x, a[rows], (drop,))[0])
-        torch.testing.assert_close(one[1][rows], dropout.masked_input_grads(x, a[rows], g_low[:, rows], (drop,), None, True))
+        torch.testing.assert_close(
+            one[1][rows], dropout.masked_input_grads(x, a[rows], g_low[:, rows], (drop,), None, True)
+        )
 
 
 @pytest.mark.parametrize("hidden", [48, 50])

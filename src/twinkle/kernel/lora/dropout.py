@@ -67,7 +67,22 @@ def _library() -> ctypes.CDLL | None:
                 ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_float, ctypes.c_int,
             )  # fmt: skip
             lib.twinkle_dropout_f32.argtypes = [P, P, I64, U64, U32, F, INT]
-            lib.twinkle_lora_masked_down_f32.argtypes = [P, P, P, I64, I64, I64, I64, I64, INT, P, P, P, P, INT]
+            lib.twinkle_lora_masked_down_f32.argtypes = [
+                P,
+                P,
+                P,
+                I64,
+                I64,
+                I64,
+                I64,
+                I64,
+                INT,
+                P,
+                P,
+                P,
+                P,
+                INT,
+            ]
             lib.twinkle_lora_masked_down_f32.restype = INT
             up = [P, P, P, I64, I64, P, P, I64, I64, I64, INT, P, P, P, P, INT]
             lib.twinkle_lora_masked_up_grad_f32.argtypes = up
@@ -194,7 +209,9 @@ def masked_low(
         out = torch.empty(lora_a.shape[0], flat.shape[0], dtype=flat.dtype, device=flat.device).t()
     if lib is None:
         for i, drop in enumerate(drops):  # r rows tall, as the nodes compute it
-            out[:, i * rank : (i + 1) * rank] = torch.mm(lora_a[i * rank : (i + 1) * rank], apply(flat, drop).t()).t()
+            out[:, i * rank : (i + 1) * rank] = torch.mm(
+                lora_a[i * rank : (i + 1) * rank], apply(flat, drop).t()
+            ).t()
         return out, None
     tokens, hidden = flat.shape
     bits = torch.empty(bits_shape(len(drops), tokens, hidden), dtype=torch.int16)
@@ -235,8 +252,12 @@ def masked_input_grads(
         return grad_a
     grad_a = torch.empty_like(lora_a) if need_a else None
     tokens, hidden = flat.shape
-    if bits is not None and (bits.shape != bits_shape(len(drops), tokens, hidden) or not bits.is_contiguous()):
-        raise ValueError(f"LoRA dropout: mask bits of shape {tuple(bits.shape)} for input {tuple(flat.shape)}")
+    if bits is not None and (
+        bits.shape != bits_shape(len(drops), tokens, hidden) or not bits.is_contiguous()
+    ):
+        raise ValueError(
+            f"LoRA dropout: mask bits of shape {tuple(bits.shape)} for input {tuple(flat.shape)}"
+        )
     failed = lib.twinkle_lora_masked_up_grad_f32(
         flat.data_ptr(), lora_a.data_ptr(), g_low.data_ptr(), g_low.stride(0), g_low.stride(1),
         grad_a.data_ptr() if grad_a is not None else None, grad_x.data_ptr() if grad_x is not None else None,

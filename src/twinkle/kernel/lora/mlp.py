@@ -66,7 +66,9 @@ class _LoraMLP(torch.autograd.Function):
             up, low_up, _ = project(flat, flat_lora, *up_p, scalings[1], low=low_pair[:, rank:])
             del flat_lora, low_pair
         else:
-            gate, low_gate, bits_gate = project(flat, adapter_input(flat, gate_p[2]), *gate_p, scalings[0], drops[0])
+            gate, low_gate, bits_gate = project(
+                flat, adapter_input(flat, gate_p[2]), *gate_p, scalings[0], drops[0]
+            )
             up, low_up, bits_up = project(flat, adapter_input(flat, up_p[2]), *up_p, scalings[1], drops[1])
         silu = F.silu(gate)
         act = silu * up
@@ -99,7 +101,18 @@ class _LoraMLP(torch.autograd.Function):
             need_w, need_bias, need_a, need_b = needs[4 * i : 4 * i + 4]
             wanted = (need_w, need_bias and bias is not None, need_a, need_b)
             return branch_grads(
-                grad, x_in, x_in, weight, lora_a, lora_b, low, scalings[i], drops[i], wanted, need_input, bits[i]
+                grad,
+                x_in,
+                x_in,
+                weight,
+                lora_a,
+                lora_b,
+                low,
+                scalings[i],
+                drops[i],
+                wanted,
+                need_input,
+                bits[i],
             )
 
         # Ordered for the peak on a bf16 model with fp32 adapters, where each intermediate-wide
@@ -120,7 +133,15 @@ class _LoraMLP(torch.autograd.Function):
         del grad_silu
         if ctx.paired:
             grad_x, gate_grads, up_grads = _paired_grads(
-                (grad_gate, grad_up), flat, (low_gate, low_up), params, needs, scalings, drops, bits[0], need_x
+                (grad_gate, grad_up),
+                flat,
+                (low_gate, low_up),
+                params,
+                needs,
+                scalings,
+                drops,
+                bits[0],
+                need_x,
             )
         else:
             grad_x_gate, gate_grads = layer_grads(0, grad_gate, flat, low_gate, need_x)
@@ -136,7 +157,12 @@ class _LoraMLP(torch.autograd.Function):
 def _paired(drops: tuple, gate_p: tuple, up_p: tuple) -> bool:
     """Whether gate's and up's masked products run as one: both masked, adapters alike."""
     a_gate, a_up = gate_p[2], up_p[2]
-    return drops[0] is not None and drops[1] is not None and a_gate.shape == a_up.shape and a_gate.dtype == a_up.dtype
+    return (
+        drops[0] is not None
+        and drops[1] is not None
+        and a_gate.shape == a_up.shape
+        and a_gate.dtype == a_up.dtype
+    )
 
 
 def _paired_grads(grads, flat, lows, params, needs, scalings, drops, bits, need_x):
@@ -152,7 +178,11 @@ def _paired_grads(grads, flat, lows, params, needs, scalings, drops, bits, need_
         g_lows.append(g_low)
         out.append(layer)
         if need_x:
-            grad_x = times_weight(grads[i], weight) if grad_x is None else grad_x.add_(times_weight(grads[i], weight))
+            grad_x = (
+                times_weight(grads[i], weight)
+                if grad_x is None
+                else grad_x.add_(times_weight(grads[i], weight))
+            )
     a_gate, a_up = params[2], params[6]
     need_a = (needs[2], needs[6])
     grad_a = dropout.masked_input_grads(
@@ -162,7 +192,8 @@ def _paired_grads(grads, flat, lows, params, needs, scalings, drops, bits, need_
     rank = a_gate.shape[0]
     parts = (grad_a[:rank], grad_a[rank:]) if grad_a is not None else (None, None)
     layers = tuple(
-        (w, b, part if need else None, b_grad) for (w, b, _, b_grad), part, need in zip(out, parts, need_a, strict=True)
+        (w, b, part if need else None, b_grad)
+        for (w, b, _, b_grad), part, need in zip(out, parts, need_a, strict=True)
     )
     return grad_x, layers[0], layers[1]
 

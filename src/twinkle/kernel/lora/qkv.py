@@ -110,7 +110,9 @@ class _LoraQKV(torch.autograd.Function):
             if not masked:
                 grad_x.addmm_(g_low.t(), a_all)
         if masked and _stacked(drops, params):  # the three masks in one pass over x
-            grad_a_all = dropout.masked_input_grads(flat, a_all, g_low.t(), drops, grad_x, any(need_a), bits[0])
+            grad_a_all = dropout.masked_input_grads(
+                flat, a_all, g_low.t(), drops, grad_x, any(need_a), bits[0]
+            )
             grad_as = [grad_a_all[rows] if grad_a_all is not None else None for rows in _row_slices(params)]
         elif masked:  # each adapter through its own mask: A's gradient and its share of x's at once
             grad_as = []
@@ -122,7 +124,9 @@ class _LoraQKV(torch.autograd.Function):
                     grad_as.append(g_low[rows] @ flat if need_a[i] else None)
                 else:
                     grad_as.append(
-                        dropout.masked_input_grads(flat, lora_a, g_low[rows].t(), (drop,), grad_x, need_a[i], kept)
+                        dropout.masked_input_grads(
+                            flat, lora_a, g_low[rows].t(), (drop,), grad_x, need_a[i], kept
+                        )
                     )
         else:
             grad_a_all = torch.mm(g_low, flat)
