@@ -24,23 +24,12 @@ typedef int32_t vi __attribute__((vector_size(4 * VW)));
 /* Rows of A (or columns of the product) handled together; VW-float accumulators per row. */
 #define JB 8
 
-static inline uint32_t mix(uint32_t x) {
-    x ^= x >> 16;
-    x *= 0x7feb352dU;
-    x ^= x >> 15;
-    x *= 0x846ca68bU;
-    x ^= x >> 16;
-    return x;
-}
+/* The finaliser, written once for a word and for a vector of words (the same operations). */
+#define MIX(x) ((x) ^= (x) >> 16, (x) *= 0x7feb352dU, (x) ^= (x) >> 15, (x) *= 0x846ca68bU, (x) ^= (x) >> 16)
 
-static inline vu vmix(vu x) {
-    x ^= x >> 16;
-    x *= 0x7feb352dU;
-    x ^= x >> 15;
-    x *= 0x846ca68bU;
-    x ^= x >> 16;
-    return x;
-}
+static inline uint32_t mix(uint32_t x) { return MIX(x); }
+
+static inline vu vmix(vu x) { return MIX(x); }
 
 static inline vf load(const float *p) {
     vf v;
