@@ -185,8 +185,8 @@ def _stacked(drops: tuple, params: tuple) -> bool:
 
 
 def usable(layers: tuple[Any, ...], x: torch.Tensor) -> list[str] | None:
-    """The active adapters' names when all three layers are plain LoRA with no active dropout
-    (``plain_loras``), frozen base weights and adapters in x's dtype; else None."""
+    """The active adapters' names when all three layers are plain LoRA (``plain_loras``; dropout
+    allowed), with frozen base weights and adapters in x's dtype; else None."""
     names = plain_loras(layers, x)
     if names is None:
         return None
