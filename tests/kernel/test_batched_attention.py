@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from tolerances import attention_sums, chain_tolerances
 
 from twinkle.kernel import set_switches
 from twinkle.kernel.attention import batched as batched_attention
@@ -26,6 +27,15 @@ def _run(segments, leaves, choice, monkeypatch, **kwargs):
     out = segment_attention(*leaves, segments, **kwargs)
     grads = torch.autograd.grad(out.square().sum(), [t for t in leaves if t.requires_grad])
     return [out, *grads]
+
+
+def _assert_same(a, b, leaves) -> None:
+    """The same terms summed in other orders (padded blocks, batched products): within the bound
+    of attention's chain of fp32 sums (tolerances.attention_sums); the gradient of out^2 adds one
+    more product. A query that sees another sample is off by ~1e-1 of the scale."""
+    query, key = leaves[0], leaves[1]
+    sums = attention_sums(query.shape[2], query.shape[3], query.shape[1] // key.shape[1]) + [2]
+    torch.testing.assert_close(a, b, **chain_tolerances(sums, b))
 
 
 def _spy_batched(monkeypatch) -> list:
@@ -59,7 +69,7 @@ def test_batched_equals_the_per_sample_calls(prefix, lengths, heads, monkeypatch
     assert len(calls) == 1
     for a, b in zip(batched, plain, strict=True):
         assert torch.isfinite(a).all()
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        _assert_same(a, b, leaves)
 
 
 def test_scaling_and_inputs_without_gradients(monkeypatch):
@@ -70,7 +80,7 @@ def test_scaling_and_inputs_without_gradients(monkeypatch):
     batched = _run(segments, leaves, "always", monkeypatch, scaling=0.3)
     assert len(batched) == 3
     for a, b in zip(batched, plain, strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        _assert_same(a, b, leaves)
 
 
 def test_short_samples_share_a_block_and_the_prefix_rides_with_the_lightest():

@@ -4,9 +4,12 @@ Each op is run the way ``kernelize`` runs it (the Hugging Face module, patched t
 registry) and compared with a plain torch reference written out below: the forward output and
 the gradient of every input (the hidden states and each weight)."""
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
+from tolerances import chain_tolerances
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
 from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNorm
@@ -41,9 +44,10 @@ def swiglu_reference(
 
 TOLERANCES = [
     # fp32: the same math with a different order of floating-point operations (one reduction
-    # for the sum of squares instead of pow+mean; a hand-written RMSNorm backward). Observed
-    # differences are a few ulp of the largest value: the weight gradient, a sum over all rows.
-    pytest.param(torch.float32, 1e-5, 1e-5, id="fp32"),
+    # for the sum of squares instead of pow+mean; a hand-written RMSNorm backward): None, the
+    # bound of the test's chain of sums (tolerances.chain_tolerances, about 1e-4 of each tensor's
+    # scale); a kernel that ignores the weight or eps, or drops a term, is off by 1e-2 or more.
+    pytest.param(torch.float32, None, None, id="fp32"),
     # bf16: the forward casts at the same points as the module, so outputs usually agree
     # exactly; but an fp32 difference of one ulp in rsqrt can flip a bf16 rounding (2**-8
     # relative), and the weight gradient sums such values over rows in bf16.
@@ -77,12 +81,28 @@ def _grads(fn, x: torch.Tensor, params: list[torch.Tensor], grad: torch.Tensor) 
     return [out.detach(), x.grad] + [p.grad for p in params]
 
 
-def _assert_close(ours: list[torch.Tensor], ref: list[torch.Tensor], atol: float, rtol: float) -> None:
+def _assert_close(ours: list[torch.Tensor], ref: list[torch.Tensor], atol, rtol, sums: list[int]) -> None:
+    """``atol``/``rtol`` None: each tensor within the bound of the chain of fp32 sums ``sums``."""
     names = ["output", "input grad"] + [f"weight grad {i}" for i in range(len(ref) - 2)]
     for name, a, b in zip(names, ours, ref, strict=True):
         assert a is not None and b is not None, name
         assert a.dtype == b.dtype, name
-        torch.testing.assert_close(a, b, atol=atol, rtol=rtol, msg=lambda m, name=name: f"{name}: {m}")
+        tol = chain_tolerances(sums, b) if atol is None else {"atol": atol, "rtol": rtol}
+        torch.testing.assert_close(a, b, **tol, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def _norm_sums(shape) -> list[int]:
+    """RMSNorm's fp32 sums: the squares and the input gradient's dot (hidden each), the weight
+    gradient (rows), and a few roundings per element (mean, rsqrt, scalings)."""
+    return [shape[-1], shape[-1], math.prod(shape[:-1]), 6]
+
+
+def _mlp_sums(shape, intermediate: int) -> list[int]:
+    """SwiGLU's fp32 sums: gate/up (hidden), down (intermediate), the intermediate gradient
+    (hidden), the input gradient (gate's and up's: 2 intermediate), the weight gradients (rows),
+    and a few roundings per element (silu, products, bias)."""
+    hidden = shape[-1]
+    return [hidden, intermediate, hidden, 2 * intermediate, math.prod(shape[:-1]), 8]
 
 
 def _inputs(shape, dtype, seed=0):
@@ -104,7 +124,7 @@ def test_rms_norm(shape, dtype, atol, rtol):
 
     ours = _grads(module, x, [module.weight], grad)
     ref = _grads(lambda t: rms_norm_reference(t, ref_weight, EPS), x, [ref_weight], grad)
-    _assert_close(ours, ref, atol, rtol)
+    _assert_close(ours, ref, atol, rtol, _norm_sums(shape))
 
 
 @pytest.mark.parametrize("dtype, atol, rtol", TOLERANCES)
@@ -119,7 +139,7 @@ def test_rms_norm_zero_centered(shape, dtype, atol, rtol):
 
     ours = _grads(module, x, [module.weight], grad)
     ref = _grads(lambda t: rms_norm_zero_centered_reference(t, ref_weight, EPS), x, [ref_weight], grad)
-    _assert_close(ours, ref, atol, rtol)
+    _assert_close(ours, ref, atol, rtol, _norm_sums(shape))
 
 
 @pytest.mark.parametrize("dtype, atol, rtol", TOLERANCES)
@@ -135,7 +155,7 @@ def test_rms_norm_mixed_weight_dtype(dtype, atol, rtol):
     ours = _grads(module, x, [module.weight], grad)
     ref = _grads(lambda t: rms_norm_reference(t, ref_weight, EPS), x, [ref_weight], grad)
     assert ours[0].dtype == torch.float32
-    _assert_close(ours, ref, atol, rtol)
+    _assert_close(ours, ref, atol, rtol, _norm_sums((3, 4, 64)))
 
 
 def test_rms_norm_frozen_weight_gets_no_gradient():
@@ -148,7 +168,7 @@ def test_rms_norm_frozen_weight_gets_no_gradient():
     assert module.weight.grad is None
     ref_x = x.detach().clone().requires_grad_()
     rms_norm_reference(ref_x, module.weight, EPS).backward(grad)
-    torch.testing.assert_close(x.grad, ref_x.grad, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(x.grad, ref_x.grad, **chain_tolerances(_norm_sums((2, 3, 32)), ref_x.grad))
 
 
 @pytest.mark.parametrize("dtype, atol, rtol", TOLERANCES)
@@ -164,7 +184,7 @@ def test_swiglu_mlp(shape, intermediate, dtype, atol, rtol):
 
     ours = _grads(module, x, weights, grad)
     ref = _grads(lambda t: swiglu_reference(t, *ref_weights), x, ref_weights, grad)
-    _assert_close(ours, ref, atol, rtol)
+    _assert_close(ours, ref, atol, rtol, _mlp_sums(shape, intermediate))
 
 
 def test_swiglu_mlp_with_bias():
@@ -177,7 +197,7 @@ def test_swiglu_mlp_with_bias():
     x, grad = _inputs((2, 5, 32), torch.float32)
     ours = _grads(module, x, list(module.parameters()), grad)
     ref = _grads(original, x, list(original.parameters()), grad)
-    _assert_close(ours, ref, 1e-5, 1e-5)
+    _assert_close(ours, ref, None, None, _mlp_sums((2, 5, 32), 64))
     assert module.gate_proj.bias.grad is not None
 
 
