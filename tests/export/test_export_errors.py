@@ -76,21 +76,23 @@ def test_an_output_folder_that_is_not_empty(checkpoint, tmp_path, capsys):
     code, err = run(capsys, "--adapter", str(checkpoint), "--output", str(out))
     assert_one_line_error(code, err, "exists and is not empty", "--overwrite")
     assert sorted(p.name for p in out.iterdir()) == ["keep.txt"]
-    assert main(["export", "--adapter", str(checkpoint), "--output", str(out), "--overwrite"]) == 0
-    assert not (out / "keep.txt").exists() and (out / "config.json").is_file()
+    # --overwrite replaces only an earlier export (tests/hardening/test_data_safety.py)
+    code, err = run(capsys, "--adapter", str(checkpoint), "--output", str(out), "--overwrite")
+    assert_one_line_error(code, err, "is not a folder twinkle export wrote")
+    assert sorted(p.name for p in out.iterdir()) == ["keep.txt"]
     assert not leftovers(tmp_path)
     (tmp_path / "file").write_text("x")
     code, err = run(capsys, "--adapter", str(checkpoint), "--output", str(tmp_path / "file"), "--overwrite")
     assert_one_line_error(code, err, "is a file")
     code, err = run(capsys, "--adapter", str(checkpoint), "--output", str(checkpoint.parent), "--overwrite")
-    assert_one_line_error(code, err, "holds the checkpoint")
+    assert_one_line_error(code, err, "is not a folder twinkle export wrote")
     assert checkpoint.is_dir()
 
 
 def test_overwrite_replaces_only_after_the_new_export_is_complete(checkpoint, tmp_path, monkeypatch):
     out = tmp_path / "out"
-    out.mkdir()
-    (out / "keep.txt").write_text("mine")
+    export_module.export_checkpoint(str(checkpoint), str(out))  # an earlier export, which may be replaced
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
 
     def fail(*args, **kwargs):
         raise OSError(28, "No space left on device")
@@ -98,7 +100,8 @@ def test_overwrite_replaces_only_after_the_new_export_is_complete(checkpoint, tm
     monkeypatch.setattr(export_module, "write_gguf", fail)
     with pytest.raises(UserError, match="No space left on device"):
         export_module.export_checkpoint(str(checkpoint), str(out), gguf_types=("f16",), overwrite=True)
-    assert sorted(p.name for p in out.iterdir()) == ["keep.txt"]  # the old folder, untouched
+    after = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    assert after == before  # the old folder, untouched
     assert not leftovers(tmp_path)  # and no half-written new one beside it
     with pytest.raises(UserError):
         export_module.export_checkpoint(str(checkpoint), str(tmp_path / "fresh"), gguf_types=("f16",))

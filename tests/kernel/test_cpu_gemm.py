@@ -12,6 +12,7 @@ import pytest
 import torch
 from nets import TwoLinear
 from peft import LoraConfig, get_peft_model
+from tolerances import assert_matmul
 
 from twinkle.kernel import cpu_gemm as gemm
 from twinkle.kernel import set_switches, switches
@@ -38,9 +39,9 @@ def test_products_equal_torch(rows, with_bias):
     x, w = torch.randn(rows, 48), torch.randn(96, 48)
     bias = torch.randn(96) if with_bias else None
     g = torch.randn(rows, 96)
-    expected = x @ w.t() if bias is None else torch.addmm(bias, x, w.t())
-    torch.testing.assert_close(gemm.linear(x, w, bias), expected, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(gemm.times_weight(g, w), g @ w, rtol=1e-5, atol=1e-5)
+    # oneDNN's sums in their own order, within the worst fp32 error of k-term sums (tolerances.py)
+    assert_matmul(gemm.linear(x, w, bias), x, w.t(), bias, "linear")
+    assert_matmul(gemm.times_weight(g, w), g, w, what="times_weight")
 
 
 def test_strided_operands_equal_torch():
@@ -48,9 +49,10 @@ def test_strided_operands_equal_torch():
     x = torch.randn(48, 30).t()  # (30, 48), not contiguous
     w = torch.randn(96, 48)
     g = torch.randn(96, 30).t()
-    torch.testing.assert_close(gemm.linear(x, w), x @ w.t(), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(gemm.times_weight(g, w), g @ w, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(gemm.linear(x[::2], w[::3]), x[::2] @ w[::3].t(), rtol=1e-5, atol=1e-5)
+    # worst fp32 error of k-term sums in any order, elementwise (tolerances.py)
+    assert_matmul(gemm.linear(x, w), x, w.t(), what="linear")
+    assert_matmul(gemm.times_weight(g, w), g, w, what="times_weight")
+    assert_matmul(gemm.linear(x[::2], w[::3]), x[::2], w[::3].t(), what="strided linear")
 
 
 def test_no_rows_give_an_empty_result():
@@ -218,8 +220,8 @@ def test_auto_routes_each_shape_to_the_library_measured_faster(slowed, onednn_ca
     x, w, g = torch.randn(5, 8), torch.randn(4, 8), torch.randn(5, 4)
     calls_before = len(onednn_calls)
     for _ in range(3):
-        torch.testing.assert_close(gemm.linear(x, w), x @ w.t(), rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(gemm.times_weight(g, w), g @ w, rtol=1e-5, atol=1e-5)
+        assert_matmul(gemm.linear(x, w), x, w.t(), what="linear")  # either library (tolerances.py)
+        assert_matmul(gemm.times_weight(g, w), g, w, what="times_weight")
     # each product of this shape measured once; then every call goes where the measurement said
     assert measured == [("linear", (4, 8)), ("times_weight", (4, 8))]
     real_calls = [c for c in _rows(onednn_calls)[calls_before:] if c[0] == 5]
@@ -318,3 +320,35 @@ def test_measuring_leaves_the_random_streams_alone(monkeypatch):
     torch.manual_seed(3)
     gemm.linear(torch.ones(3, 8), torch.ones(6, 8))  # measures this shape first
     assert torch.equal(torch.rand(4), expected)
+
+
+@needs_onednn
+def test_the_default_routes_by_a_rule_never_by_a_timing(monkeypatch, onednn_calls):
+    """Without ``TWINKLE_ONEDNN`` every shape goes to oneDNN and is packed, on any machine and
+    under any load: nothing is measured and no route is kept in the cache."""
+    monkeypatch.delenv("TWINKLE_ONEDNN", raising=False)
+    switches.reread()
+    assert switches.value("TWINKLE_ONEDNN") == "on"
+
+    def timed(product, w):
+        raise AssertionError(f"measured {product} {tuple(w.shape)}")
+
+    monkeypatch.setattr(gemm, "_measure", timed)
+    weights = [torch.randn(16, 8), torch.randn(12, 8)]
+    assert gemm.pack_frozen(weights) == sum(w.nbytes for w in weights)
+    x, g = torch.randn(5, 8), torch.randn(5, 16)
+    assert_matmul(gemm.linear(x, weights[0]), x, weights[0].t(), what="linear")
+    assert_matmul(gemm.times_weight(g, weights[0]), g, weights[0], what="times_weight")
+    assert _rows(onednn_calls) == [(5, 8), (5, 16)]
+    assert not gemm._routes_file().parent.exists()
+
+
+@needs_onednn
+def test_off_never_measures_and_takes_torch(monkeypatch, onednn_calls):
+    set_switches({"TWINKLE_ONEDNN": "off"})
+    monkeypatch.setattr(gemm, "_measure", lambda *a: pytest.fail("measured with TWINKLE_ONEDNN=off"))
+    w = torch.randn(16, 8)
+    assert gemm.faster_here("linear", w) is False and gemm.faster_here("times_weight", w) is False
+    assert gemm.pack_frozen([w]) == 0
+    assert torch.equal(gemm.linear(torch.ones(3, 8), w), torch.ones(3, 8) @ w.t())
+    assert _rows(onednn_calls) == []

@@ -5,8 +5,13 @@ The save writes ``.twinkle-complete`` last, as JSON listing every other file of 
 (relative path -> size in bytes and CRC-32). A reader checks the folder against that list
 before it reads any file, so a file truncated by an interrupted copy, a
 flipped bit or a deleted file is one ``UserError`` naming the file, not an exception from deep
-inside safetensors or ``torch.load``. CRC-32 is there to catch accidental damage, not
-tampering: it reads well over 1 GB/s on one core, about twice blake2b's speed.
+inside safetensors or ``torch.load``. CRC-32 is there to catch accidental damage: it reads well
+over 1 GB/s on one core, about twice blake2b's speed.
+
+The checksums detect damage, not tampering: anyone can recompute them, so a passing check says
+nothing about who wrote a file. What keeps an untrusted checkpoint harmless is that nothing in it
+is ever executed: every file is read as data (JSON, safetensors, ``torch.load(weights_only=True)``)
+and a file that holds more than tensors and plain values is refused (``load.read_state``).
 
 A marker holding just the word ``complete`` (the marker format without a list) still loads,
 unverified, and that is logged once per folder."""

@@ -1,9 +1,16 @@
-"""Write a checkpoint from every rank into a temporary folder, then rename it into place."""
+"""Write a checkpoint from every rank into a temporary folder, then rename it into place.
+
+Everything is written as data that loads with ``torch.load(weights_only=True)``, safetensors or
+JSON: the RNG states as tuples of ints and tensors (numpy's key array as a tensor), the optimizer
+and schedule state as their ``state_dict`` of tensors and plain values (checked before the
+save: ``data_only``). A folder of the target name that Twinkle did not write is never replaced
+(``check_not_foreign``)."""
 
 import io
 import json
 import random
 import shutil
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +21,13 @@ from safetensors.torch import save as safetensors_bytes
 from twinkle.checkpoint import integrity, layout
 from twinkle.distributed.collectives import all_reduce_sum
 from twinkle.utils.errors import UserError
-from twinkle.utils.fileio import fsync_tree, swap_into_place
+from twinkle.utils.fileio import fsync_tree, is_complete, swap_into_place
+
+# Types that load under ``weights_only=True`` without any allow-listing (a subset of them);
+# compared exactly, so a subclass (an enum, a named tuple, a defaultdict) is confirmed by a load.
+_PLAIN = {int, float, bool, str, bytes, complex, type(None), torch.dtype, torch.device, torch.Tensor}
+_SEQUENCES = {list, tuple, torch.Size}
+_MAPPINGS = {dict, OrderedDict}
 
 
 def rng_state() -> dict[str, Any]:
@@ -82,7 +95,7 @@ def save_checkpoint(
     final = Path(final)
     tmp = final.with_name(f".{final.name}.tmp")
     phases = (
-        lambda: _prepare(tmp) if rank == 0 else None,
+        lambda: _prepare(tmp, final) if rank == 0 else None,
         lambda: _write_files(
             tmp, model, tokenizer, adapter_name, group, trainer_state, save_optimizer, rank, grads
         ),
@@ -118,7 +131,51 @@ def _run_phase(phase) -> BaseException | None:  # noqa: ANN001
     return None
 
 
-def _prepare(tmp: Path) -> None:
+def check_not_foreign(final: Path) -> None:
+    """``UserError`` when ``final`` exists without the completion marker: a Twinkle save leaves
+    only its hidden ``.<name>.tmp`` when interrupted, so such a folder is someone else's and is
+    never replaced. A link there is left to ``swap_into_place`` (it replaces the link only)."""
+    if final.exists() and not final.is_symlink() and not is_complete(final):
+        raise UserError(layout.foreign_message(final))
+
+
+def _not_data(obj: Any, where: str, depth: int = 0) -> str | None:
+    """Where ``obj`` holds something other than tensors and plain values; None if nowhere."""
+    if type(obj) in _PLAIN or depth > 50:
+        return None
+    if type(obj) in _SEQUENCES:
+        found = (_not_data(v, f"{where}[{i}]", depth + 1) for i, v in enumerate(obj))
+        return next((f for f in found if f), None)
+    if type(obj) in _MAPPINGS:
+        found = (
+            _not_data(k, f"{where} key", depth + 1) or _not_data(v, f"{where}[{k!r}]", depth + 1)
+            for k, v in obj.items()
+        )
+        return next((f for f in found if f), None)
+    return f"{where} ({type(obj).__module__}.{type(obj).__qualname__})"
+
+
+def data_only(obj: Any, what: str, name: str) -> None:
+    """``UserError`` before the save when the state ``obj`` would need code to load: a checkpoint
+    holds tensors and plain values only, so that loading one runs nothing. What the quick walk
+    flags (a tensor subclass, a container type) is confirmed by loading it back as data."""
+    where = _not_data(obj, "state")
+    if where is None:
+        return
+    buffer = io.BytesIO()
+    try:
+        torch.save(obj, buffer)
+        buffer.seek(0)
+        torch.load(buffer, weights_only=True)
+    except Exception:  # not picklable at all, or not as data
+        raise UserError(
+            f"cannot save {name}: the {what} state holds {where}, which does not load as data (a "
+            f"checkpoint holds tensors and plain values only); use {what}s whose state_dict holds only those"
+        ) from None
+
+
+def _prepare(tmp: Path, final: Path) -> None:
+    check_not_foreign(final)
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
 
@@ -133,7 +190,10 @@ def _write_files(
     # the serialiser (safetensors and torch.save report it as their own exception types).
     _torch_save(rank_state, tmp / layout.rank_state_file(rank))
     if rank == 0:
+        if group.lr_scheduler is not None:
+            data_only(group.lr_scheduler.state_dict(), "LR schedule", layout.SCHEDULER)
         if save_optimizer and group.optimizer is not None:
+            data_only(group.optimizer.state_dict(), "optimizer", layout.OPTIMIZER)
             _torch_save(group.optimizer.state_dict(), tmp / layout.OPTIMIZER)
         _write_bytes(tmp / layout.ADAPTER_WEIGHTS, safetensors_bytes(adapter, metadata={"format": "pt"}))
         model.peft_config[adapter_name].save_pretrained(tmp)

@@ -10,6 +10,7 @@ maps to exactly one field, and a flat YAML config needs no group prefix.
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +24,20 @@ TEMPLATE_NAMES: tuple[str, ...] = tuple(TEMPLATES)
 _AT_LEAST_1 = (lambda v: v >= 1, ">= 1")
 _AT_LEAST_0 = (lambda v: v >= 0, ">= 0")
 _POSITIVE = (lambda v: v > 0, "> 0")
+# torch.manual_seed takes a seed below 2**64, and each rank of a distributed run seeds itself with
+# seed + 1_000_003 * rank: a seed below 2**63 leaves that offset room for any number of ranks.
+MAX_SEED = 2**63 - 1
+_SEED = (
+    lambda v: 0 <= v <= MAX_SEED,
+    f"in [0, {MAX_SEED}] (2**63 - 1: torch seeds are 64-bit and each rank adds an offset)",
+)
+# PEFT makes the adapter name a module name (no '.', not empty); names limited to these characters
+# also stay valid in the checkpoint's state-dict keys and in file and log names.
+_ADAPTER_NAME_RE = re.compile(r"[A-Za-z0-9_-]+")
+_ADAPTER_NAME = (
+    lambda v: _ADAPTER_NAME_RE.fullmatch(v) is not None,
+    "a name of letters, digits, '_' and '-' (PEFT makes it a module name, which cannot hold '.')",
+)
 
 
 def _opt(
@@ -46,7 +61,7 @@ class InfraArgs:
     )
     dp_size: int | None = _opt(None, "data-parallel replicate size; None infers it", check=_AT_LEAST_1)
     mode: str = _opt("local", "runtime backend", choices=("local", "ray"))
-    seed: int = _opt(42, "random seed, the same on every rank (so LoRA weights start identical)")
+    seed: int = _opt(42, "random seed, the same on every rank (so LoRA weights start identical)", check=_SEED)
     debug: bool = _opt(False, "show the full traceback of an error instead of one line")
     process_group_timeout: int = _opt(600, "collective timeout in seconds", check=_AT_LEAST_1)
     max_restarts: int = _opt(
@@ -164,7 +179,9 @@ class TrainingArgs:
 
 @dataclass
 class LoraArgs:
-    adapter_name: str = _opt("default", "name of the LoRA adapter")
+    adapter_name: str = _opt(
+        "default", "name of the LoRA adapter: letters, digits, '_' and '-'", check=_ADAPTER_NAME
+    )
     lora_rank: int = _opt(8, "LoRA rank r", check=_AT_LEAST_1, aliases=("r", "lora-r"))
     lora_alpha: int = _opt(32, "LoRA alpha (scaling = alpha / r)", check=_AT_LEAST_1)
     lora_dropout: float = _opt(0.05, "dropout on the LoRA input", check=(lambda v: 0 <= v < 1, "in [0, 1)"))

@@ -9,14 +9,28 @@ from twinkle.preprocessor.self_cognition import SYSTEM_PROMPT
 from twinkle.utils.errors import UserError
 
 
+def check_max_new_tokens(value: int) -> None:
+    """``--max-new-tokens``: generation needs at least one new token."""
+    if value < 1:
+        raise UserError(f"--max-new-tokens must be at least 1, got {value}")
+
+
 def load_for_chat(model_id: str | None, adapter: str | None):
-    """The model (fp32, eval mode) with ``adapter`` applied, and its tokenizer. ``resolve_model``
-    checks the folder first (``twinkle.hub.check_model_folder``); what transformers still refuses
-    becomes one line too."""
+    """The model (fp32, eval mode) with ``adapter`` applied, and its tokenizer. The adapter is
+    checked first (``twinkle.hub.check_adapter_folder``: its config and tensors agree), then the
+    model folder (``resolve_model`` runs ``twinkle.hub.check_model_folder``); what transformers
+    still refuses becomes one line too."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from twinkle.hub import resolve_model
+    from twinkle.hub import check_adapter_folder, resolve_model
 
+    folder = Path(adapter).expanduser() if adapter else None
+    if folder is not None:
+        if not (folder / "adapter_config.json").is_file():
+            raise UserError(
+                f"{folder} holds no adapter (adapter_config.json); pass a checkpoint folder to --adapter"
+            )
+        check_adapter_folder(folder)
     path = resolve_model(model_id)
     try:
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
@@ -24,14 +38,9 @@ def load_for_chat(model_id: str | None, adapter: str | None):
     except (OSError, ValueError, RuntimeError) as exc:
         reason = " ".join(str(exc).split())[:200] or type(exc).__name__
         raise UserError(f"cannot load a chat model from {path} ({reason})") from exc
-    if adapter:
+    if folder is not None:
         from peft import PeftModel
 
-        folder = Path(adapter).expanduser()
-        if not (folder / "adapter_config.json").is_file():
-            raise UserError(
-                f"{folder} holds no adapter (adapter_config.json); pass a checkpoint folder to --adapter"
-            )
         model = PeftModel.from_pretrained(model, str(folder))
     return model.eval(), tokenizer
 
@@ -48,6 +57,7 @@ def chat(
     """Render each prompt with the template class used in training (``--template-cls``)."""
     from twinkle.template import get_template
 
+    check_max_new_tokens(max_new_tokens)
     model, tokenizer = load_for_chat(model_id, adapter)
     template = get_template(template_cls, tokenizer)
     for prompt in prompts:

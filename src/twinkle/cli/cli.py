@@ -15,7 +15,7 @@ from pathlib import Path
 
 from twinkle.metric.sinks import parse_report_to
 from twinkle.runtime import RunDefaults, set_run_defaults
-from twinkle.utils.errors import UserError
+from twinkle.utils.errors import INTERRUPTED, UserError
 
 from .args import GROUPS, Args
 from .fields import SPECS, FieldSpec
@@ -71,6 +71,7 @@ class CLI:
             print(f"error: {message}", file=sys.stderr)
             sys.exit(2)
         try:
+            check_output_dir_use(args)
             defaults = run_defaults_of(args)
         except UserError as exc:
             if not from_sys:
@@ -82,6 +83,28 @@ class CLI:
         if from_sys and not args.infra.debug:
             sys.excepthook = _one_line_user_errors
         return args
+
+
+def check_output_dir_use(args: Args) -> None:
+    """Before training: ``--output-dir`` must not overlap a local ``--dataset-id`` (equal, inside
+    it, or holding it), or the run would read its own checkpoints as data, or write over the
+    data; and no run file there may be a link (``check_run_files``)."""
+    from twinkle.hub.dataset import BUNDLED_DATASET_NAMES
+    from twinkle.metric.report import check_run_files
+
+    output, data = args.training.output_dir, args.dataset.dataset_id
+    check_run_files(output)
+    if data is None or data in BUNDLED_DATASET_NAMES or not Path(data).expanduser().exists():
+        return
+    out = Path(os.path.realpath(Path(output).expanduser()))
+    source = Path(os.path.realpath(Path(data).expanduser()))
+    if out.is_relative_to(source) or source.is_relative_to(out):
+        how = "is" if out == source else "is inside" if out.is_relative_to(source) else "holds"
+        raise UserError(
+            f"--output-dir {output} overlaps --dataset-id {data} (the output folder {how} the "
+            "dataset, so checkpoints would be read as data or data overwritten); choose an output "
+            "folder outside the dataset"
+        )
 
 
 def run_defaults_of(args: Args) -> RunDefaults:
@@ -128,8 +151,16 @@ def _one_line_user_errors(kind, exc, tb):  # noqa: ANN001 - the sys.excepthook s
     """A script run from the command line reports a ``UserError`` as one line (``--debug`` shows
     the traceback), and so is a collective cut off by the death of another rank: that rank's own
     exit is the cause, and this one's traceback would only bury it. Every other exception keeps
-    its traceback."""
-    if isinstance(exc, UserError):
+    its traceback. Ctrl-C (``KeyboardInterrupt``) is one line too, and the process then ends by
+    SIGINT as Python does (exit status 130 in a shell). The run's summary is logged first, so the
+    ``error:`` line is the last one."""
+    if isinstance(exc, UserError | KeyboardInterrupt) or _peer_lost(exc):
+        from twinkle.metric import report
+
+        report.finish()
+    if isinstance(exc, KeyboardInterrupt):
+        print(f"error: {INTERRUPTED}", file=sys.stderr)
+    elif isinstance(exc, UserError):
         print(f"error: {' '.join(str(exc).split())}", file=sys.stderr)
     elif _peer_lost(exc):
         first = " ".join(str(exc).split("\n")[0].split())[:200]

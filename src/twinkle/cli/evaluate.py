@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from twinkle.checkpoint.layout import TRAINER_STATE, parse_trainer_state
 from twinkle.utils.errors import UserError
 
 DEFAULT_SAMPLES = 100  # the contract's eval default
@@ -30,19 +31,67 @@ def add_eval_parser(sub: Any) -> None:
     p.add_argument("--model-author", help="SelfCognitionProcessor's author (default: the training run's)")
 
 
+# The settings ``twinkle eval`` takes from a run's ``run_args.json``, by group, with their types.
+_USED = {
+    "dataset": {"dataset_id": str},
+    "template": {"template_cls": str, "max_length": int, "truncation_strategy": str},
+    "model": {"model_id": str},
+    "training": {"eval_samples": int, "batch_size": int},
+    "extra": {"model_name": str, "model_author": str},
+}
+_RUN_ARGS_FIX = "restore it, or remove it and give the settings as flags (twinkle eval --help)"
+
+
+def read_run_args(path: Path) -> dict[str, Any]:
+    """The settings ``twinkle eval`` uses from ``path`` (a run's ``run_args.json``), flat; a
+    ``UserError`` naming the file when it is empty, not JSON, not an object, or holds a setting
+    of the wrong type (a hand edit or a damaged disk)."""
+    try:
+        text = path.read_text(encoding="utf-8")
+        run = json.loads(text) if text.strip() else None
+    except OSError as exc:
+        raise UserError(f"cannot read {path} ({exc.strerror or exc}); {_RUN_ARGS_FIX}") from None
+    except (ValueError, RecursionError) as exc:
+        reason = " ".join(str(exc).split())[:120] or type(exc).__name__
+        raise UserError(f"{path} is not valid JSON ({reason}); {_RUN_ARGS_FIX}") from None
+    if run is None:
+        raise UserError(f"{path} is empty; {_RUN_ARGS_FIX}")
+    if not isinstance(run, dict):
+        raise UserError(
+            f"{path} holds a JSON {type(run).__name__}, not the object a run writes; {_RUN_ARGS_FIX}"
+        )
+    found: dict[str, Any] = {}
+    for group, fields in _USED.items():
+        values = run.get(group, {})
+        if not isinstance(values, dict):
+            raise UserError(f"{path}: {group!r} is {_kind(values)}, not an object; {_RUN_ARGS_FIX}")
+        for name, kind in fields.items():
+            value = values.get(name)
+            if value is not None and (not isinstance(value, kind) or isinstance(value, bool)):
+                raise UserError(
+                    f"{path}: {group}.{name} is {_kind(value)}, not {kind.__name__}; {_RUN_ARGS_FIX}"
+                )
+            if kind is int and value is not None and value < 1:
+                raise UserError(f"{path}: {group}.{name} is {value}, not a positive count; {_RUN_ARGS_FIX}")
+            if value is not None:
+                found[name] = value
+    return found
+
+
+def _kind(value: Any) -> str:
+    return "null" if value is None else f"{type(value).__name__} {json.dumps(value)[:40]}"
+
+
 def training_settings(folder: Path) -> dict[str, Any]:
     """The settings of the run that wrote ``folder``: its ``run_args.json`` (in the folder or
     its parent, the output dir), with the base model of its ``trainer_state.json``."""
     found: dict[str, Any] = {}
     for candidate in (folder / "run_args.json", folder.parent / "run_args.json"):
         if candidate.is_file():
-            run = json.loads(candidate.read_text())
-            found = {**run.get("dataset", {}), **run.get("template", {}), **run.get("model", {})}
-            found.update(run.get("training", {}), **run.get("extra", {}))
+            found = read_run_args(candidate)
             break
-    state = folder / "trainer_state.json"
-    if found.get("model_id") is None and state.is_file():
-        found["model_id"] = json.loads(state.read_text()).get("model_path")
+    if found.get("model_id") is None and (folder / TRAINER_STATE).is_file():
+        found["model_id"] = parse_trainer_state(folder).get("model_path")
     return found
 
 
@@ -52,6 +101,9 @@ def run_eval(args: argparse.Namespace) -> int:
         raise UserError(
             f"{folder} holds no adapter (adapter_config.json); pass a checkpoint folder to --adapter"
         )
+    from twinkle.hub import check_adapter_folder
+
+    check_adapter_folder(folder)  # its config and tensors agree (rank r), before any model loads
     saved = training_settings(folder)
 
     def pick(name: str, default: Any) -> Any:

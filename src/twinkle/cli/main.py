@@ -11,7 +11,7 @@ import sys
 
 from twinkle.cli.evaluate import add_eval_parser, run_eval
 from twinkle.cli.export import add_export_parser, run_export
-from twinkle.utils.errors import UserError
+from twinkle.utils.errors import EXIT_INTERRUPTED, INTERRUPTED, UserError
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -68,6 +68,16 @@ def torch_device():  # noqa: ANN201 - a torch.device; torch is imported late to 
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command; its exit status. A ``UserError`` is one ``error:`` line and status 2;
+    Ctrl-C is ``error: interrupted`` and status 130, without a traceback either."""
+    try:
+        return _run(argv)
+    except KeyboardInterrupt:
+        print(f"error: {INTERRUPTED}", file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED
+
+
+def _run(argv: list[str] | None) -> int:
     args = _build_parser().parse_args(argv)
     try:
         if args.command == "kernels":

@@ -226,6 +226,9 @@ def parse(
         setattr(getattr(args, FIELD_GROUP[name]), name, value)
     _warn(args, cli_extra)
     _check_model_cls(args.model.model_cls)
+    from twinkle.optim.optimizer import resolve_optimizer_cls
+
+    resolve_optimizer_cls(args.optimizer.optimizer_cls, "--optimizer-cls")  # refused before any data is read
     from twinkle.checkpoint import check_output_dir, latest_checkpoint
 
     check_output_dir(args.training.output_dir)  # fail now, not at the first save hours later
@@ -243,9 +246,17 @@ def parse(
     return args
 
 
+# ``--model-cls`` names the training can use: a class whose forward ends in a language-model head
+# (AutoModelForCausalLM and every *ForCausalLM end in "ForCausalLM"; multimodal chat models such
+# as Qwen3_5ForConditionalGeneration in "ForConditionalGeneration"). AutoModel or *Model classes
+# return hidden states only.
+LM_HEAD_SUFFIXES = ("ForCausalLM", "ForConditionalGeneration")
+
+
 def _check_model_cls(name: str | None) -> None:
-    """A typo in ``--model-cls`` fails before any weight is read. The names come from the
-    installed transformers' own index (nothing is imported per name, nothing downloaded)."""
+    """A typo in ``--model-cls``, or a class without a language-model head, fails before any
+    weight is read. The names come from the installed transformers' own index (nothing is
+    imported per name, nothing downloaded)."""
     if name is None:
         return
     import transformers
@@ -255,6 +266,12 @@ def _check_model_cls(name: str | None) -> None:
         close = difflib.get_close_matches(name, names, n=3)
         hint = f"; did you mean {', '.join(close)}?" if close else "; e.g. AutoModelForCausalLM"
         raise UserError(f"--model-cls: transformers has no class {name!r}{hint}")
+    if not name.endswith(LM_HEAD_SUFFIXES):
+        raise UserError(
+            f"--model-cls: {name} has no language-model head to train (the loss needs its logits); "
+            "use AutoModelForCausalLM, a *ForCausalLM class or a multimodal *ForConditionalGeneration "
+            "class such as Qwen3_5ForConditionalGeneration"
+        )
 
 
 def _warn(args: Args, cli_extra: dict[str, Any]) -> None:

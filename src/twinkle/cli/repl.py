@@ -11,7 +11,7 @@ from typing import TextIO
 
 import torch
 
-from twinkle.cli.chat import load_for_chat
+from twinkle.cli.chat import check_max_new_tokens, load_for_chat
 from twinkle.preprocessor.self_cognition import SYSTEM_PROMPT
 
 HELP = "type a message; /reset forgets the conversation, /exit leaves"
@@ -64,6 +64,7 @@ def run_repl(
 
     stdin = sys.stdin if stdin is None else stdin
     stdout = sys.stdout if stdout is None else stdout
+    check_max_new_tokens(max_new_tokens)
     model, tokenizer = load_for_chat(model_id, adapter)
     chat = Conversation(model, tokenizer, get_template(template_cls, tokenizer), system, max_new_tokens)
     interactive = stdin.isatty()

@@ -3,9 +3,11 @@ folder and, on request, as GGUF files beside it.
 
 Every check that can fail on bad input (the adapter, the base, the output folder, the GGUF
 architecture, type, rope and tokenizer) runs before the merge, so a mistake costs seconds, not a
-merge. The folder is built under a temporary sibling name and renamed into place at the end; an
-existing folder (``overwrite``) is replaced only once the new one is complete, and a failure at
-any point leaves no half-written output."""
+merge. The folder is built under a temporary sibling name and renamed into place at the end, with
+the permissions the umask gives a new folder, and ``.twinkle-export`` in it (``output.py``: what
+``overwrite`` may replace: an earlier export, never a folder of other files). An existing folder
+is replaced only once the new one is complete, and a failure at any point leaves no half-written
+output."""
 
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,7 +16,9 @@ from twinkle.export.gguf_arch import gguf_arch, rope_theta
 from twinkle.export.gguf_tokenizer import tokenizer_metadata
 from twinkle.export.gguf_writer import write_gguf
 from twinkle.export.merge import DTYPES, base_dtype, load_tokenizer, merge_adapter, save_merged
+from twinkle.export.output import check_output, write_marker
 from twinkle.export.source import ExportSource, find_source
+from twinkle.hub import check_adapter_folder
 from twinkle.utils.errors import UserError
 from twinkle.utils.fileio import atomic_dir
 from twinkle.utils.logger import get_logger
@@ -43,20 +47,20 @@ def gguf_file_name(folder_name: str, gguf_type: str) -> str:
     return f"{folder_name}.{gguf_type.upper()}.gguf"
 
 
-def _check_output(output: Path, given: str, overwrite: bool) -> None:
-    if output.exists() and not output.is_dir():
-        raise UserError(f"--output {given} is a file; choose a folder")
-    if output.is_dir() and any(output.iterdir()) and not overwrite:
-        raise UserError(
-            f"--output {given} exists and is not empty; choose another folder or pass --overwrite"
-        )
-
-
 def _check_not_inside(output: Path, source: ExportSource, given: str) -> None:
     """Replacing ``output`` must not delete what the export reads."""
     for what, folder in (("checkpoint", source.adapter_dir), ("base model", source.base_dir)):
         if folder.resolve().is_relative_to(output.resolve()):
             raise UserError(f"--output {given} holds the {what} it exports; choose another folder")
+
+
+def _marker_info(source: ExportSource, dtype: str, gguf_types: tuple[str, ...]) -> dict:
+    return {
+        "checkpoint": str(source.adapter_dir),
+        "base_model": source.base_id,
+        "dtype": dtype,
+        "gguf_types": list(gguf_types),
+    }
 
 
 def _check_gguf(source: ExportSource, gguf_types: tuple[str, ...]) -> None:
@@ -83,10 +87,11 @@ def export_checkpoint(
     ``dtype`` (None: the base's dtype), its config, generation config and tokenizer, plus one
     ``gguf/<output name>.<TYPE>.gguf`` per entry of ``gguf_types``. ``UserError`` on bad input."""
     out = Path(output).expanduser().absolute()
-    _check_output(out, output, overwrite)
+    check_output(out, output, overwrite)
     if dtype is not None and dtype not in DTYPES:
         raise UserError(f"--dtype {dtype} is not one of {', '.join(DTYPES)}")
     source = find_source(adapter, model_id)
+    check_adapter_folder(source.adapter_dir)  # a config whose rank is not its tensors' says so here
     _check_not_inside(out, source, output)
     if gguf_types:
         _check_gguf(source, gguf_types)
@@ -105,6 +110,7 @@ def export_checkpoint(
                 (tmp / GGUF_SUBDIR).mkdir(exist_ok=True)
                 write_gguf(tmp / GGUF_SUBDIR / name, state, model.config, tokenizer, gguf_type, name=out.name)
                 result.gguf_files.append(out / GGUF_SUBDIR / name)
+            write_marker(tmp, _marker_info(source, dtype, gguf_types))
     except OSError as exc:
         raise UserError(f"could not write {output} ({exc.strerror or exc}); nothing was written") from exc
     logger.info("wrote %s", out)

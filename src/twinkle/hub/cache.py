@@ -10,7 +10,29 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
+from twinkle.utils.errors import UserError
 from twinkle.utils.fileio import COMPLETE_MARKER, atomic_dir, atomic_write_text, file_lock, is_complete
+
+_FIX = "set TWINKLE_CACHE to a writable folder (the default is ~/.cache/twinkle)"
+
+
+def check_writable(final: Path) -> None:
+    """``final`` can be built: its nearest existing ancestor is a folder this process may write
+    in. A ``UserError`` otherwise, before the lock or the build: ``TWINKLE_CACHE`` set to a file,
+    or to a folder of another user or on a read-only disk."""
+    existing = final
+    try:
+        while not existing.exists() and existing.parent != existing:
+            existing = existing.parent  # below a file, exists() is False up to the file itself
+        is_dir = existing.is_dir()
+    except OSError as exc:  # a folder above it that this user may not search
+        raise UserError(f"cannot build {final} in the Twinkle cache ({exc.strerror}); {_FIX}") from None
+    if not is_dir:
+        raise UserError(
+            f"cannot build {final} in the Twinkle cache: {existing} is a file, not a folder; {_FIX}"
+        )
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UserError(f"cannot build {final} in the Twinkle cache: {existing} is not writable; {_FIX}")
 
 
 def ensure_converted(final: str | os.PathLike, build_fn: Callable[[Path], None]) -> Path:
@@ -23,6 +45,7 @@ def ensure_converted(final: str | os.PathLike, build_fn: Callable[[Path], None])
     final = Path(final)
     if is_complete(final):
         return final
+    check_writable(final)
     # ``with_name`` rather than ``with_suffix``: names like ``model.Q4_1-ab12`` have dots.
     with file_lock(final.with_name(final.name + ".lock")):
         if is_complete(final):

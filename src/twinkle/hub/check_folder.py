@@ -6,7 +6,7 @@ initialised at random). The checks run cheapest first and stop at the first prob
 becomes one ``UserError`` line naming the part and the fix:
 
 1. ``config.json``: a JSON object whose ``model_type`` transformers knows and has a causal-LM
-   class for;
+   class for, with positive sizes (``vocab_size``, ``hidden_size``, layers, heads);
 2. tokenizer files;
 3. weight files: present; a safetensors index whose shards exist and hold what it lists; every
    safetensors header readable (a truncated or damaged file);
@@ -52,6 +52,8 @@ TOKENIZER_FILES = (
 )
 SAFETENSORS, SAFETENSORS_INDEX = "model.safetensors", "model.safetensors.index.json"
 TORCH_BIN, TORCH_BIN_INDEX = "pytorch_model.bin", "pytorch_model.bin.index.json"
+# config.json sizes every decoder model has; zero, negative or non-integer ones cannot build it.
+SIZE_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
 _LAYER = re.compile(r"^(.*\blayers)\.(\d+)\.")
 _SHOWN = 3  # names quoted in a message; the rest are counted
 
@@ -83,7 +85,26 @@ def read_config(folder: Path, name: str) -> dict[str, Any]:
     if not isinstance(config, dict):
         raise _fail(name, f"config.json holds a {type(config).__name__}, not a JSON object; restore it")
     check_model_type(config, name)
+    check_sizes(config, name)
     return config
+
+
+def check_sizes(config: dict[str, Any], name: str) -> None:
+    """The sizes that shape the model (``SIZE_KEYS``, at the top level or in a multimodal
+    model's ``text_config``) are positive integers where given: transformers builds a model from
+    ``vocab_size`` 0 and fails deep inside a layer's initialisation."""
+    parts = [("", config)]
+    if isinstance(config.get("text_config"), dict):
+        parts.append(("text_config.", config["text_config"]))
+    for prefix, part in parts:
+        for key in SIZE_KEYS:
+            value = part.get(key)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise _fail(
+                    name,
+                    f"config.json has {prefix}{key} {value!r}, which must be a positive integer; "
+                    "use the config.json that belongs to these weights",
+                )
 
 
 def check_model_type(config: dict[str, Any], name: str) -> None:

@@ -140,11 +140,23 @@ def _data_files(folder: Path, name: str, subset_name: str | None, split: str) ->
     return chosen
 
 
+def parquet_rows(path: Path) -> int:
+    """The row count in a parquet file's footer; a file pyarrow cannot open (cut short, damaged,
+    not parquet at all) is a ``UserError`` naming it."""
+    import pyarrow.parquet
+
+    try:
+        return pyarrow.parquet.ParquetFile(path).metadata.num_rows
+    except Exception as exc:  # pyarrow raises ArrowInvalid, OSError or its own errors
+        reason = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else type(exc).__name__
+        raise UserError(
+            f"dataset file {path} is not a readable parquet file ({reason}); write or download it again"
+        ) from None
+
+
 def _has_rows(path: Path, builder: str) -> bool:
     if builder == "parquet":
-        import pyarrow.parquet
-
-        return pyarrow.parquet.ParquetFile(path).metadata.num_rows > 0
+        return parquet_rows(path) > 0
     with open(path, encoding="utf-8", errors="replace") as handle:  # csv: a header and one row
         return sum(1 for line, _ in zip(handle, range(2), strict=False) if line.strip()) > 1
 
@@ -185,9 +197,7 @@ def _tabular_sources(files: list[Path], builder: str, name: str, rows: int) -> l
     if len(files) == 1:
         return [RowSource(str(files[0]), rows)]
     if builder == "parquet":
-        import pyarrow.parquet
-
-        counts = [pyarrow.parquet.ParquetFile(path).metadata.num_rows for path in files]
+        counts = [parquet_rows(path) for path in files]
         if sum(counts) == rows:
             return [RowSource(str(path), n) for path, n in zip(files, counts, strict=True)]
     return [RowSource(f"dataset {name}", rows)]
@@ -210,8 +220,11 @@ def _from_tabular_files(files: list[Path], builder: str, name: str) -> Loaded:
             download_config=datasets.DownloadConfig(local_files_only=True, cache_dir=str(root / "downloads")),
         )
     except Exception as exc:
-        reason = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else type(exc).__name__
-        raise UserError(f"could not read dataset {name!r} as {builder} ({reason})") from exc
+        cause = exc.__cause__ or exc  # ``datasets`` wraps the reader's error in a generic one
+        reason = str(cause).strip().splitlines()[0][:160] if str(cause).strip() else type(cause).__name__
+        raise UserError(
+            f"could not read dataset {name!r} as {builder} ({reason}); fix the file(s), or write or download them again"
+        ) from exc
     return Loaded(data, _tabular_sources(files, builder, name, len(data)), [], len(data))
 
 
@@ -246,8 +259,9 @@ def resolve_dataset(
     (``resolve_dataset_sources`` also says which file and line each row came from.)
 
     - ``None``, ``'self-cognition'``, ``'twinkle://self-cognition'``, ``'swift/self-cognition'``
-      or ``'ms://swift/self-cognition'``: the bundled self-cognition rows. These names always
-      mean the bundled file, even where a ModelScope cache holds the remote dataset.
+      or ``'ms://swift/self-cognition'``: the bundled self-cognition rows, identity rows mixed
+      with replay rows (``bundled_dataset_path``). These names always mean the bundled file,
+      even where a ModelScope cache holds the remote dataset.
     - a local ``.jsonl`` / ``.json`` / ``.csv`` / ``.parquet`` file: its rows as the 'train' split.
     - a local folder of such files (searched recursively; ``subset_name`` picks a subfolder and
       ``split`` picks files whose names contain the split word, e.g. ``train-0000.parquet``).

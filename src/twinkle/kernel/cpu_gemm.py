@@ -1,18 +1,25 @@
 """Call op ``cpu_gemm``: the two products of a linear layer's frozen weight, routed to oneDNN on
-CPUs in fp32 where it is faster.
+CPUs in fp32.
 
 ``linear(x, w, bias)`` is ``x @ w.T + bias`` (the forward) and ``times_weight(g, w)`` is
 ``g @ w`` (the input gradient). On the CPU torch sends fp32 matrix products to MKL; oneDNN,
-which torch also ships, runs many of them faster from the same dense weight. Which library wins
-depends on the CPU (on a Zen 4 EPYC oneDNN is 1.07-1.40x at a W1 batch's 176 rows; on a Zen 3
-it loses), so the choice is measured once per machine, weight shape and product
-(``faster_here``): both libraries at ``CALIBRATION_ROWS`` rows, alternating, the median of
-``CALIBRATION_REPEATS`` calls each after a warm-up (in which oneDNN builds its kernel), on
-inputs that leave the random number generators alone; oneDNN must be 5% faster to be chosen
-(``ONEDNN_MARGIN``). The choices are kept per machine (CPU, thread count, torch version) in
-``<cache>/gemm/routes-*.json`` and later processes read them instead of measuring: a timing near
-the margin could otherwise pick the other library in the next run, whose sums differ in the
-last bits, so the same command would give other losses. Delete that folder to measure again.
+which torch also ships, runs most of them faster from the same dense weight (on a Zen 4 EPYC
+1.07-1.40x at a W1 batch's 176 rows, on a Zen 5 more than 2x; on a Zen 3 MKL is the faster for
+some shapes). The two libraries sum in different orders, so which one computes a
+product changes the last bits of every result, and so the losses of a run.
+
+Which library a product takes is therefore a fixed rule by default, never a timing:
+``TWINKLE_ONEDNN=on`` (the default) sends every eligible product to oneDNN on every machine, so
+the same command on the same machine computes the same sums in every process, whatever else the
+machine is doing. ``off`` sends every product to MKL. ``auto`` (opt-in) measures, once per
+machine, weight shape and product, which library is faster here (``faster_here``): both at
+``CALIBRATION_ROWS`` rows, alternating, the median of ``CALIBRATION_REPEATS`` calls each after a
+warm-up (in which oneDNN builds its kernel), on inputs that leave the random number generators
+alone; oneDNN must be 5% faster to be chosen (``ONEDNN_MARGIN``). A timing depends on the load of
+the machine, so two measurements can choose differently; ``auto`` keeps its choices per machine
+(CPU, thread count, torch version) in ``<cache>/gemm/routes-*.json`` and later processes read them
+instead of measuring: its runs are reproducible only while that file is kept (a fresh cache
+measures again and may choose otherwise).
 
 The chain is ``packed`` -> ``onednn`` -> ``torch`` (``twinkle.kernel.config``), switched by
 ``TWINKLE_ONEDNN`` (``auto`` measures, ``on`` takes oneDNN for every shape, ``off`` never) and
@@ -35,9 +42,11 @@ the process before; they also bound torch's own bf16 CPU products.
 call (whole W1 steps 0.977x the time with the copies; results bit-identical from 7 rows up).
 ``times_weight`` keeps the dense weight: its transposed view is about as fast as a packed copy
 of ``W.T``. The copies cost the weights' size again, so the model packs only when it trains
-unsharded on the CPU, only shapes whose forward product oneDNN wins here, and at most a quarter
-of the machine's memory or of its container's limit (``PACK_SHARE``). A weight changed in place
-(``w._version`` or storage) is packed again on its next use, and a copy is freed with its weight."""
+unsharded on the CPU, in ``auto`` only shapes whose forward product oneDNN wins here, and at most
+a quarter of the machine's memory or of its container's limit (``PACK_SHARE``: the installed
+memory, not the memory free at the time, so every run on one machine packs the same weights). A
+weight changed in place (``w._version`` or storage) is packed again on its next use, and a copy is
+freed with its weight."""
 
 import hashlib
 import json
@@ -261,10 +270,12 @@ def _remember(key: tuple[str, int, int], choice: bool) -> bool:
 
 def faster_here(product: str, w: torch.Tensor) -> bool:
     """Whether ``product`` with weights of ``w``'s shape goes to oneDNN: always with
-    ``TWINKLE_ONEDNN=on``; in ``auto``, as measured (``_measure``) once per machine and shape and
-    kept in ``<cache>/gemm/``, so every run on this machine computes the same sums."""
-    if _mode() == "on":
-        return True
+    ``TWINKLE_ONEDNN=on`` (the default), never with ``off``; in ``auto``, as measured
+    (``_measure``) once per machine and shape and kept in ``<cache>/gemm/``, so every run that
+    reads that file computes the same sums."""
+    mode = _mode()
+    if mode != "auto":
+        return mode == "on"
     key = (product, *w.shape)
     choice = _faster.get(key)
     if choice is None and "file" not in _routes:  # this process's first question: read the file

@@ -85,7 +85,8 @@ def _module_ops(model: Any | None) -> list[str]:
 
 
 def _gemm_choices(model: Any) -> list[str]:
-    """Which library each frozen weight shape's products use here (measured or read from the cache)."""
+    """Which library each frozen weight shape's products use here (by the switch, or in ``auto``
+    measured or read from the cache)."""
     if not registry.enabled("cpu_gemm", "onednn"):
         return ["  cpu_gemm per weight shape: torch for every product (oneDNN is not usable here)"]
     shapes: dict[tuple[int, int], torch.Tensor] = {}
@@ -93,7 +94,10 @@ def _gemm_choices(model: Any) -> list[str]:
         if isinstance(module, torch.nn.Linear) and module.weight.dtype == torch.float32:
             shapes.setdefault(tuple(module.weight.shape), module.weight.detach())
     mode = switches.value("TWINKLE_ONEDNN")
-    why = "TWINKLE_ONEDNN=on" if mode == "on" else "measured on this machine (kept in <cache>/gemm/)"
+    if mode == "on":
+        why = "TWINKLE_ONEDNN=on (the default): oneDNN for every shape"
+    else:
+        why = "TWINKLE_ONEDNN=auto: measured on this machine (kept in <cache>/gemm/)"
     lines = [f"  cpu_gemm per fp32 weight shape (out x in), {why}:"]
     for shape, weight in sorted(shapes.items()):
         picks = [

@@ -50,10 +50,11 @@ SWITCHES: dict[str, Switch] = {
             "TWINKLE_ONEDNN",
             "cpu_gemm",
             "onednn",
-            "auto",
+            "on",
             ("auto", "on", "off"),
-            "frozen weights' fp32 CPU products: auto measures, per weight shape, whether oneDNN beats "
-            "torch's own library (MKL) and uses the faster; on: oneDNN for every shape; off: torch",
+            "frozen weights' fp32 CPU products: on: oneDNN for every shape (the same sums in every run); "
+            "off: torch's own library (MKL); auto: per weight shape the faster here, as measured "
+            "once and kept in <cache>/gemm/ (a fresh cache may choose otherwise)",
         ),
         Switch(
             "TWINKLE_PACKED_WEIGHTS",

@@ -4,9 +4,15 @@ Drawn from the file, not from memory, so a resumed run's picture holds the whole
 crashed one can still be drawn (``draw_curves(output_dir)``). matplotlib is imported here, with
 the Agg backend (no display), only when a picture is drawn."""
 
+import contextlib
 import json
 import math
+import os
+import tempfile
 from pathlib import Path
+
+from twinkle.utils.errors import UserError
+from twinkle.utils.fileio import refuse_link_message, umask_mode
 
 
 def read_records(path: Path) -> list[dict]:
@@ -59,8 +65,23 @@ def draw_curves(jsonl: Path, png: Path) -> Path | None:
     bottom.ticklabel_format(axis="y", style="sci", scilimits=(-2, 2))
     bottom.grid(True, alpha=0.3)
     bottom.legend()
-    tmp = png.with_name(png.name + ".tmp.png")
-    fig.savefig(tmp, dpi=110)
+    _save(fig, png)
     plt.close(fig)
-    tmp.replace(png)
     return png
+
+
+def _save(fig, png: Path) -> None:  # noqa: ANN001 - a matplotlib Figure
+    """Write ``png`` through a fresh temporary file and a rename: neither write follows a link,
+    and a link at ``png`` is refused rather than replaced."""
+    if png.is_symlink():
+        raise UserError(refuse_link_message(png, "--output-dir"))
+    fd, tmp = tempfile.mkstemp(prefix=f".{png.name}.", suffix=".png", dir=png.parent)
+    try:
+        os.fchmod(fd, umask_mode(folder=False))
+        with os.fdopen(fd, "wb") as handle:
+            fig.savefig(handle, format="png", dpi=110)
+        os.replace(tmp, png)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise

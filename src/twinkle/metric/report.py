@@ -13,11 +13,16 @@ A resumed run appends to the file; its steps continue, as the step counter is re
 run starts the file again. Each line is flushed when written, so a crashed run keeps its
 record. The end of the run is the process's exit (``atexit``, which also runs after an uncaught
 exception or a preemption's ``SystemExit``): the sinks are closed, the summary line is logged
-and ``curves.png`` is drawn from the file."""
+and ``curves.png`` is drawn from the file.
+
+No run file is written through a link: ``check_run_files`` refuses, before training, a run file
+or sink folder in the output dir that is a symbolic link (or a run file with other hard links,
+or one that is not a regular file), and the writers open their files with ``O_NOFOLLOW``."""
 
 import atexit
 import json
 import math
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -26,14 +31,41 @@ import torch
 
 from twinkle.metric.curves import draw_curves
 from twinkle.metric.progress import Progress, _clock
-from twinkle.metric.sinks import open_sinks
+from twinkle.metric.sinks import SINK_FOLDERS, open_sinks
 from twinkle.runtime import RunDefaults, run_defaults
+from twinkle.runtime.output_lock import LOCK_FILE
+from twinkle.utils.errors import UserError
+from twinkle.utils.fileio import open_no_follow, refuse_link_message
 from twinkle.utils.logger import get_logger
 
 JSONL = "metrics.jsonl"
 CURVES = "curves.png"
 RUN_ARGS = "run_args.json"  # the parsed command line; ``twinkle eval`` reads the template from it
+# What a run writes directly in its output dir, besides checkpoint folders.
+RUN_FILES = (JSONL, RUN_ARGS, CURVES, LOCK_FILE)
 logger = get_logger()
+
+
+def check_run_files(output_dir: str | os.PathLike) -> None:
+    """Refuse, before training, an output dir where a run file or a sink's folder is a symbolic
+    link, or a run file has other hard links: writing it would change a file outside the folder.
+    The writers open these files without following links too (``open_no_follow``), so a link
+    made during the run is refused rather than written through."""
+    folder = Path(output_dir).expanduser()
+    for name in (*RUN_FILES, *SINK_FOLDERS):
+        path = folder / name
+        if path.is_symlink():
+            raise UserError(f"--output-dir {output_dir}: " + refuse_link_message(path, "--output-dir"))
+        if name in RUN_FILES and path.exists() and not path.is_file():
+            raise UserError(
+                f"--output-dir {output_dir}: {path} is not a regular file, and Twinkle writes its "
+                "run record there; remove it or choose another --output-dir"
+            )
+        if name in RUN_FILES and path.is_file() and path.stat().st_nlink > 1:
+            raise UserError(
+                f"--output-dir {output_dir}: {path} has other hard links, so writing it would change "
+                "them too; remove it or choose another --output-dir"
+            )
 
 
 def peak_memory_mb(device: torch.device) -> float:
@@ -71,10 +103,11 @@ class RunReport:
 
     def _open(self) -> None:
         self.output_dir.mkdir(parents=True, exist_ok=True)
-        self.file = open(self.output_dir / JSONL, "a" if self.defaults.resuming else "w", encoding="utf-8")  # noqa: SIM115
+        self.file = open_no_follow(self.output_dir / JSONL, "a" if self.defaults.resuming else "w")
         config = dict(self.defaults.run_args or {})
         if config:
-            (self.output_dir / RUN_ARGS).write_text(json.dumps(config, indent=2, default=str))
+            with open_no_follow(self.output_dir / RUN_ARGS) as handle:
+                handle.write(json.dumps(config, indent=2, default=str))
         self.sinks = open_sinks(self.defaults.report_to or (), self.output_dir, config)
 
     def on_backward(self, cur_step: int, total: int | None) -> None:

@@ -12,8 +12,11 @@ from pathlib import Path
 from typing import Any
 
 from twinkle.utils.errors import UserError
+from twinkle.utils.fileio import refuse_link_message
 
 REPORT_TO = ("none", "tensorboard", "wandb", "swanlab")
+# The folders the sinks write under the output dir; a link there is refused, never written through.
+SINK_FOLDERS = ("tensorboard", "wandb", "swanlab")
 # name -> (module to import, pip command that provides it)
 _LIBRARIES = {
     "tensorboard": ("tensorboard", "pip install tensorboard"),
@@ -101,6 +104,8 @@ class SwanlabSink:
 def open_sinks(names: tuple[str, ...], output_dir: Path, config: dict[str, Any]) -> list[Any]:
     sinks: list[Any] = []
     for name in names:
+        if (output_dir / name).is_symlink():
+            raise UserError(refuse_link_message(output_dir / name, "--output-dir"))
         if name == "tensorboard":
             sinks.append(TensorBoardSink(output_dir))
         elif name == "wandb":

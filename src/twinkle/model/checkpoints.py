@@ -15,7 +15,7 @@ from twinkle.checkpoint import (
     save_checkpoint,
     verify_checkpoint,
 )
-from twinkle.checkpoint.load import load_adapter_weights
+from twinkle.checkpoint.load import load_adapter_weights, load_state_into, read_state
 from twinkle.checkpoint.save import full_adapter_state
 from twinkle.distributed.collectives import all_reduce_sum
 from twinkle.model.lora import lora_signature
@@ -111,6 +111,9 @@ class Checkpoints:
         group = self._group(adapter_name)
         folder = Path(checkpoint_dir).expanduser()
         state = read_trainer_state(folder)
+        layout.require_fields(
+            folder, state, layout.ONLY_MODEL_FIELDS if resume_only_model else layout.RESUME_FIELDS
+        )
         check_resumable(folder, state, self._trainer_state(group, 0), resume_only_model)
         if group.optimizer is None or group.lr_scheduler is None:
             logger.warning(
@@ -136,7 +139,7 @@ class Checkpoints:
             # or the step divides the window's gradients by the wrong global token count.
             group.window_tokens = int(window.get("window_tokens", group.window_tokens))
             params = dict(self.model.named_parameters())
-            for n, g in window["grads"].items():
+            for n, g in window["grads"].items():  # names and shapes checked when the file was read
                 restore_grad(params[n], g)
         if group.optimizer is not None:
             group.optimizer.sync_copies()
@@ -180,17 +183,17 @@ class Checkpoints:
                 f"{folder} holds no optimizer state ({layout.OPTIMIZER}); it was saved with save_optimizer=False, "
                 "so load it with load_optimizer=False"
             )
-        if load_optimizer:  # checked before the weights are replaced, like a resume
+        if load_optimizer:  # checked, read as data and loaded before the weights are replaced
             verify_checkpoint(folder, [layout.OPTIMIZER, layout.SCHEDULER])
-        load_adapter_weights(self.model, folder, group.adapter_name)
-        if load_optimizer:  # read onto the CPU: the optimizer moves its state to its parameters
-            group.optimizer.load_state_dict(
-                torch.load(folder / layout.OPTIMIZER, map_location="cpu", weights_only=True)
+            opt_file, sched_file = folder / layout.OPTIMIZER, folder / layout.SCHEDULER
+            optimizer = read_state(opt_file)  # onto the CPU: the optimizer moves it to its parameters
+            schedule = (
+                read_state(sched_file) if group.lr_scheduler is not None and sched_file.is_file() else None
             )
-            if group.lr_scheduler is not None and (folder / layout.SCHEDULER).is_file():
-                group.lr_scheduler.load_state_dict(
-                    torch.load(folder / layout.SCHEDULER, map_location="cpu", weights_only=False)
-                )
+            load_state_into(group.optimizer, opt_file, optimizer, "optimizer")
+            if schedule is not None:
+                load_state_into(group.lr_scheduler, sched_file, schedule, "LR schedule")
+        load_adapter_weights(self.model, folder, group.adapter_name)
         if group.optimizer is not None:
             group.optimizer.sync_copies()
         logger.info(f"loaded adapter {group.adapter_name!r} from {folder}")

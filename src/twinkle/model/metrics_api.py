@@ -16,6 +16,7 @@ import torch
 
 from twinkle.loss import LossOutput
 from twinkle.metric import build_metric, report
+from twinkle.model import health
 from twinkle.model.forward import compute_loss
 from twinkle.model.lora import trainable_parameters
 from twinkle.model.packing import shifted_targets
@@ -78,7 +79,9 @@ class MetricsAPI:
 
     def calculate_metric(self, is_training: bool = True, adapter_name: str | None = None) -> dict[str, float]:
         """Numbers since the last call, reduced over all ranks: loss, accuracy, tokens/s, and for
-        training also grad_norm, lr, step counters; then those of the added metrics."""
+        training also grad_norm, lr, step counters; then those of the added metrics. An eval
+        whose loss is NaN/inf (or undefined: no supervised token) raises ``UserError`` once it is
+        recorded (``twinkle.model.health``)."""
         group = self._group(adapter_name)
         if not is_training:
             metrics = group.eval_metrics.compute()
@@ -96,6 +99,8 @@ class MetricsAPI:
         for metric in group.added_metrics[is_training]:
             metrics.update(metric.calculate())
         report.on_metrics(self.runtime, group, metrics, is_training)  # metrics.jsonl, --report-to
+        if not is_training:
+            health.check_eval(group, metrics)  # a NaN/inf eval loss stops the run (the record keeps it)
         return metrics
 
     def _record_metric_batch(

@@ -6,6 +6,7 @@ window's supervised-token count over all ranks right before the optimizer step, 
 is the mean over every supervised token of the global batch, whatever the padding or sharding."""
 
 import math
+import re
 from typing import Any
 
 import torch
@@ -15,6 +16,7 @@ from twinkle.distributed.fsdp import apply_fsdp2
 from twinkle.kernel import cpu_gemm as gemm
 from twinkle.loss import FusedLinearCrossEntropyLoss, HeadLoss, build_loss, resolve_loss
 from twinkle.metric import report
+from twinkle.model import health
 from twinkle.model.activation_checkpointing import LayerCheckpointing
 from twinkle.model.checkpoints import Checkpoints
 from twinkle.model.forward import causal_lm_of, compute_loss
@@ -119,6 +121,9 @@ class TransformersModel(InputsAPI, MetricsAPI, Checkpoints):
             raise UserError(
                 f"--gradient-accumulation-steps must be at least 1, got {gradient_accumulation_steps}"
             )
+        if not isinstance(adapter_name, str) or re.fullmatch(r"[A-Za-z0-9_-]+", adapter_name) is None:
+            # PEFT makes the name a module attribute, which cannot hold '.'
+            raise UserError(f"adapter name must be letters, digits, '_' and '-', got {adapter_name!r}")
         if self.runtime.is_distributed and self.optimizer_group:
             raise UserError(
                 "under FSDP a model takes one LoRA adapter (its weights are sharded with the model); "
@@ -230,6 +235,7 @@ class TransformersModel(InputsAPI, MetricsAPI, Checkpoints):
         logits: the packed rows and the fused loss never build them). A model in eval mode
         (after ``forward_only``) is put back in training mode first."""
         group = self._group(adapter_name)
+        preemption.loop_started()  # a SIGTERM from here on saves at the next step boundary
         inputs = self._prepare_inputs(group, inputs)
         group.train_metrics.start_batch()
         batch = self._to_device(inputs)
@@ -319,6 +325,7 @@ class TransformersModel(InputsAPI, MetricsAPI, Checkpoints):
         if total == 0:
             group.skipped_steps += 1
             logger.warning("no supervised token in this accumulation window; the optimizer step is skipped")
+            health.check_window_without_tokens(group)
             return False
         norm = clip_gradients(group.optimizer.copies, math.inf)  # the norm only: no clipping
         if nonfinite or not math.isfinite(norm):
@@ -360,7 +367,9 @@ class TransformersModel(InputsAPI, MetricsAPI, Checkpoints):
         The gradients are clipped to ``max_grad_norm`` (default: ``--max-grad-norm``, 1.0).
 
         A window whose loss or gradient is NaN/inf on any rank is dropped (counted in the
-        ``nonfinite_steps`` metric); ``max_nonfinite_steps`` such windows in a row stop training."""
+        ``nonfinite_steps`` metric); ``max_nonfinite_steps`` such windows in a row stop training, and
+        so does such a window at the end of the data, or a run without any supervised token
+        (``twinkle.model.health``)."""
         group = self._group(adapter_name)
         if group.optimizer is None:
             raise UserError("call set_optimizer(...) before clip_grad_and_step()")
@@ -372,6 +381,7 @@ class TransformersModel(InputsAPI, MetricsAPI, Checkpoints):
         if total == 0:
             group.skipped_steps += 1
             logger.warning("no supervised token in this accumulation window; the optimizer step is skipped")
+            health.check_window_without_tokens(group)
         else:
             grad_norm = clip_gradients(group.optimizer.copies, max_grad_norm)
             if nonfinite or not math.isfinite(grad_norm):
@@ -400,3 +410,4 @@ class TransformersModel(InputsAPI, MetricsAPI, Checkpoints):
                 f"training diverged: {limit} optimizer steps in a row had a NaN/inf loss or gradient "
                 f"(last at step {group.cur_step}); lower --lr, check the data, or resume from an earlier checkpoint"
             )
+        health.check_last_window_finite(group)

@@ -8,23 +8,52 @@ import torch
 
 from twinkle.utils.errors import UserError
 
+# torch.optim classes the training step cannot drive, and why: it calls ``step()`` without a
+# closure, on the dense gradients of the LoRA weights.
+UNUSABLE = {
+    "LBFGS": "its step() needs a closure that recomputes the loss, and the training step passes none",
+    "SparseAdam": "it takes sparse gradients only, and LoRA gradients are dense",
+}
+
 
 def optimizer_names() -> list[str]:
+    """The ``torch.optim`` classes that can train here (every one but ``UNUSABLE``)."""
     return sorted(
         name
         for name, obj in vars(torch.optim).items()
         if inspect.isclass(obj)
         and issubclass(obj, torch.optim.Optimizer)
         and obj is not torch.optim.Optimizer
+        and name not in UNUSABLE
     )
 
 
-def resolve_optimizer_cls(optimizer_cls: str | type[torch.optim.Optimizer]) -> type[torch.optim.Optimizer]:
+def _refuse_unusable(cls: type, prefix: str) -> None:
+    for name, why in UNUSABLE.items():
+        if hasattr(torch.optim, name) and issubclass(cls, getattr(torch.optim, name)):
+            raise UserError(
+                f"{prefix}optimizer {cls.__name__} cannot train here ({why}); "
+                f"use one of {', '.join(optimizer_names())}"
+            )
+
+
+def resolve_optimizer_cls(
+    optimizer_cls: str | type[torch.optim.Optimizer], label: str | None = None
+) -> type[torch.optim.Optimizer]:
+    """The class named by ``optimizer_cls`` (a ``torch.optim`` name) or ``optimizer_cls`` itself;
+    an unknown name, or a class the training step cannot drive (``UNUSABLE``), is a ``UserError``
+    (prefixed by ``label``, the flag it came from, when given)."""
+    prefix = f"{label}: " if label else ""
+    if isinstance(optimizer_cls, str) and optimizer_cls in UNUSABLE:
+        optimizer_cls = getattr(torch.optim, optimizer_cls, optimizer_cls)
     if inspect.isclass(optimizer_cls) and issubclass(optimizer_cls, torch.optim.Optimizer):
+        _refuse_unusable(optimizer_cls, prefix)
         return optimizer_cls
     if isinstance(optimizer_cls, str) and optimizer_cls in optimizer_names():
         return getattr(torch.optim, optimizer_cls)
-    raise UserError(f"unknown optimizer {optimizer_cls!r}; valid names: {', '.join(optimizer_names())}")
+    raise UserError(
+        f"{prefix}unknown optimizer {optimizer_cls!r}; valid names: {', '.join(optimizer_names())}"
+    )
 
 
 FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)

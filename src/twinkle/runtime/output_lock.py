@@ -10,11 +10,13 @@ on it). A script that does not parse its command line with the CLI takes no lock
 A second run into the same folder is refused with one ``UserError`` naming the pid, host and
 start time written in the file. The OS drops a ``flock`` when its process dies, however it dies:
 a file left by a killed run is simply locked again, and the warning names the run that left it.
-A clean exit removes the file."""
+A clean exit removes the file. The lock file is never opened through a symbolic link, nor
+when it has other hard links (its contents are rewritten): one line refuses the run instead."""
 
 import atexit
 import contextlib
 import datetime
+import errno
 import fcntl
 import json
 import os
@@ -23,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from twinkle.utils.errors import UserError
+from twinkle.utils.fileio import refuse_link_message
 from twinkle.utils.logger import get_logger
 
 LOCK_FILE = ".twinkle.lock"
@@ -94,7 +97,7 @@ def _alive(pid: int) -> bool:
 
 def _same_file(fd: int, path: Path) -> bool:
     try:
-        on_disk = os.stat(path)
+        on_disk = os.lstat(path)
     except FileNotFoundError:
         return False
     mine = os.fstat(fd)
@@ -118,10 +121,15 @@ def acquire(output_dir: str | os.PathLike) -> None:
     logger = get_logger()
     for _ in range(_ATTEMPTS):
         existed = path.exists()
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:  # never through a link: the lock file is truncated and rewritten below
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
         except OSError as exc:
+            if exc.errno in (errno.ELOOP, errno.EMLINK):
+                raise UserError(refuse_link_message(path, "--output-dir")) from None
             raise UserError(f"cannot write {path} ({exc.strerror}); choose a writable --output-dir") from exc
+        if os.fstat(fd).st_nlink > 1:
+            os.close(fd)
+            raise UserError(f"{path} has other hard links; remove it or choose another --output-dir")
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -85,6 +85,10 @@ class Runtime:
 _RUNTIME: Runtime | None = None
 
 
+# torch seeds are 64-bit and each rank seeds with an offset added, so the run's seed stays below 2**63
+MAX_SEED = 2**63 - 1
+
+
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
@@ -118,6 +122,8 @@ def initialize(
     global _RUNTIME
     if mode not in MODES:
         raise UserError(f"--mode: {mode!r} is not one of {', '.join(MODES)}")
+    if seed is not None and not (isinstance(seed, int) and 0 <= seed <= MAX_SEED):
+        raise UserError(f"initialize(seed=...): must be an integer in [0, 2**63 - 1], got {seed!r}")
     ray_worker = os.environ.get(RAY_WORKER) == "1"
     if mode == "ray" and not ray_worker:
         # the driver: run this script on the workers and end with the job's exit code
