@@ -19,6 +19,14 @@ the errors of successive steps add while a layer does not amplify them much, as 
 models (normalised activations, weights at initialisation scale). Its worst case stays about
 sqrt(n) times the typical error, and a bug (a wrong mask, a dropped adapter, a wrong scale) moves
 a gradient by a fraction of its scale, over 100 times the bound.
+
+bf16 layers sum in fp32 and round their outputs: two computations that round at the same points
+differ only where a rounding flips, by one ulp (``rounding_tolerances``). Runs of several
+optimizer steps (``run_loss_rtol``, ``adamw_weight_atol``, ``muon_weight_atol``): a loss at Higham
+and Mary's probabilistic bound of its chain (``probable_gamma``, where the worst case would leave
+the check no power); a weight only within what a step may move it, since AdamW can send a weight
+whose gradient is within its rounding error of zero the other way, and Muon's bf16 iteration can
+flip a rounding.
 """
 
 import math
@@ -113,6 +121,14 @@ def tiny_llama_sums(tokens: int, vocab: int = 100, layers: int | None = None) ->
     return llama_sums(shape["hidden_size"], shape["intermediate_size"], layers, tokens, vocab)
 
 
+def tiny_batch_sums(input_ids: torch.Tensor, vocab: int = 600) -> list[int]:
+    """``tiny_llama_sums`` for a (rows, tokens) batch of the tiny chat model (``tiny.py``, a
+    600-token vocabulary): attention over one row's tokens, and a weight's gradient summed over
+    every row's tokens (``rows - 1`` more rows than one)."""
+    rows, tokens = input_ids.shape[0], input_ids.shape[-1]
+    return tiny_llama_sums(tokens, vocab) + [(rows - 1) * tokens]
+
+
 def attention_sums(tokens: int, dim: int, rep: int = 1) -> list[int]:
     """The sums of one attention forward and backward over ``tokens`` keys of ``dim`` channels:
     the scores (dim; exp turns their absolute error, gamma(dim) times sum|q_i k_i| scaled by
@@ -127,3 +143,64 @@ def scale_of(t: torch.Tensor) -> float:
     """The largest magnitude of ``t`` (1 for an empty or all-zero tensor)."""
     m = float(t.detach().double().abs().max()) if t.numel() else 0.0
     return m if m > 0 and math.isfinite(m) else 1.0
+
+
+def rounding_tolerances(roundings: int, reference: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> dict:
+    """``assert_close`` keywords for two computations that round to ``dtype`` at the same
+    ``roundings`` points of a chain and differ only in the order of their fp32 sums (bf16 layers
+    sum in fp32). A value rounds the same way in both unless the sums' tiny difference straddles a
+    rounding boundary; then it lands one ulp (2u relative) away. To first order the flips of
+    successive points add: 2 * roundings * u, relative (rtol) and of the reference's largest
+    magnitude (atol: an element may be a cancelling sum of terms of that size)."""
+    g = 2 * roundings * UNIT_ROUNDOFF[dtype]
+    return {"atol": g * scale_of(reference), "rtol": g}
+
+
+def probable_gamma(n: int, dtype: torch.dtype = torch.float32, lam: float = 8.0) -> float:
+    """Higham and Mary's probabilistic gamma_n ("A new approach to probabilistic rounding error
+    analysis", SIAM J. Sci. Comput. 41(5), 2019, Theorem 2.4): with the roundings' errors
+    independent and of mean zero, a chain of n roundings stays within
+    exp(lam sqrt(n) u + n u^2 / (1 - u)) - 1 of exact with probability at least
+    1 - 2n exp(-lam^2 (1 - u)^2 / 2): lam = 8, n = 10^4 fails once in 4 * 10^9. About sqrt(n) / lam
+    times tighter than ``gamma(n)``; for comparisons of long runs (several optimizer steps, many
+    processes) whose worst case would leave the check no power."""
+    u = UNIT_ROUNDOFF[dtype]
+    return math.expm1(lam * math.sqrt(n) * u + n * u * u / (1 - u))
+
+
+def run_loss_rtol(rows: int, tokens: int, ranks: int = 1) -> float:
+    """The relative distance two runs of the tiny chat model (``tiny_batch_sums``) may log for one
+    loss over ``rows`` rows of at most ``tokens`` tokens when they sum in other orders (other
+    rank counts, kernels, processes): twice ``probable_gamma`` of its chain of sums and of the
+    ranks' reduction. AdamW's or Muon's carry-over of earlier steps stays far below it over a few
+    steps (kernel/test_kernel_convergence.py measures it against a float64 run)."""
+    return 2 * probable_gamma(sum(tiny_batch_sums(torch.empty(rows, tokens))) + ranks)
+
+
+def adamw_weight_atol(lr: float, steps: int, betas: tuple[float, float] = (0.9, 0.999)) -> float:
+    """How far one weight of two AdamW runs from the same start can be apart after ``steps``
+    steps of (at most) ``lr`` whose gradients differ by rounding. A step moves a weight by
+    lr * m / (sqrt(v) + eps); m and v are weighted means of the gradients and their squares, so by
+    Cauchy-Schwarz |m| / sqrt(v) <= sqrt(sum of w_k^2 / omega_k) over their weights (1 at the
+    first step, 1.03 at the eighth with torch's betas). A weight whose gradient is within its
+    rounding error of zero may step the other way in one run: twice that a step."""
+    b1, b2 = betas
+    total = 0.0
+    for t in range(1, steps + 1):
+        w = [(1 - b1) * b1 ** (t - k) / (1 - b1**t) for k in range(1, t + 1)]
+        omega = [(1 - b2) * b2 ** (t - k) / (1 - b2**t) for k in range(1, t + 1)]
+        total += math.sqrt(sum(a * a / c for a, c in zip(w, omega, strict=True)))
+    return 2 * lr * total
+
+
+def muon_weight_atol(lr: float, steps: int, shapes, ns_steps: int = 5) -> float:
+    """How far one weight of two runs of torch's Muon (``adjust_lr_fn='match_rms_adamw'``) from
+    the same start can be apart after ``steps`` steps whose gradients differ by rounding. The
+    update is lr * 0.2 * sqrt(max(rows, cols)) times the bf16 Newton-Schulz result, whose singular
+    values the iteration keeps under 1.21 (so are its entries, up to bf16 rounding: 1.25). A
+    gradient that differs in its last fp32 bits may flip each bf16 rounding of the iteration (the
+    cast and the normalisation, then 3 per step) by one ulp; to first order the flips add:
+    2 * (3 ns_steps + 2) * 2^-8 of the update a step (13% for 5 steps)."""
+    adjusted = lr * 0.2 * math.sqrt(max(max(shape) for shape in shapes))
+    flips = 2 * (3 * ns_steps + 2) * UNIT_ROUNDOFF[torch.bfloat16]
+    return steps * flips * 1.25 * adjusted

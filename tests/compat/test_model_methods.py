@@ -4,6 +4,7 @@
 import pytest
 import torch
 from safetensors.torch import load_file
+from tolerances import gamma
 
 from twinkle.dataloader import DataLoader, collate
 from twinkle.dataset import Dataset, DatasetMeta
@@ -188,7 +189,9 @@ def test_added_metrics_report_alongside_the_built_in_ones(make_model, dataset):
             model.clip_grad_and_step()
     assert losses[id(plain)] == losses[id(measured)]  # metrics never change training
     base, added = plain.calculate_metric(is_training=True), measured.calculate_metric(is_training=True)
-    assert added["loss"] == pytest.approx(base["loss"], rel=1e-12)
+    # the same fp32 loss sums, added and divided in float64 by the metric or the model: a few
+    # float64 roundings apart (2 gamma(4), ~1e-15); a batch left out or counted twice is percents
+    assert added["loss"] == pytest.approx(base["loss"], rel=2 * gamma(4, torch.float64), abs=0)
     assert added["accuracy"] == base["accuracy"] and added["total_tokens"] == base["supervised_tokens"]
     assert added["grad_norm"] == base["grad_norm"] and added["iters"] == base["optimizer_steps"] == 2
     assert added["lr"] == base["lr"] and added["recorded"] == 4

@@ -2,9 +2,11 @@
 
 One Ray cluster (``ray start --head``, 2 CPUs) serves the module's jobs through
 ``--ray-address``, which saves its start-up in every test; one test lets the job start and stop a
-cluster of its own. Ray and torchrun run the same ranks on the same threads, so their losses
-agree to 1e-5 (measured: equal); runs that differ in where a restart resumed are compared as in
-``test_contract_torchrun.py`` (Muon's bf16 Newton-Schulz: 1e-4)."""
+cluster of its own. Ray and torchrun run the same ranks on the same threads; their losses are
+compared as in ``test_contract_torchrun.py`` (``LOSS_RTOL``, derived: the same sums, possibly in
+another order), and the adapters they end with, also of runs that differ in where a restart
+resumed, within ``tolerances.muon_weight_atol`` (the contract's Muon may flip a bf16 rounding of
+its Newton-Schulz where a gradient differs in its last bits)."""
 
 import importlib.util
 import os
@@ -20,7 +22,8 @@ import pytest
 import torch
 from ports import free_port
 from safetensors.torch import load_file
-from test_contract_torchrun import SCRIPT, contract_args, logged_losses
+from test_contract_torchrun import LOSS_RTOL, SCRIPT, contract_args, logged_losses, loss_diffs
+from tolerances import muon_weight_atol
 
 pytestmark = [
     pytest.mark.slow,
@@ -76,11 +79,14 @@ def _adapter(folder: Path) -> dict[str, torch.Tensor]:
     return load_file(folder / "adapter_model.safetensors")
 
 
-def _assert_same_adapter(a: Path, b: Path, tol: float = 1e-6) -> None:
+def _assert_same_adapter(a: Path, b: Path, steps: int = 4) -> None:
+    """The adapters two runs of the contract (lr 1e-2, Muon) end with after at most ``steps``
+    optimizer steps each, from the same start, differ at most by Muon's bf16 rounding flips."""
     left, right = _adapter(a), _adapter(b)
     assert left.keys() == right.keys()
+    tol = muon_weight_atol(1e-2, steps, [t.shape for t in left.values()])
     worst = max(float((left[k] - right[k]).abs().max()) for k in left)
-    assert worst <= tol, worst
+    assert worst <= tol, (worst, tol)
 
 
 def test_ray_matches_torchrun_and_their_checkpoints_resume_each_other(
@@ -99,12 +105,10 @@ def test_ray_matches_torchrun_and_their_checkpoints_resume_each_other(
     train_t, eval_t = logged_losses(torchrun.output)
     train_r, eval_r = logged_losses(output)  # each step once: no line twice
     assert sorted(train_t) == sorted(train_r) == [1, 2, 3, 4]
-    diffs = [abs(train_t[s] - train_r[s]) for s in train_t] + [
-        abs(a - b) for a, b in zip(eval_t, eval_r, strict=True)
-    ]
-    print(f"\n[ray] max |loss diff| against torchrun {max(diffs):.2e}")
-    assert max(diffs) <= 1e-5, (train_t, train_r)  # the same ranks, threads and sums: measured 0
-    _assert_same_adapter(tr / "last-checkpoint", tmp_path / "ray" / "last-checkpoint", 1e-4)
+    diffs = loss_diffs(train_t, train_r, eval_t, eval_r)
+    print(f"\n[ray] max loss diff against torchrun {max(diffs):.2e} relative")
+    assert max(diffs) <= LOSS_RTOL, (train_t, train_r)
+    _assert_same_adapter(tr / "last-checkpoint", tmp_path / "ray" / "last-checkpoint")
 
     # Ray resumes torchrun's checkpoint, torchrun resumes Ray's: each ends where its source did
     resumed = _ray_job(
@@ -170,9 +174,7 @@ def test_a_killed_worker_is_restarted_from_the_last_checkpoint(tiny_model_dir, t
     assert killed, "no worker was found to kill"
     assert "the worker process died" in output and "restarting the workers (1 restart(s) left)" in output
     assert "--resume-from-checkpoint auto: resuming from" in output
-    _assert_same_adapter(
-        tmp_path / "whole" / "last-checkpoint", tmp_path / "killed" / "last-checkpoint", 1e-4
-    )
+    _assert_same_adapter(tmp_path / "whole" / "last-checkpoint", tmp_path / "killed" / "last-checkpoint", 8)
     assert not _rank_pids()
 
 

@@ -6,21 +6,19 @@ gradient norms and the final full LoRA weights. Every run shares one configurati
 1-process reference and the 2-rank FSDP run (which also saves mid-window) serve several tests:
 process start-up (imports) is most of the cost, the steps themselves are cheap.
 
-Tolerances (absolute; losses are about 6.4, LoRA weights at most about 0.2):
-* AdamW: the N-process run computes the same numbers summed in another order (per-rank sums,
-  then the FSDP reduce-scatter / HSDP all-reduce), so results differ by fp32 rounding only.
-  Measured: losses <= 5.3e-7 (one fp32 ulp of 6.4 is 4.8e-7), weights <= 2.8e-7, gradient
-  norms <= 1.5e-7 relative. We allow 1e-5 (losses and weights; relative on the norms):
-  ~20x margin, and far below what a real bug moves (a rank's gradient dropped or counted
-  twice shifts the weights by O(lr) = 1e-2).
-* Muon: torch's Newton-Schulz runs in bf16 (8-bit mantissa), so gradients that differ in the
-  last fp32 bits can round to a different bf16 value and change the update of that step.
-  Measured here: weights 0 apart, losses <= 4.9e-7 (the reductions happened to round alike).
-  Measured offline: a 2e-7 relative gradient perturbation moves one Muon step (lr 1e-2,
-  match_rms_adamw, LoRA shapes) by up to 8.8e-5; over 3 optimizer steps that is <= 2.7e-4.
-  We allow 5e-4 on the weights and 1e-4 on the losses.
-The optimizers are scale-invariant, so the gradient norms (fp32, before Muon) are compared too:
-they catch a gradient mis-scaled by a constant, which the weights would not show.
+Tolerances, derived (tests/assets/tolerances.py), not measured:
+* Losses: the N-process run computes the same numbers summed in another order (per-rank sums,
+  then the FSDP reduce-scatter / HSDP all-reduce): within ``run_loss_rtol`` of each other,
+  relative (the tiny model's chain of sums over the global batch of 4 rows, at most 128 tokens,
+  and the ranks' reduction, at Higham and Mary's probabilistic bound: ~5e-5, 3.4e-4 of a loss of
+  6.4). A rank's rows dropped or counted twice move the mean token loss by percents.
+* Gradient norms (fp32, before the optimizer), relative: each gradient element within that bound
+  of its tensor's largest, so the norm within it times 1 + sqrt(largest tensor's size). The
+  optimizers are scale-invariant, so the norms catch a gradient mis-scaled by a constant (a
+  factor of 2 for a doubled rank), which the weights would not show.
+* Weights, elementwise: AdamW moves a weight by about lr a step, and one whose gradient is within
+  its rounding error of zero may step the other way (``adamw_weight_atol``: 2 lr a step); Muon's
+  bf16 Newton-Schulz may flip roundings (``muon_weight_atol``). The losses are the finer check.
 """
 
 import json
@@ -31,6 +29,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from tolerances import adamw_weight_atol, muon_weight_atol, run_loss_rtol
 
 pytestmark = pytest.mark.slow
 
@@ -38,8 +37,8 @@ WORKER = Path(__file__).with_name("train_worker.py")
 STEPS = 6  # micro-batches of 4 samples (the global batch) per run
 GRAD_ACCUM = 2  # gradients also accumulate across micro-batches while sharded
 SAVE_AT = 3  # inside the second accumulation window: the checkpoint holds an open window
-GRAD_NORM_RTOL = 1e-5
-TOL = {"AdamW": {"loss": 1e-5, "weight": 1e-5}, "Muon": {"loss": 1e-4, "weight": 5e-4}}
+LR = 1e-2  # train_worker.py's, both optimizers
+GLOBAL_ROWS, MAX_TOKENS = 4, 128  # train_worker.py's global batch and max_length
 
 
 @pytest.fixture(scope="module")
@@ -67,11 +66,25 @@ def train(tiny_model_dir, tmp_path_factory, launcher):
     return run
 
 
+def tolerances(result: dict, nproc: int, optimizer: str = "AdamW") -> dict:
+    """The derived bounds of the module docstring for a comparison with an ``nproc``-rank run."""
+    loss = run_loss_rtol(GLOBAL_ROWS, MAX_TOKENS, nproc)
+    shapes = [torch.tensor(v).shape for v in result["weights"].values()]
+    steps = -(-STEPS // GRAD_ACCUM)  # optimizer steps in a whole run
+    if optimizer == "Muon":
+        weight = muon_weight_atol(LR, steps, shapes)
+    else:
+        weight = adamw_weight_atol(LR, steps)
+    largest = max(math.prod(shape) for shape in shapes)
+    return {"loss": loss, "grad_norm": loss * (1 + math.sqrt(largest)), "weight": weight}
+
+
 def compare(a: dict, b: dict, tol: dict, label: str, skip_steps: int = 0) -> None:
-    """Same steps, losses within ``tol['loss']``, final LoRA weights within ``tol['weight']``."""
+    """Same steps; losses within ``tol['loss']`` relative, gradient norms within
+    ``tol['grad_norm']`` relative, final LoRA weights within ``tol['weight']``."""
     steps_a = a["steps"][skip_steps:]
     assert [s["step"] for s in steps_a] == [s["step"] for s in b["steps"]]
-    loss_diff = max(abs(x["loss"] - y["loss"]) for x, y in zip(steps_a, b["steps"], strict=True))
+    loss_diff = max(abs(x["loss"] - y["loss"]) / x["loss"] for x, y in zip(steps_a, b["steps"], strict=True))
     # grad_norm is NaN on micro-steps that did not step the optimizer; those must agree too.
     norms = [(x["grad_norm"], y["grad_norm"]) for x, y in zip(steps_a, b["steps"], strict=True)]
     assert [math.isnan(x) for x, _ in norms] == [math.isnan(y) for _, y in norms], norms
@@ -84,9 +97,9 @@ def compare(a: dict, b: dict, tol: dict, label: str, skip_steps: int = 0) -> Non
     print(
         f"\n[{label}] max |loss diff| {loss_diff:.2e}, |weight diff| {weight_diff:.2e}, grad-norm rel {norm_diff:.2e}"
     )
-    assert loss_diff <= tol["loss"], f"{label}: losses differ by {loss_diff:.3e}"
-    norm_rtol = tol.get("grad_norm", GRAD_NORM_RTOL)
-    assert norm_diff <= norm_rtol, f"{label}: gradient norms differ by {norm_diff:.3e} (relative)"
+    print(f"[{label}] allowed {tol}")
+    assert loss_diff <= tol["loss"], f"{label}: losses differ by {loss_diff:.3e} (relative)"
+    assert norm_diff <= tol["grad_norm"], f"{label}: gradient norms differ by {norm_diff:.3e} (relative)"
     assert weight_diff <= tol["weight"], f"{label}: LoRA weights differ by {weight_diff:.3e}"
 
 
@@ -117,7 +130,7 @@ def test_fsdp2_matches_one_process(train, optimizer):
     single = train(1, optimizer=optimizer)
     assert_trained(single)
     sharded = train(2, optimizer=optimizer, fsdp_size=2, dp_size=1, save_at=SAVE_AT)
-    compare(single, sharded, TOL[optimizer], f"fsdp=2 {optimizer}")
+    compare(single, sharded, tolerances(single, 2, optimizer), f"fsdp=2 {optimizer}")
 
 
 def test_fused_ce_under_fsdp2_matches_one_process(train):
@@ -125,14 +138,15 @@ def test_fused_ce_under_fsdp2_matches_one_process(train):
     # must gather the sharded embedding (full_tensor) and give the gradients of one process.
     single = train(1, task="fused_lm_ce")
     assert_trained(single)
-    compare(single, train(2, fsdp_size=2, dp_size=1, task="fused_lm_ce"), TOL["AdamW"], "fsdp=2 fused CE")
+    sharded = train(2, fsdp_size=2, dp_size=1, task="fused_lm_ce")
+    compare(single, sharded, tolerances(single, 2), "fsdp=2 fused CE")
 
 
 def test_activation_checkpointing_under_fsdp2_matches_one_process(train):
     # Recomputed layers inside FSDP2's unshard/reshard hooks give one process's results.
     single = train(1)
     sharded = train(2, fsdp_size=2, dp_size=1, activation_checkpointing="on")
-    compare(single, sharded, TOL["AdamW"], "fsdp=2 activation checkpointing")
+    compare(single, sharded, tolerances(single, 2), "fsdp=2 activation checkpointing")
 
 
 def test_bf16_weights_under_fsdp2_match_one_process(train):
@@ -143,9 +157,12 @@ def test_bf16_weights_under_fsdp2_match_one_process(train):
     fp32 = [s["loss"] for s in train(1)["steps"]]
     assert [s["loss"] for s in single["steps"]] != fp32  # the weights really were bf16
     sharded = train(2, fsdp_size=2, dp_size=1, dtype="bfloat16")
-    # Adam moves a weight whose gradient is ~0 by up to lr a step whatever its sign: rounding
-    # flips a few of those, so one weight may differ by 2 lr x 3 steps; the whole barely moves.
-    compare(single, sharded, {"loss": 2e-3, "weight": 6e-2, "grad_norm": 1e-2}, "fsdp=2 bf16")
+    # The weights as for fp32 (adamw_weight_atol: 2 lr a step, 6e-2). The losses and norms: no
+    # useful bound follows from bf16's roundings (a worst case of ~60 of 2^-8 each along the
+    # chain says nothing), so these stay measured, at ~10x what was seen: losses 3e-4 relative
+    # (2e-3 of 6.4), norms 1e-2, and the whole vector of weights 1e-2 relative.
+    tol = {"loss": 3e-4, "weight": adamw_weight_atol(LR, 3), "grad_norm": 1e-2}
+    compare(single, sharded, tol, "fsdp=2 bf16")
     a, b = (
         torch.cat([torch.tensor(r["weights"][k]).flatten() for k in sorted(r["weights"])])
         for r in (single, sharded)
@@ -154,14 +171,16 @@ def test_bf16_weights_under_fsdp2_match_one_process(train):
 
 
 def test_dp2_matches_one_process(train):
-    compare(train(1), train(2, fsdp_size=1, dp_size=2), TOL["AdamW"], "dp=2 AdamW")
+    single = train(1)
+    compare(single, train(2, fsdp_size=1, dp_size=2), tolerances(single, 2), "dp=2 AdamW")
 
 
 def test_hsdp_2x2_matches_one_process(train):
     # The global batch of 4 gives each of the 4 ranks one sample. Same steps as the other runs,
     # so the 1-process reference is shared: a shorter run would need its own reference, and
     # start-up, not steps, is what costs.
-    compare(train(1), train(4, fsdp_size=2, dp_size=2), TOL["AdamW"], "fsdp=2 x dp=2 AdamW")
+    single = train(1)
+    compare(single, train(4, fsdp_size=2, dp_size=2), tolerances(single, 4), "fsdp=2 x dp=2 AdamW")
 
 
 def test_resume_on_two_ranks_continues_exactly(train):
@@ -173,7 +192,7 @@ def test_resume_on_two_ranks_continues_exactly(train):
     ]
     resumed = train(2, fsdp_size=2, dp_size=1, resume=checkpoint)
     assert [s["step"] for s in resumed["steps"]] == list(range(SAVE_AT + 1, STEPS + 1))
-    compare(full, resumed, TOL["AdamW"], "resume 2 ranks", skip_steps=SAVE_AT)
+    compare(full, resumed, tolerances(full, 2), "resume 2 ranks", skip_steps=SAVE_AT)
 
 
 def test_two_rank_checkpoint_in_one_process(train, tiny_model_dir):

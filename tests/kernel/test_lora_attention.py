@@ -8,7 +8,7 @@ import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 from tiny import TINY_LLAMA_SHAPE
-from tolerances import chain_tolerances, tiny_llama_sums
+from tolerances import assert_within, chain_tolerances, gamma, tiny_llama_sums
 from transformers import (
     LlamaConfig,
     LlamaForCausalLM,
@@ -166,8 +166,37 @@ def test_rotation_and_its_gradient_equal_hugging_faces():
     ref_q, ref_k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
     flat_cos, flat_sin = cos.reshape(10, 1, 8), sin.reshape(10, 1, 8)
     got_q = lora_qkv.rotate(q.detach().reshape(10, 3, 8), flat_cos, flat_sin)
-    torch.testing.assert_close(got_q, ref_q.transpose(1, 2).reshape(10, 3, 8))
+    # x cos + rotate_half(x) sin: two products and a sum per element, each rounded (gamma(3) of
+    # its terms' magnitudes) against the float64 rotation; a wrong half, sign or angle is off
+    # by about a term
+    exact_q, _ = apply_rotary_pos_emb(
+        q.double().transpose(1, 2), k.double().transpose(1, 2), cos.double(), sin.double()
+    )
+    assert_within(got_q, _flat(exact_q), _flat(_rotation_terms(q.transpose(1, 2), cos, sin)), "rotate")
     g = torch.randn(2, 3, 5, 8)
     (ref_q * g).sum().backward()
     grad = lora_qkv.unrotate(g.transpose(1, 2).reshape(10, 3, 8), flat_cos, flat_sin)
-    torch.testing.assert_close(grad, q.grad.reshape(10, 3, 8))
+    q64 = q.detach().double().requires_grad_()
+    exact, _ = apply_rotary_pos_emb(
+        q64.transpose(1, 2), k.double().transpose(1, 2), cos.double(), sin.double()
+    )
+    (exact * g.double()).sum().backward()
+    # the transposed rotation: g cos, and g sin moved back to the other half (the same terms)
+    terms = (g * cos[:, None]).abs() + _swap_halves((g * sin[:, None]).abs())
+    assert_within(grad, q64.grad.reshape(10, 3, 8), gamma(3) * _flat(terms.double()), "unrotate")
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """(batch, heads, tokens, dim) -> (batch * tokens, heads, dim), as the node lays them out."""
+    return t.transpose(1, 2).reshape(-1, t.shape[1], t.shape[-1])
+
+
+def _swap_halves(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([x[..., half:], x[..., :half]], -1)
+
+
+def _rotation_terms(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """gamma(3) times |x cos| + |rotate_half(x) sin|, in float64: the rotation's worst fp32 error."""
+    x, cos, sin = x.detach().double(), cos[:, None].double(), sin[:, None].double()
+    return gamma(3) * ((x * cos).abs() + (_swap_halves(x) * sin).abs())

@@ -5,6 +5,7 @@ import pytest
 import torch
 import transformers
 from tiny import TINY_LLAMA_SHAPE
+from tolerances import chain_tolerances, tiny_batch_sums
 
 from twinkle.loss import CrossEntropyLoss
 from twinkle.model.forward import compute_loss
@@ -70,6 +71,14 @@ def test_packed_equals_padded(family):
     (loss_a, n_a, grads_a), (loss_b, n_b, grads_b) = results
     assert model.config._attn_implementation.startswith("twinkle_segments:")  # packing really ran
     assert n_a == n_b > 0
-    assert loss_b == pytest.approx(loss_a, rel=1e-5)
+    # fp32, other matmul shapes: the same terms in other orders, within the first-order bound of
+    # the tiny model's chain of sums (tolerances.py; the MoE's experts are narrower than the dense
+    # MLP it assumes) and of the loss summed over the batch's tokens: ~1.5e-4 relative to each
+    # tensor's scale. A router's top-2 could flip only on a tie within that, at random init
+    # never. A token seeing another sample or past the window moves the loss by a few percent.
+    sums = tiny_batch_sums(batch["input_ids"], vocab=64) + [batch["input_ids"].numel()]
+    loss_a, loss_b = torch.tensor(loss_a), torch.tensor(loss_b)
+    torch.testing.assert_close(loss_b, loss_a, **chain_tolerances(sums, loss_a))
+    assert grads_a.keys() == grads_b.keys() and grads_a
     for name, grad in grads_a.items():
-        torch.testing.assert_close(grads_b[name], grad, atol=1e-5, rtol=1e-4, msg=name)
+        torch.testing.assert_close(grads_b[name], grad, **chain_tolerances(sums, grad), msg=name)

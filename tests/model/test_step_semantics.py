@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+from tolerances import chain_tolerances, tiny_batch_sums
 
 from twinkle.dataloader import DataLoader
 from twinkle.kernel import cpu_gemm as gemm
@@ -39,12 +40,18 @@ def supervised_tokens(batch) -> int:
     return int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
 
 
-def assert_same_grads(actual: dict, expected: dict, atol: float, rtol: float) -> None:
+def assert_same_grads(actual: dict, expected: dict, batch) -> None:
+    """Two fp32 computations of the gradients of one loss over ``batch``: the same terms in other
+    orders (split in micro-batches, fused or chunked), within the first-order bound of the tiny
+    model's chain of sums over the batch (tolerances.py: ~2e-4 of each tensor's scale), plus the
+    accumulation's and the normalisation's roundings. A micro-batch weighted by its own token
+    count instead of the window's, or a token scored twice, moves a gradient by percents."""
+    sums = tiny_batch_sums(batch["input_ids"]) + [2]
     assert actual.keys() == expected.keys() and actual
     for name, grad in expected.items():
         assert grad.abs().sum() > 0, name  # a zero gradient would prove nothing
         torch.testing.assert_close(
-            actual[name], grad, atol=atol, rtol=rtol, msg=lambda m, n=name: f"{n}: {m}"
+            actual[name], grad, **chain_tolerances(sums, grad), msg=lambda m, n=name: f"{n}: {m}"
         )
 
 
@@ -89,7 +96,7 @@ def test_window_gradient_is_the_mean_over_all_its_supervised_tokens(make_model, 
     reference.model.train()
     reference.model(**whole).loss.backward()
     expected = {n: p.grad for n, p in reference.model.named_parameters() if p.grad is not None}
-    assert_same_grads(seen[0], expected, atol=1e-6, rtol=1e-4)
+    assert_same_grads(seen[0], expected, whole)
 
 
 @pytest.mark.parametrize(
@@ -207,9 +214,11 @@ def test_fused_task_matches_causal_lm(make_model, dataset, loss_name, reduction)
         model.clip_grad_and_step(max_grad_norm=0)
         results.append((loss, model.calculate_metric(is_training=True)["accuracy"], seen[0]))
     (loss, accuracy, grads), (fused_loss, fused_accuracy, fused_grads) = results
-    assert fused_loss == pytest.approx(loss, abs=1e-5)
+    loss = torch.tensor(loss)  # the fused head sums the loss in chunks: the gradients' bound
+    tol = chain_tolerances(tiny_batch_sums(batch["input_ids"]) + [2], loss)
+    torch.testing.assert_close(torch.tensor(fused_loss), loss, **tol)
     assert fused_accuracy == accuracy
-    assert_same_grads(fused_grads, grads, atol=1e-5, rtol=1e-5)
+    assert_same_grads(fused_grads, grads, batch)
 
 
 def test_unknown_task_and_loss(make_model, dataset):
@@ -275,4 +284,12 @@ def test_a_cpu_model_packs_its_frozen_weights_and_trains_the_same(make_model, da
     monkeypatch.setattr(gemm, "pack_frozen", lambda weights: 0)
     dense_model = make_model()
     assert not any(id(w) in gemm._packed for w in dense_model.model.parameters())
-    assert _train(dense_model, batches) == pytest.approx(packed_losses, rel=1e-6)
+    dense_losses = torch.tensor(_train(dense_model, batches))
+    # packed and plain weights: oneDNN's kernels sum in other orders. Each step's loss within the
+    # first-order bound of the model's chain of sums (~2e-4 of it); AdamW's carry-over of the
+    # steps before stays far below it over 3 steps (kernel/test_kernel_convergence.py measures it
+    # against a float64 run: under 1/200 of the bound in 8 steps). A weight packed from the wrong
+    # matrix or left stale after a step changes the loss by percents.
+    for i, (dense, packed) in enumerate(zip(dense_losses, packed_losses, strict=True)):
+        tol = chain_tolerances(tiny_batch_sums(batches[i]["input_ids"]), dense)
+        torch.testing.assert_close(torch.tensor(packed), dense, **tol, msg=lambda m, i=i: f"step {i}: {m}")
