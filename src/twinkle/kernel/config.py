@@ -2,10 +2,10 @@
 ``DEFAULT_CALL_CHAINS``: call op -> its backends, in the order they are tried.
 
 The ``torch`` backend closes a chain where it measurably beat the original module on CPU
-(``rms_norm``: about 2x), or kept less at the same step time (``swiglu_mlp``: without LoRA 23%
-less; with LoRA on its projections one node, 1.1% faster than when it recomputed; see
-``README.md``). ``lora_attention`` has only the torch backend: with LoRA on q/k/v, one node for
-the projections and the rotary embedding (2.6% of a W1 step); without, the class's forward."""
+(``rms_norm``: about 2x), or kept less at the same step time (``swiglu_mlp``: without LoRA one
+activation less per layer; with LoRA on its projections one node; see ``README.md``).
+``lora_attention`` has only the torch backend: with LoRA on q/k/v, one node for the projections
+and the rotary embedding (design note 22); without, the class's forward."""
 
 from twinkle.kernel.registry import KernelChoice, define_call_op
 

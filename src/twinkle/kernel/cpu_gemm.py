@@ -1,52 +1,30 @@
-"""Call op ``cpu_gemm``: the two products of a linear layer's frozen weight, routed to oneDNN on
-CPUs in fp32.
+"""Call op ``cpu_gemm``: a frozen weight's two fp32 CPU products, ``linear(x, w, bias)``
+(``x @ w.T + bias``, the forward) and ``times_weight(g, w)`` (``g @ w``, the input gradient).
 
-``linear(x, w, bias)`` is ``x @ w.T + bias`` (the forward) and ``times_weight(g, w)`` is
-``g @ w`` (the input gradient). On the CPU torch sends fp32 matrix products to MKL; oneDNN,
-which torch also ships, runs most of them faster from the same dense weight (on a Zen 4 EPYC
-1.07-1.40x at a W1 batch's 176 rows, on a Zen 5 more than 2x; on a Zen 3 MKL is the faster for
-some shapes). The two libraries sum in different orders, so which one computes a
-product changes the last bits of every result, and so the losses of a run.
+oneDNN, which torch ships beside MKL, runs most of these products faster from the same dense
+weight, but the two libraries sum in different orders (~1e-6 relative), so the library a product
+takes changes a run's losses. The choice is therefore a fixed rule, never a timing:
+``TWINKLE_ONEDNN=on`` (the default) sends every eligible product to oneDNN, ``off`` to MKL.
+``auto`` (opt-in) times both once per machine and shape (``faster_here``; oneDNN must win by
+``ONEDNN_MARGIN``) and keeps the choices in ``<cache>/gemm/routes-*.json``: its runs are
+reproducible only while that file is kept. Eligible are plain 2-D fp32 CPU tensors that autograd
+is not recording; everything else takes the torch ops, and a failing oneDNN call leaves the chain
+(``packed`` -> ``onednn`` -> ``torch``) for the process with one warning.
 
-Which library a product takes is therefore a fixed rule by default, never a timing:
-``TWINKLE_ONEDNN=on`` (the default) sends every eligible product to oneDNN on every machine, so
-the same command on the same machine computes the same sums in every process, whatever else the
-machine is doing. ``off`` sends every product to MKL. ``auto`` (opt-in) measures, once per
-machine, weight shape and product, which library is faster here (``faster_here``): both at
-``CALIBRATION_ROWS`` rows, alternating, the median of ``CALIBRATION_REPEATS`` calls each after a
-warm-up (in which oneDNN builds its kernel), on inputs that leave the random number generators
-alone; oneDNN must be 5% faster to be chosen (``ONEDNN_MARGIN``). A timing depends on the load of
-the machine, so two measurements can choose differently; ``auto`` keeps its choices per machine
-(CPU, thread count, torch version) in ``<cache>/gemm/routes-*.json`` and later processes read them
-instead of measuring: its runs are reproducible only while that file is kept (a fresh cache
-measures again and may choose otherwise).
+``bound_onednn_caches()`` caps oneDNN's and ideep's kernel caches at 32 shapes (a step uses about a
+dozen) unless the user set them: packed batches bring new row counts every step, and the default
+caches (1024 shapes each) grow the process by hundreds of MiB. It works only before the process
+builds its first oneDNN kernel, so the model calls it before loading and this module before its
+first oneDNN call; the caps also bound torch's own bf16 CPU products.
 
-The chain is ``packed`` -> ``onednn`` -> ``torch`` (``twinkle.kernel.config``), switched by
-``TWINKLE_ONEDNN`` (``auto`` measures, ``on`` takes oneDNN for every shape, ``off`` never) and
-``TWINKLE_PACKED_WEIGHTS``. oneDNN serves only plain 2-D fp32 CPU tensors that autograd is not
-recording (the callers are autograd functions with their own backward); everything else (GPUs,
-bf16, DTensors, a build without oneDNN) takes the plain torch ops. A failing oneDNN call takes
-it out of the chain for the process, with one warning. The two libraries differ in summation
-order (relative ~1e-6), so results are not bit-identical to ``torch.mm``.
-
-oneDNN and ideep (torch's layer over it) each keep the kernels they built in a cache of 1024
-shapes. A packed batch brings new row counts every step, so a long run filled both (400 row
-counts of one SmolLM2 weight grew the process by 505 MiB). ``bound_onednn_caches()`` caps both
-at 32 shapes (a step uses about a dozen) unless ``ONEDNN_PRIMITIVE_CACHE_CAPACITY`` /
-``LRU_CACHE_CAPACITY`` are set; ``TransformersModel`` calls it before loading a model and this
-module before its first oneDNN call. The caps take effect only if no oneDNN kernel was built in
-the process before; they also bound torch's own bf16 CPU products.
-
-``pack_frozen(weights)`` keeps, for each frozen weight, a copy in oneDNN's blocked layout, which
-``linear`` then uses: from the dense row-major weight oneDNN re-lays the weight out on every
-call (whole W1 steps 0.977x the time with the copies; results bit-identical from 7 rows up).
-``times_weight`` keeps the dense weight: its transposed view is about as fast as a packed copy
-of ``W.T``. The copies cost the weights' size again, so the model packs only when it trains
-unsharded on the CPU, in ``auto`` only shapes whose forward product oneDNN wins here, and at most
-a quarter of the machine's memory or of its container's limit (``PACK_SHARE``: the installed
-memory, not the memory free at the time, so every run on one machine packs the same weights). A
-weight changed in place (``w._version`` or storage) is packed again on its next use, and a copy is
-freed with its weight."""
+``pack_frozen(weights)`` keeps each frozen weight's copy in oneDNN's blocked layout for
+``linear``, because from a dense weight oneDNN re-lays it out on every call; results equal the
+dense ones bit for bit from 7 rows up. ``times_weight`` keeps the dense weight: its transposed view
+is about as fast as a packed copy of ``W.T``. The copies cost the weights' size again, so the model
+packs only when it trains unsharded on the CPU, in ``auto`` only shapes whose forward oneDNN wins
+here, and at most 1/``PACK_SHARE`` of installed memory or of the container's limit (not free
+memory, so every run on one machine packs the same weights). A weight changed in place is
+packed again on its next use, and a copy is freed with its weight. Design notes 23 and 24."""
 
 import hashlib
 import json

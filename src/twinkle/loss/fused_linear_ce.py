@@ -8,10 +8,9 @@ Each chunk's logits are read by one max (no indices), then torch's softmax kerne
 the CPU; the log-sum-exp is ``max - log(largest probability)``, the largest probability being
 ``1 / sum(exp(x - max))``, so the loss and the gradient share the kernel's one exp. A position
 counts as correct when its target's logit is the row's maximum (a tie at the top counts too;
-``argmax`` would pick the first). ``bench/micro/ce_bench.py`` on 2 CPU cores (SmolLM2's head, the loss
-with its hidden-state gradient, the variants alternating): 0.92-0.95x the time of our previous
-passes (a max with its indices, an in-place ``exp(x - max)``, a sum and a division) at 104-1000
-rows, the same loss to the last bit; the max's indices alone cost about as much as the softmax."""
+``argmax`` would pick the first). This is faster than a max with its indices, an in-place
+``exp(x - max)``, a sum and a division, with the same loss to the last bit: the max's indices
+alone cost about as much as the softmax (``bench/micro/ce_bench.py``)."""
 
 from collections.abc import Mapping
 from typing import Any
@@ -31,8 +30,8 @@ from twinkle.loss.cross_entropy import (
 )
 
 # On the CPU a chunk holds about this many logits (fp32): 32M = 128 MiB, ~680 rows at a 49k
-# vocabulary. On 2 CPU cores 2048 rows of SmolLM2's head took 1.89 s in chunks of 170 rows, 1.67 s
-# of 680 and 1.61 s of 2048: larger chunks keep the head's matmuls efficient.
+# vocabulary. Larger chunks keep the head's matmuls efficient: chunks of 170 rows took 1.13x
+# the time of chunks of 680.
 CHUNK_ELEMENTS = 2**25
 # On an accelerator the head's products are a small part of a step bound by the host's launches,
 # while a chunk's fp32 logits, their softmax and its bf16 copy (~2.5x the chunk) come on top of

@@ -25,7 +25,7 @@ def activation_bytes(config: Any, tokens: int, dtype: torch.dtype) -> int:
     about ``12 * hidden + 5 * intermediate`` values (norm inputs, q/k/v, attention output, the
     MLP's gate, up and product, the inputs the LoRA matrices need). Measured on SmolLM2-135M
     (fp32, 3k tokens): 55 KB per token and layer; this gives 58 KB. The one-node LoRA MLP
-    (``lora_mlp.py``) keeps these same four ``intermediate``-wide values."""
+    (``kernel/lora/mlp.py``) keeps these same four ``intermediate``-wide values on the CPU."""
     hidden = config.hidden_size
     inter = getattr(config, "intermediate_size", 4 * hidden)
     per_token_layer = 12 * hidden + 5 * inter
@@ -80,7 +80,7 @@ class LayerCheckpointing:
             return self.active
         free = available_bytes(device)
         # The estimate grows with the dtype's width. When even float64's would fit, the answer is
-        # off without reading every parameter's dtype (~2 ms a micro-batch at 24 LoRA layers).
+        # off without reading every parameter's dtype (a walk over all parameters a micro-batch).
         if activation_bytes(self.lm.config, tokens, torch.float64) <= HEADROOM * free:
             self.active = False
             return False

@@ -9,7 +9,7 @@ local path: they form the torch process group themselves (nccl or gloo), and che
 metrics and resume are the same as under torchrun.
 
 Plain actors rather than Ray Train's ``TorchTrainer``: a worker reaches the script's first line
-in about 3 s instead of 13-19, a death is seen in milliseconds, exit codes arrive as they are,
+several times sooner, a death is seen in milliseconds, exit codes arrive as they are,
 and the restart rule is ours (``TorchTrainer`` retried some deaths and not others). The cost is
 choosing ``MASTER_ADDR`` and the port here.
 

@@ -1,10 +1,10 @@
 """Attention of a packed row's short samples as a few batched products, on the CPU.
 
-torch's CPU flash kernel has a fixed cost per call, whatever the sizes: ~70 us forward and ~155
-us backward for a 50-token sample at a head size of 4 (2 threads), against 104 and 290 us at 64.
-A W1 row (four samples of 23-82 tokens after a 14-token shared prefix) pays it four times a
-layer. Here the whole row is one padded batch, and its attention two batched products and a
-softmax forward, four products and the softmax's backward in backward, all in one autograd node.
+torch's CPU flash kernel has a fixed cost per call, whatever the sizes, and for a short sample
+that cost is most of the call (at a head size of 4 a call takes more than half its time at 64).
+A row of a few short samples pays it once per sample in every layer. Here the whole row is one
+padded batch, and its attention two batched products and a softmax forward, four products and the
+softmax's backward in backward, all in one autograd node.
 
 Layout (a ``Plan``, made once per row and reused by every layer): the samples are grouped into
 blocks of equal size, first-fit by decreasing length, at the block size that leaves the least
@@ -13,21 +13,19 @@ the prefix and its samples' tokens, its queries its samples' tokens; a query see
 its own sample's earlier tokens (a mask by sample and position). The query heads sharing a
 key/value head are stacked as rows of one product (no repeated keys). Each of q, k, v (and in
 backward the output's gradient) reaches the blocks' layout in one gather of head-sized rows, and
-each result leaves it in one gather or one indexed sum: 0.87-0.93x the time of gathering
-positions and then permuting heads (alternating, W1's rows). Masked and padded key slots get
+each result leaves it in one gather or one indexed sum, which is faster than gathering
+positions and then permuting heads. Masked and padded key slots get
 -inf, so their probability and gradients are exactly zero; padded query slots see key 0 (a
 finite softmax), their probabilities are then zeroed, so they have no output and pass on no
 gradient, whatever their gathered output gradient holds.
 Results equal the flash kernel's up to summation order (~3e-6 on unit-scale inputs).
 
 Padding is the price: every block is as long as the longest, and its scores span all its keys.
-So a row takes this path only where a cost model says it pays (``pays``), fitted to 28 random
-rows of 2-4 samples of 10-157 tokens (``bench/micro/attention_bench.py --fit``), forward + backward
-on 2 threads at SmolLM2's heads (9 and 3 of 64), one sample a block: the batched path took
-351 us + 0.084 us per padded query-key pair, the per-sample calls 273 us a call + 0.096 us per
-pair (a refit gives values within ~20% of these). ``bench/micro/attention_bench.py``: W1's first
-six rows 0.66-0.84x the per-sample calls' time, forward + backward; rows of 150-200-token
-samples 1.4x, so they keep the calls."""
+So a row takes this path only where a cost model says it pays (``pays``): a fixed cost plus a
+cost per query-key pair for each path (padded pairs for this one, a cost per call for the
+per-sample calls), fitted by ``bench/micro/attention_bench.py --fit`` on random rows of short
+samples, forward + backward. Rows of long samples keep the calls (``MAX_QUERIES``). Design
+note 17."""
 
 from dataclasses import dataclass
 

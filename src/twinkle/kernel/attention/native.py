@@ -9,13 +9,11 @@ loaded, so no second thread pool competes for the cores). Each task keeps its ke
 apart and they are added in task order afterwards, so the results are the same for any thread
 count. They equal the flash kernel's up to summation order (~1e-6 relative).
 
-``bench/micro/attention_bench.py``, forward + backward, 2 threads, against the path each row takes
-without it: W1's rows 0.55-0.66x the batched products' time on a Zen 5 (0.54-0.65x on a Zen 3),
-W2's rows 0.67-0.77x the pooled flash calls' (0.79-0.85x). Built for AVX-512 (16-float vectors,
-tiles of 8 x 16) it is about twice as fast again on the Zen 5: W1's rows 0.34-0.38x the
-per-sample calls' time, W2's 0.31-0.33x, one sample of 1000 tokens 0.36x. On 8-float vectors
-(AVX2) a row of one long sample, which splits only by query head, keeps the flash calls
-(``usable``).
+It is first in the ``packed_attention`` chain because it beats the path each row takes without
+it, short rows and long (``bench/micro/attention_bench.py``, forward + backward; design note 15).
+Built for AVX-512 (16-float vectors, tiles of 8 x 16) it runs up to about twice as fast as on
+8-float vectors (AVX2), where a row of one long sample, which splits only by query head, keeps
+the flash calls (``usable``).
 
 The library is built at first use by ``kernel/native_build.py`` (the system's C compiler,
 ``-O3 -march=native``, cached). Without a compiler, OpenMP or a writable cache it is not used,

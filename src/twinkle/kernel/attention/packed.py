@@ -105,8 +105,8 @@ def segment_attention(
 ) -> torch.Tensor:
     """``query (1, H, T, D)``, ``key``/``value (1, KV, T, D)`` -> ``(1, T, H, D)``."""
     if query.device.type == "cpu" and query.dtype in _CPU_UPCAST:
-        # torch's CPU flash kernel in bf16 takes ~2x as long as in fp32 on a sample of ~50
-        # tokens (forward + backward; even at ~700): run the row in fp32, round the output once
+        # torch's CPU flash kernel in bf16 takes about twice as long as in fp32 (forward +
+        # backward, short samples and long): run the row in fp32, round the output once
         out = segment_attention(
             query.float(), key.float(), value.float(), segments, dropout, scaling, sliding_window
         )

@@ -1,14 +1,12 @@
 """Causal attention of a packed row's samples on the CPU, backward spread over the cores.
 
-On 2 threads torch's CPU flash kernel runs a forward ~1.85x faster than on 1, but a backward
-only ~1.45x (SmolLM2's 9 query and 3 key/value heads at 1000 tokens: 53.6 ms on 1 thread, 36.7
-on 2; with the key/value heads repeated to 9 it took 31.3, so the backward's split follows the
-key/value heads, and 3 do not share out over 2 cores). Here the forward is the kernel's own,
-once per sample on all threads. The backward runs one single-threaded kernel call per (sample,
-query head) on a pool of one-thread workers, one per thread torch may use, longest first. Each
-call's gradients are whole; a key/value head's gradient is the sum of its query heads' parts,
-added in head order on the calling thread, so the result does not depend on which worker ran
-what.
+torch's CPU flash kernel splits its backward over the threads by key/value head, and a few
+key/value heads do not share out evenly over the cores (SmolLM2's 3 over 2 cores: its backward
+gains ~1.45x from the second thread, where the forward gains more). Here the forward is the
+kernel's own, once per sample on all threads. The backward runs one single-threaded kernel call per
+(sample, query head) on a pool of one-thread workers, one per thread torch may use, longest first.
+Each call's gradients are whole; a key/value head's gradient is the sum of its query heads' parts,
+added in head order on the calling thread, so the result does not depend on which worker ran what.
 
 Used only where it pays: fp32 on the CPU, torch built with OpenMP, more than one thread, and a
 row with enough attention work (``MIN_WORK``; ``TWINKLE_POOLED_ATTENTION=always`` drops that
@@ -29,8 +27,8 @@ _FORWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 _BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
 
 # Query-key pairs of a row (summed over its samples) below which the row keeps the per-sample
-# SDPA calls. bench/micro/attention_bench.py, 2 threads, forward + backward: four samples of ~300
-# tokens 0.91x, of ~400 1.0x, W2's rows 1.10-1.13x, one sample of 1000 1.04x.
+# SDPA calls: below it the pool costs more than it gains (bench/micro/attention_bench.py, forward
+# + backward; about even at four samples of ~400 tokens).
 MIN_WORK = 1024 * 1024
 
 START_SECONDS = 60.0  # for the workers to start; past it the pool is given up

@@ -38,8 +38,8 @@ def _liger_swiglu_forward(self, x):
     from liger_kernel.ops.swiglu import LigerSiLUMulFunction
 
     # Three plain LoRA projections: the one-node MLP, which keeps gate and up only here. Liger's
-    # SwiGLU between three LoRA layers also keeps the product for down's adapter: 716 MiB more
-    # in W2 on an H200, and four autograd nodes instead of one.
+    # SwiGLU between three LoRA layers also keeps the product for down's adapter (one more
+    # intermediate-wide tensor a layer), and four autograd nodes instead of one.
     fused = lora_mlp(self, x)
     if fused is not None:
         return fused

@@ -11,14 +11,14 @@ measurements in ``README.md`` (``bench/micro/kernel_bench.py``), not on this fil
   instead of saved (one ``tokens x intermediate`` activation less per layer). The projections
   stay the module's own ``Linear`` children, looked up at call time, so LoRA wrappers attached
   before or after ``kernelize`` are used; fusing gate and up into one matmul would bypass them.
-  When all three are plain LoRA layers the whole MLP runs as one node (``model/lora_mlp.py``),
+  When all three are plain LoRA layers the whole MLP runs as one node (``kernel/lora/mlp.py``),
   which on the CPU keeps what autograd would (recomputing cost more time than the memory was
   worth there) and elsewhere keeps ``gate`` and ``up`` only. Liger's backend uses that node too.
 
 - ``lora_attention``: a Llama, Mistral or Qwen2 attention layer whose query, key and value
   projections are plain LoRA layers runs them and the rotary embedding as one node
-  (``model/lora_qkv.py``), then the attention function and ``o_proj`` as Hugging Face's forward
-  does. Anything else (a KV cache, eager attention, adapters with dropout, ...) runs the class's
+  (``kernel/lora/qkv.py``), then the attention function and ``o_proj`` as Hugging Face's forward
+  does. Anything else (a KV cache, eager attention, a trainable base, ...) runs the class's
   own forward. This restates those families' ~10-line attention forward (they differ only in
   the sliding window they pass); ``tests/kernel/test_lora_attention.py`` checks it against
   the class's forward, so a ``transformers`` release that changes the forward fails a test.
@@ -133,7 +133,7 @@ def _rms_norm_zero_centered_forward(self: torch.nn.Module, hidden_states: torch.
 
 
 def _swiglu_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    fused = lora_mlp(self, x)  # three plain LoRA projections: one node (what it keeps: lora_mlp.py)
+    fused = lora_mlp(self, x)  # three plain LoRA projections: one node (what it keeps: lora/mlp.py)
     if fused is not None:
         return fused
     return self.down_proj(SiLUMul.apply(self.gate_proj(x), self.up_proj(x)))

@@ -1,9 +1,9 @@
 """LoRA dropout inside the fused nodes, its mask kept as bits for backward.
 
-PEFT's adapter dropout is ``nn.Dropout`` on the LoRA branch's input: a Bernoulli(1-p) mask,
-scaled by 1/(1-p), in training mode only; the base path sees none. torch draws that mask one
-generator call per element (6-11 ns an element on two cores of a Xeon, about a fifth of a
-W1 step at dropout 0.05) and autograd keeps it and the masked copy for backward.
+PEFT's adapter dropout is ``nn.Dropout`` on the LoRA branch's input: a Bernoulli(1-p) mask, scaled
+by 1/(1-p), in training mode only; the base path sees none. torch draws that mask one generator
+call per element (about a fifth of a short-row step at dropout 0.05) and autograd keeps it and the
+masked copy for backward.
 
 Here each adapter call draws one 64-bit seed from torch's default generator, so runs are
 deterministic under the seed and a resumed run (which restores the generator) draws the same

@@ -6,11 +6,11 @@ so results are bit-identical. What it keeps depends on the device:
 
 - On the CPU, what autograd keeps, per token four ``intermediate``-wide tensors: ``gate`` (for
   silu's backward), ``silu(gate)`` and ``up`` (for the product's), and the product (the input
-  ``down``'s adapter needs for its gradient). Recomputing two of them costs 1.1% of a W1 step
-  there, and the memory is not what limits CPU training.
+  ``down``'s adapter needs for its gradient). Recomputing two of them costs time there, and the
+  memory is not what limits CPU training.
 - On an accelerator, ``gate`` and ``up`` only; backward recomputes ``silu(gate)`` and the
-  product (two elementwise kernels a layer, on a step bound by the host's launches): on an
-  H200 the four-tensor node kept 716 MiB more than Liger's SwiGLU (which keeps three) in W2.
+  product (two elementwise kernels a layer, on a step bound by the host's launches), so the node
+  keeps less than Liger's SwiGLU (which keeps three) where memory is what limits.
   The recomputed tensors are the same ops on the same inputs, so results do not change.
 
 On a bf16 model PEFT keeps the adapters fp32, so each wide tensor an adapter reads has an fp32
