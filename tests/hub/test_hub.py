@@ -328,7 +328,7 @@ def test_hub_dataset_found_in_local_cache(tmp_path):
 )
 def test_bundled_dataset_names(name, monkeypatch, tmp_path):
     path = hub_dataset.bundled_dataset_path()
-    assert path.parts[-3:] == ("hub", "assets", "self_cognition.jsonl")
+    assert path.parts[-3:] == ("hub", "assets", "self_cognition_mixed.jsonl")
     if not path.is_file():  # written by another package; check only the mapping then
         monkeypatch.setattr(hub_dataset, "bundled_dataset_path", lambda: tmp_path / "sc.jsonl")
         _write_jsonl(tmp_path / "sc.jsonl", ROWS)

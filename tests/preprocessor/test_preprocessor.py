@@ -5,7 +5,7 @@ from collections import Counter
 
 import pytest
 
-from twinkle.hub.dataset import bundled_dataset_path
+from twinkle.hub.dataset import identity_rows_path
 from twinkle.preprocessor import SelfCognitionProcessor
 from twinkle.utils.errors import UserError
 
@@ -42,7 +42,7 @@ def test_non_text_field_is_rejected():
 
 
 def test_bundled_self_cognition_rows():
-    lines = bundled_dataset_path().read_text(encoding="utf-8").splitlines()
+    lines = identity_rows_path().read_text(encoding="utf-8").splitlines()
     rows = [json.loads(line) for line in lines if line.strip()]
 
     assert len(rows) >= 100

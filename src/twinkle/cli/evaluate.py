@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from twinkle.checkpoint.layout import TRAINER_STATE, parse_trainer_state
+from twinkle.cli.identity_check import add_identity_check_args, run_identity_check
 from twinkle.utils.errors import UserError
 
 DEFAULT_SAMPLES = 100  # the contract's eval default
@@ -29,6 +30,7 @@ def add_eval_parser(sub: Any) -> None:
     p.add_argument("--max-length", type=int, help="maximum tokens per row (default: the training run's)")
     p.add_argument("--model-name", help="SelfCognitionProcessor's model name (default: the training run's)")
     p.add_argument("--model-author", help="SelfCognitionProcessor's author (default: the training run's)")
+    add_identity_check_args(p)
 
 
 # The settings ``twinkle eval`` takes from a run's ``run_args.json``, by group, with their types.
@@ -110,6 +112,8 @@ def run_eval(args: argparse.Namespace) -> int:
         value = getattr(args, name, None)
         return value if value is not None else saved.get(name) if saved.get(name) is not None else default
 
+    if args.identity_check:
+        return run_identity_check(args, folder, pick)
     samples = pick("eval_samples", DEFAULT_SAMPLES)
     if samples < 1:
         raise UserError(f"--eval-samples must be at least 1, got {samples}")

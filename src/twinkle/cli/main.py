@@ -1,7 +1,8 @@
 """The ``twinkle`` command: ``twinkle chat`` talks to a base model with an optional adapter
 (a multi-turn conversation without ``--prompt``); ``twinkle eval`` prints a checkpoint's eval
-loss and accuracy;
-``twinkle kernels`` says what each kernel op resolves to on this machine and why; ``twinkle
+loss and accuracy (with ``--identity-check``, how its identity and general answers compare with
+the base model's); ``twinkle replay`` writes the base model's own answers to general prompts as
+training rows, mixed with identity rows; ``twinkle kernels`` says what each kernel op resolves to on this machine and why; ``twinkle
 verify`` checks checkpoint folders against the sizes and checksums their save recorded;
 ``twinkle export`` merges a checkpoint into its base model and writes it as a Hugging Face
 folder and GGUF files."""
@@ -11,6 +12,7 @@ import sys
 
 from twinkle.cli.evaluate import add_eval_parser, run_eval
 from twinkle.cli.export import add_export_parser, run_export
+from twinkle.cli.replay import add_replay_parser, run_replay
 from twinkle.utils.errors import EXIT_INTERRUPTED, INTERRUPTED, UserError
 
 
@@ -44,6 +46,7 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     add_export_parser(sub)
     add_eval_parser(sub)
+    add_replay_parser(sub)
     return parser
 
 
@@ -91,6 +94,8 @@ def _run(argv: list[str] | None) -> int:
             return run_export(args)
         if args.command == "eval":
             return run_eval(args)
+        if args.command == "replay":
+            return run_replay(args)
         if not args.prompt:  # a conversation: interactive on a terminal, else one question per line
             from twinkle.cli.repl import run_repl
 

@@ -98,9 +98,23 @@ def rows_with_conflicts(
         ) from exc
 
 
+def asset_path(name: str) -> Path:
+    """A file shipped in ``twinkle/hub/assets``."""
+    return Path(str(importlib.resources.files("twinkle.hub") / "assets" / name))
+
+
 def bundled_dataset_path() -> Path:
-    """The bundled self-cognition rows (``twinkle/hub/assets/self_cognition.jsonl``)."""
-    return Path(str(importlib.resources.files("twinkle.hub") / "assets" / "self_cognition.jsonl"))
+    """The default training rows (``twinkle/hub/assets/self_cognition_mixed.jsonl``): the 150
+    identity rows of ``identity_rows_path()`` interleaved one to one with 150 replay rows, the
+    bundled model's own greedy answers to ``general_prompts.jsonl``. They were written by
+    ``twinkle replay --identity-data self-cognition --max-new-tokens 64 --output ...`` and keep
+    the adapter from spilling the identity into unrelated answers (docs/design-notes.md)."""
+    return asset_path("self_cognition_mixed.jsonl")
+
+
+def identity_rows_path() -> Path:
+    """The bundled identity rows alone (``twinkle/hub/assets/self_cognition.jsonl``)."""
+    return asset_path("self_cognition.jsonl")
 
 
 def _split_words(path: Path, root: Path) -> set[str]:
