@@ -39,3 +39,22 @@ def test_a_bad_switch_is_one_line(tmp_path):
     assert done.stderr.strip().splitlines() == [
         "error: TWINKLE_ONEDNN='maybe' is not a switch: set it to one of auto, on, off, or unset it"
     ]
+
+
+def test_kernels_none_reports_every_op_on_its_plain_backend(tmp_path):
+    done = subprocess.run(
+        [sys.executable, "-m", "twinkle.cli.main", "kernels", "--no-model"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={"TWINKLE_KERNELS": "none", "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)},
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = done.stdout
+    assert "TWINKLE_KERNELS=none: each op's plain backend only" in out
+    assert "packed_attention: native -> pooled -> batched -> sdpa  (in effect: sdpa)" in out
+    assert "cpu_gemm: packed -> onednn -> torch  (in effect: torch)" in out
+    assert "lora_linear: fused -> peft  (in effect: peft)" in out
+    assert "off (TWINKLE_KERNELS=none: only 'peft' runs)" in out
+    assert "none patched (TWINKLE_KERNELS=none)" in out
+    assert "TWINKLE_KERNELS=none  (default default)" in out

@@ -15,10 +15,12 @@ from twinkle.utils.errors import UserError
 def scratch_op(monkeypatch):
     """A call op of its own, ``demo``: ``fast`` (available as the test says) then ``plain``."""
     monkeypatch.setitem(registry._CHAINS, "demo", ("fast", "plain"))
+    monkeypatch.setitem(registry._DEFAULT_CHAINS, "demo", ("fast", "plain"))
     monkeypatch.setitem(registry._CALLS, "demo", {})
+    monkeypatch.delitem(registry._PLAIN, "demo", raising=False)
     here = {"fast": True}
     registry.register_call("demo", "fast", lambda: here["fast"], "a demo device")
-    registry.register_call("demo", "plain", lambda: True, "nothing")
+    registry.register_call("demo", "plain", lambda: True, "nothing", plain=True)
     registry.forget()
     yield here
     registry.forget()
@@ -50,17 +52,29 @@ def test_an_availability_check_that_raises_is_unavailable(scratch_op, caplog):
     assert "ZeroDivisionError" in caplog.text
 
 
-def test_registering_outside_the_chain_or_twice_is_refused(scratch_op):
-    with pytest.raises(ValueError, match="not in 'demo'"):
-        registry.register_call("demo", "other", lambda: True, "nothing")
+def test_registering_twice_or_a_second_plain_backend_is_refused(scratch_op):
     with pytest.raises(ValueError, match="already has a 'plain'"):
         registry.register_call("demo", "plain", lambda: True, "nothing")
+    with pytest.raises(ValueError, match="already has the plain backend 'plain'"):
+        registry.register_call("demo", "other", lambda: True, "nothing", plain=True)
+
+
+def test_a_backend_the_table_leaves_out_never_runs(scratch_op):
+    registry.register_call("demo", "other", lambda: True, "nothing")
+    assert registry.backends_of("demo") == ("fast", "plain", "other")
+    assert registry.state("demo", "other") == (False, "not in the chain")
+    with registry.call_chains({"demo": ("other", "plain")}):
+        assert registry.chain("demo") == ("other", "plain")
+    assert registry.chain("demo") == ("fast", "plain")
 
 
 def test_every_switch_names_a_backend_of_a_chain():
     for switch in SWITCHES.values():
-        assert switch.backend in DEFAULT_CALL_CHAINS[switch.op], switch.name
         assert switch.default in switch.values
+        if switch.name == switches.MASTER:  # the master switch covers every op
+            assert (switch.op, switch.backend) == (None, None)
+            continue
+        assert switch.backend in DEFAULT_CALL_CHAINS[switch.op], switch.name
 
 
 def test_an_off_switch_takes_its_backend_out_of_the_chain():
@@ -91,7 +105,9 @@ def test_switches_are_read_from_the_environment_once_and_checked(monkeypatch):
 
 
 def test_unknown_switch_names_are_refused():
-    with pytest.raises(UserError, match="unknown kernel switch TWINKLE_TURBO; switches: TWINKLE_ONEDNN"):
+    with pytest.raises(
+        UserError, match="unknown kernel switch TWINKLE_TURBO; switches: TWINKLE_KERNELS, TWINKLE_ONEDNN"
+    ):
         set_switches({"TWINKLE_TURBO": "on"})
 
 

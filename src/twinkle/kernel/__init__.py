@@ -2,7 +2,8 @@
 
 Public names: ``kernelize``, ``KernelChoice``, ``DEFAULT_KERNEL_CONFIG``, ``DEFAULT_CALL_CHAINS``,
 ``register_op``, ``registered_ops``, ``BACKENDS``, ``SWITCHES``, ``switched``, ``set_switches``,
-``describe``, ``hub``, ``HubRef``. See ``README.md`` beside this file."""
+``call_chains``, ``set_call_chains``, ``reset_call_chains``, ``describe``, ``hub``, ``HubRef``.
+See ``README.md`` beside this file."""
 
 from twinkle.kernel import backends as _backends  # noqa: F401  (registers the module ops)
 from twinkle.kernel import muon as _muon  # noqa: F401  (registers muon_step)
@@ -10,9 +11,20 @@ from twinkle.kernel.attention import packed as _packed  # noqa: F401  (registers
 from twinkle.kernel.config import DEFAULT_CALL_CHAINS, DEFAULT_KERNEL_CONFIG
 from twinkle.kernel.hub_layers import HubRef, hub
 from twinkle.kernel.kernelize import kernelize
-from twinkle.kernel.registry import BACKENDS, KernelChoice, register_op, registered_ops
+from twinkle.kernel.registry import (
+    BACKENDS,
+    KernelChoice,
+    call_chains,
+    check_call_chains,
+    register_op,
+    registered_ops,
+    reset_call_chains,
+    set_call_chains,
+)
 from twinkle.kernel.report import describe
 from twinkle.kernel.switches import SWITCHES, set_switches, switched
+
+check_call_chains()  # each chain names registered backends and ends with its op's plain one
 
 __all__ = [
     "kernelize",
@@ -27,5 +39,8 @@ __all__ = [
     "SWITCHES",
     "switched",
     "set_switches",
+    "call_chains",
+    "set_call_chains",
+    "reset_call_chains",
     "describe",
 ]

@@ -25,8 +25,11 @@ for _family in _FAMILIES + _ZERO_CENTERED_FAMILIES:
 for _family in ("Llama", "Mistral", "Qwen2"):
     DEFAULT_KERNEL_CONFIG[f"{_family}Attention"] = KernelChoice("lora_attention", ("torch",))
 
-# Call ops: the first backend that is usable here and accepts the call runs it. The last of
-# each chain takes every call.
+# Call ops: each call walks its op's chain (``registry.dispatch``), and the first backend that is
+# usable here and accepts the call runs it. The last of each chain is the op's plain torch/PEFT
+# way, which takes every call and is all that runs with ``TWINKLE_KERNELS=none``. Editing a chain
+# here (or ``set_call_chains`` in a process) changes what runs: reorder the backends before the
+# last, or leave some out.
 DEFAULT_CALL_CHAINS: dict[str, tuple[str, ...]] = {
     # a packed row's attention: the C kernel, then the flash calls with a pooled backward (rows
     # with long samples), then batched products (rows of short samples), then SDPA per sample
@@ -41,6 +44,9 @@ DEFAULT_CALL_CHAINS: dict[str, tuple[str, ...]] = {
     "cpu_gemm": ("packed", "onednn", "torch"),
     # torch.optim.Muon's step: one batched Newton-Schulz iteration per matrix shape, else torch's
     "muon_step": ("batched", "torch"),
+    # LoRA dropout's masks inside the LoRA nodes: the C kernel (fp32 CPU), else the same hash as
+    # torch ops
+    "lora_dropout": ("native", "torch"),
 }
 for _op, _chain in DEFAULT_CALL_CHAINS.items():
     define_call_op(_op, _chain)

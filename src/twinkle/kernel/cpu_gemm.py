@@ -76,21 +76,21 @@ def _can_pack() -> bool:
     return _built() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 
 
-registry.register_call(
-    "cpu_gemm", "packed", _can_pack, "torch built with oneDNN weight packing", needs="onednn"
-)
-registry.register_call("cpu_gemm", "onednn", _built, "torch built with oneDNN (mkldnn)")
-registry.register_call("cpu_gemm", "torch", lambda: True, "nothing")
+OP = "cpu_gemm"
+registry.register_call(OP, "packed", _can_pack, "torch built with oneDNN weight packing", needs="onednn")
+registry.register_call(OP, "onednn", _built, "torch built with oneDNN (mkldnn)")
+registry.register_call(OP, "torch", lambda: True, "nothing", plain=True)
 
 
 def _mode() -> str:
     """``TWINKLE_ONEDNN`` as "auto", "on" or "off" ("off" where oneDNN is not usable here)."""
-    return switches.value("TWINKLE_ONEDNN") if registry.enabled("cpu_gemm", "onednn") else "off"
+    return switches.value("TWINKLE_ONEDNN") if onednn_enabled() else "off"
 
 
 def onednn_enabled() -> bool:
-    """Whether fp32 CPU products may go to oneDNN in this process."""
-    return registry.enabled("cpu_gemm", "onednn")
+    """Whether fp32 CPU products may go to oneDNN in this process: ``onednn``, or ``packed``
+    (which runs on it), in the chain and usable."""
+    return registry.enabled(OP, "onednn") or registry.enabled(OP, "packed")
 
 
 def _plain(t: torch.Tensor) -> bool:
@@ -125,7 +125,7 @@ def _onednn(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torc
     try:
         return _linear_pointwise(x, w, bias)
     except RuntimeError as err:  # an unsupported layout or build: plain torch from now on
-        registry.disable("cpu_gemm", "onednn", f"RuntimeError: {err}")
+        registry.disable(OP, "onednn", f"RuntimeError: {err}")
         return None
 
 
@@ -138,7 +138,7 @@ def _onednn_product(
 ) -> torch.Tensor | None:
     """``product`` on oneDNN, from ``w``'s packed copy where it has one; None if oneDNN failed."""
     if product == "linear":
-        packed = _packed and registry.enabled("cpu_gemm", "packed")
+        packed = _packed and registry.enabled(OP, "packed")
         return _onednn(a, _packed_weight(w) if packed else w, bias)
     return _onednn(a, w.t(), None)
 
@@ -313,7 +313,7 @@ def pack_frozen(weights: list[torch.Tensor]) -> int:
     1/``PACK_SHARE`` of physical memory; returns the bytes packed. Nothing when oneDNN is off,
     and no copy of a shape whose forward product torch computes faster here (``faster_here``,
     measured with the first such weight's copy)."""
-    if not registry.enabled("cpu_gemm", "packed"):
+    if not registry.enabled(OP, "packed"):
         return 0
     budget = _physical_bytes() // PACK_SHARE - packed_bytes()
     packed = 0
@@ -327,7 +327,7 @@ def pack_frozen(weights: list[torch.Tensor]) -> int:
         try:
             copy = _pack(w)
         except RuntimeError as err:  # a build that cannot: the dense weights
-            registry.disable("cpu_gemm", "packed", f"RuntimeError: {err}")
+            registry.disable(OP, "packed", f"RuntimeError: {err}")
             break
         _packed[id(w)] = (weakref.ref(w), w._version, w.data_ptr(), copy)
         if not faster_here("linear", w):  # measured with this packed copy: torch wins this shape
@@ -360,19 +360,50 @@ def _packed_weight(w: torch.Tensor) -> torch.Tensor:
     return entry[3]
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ w.T (+ bias)`` for 2-D ``x`` of shape (rows, in) and ``w`` of shape (out, in)."""
-    if _eligible(x, w, bias) and faster_here("linear", w):
-        out = _onednn_product(x, w, "linear", bias)
-        if out is not None:
-            return out
+def _packed_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """Backend ``packed``: oneDNN from ``w``'s packed copy, where it has one."""
+    if not (
+        _packed and _eligible(x, w, bias) and registry.enabled(OP, "packed") and faster_here("linear", w)
+    ):
+        return None
+    copy = _packed_weight(w)
+    return None if copy is w else _onednn(x, copy, bias)
+
+
+def _onednn_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """Backend ``onednn``: oneDNN from the dense weight."""
+    if not (_eligible(x, w, bias) and registry.enabled(OP, "onednn") and faster_here("linear", w)):
+        return None
+    return _onednn(x, w, bias)
+
+
+def _torch_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return x @ w.t() if bias is None else torch.addmm(bias, x, w.t())
 
 
+def _onednn_times(g: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
+    if not (_eligible(g, w) and registry.enabled(OP, "onednn") and faster_here("times_weight", w)):
+        return None
+    return _onednn(g, w.t(), None)
+
+
+def _no_copy(g: torch.Tensor, w: torch.Tensor) -> None:
+    """``packed`` has no form of ``g @ w``: the dense weight's transposed view is as fast as a
+    packed copy of ``w.T``."""
+    return None
+
+
+_LINEAR = {"packed": _packed_linear, "onednn": _onednn_linear, "torch": _torch_linear}
+_TIMES_WEIGHT = {"packed": _no_copy, "onednn": _onednn_times, "torch": lambda g, w: g @ w}
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ w.T (+ bias)`` for 2-D ``x`` of shape (rows, in) and ``w`` of shape (out, in), by
+    the first backend of ``cpu_gemm``'s chain that takes it."""
+    return registry.dispatch(OP, _LINEAR, x, w, bias)
+
+
 def times_weight(g: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """``g @ w`` for 2-D ``g`` of shape (rows, out) and ``w`` of shape (out, in)."""
-    if _eligible(g, w) and faster_here("times_weight", w):
-        out = _onednn_product(g, w, "times_weight")
-        if out is not None:
-            return out
-    return g @ w
+    """``g @ w`` for 2-D ``g`` of shape (rows, out) and ``w`` of shape (out, in), by the first
+    backend of ``cpu_gemm``'s chain that takes it."""
+    return registry.dispatch(OP, _TIMES_WEIGHT, g, w)

@@ -20,10 +20,12 @@ from twinkle.kernel.hub_layers import HUB_REF, hub, is_hub_ref, load_hub_layer
 from twinkle.kernel.registry import (
     KernelChoice,
     implementations,
+    kernels_off,
     op_available,
     registered_ops,
     validate_choice,
 )
+from twinkle.kernel.switches import MASTER
 from twinkle.utils.errors import UserError
 from twinkle.utils.logger import get_logger
 
@@ -99,7 +101,8 @@ def kernelize(model: Any, mapping: Mapping[Any, Any] | None = None) -> Any:
 
     The user's own values (class, function, hub layer) are explicit choices: one that cannot be
     used raises ``UserError`` before anything is patched, never falls through. Any other key or
-    value form raises ``UserError`` too."""
+    value form raises ``UserError`` too. With ``TWINKLE_KERNELS=none`` the mapping is checked the
+    same way and nothing is patched: every module keeps its own forward."""
     mapping = DEFAULT_KERNEL_CONFIG if mapping is None else mapping
     if not isinstance(mapping, Mapping):
         raise UserError(f"kernel mapping: expected a dict of {{key: value}}, got {type(mapping).__name__}")
@@ -142,6 +145,10 @@ def kernelize(model: Any, mapping: Mapping[Any, Any] | None = None) -> Any:
             checked.add((cls, index))
         plan.append((module, choice))
 
+    if kernels_off():  # checked like any mapping, patched not at all
+        if plan:
+            logger.info(f"kernelize: {MASTER}=none: {len(plan)} modules keep their own forwards")
+        return model
     counts: dict[tuple[str, str, str], int] = {}  # (target, op, backend) -> instances patched
     failures: dict[tuple[str, str, str], tuple[int, str]] = {}  # -> (instances, last error)
     for module, choice in plan:

@@ -19,8 +19,9 @@ import torch
 
 from twinkle.kernel import registry
 
-registry.register_call("muon_step", "batched", lambda: True, "nothing")
-registry.register_call("muon_step", "torch", lambda: True, "nothing")
+OP = "muon_step"
+registry.register_call(OP, "batched", lambda: True, "nothing")
+registry.register_call(OP, "torch", lambda: True, "nothing", plain=True)
 
 
 def _adjusted_lr(lr: float, adjust_lr_fn: str | None, shape: torch.Size) -> float:
@@ -48,12 +49,20 @@ def newton_schulz(
     return x
 
 
+def _batched(cls: type) -> type | None:
+    """Backend ``batched`` of ``muon_step``: for ``torch.optim.Muon`` itself (a user's subclass
+    keeps its own step)."""
+    return BatchedMuon if cls is torch.optim.Muon and registry.enabled(OP, "batched") else None
+
+
+_RUN = {"batched": _batched, "torch": lambda cls: cls}
+
+
 def muon_class(cls: type) -> type:
-    """``BatchedMuon`` for ``torch.optim.Muon`` itself while the batched step is usable, else
-    ``cls`` (a user's subclass keeps its own step)."""
-    if cls is torch.optim.Muon and registry.enabled("muon_step", "batched"):
-        return BatchedMuon
-    return cls
+    """The optimizer class call op ``muon_step``'s chain chooses for ``cls``: ``BatchedMuon`` for
+    ``torch.optim.Muon`` while the batched step is in the chain and usable, else ``cls``. Chosen
+    when the optimizer is built."""
+    return registry.dispatch(OP, _RUN, cls)
 
 
 class BatchedMuon(torch.optim.Muon):

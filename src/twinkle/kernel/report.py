@@ -9,6 +9,7 @@ import torch
 from twinkle.kernel import cpu_gemm, registry, switches
 from twinkle.kernel.config import DEFAULT_CALL_CHAINS, DEFAULT_KERNEL_CONFIG
 from twinkle.kernel.kernelize import MARK, kernelize
+from twinkle.kernel.switches import MASTER
 
 # what each module-op backend's ``available()`` checks, in words
 MODULE_BACKEND_NEEDS = {
@@ -33,11 +34,14 @@ def _machine() -> str:
 
 
 def _call_ops() -> list[str]:
-    lines = ["call ops (chosen at each call: the first usable backend that takes it)"]
-    for op, chain in DEFAULT_CALL_CHAINS.items():
-        usable = registry.chain(op)
+    head = "call ops (chosen at each call: the first usable backend of its chain that takes it)"
+    if registry.kernels_off():
+        head += f"; {MASTER}=none: each op's plain backend only"
+    lines = [head]
+    for op in DEFAULT_CALL_CHAINS:
+        chain, usable = registry.table_chain(op), registry.chain(op)
         lines.append(f"  {op}: {' -> '.join(chain)}  (in effect: {' -> '.join(usable) or 'none'})")
-        for backend in chain:
+        for backend in registry.backends_of(op):
             lines.append(f"    {backend:<8} {registry.state(op, backend)[1]}")
     return lines
 
@@ -59,6 +63,8 @@ def _module_ops(model: Any | None) -> list[str]:
     mapping = DEFAULT_KERNEL_CONFIG
     if model is None:
         lines = ["module ops (kernelize; DEFAULT_KERNEL_CONFIG), without a model:"]
+        if registry.kernels_off():
+            lines[0] += f" none patched ({MASTER}=none); would be:"
         for target, choice in mapping.items():
             states = []
             for backend in choice.backends:
@@ -71,6 +77,9 @@ def _module_ops(model: Any | None) -> list[str]:
     found = Counter(type(m).__name__ for m in model.modules() if type(m).__name__ in mapping)
     marks = {type(m).__name__: getattr(m, MARK, None) for m in model.modules() if type(m).__name__ in mapping}
     lines = ["module ops (kernelize; DEFAULT_KERNEL_CONFIG) in this model:"]
+    if registry.kernels_off():
+        lines += [f"  {n} x {target} -> own forward ({MASTER}=none)" for target, n in sorted(found.items())]
+        return lines
     if not found:
         lines.append("  none of the model's module classes is mapped: it keeps its own forwards")
     for target, count in sorted(found.items()):
@@ -87,8 +96,9 @@ def _module_ops(model: Any | None) -> list[str]:
 def _gemm_choices(model: Any) -> list[str]:
     """Which library each frozen weight shape's products use here (by the switch, or in ``auto``
     measured or read from the cache)."""
-    if not registry.enabled("cpu_gemm", "onednn"):
-        return ["  cpu_gemm per weight shape: torch for every product (oneDNN is not usable here)"]
+    if not cpu_gemm.onednn_enabled():
+        why = f"{MASTER}=none" if registry.kernels_off() else "oneDNN is not in the chain or not usable here"
+        return [f"  cpu_gemm per weight shape: torch for every product ({why})"]
     shapes: dict[tuple[int, int], torch.Tensor] = {}
     for module in model.modules():
         if isinstance(module, torch.nn.Linear) and module.weight.dtype == torch.float32:

@@ -7,7 +7,9 @@ an invalid value raises ``UserError`` naming the variable and its valid values. 
 use to compare two ways in one process); ``set_switches({...})`` changes them for good.
 
 An ``off`` switch takes its backend out of the op's chain in the registry (``twinkle kernels``
-then says "switched off by ..."); the other values are read by the implementation."""
+then says "switched off by ..."); the other values are read by the implementation. The master
+switch ``TWINKLE_KERNELS=none`` turns every kernel off at once: ``kernelize`` patches nothing
+and every call op runs only its plain torch/PEFT backend."""
 
 import os
 from collections.abc import Iterator, Mapping
@@ -20,11 +22,14 @@ _ON = ("1", "true", "on", "yes")
 _OFF = ("0", "false", "off", "no")
 
 
+MASTER = "TWINKLE_KERNELS"  # "none": every op its plain torch/PEFT way (kernel/README.md)
+
+
 @dataclass(frozen=True)
 class Switch:
     name: str  # the environment variable
-    op: str
-    backend: str
+    op: str | None  # None for the master switch, which covers every op
+    backend: str | None
     default: str
     values: tuple[str, ...]  # canonical values; "on"/"off" also take 1/0, true/false, yes/no
     help: str
@@ -35,7 +40,7 @@ class Switch:
             return self.default
         if value in _ON and "on" in self.values:
             return "on"
-        if value in _OFF:
+        if value in _OFF and "off" in self.values:
             return "off"
         if value in self.values:
             return value
@@ -46,6 +51,15 @@ class Switch:
 SWITCHES: dict[str, Switch] = {
     s.name: s
     for s in (
+        Switch(
+            MASTER,
+            None,
+            None,
+            "default",
+            ("default", "none"),
+            "none: every op its plain torch/PEFT way (kernelize patches nothing, each call op runs only "
+            "its plain backend); default: the chain table",
+        ),
         Switch(
             "TWINKLE_ONEDNN",
             "cpu_gemm",

@@ -91,7 +91,7 @@ def _joined(outputs: list[torch.Tensor]) -> torch.Tensor:
 
 
 _RUN = {"native": _native, "pooled": _pooled, "batched": _batched, "sdpa": _sdpa}
-registry.register_call(OP, "sdpa", lambda: True, "nothing")
+registry.register_call(OP, "sdpa", lambda: True, "nothing", plain=True)
 
 
 def segment_attention(
@@ -117,12 +117,8 @@ def segment_attention(
         )
     row = Row(query, key, value, segments, dropout, scaling, sliding_window)
     # each backend checks the row first (cheap), then the registry: a CPU-only backend is never
-    # built where no row reaches it
-    for backend in registry.order(OP):
-        out = _RUN[backend](row)
-        if out is not None:
-            return out
-    raise AssertionError("the sdpa backend takes every row")  # unreachable: sdpa always returns
+    # built where no row reaches it; sdpa, the chain's last, takes every row
+    return registry.dispatch(OP, _RUN, row)
 
 
 def _dispatcher(base_name: str) -> Any:

@@ -9,8 +9,9 @@ Here each adapter call draws one 64-bit seed from torch's default generator, so 
 deterministic under the seed and a resumed run (which restores the generator) draws the same
 masks. Element i of the branch input is kept when a counter-based hash of (seed, i) clears
 ``round(p * 2^32)``. ``dropout.c`` computes it with vector integer ops; on other devices,
-dtypes or without a C compiler the same hash runs as torch ops and gives the same mask. The
-masks are not the ones PEFT's ``nn.Dropout`` would draw: the same distribution, another stream.
+dtypes or without a C compiler the same hash runs as torch ops and gives the same mask (call
+op ``lora_dropout``: ``native`` -> ``torch``). The masks are not the ones PEFT's ``nn.Dropout``
+would draw: the same distribution, another stream.
 
 On the CPU in fp32 the nodes never write the masked input out: ``masked_low`` masks each row
 into a scratch row and multiplies it by the adapter's A at once, and ``masked_input_grads``
@@ -26,6 +27,7 @@ from typing import NamedTuple
 
 import torch
 
+from twinkle.kernel import registry
 from twinkle.kernel.native_build import load_library
 from twinkle.utils.logger import get_logger
 
@@ -95,6 +97,11 @@ def _library() -> ctypes.CDLL | None:
     return _state["lib"]
 
 
+OP = "lora_dropout"
+registry.register_call(OP, "native", lambda: _library() is not None, "a C compiler (cc) and a writable cache")
+registry.register_call(OP, "torch", lambda: True, "nothing", plain=True)
+
+
 def _check(lib: ctypes.CDLL) -> None:
     """The built kernel gives the torch ops' mask on a probe tensor, or it is not used."""
     x = torch.arange(1, 4097, dtype=torch.float32)
@@ -141,11 +148,13 @@ def apply(t: torch.Tensor, drop: Drop | None, out: torch.Tensor | None = None) -
         return t if out is None else out.copy_(t)
     if t.numel() >= 2**32:
         raise ValueError("LoRA dropout: a tensor of 2^32 elements or more")
-    scale = drop.scale(t.dtype)
-    lib = _library() if t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() else None
+    return registry.dispatch(OP, _APPLY, t, drop, out)
+
+
+def _apply_native(t: torch.Tensor, drop: Drop, out: torch.Tensor | None) -> torch.Tensor | None:
+    lib = _fused(t)
     if lib is None:
-        masked = t * torch.where(keep_mask(t.shape, drop, t.device), scale.to(t.device), 0)
-        return masked if out is None else out.copy_(masked)
+        return None
     if out is None:
         out = torch.empty_like(t)
     lib.twinkle_dropout_f32(
@@ -154,18 +163,27 @@ def apply(t: torch.Tensor, drop: Drop | None, out: torch.Tensor | None = None) -
         t.numel(),
         drop.seed,
         drop.drop_below,
-        float(scale),
+        float(drop.scale(t.dtype)),
         torch.get_num_threads(),
     )
     return out
 
 
+def _apply_torch(t: torch.Tensor, drop: Drop, out: torch.Tensor | None) -> torch.Tensor:
+    masked = t * torch.where(keep_mask(t.shape, drop, t.device), drop.scale(t.dtype).to(t.device), 0)
+    return masked if out is None else out.copy_(masked)
+
+
+_APPLY = {"native": _apply_native, "torch": _apply_torch}
+
+
 def _fused(*tensors: torch.Tensor | None) -> ctypes.CDLL | None:
-    """The library where every tensor given is a contiguous fp32 CPU tensor, else None."""
+    """The C kernel where every tensor given is a contiguous fp32 CPU tensor and backend
+    ``native`` is in the chain and usable (asked only then: it is built at first use), else None."""
     for t in tensors:
         if t is not None and not (t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous()):
             return None
-    return _library()
+    return _library() if registry.enabled(OP, "native") else None
 
 
 def bits_shape(adapters: int, tokens: int, hidden: int) -> tuple[int, int, int]:
@@ -203,16 +221,30 @@ def masked_low(
     masks: ``low[:, i r:(i + 1) r] = apply(flat, drops[i]) @ A_i^T`` (tokens, n * r), and where the
     kernel ran, the masks as bits for ``masked_input_grads`` (int16, ``bits_shape``: 1/32 of fp32
     ``flat`` per adapter), else None. ``out`` (tokens, n * r), any strides, receives ``low``."""
-    rank = _rank(lora_a, drops)
-    lib = _fused(flat, lora_a) if flat.numel() < 2**32 else None
+    _rank(lora_a, drops)
     if out is None:
         out = torch.empty(lora_a.shape[0], flat.shape[0], dtype=flat.dtype, device=flat.device).t()
+    return registry.dispatch(OP, _MASKED_LOW, flat, lora_a, drops, out)
+
+
+def _masked_low_torch(
+    flat: torch.Tensor, lora_a: torch.Tensor, drops: tuple[Drop, ...], out: torch.Tensor
+) -> tuple[torch.Tensor, None]:
+    rank = _rank(lora_a, drops)
+    for i, drop in enumerate(drops):  # r rows tall, as the nodes compute it
+        out[:, i * rank : (i + 1) * rank] = torch.mm(
+            lora_a[i * rank : (i + 1) * rank], apply(flat, drop).t()
+        ).t()
+    return out, None
+
+
+def _masked_low_native(
+    flat: torch.Tensor, lora_a: torch.Tensor, drops: tuple[Drop, ...], out: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    lib = _fused(flat, lora_a) if flat.numel() < 2**32 else None
     if lib is None:
-        for i, drop in enumerate(drops):  # r rows tall, as the nodes compute it
-            out[:, i * rank : (i + 1) * rank] = torch.mm(
-                lora_a[i * rank : (i + 1) * rank], apply(flat, drop).t()
-            ).t()
-        return out, None
+        return None
+    rank = _rank(lora_a, drops)
     tokens, hidden = flat.shape
     bits = torch.empty(bits_shape(len(drops), tokens, hidden), dtype=torch.int16)
     failed = lib.twinkle_lora_masked_down_f32(
@@ -222,6 +254,9 @@ def masked_low(
     if failed:
         raise MemoryError("LoRA dropout: no memory for the kernel's scratch")
     return out, bits
+
+
+_MASKED_LOW = {"native": _masked_low_native, "torch": _masked_low_torch}
 
 
 def masked_input_grads(
@@ -238,19 +273,48 @@ def masked_input_grads(
     adds the branches' shares of x's gradient to ``grad_x`` (when given; x's dtype, rounded once)
     and returns the stacked A's gradient (n * r, hidden; when ``need_a``). ``bits``: the masks
     ``masked_low`` kept, else they are recomputed from the seeds (the same masks)."""
+    _rank(lora_a, drops)
+    grad_a = torch.empty_like(lora_a) if need_a else None
+    registry.dispatch(OP, _INPUT_GRADS, flat, lora_a, g_low, drops, grad_x, grad_a, bits)
+    return grad_a
+
+
+def _input_grads_torch(
+    flat: torch.Tensor,
+    lora_a: torch.Tensor,
+    g_low: torch.Tensor,
+    drops: tuple[Drop, ...],
+    grad_x: torch.Tensor | None,
+    grad_a: torch.Tensor | None,
+    bits: torch.Tensor | None,
+) -> bool:
+    """``masked_input_grads`` with torch ops; the masks recomputed from their seeds."""
     rank = _rank(lora_a, drops)
+    for i, drop in enumerate(drops):
+        rows = slice(i * rank, (i + 1) * rank)
+        if grad_a is not None:
+            torch.mm(g_low[:, rows].t(), apply(flat, drop), out=grad_a[rows])
+        if grad_x is not None:
+            product = g_low[:, rows] @ lora_a[rows]
+            grad_x.add_(apply(product, drop, out=product).to(grad_x.dtype))
+    return True
+
+
+def _input_grads_native(
+    flat: torch.Tensor,
+    lora_a: torch.Tensor,
+    g_low: torch.Tensor,
+    drops: tuple[Drop, ...],
+    grad_x: torch.Tensor | None,
+    grad_a: torch.Tensor | None,
+    bits: torch.Tensor | None,
+) -> bool | None:
+    """``masked_input_grads`` in the C kernel, from the kept bits where given; None where it
+    does not take the call."""
     lib = _fused(flat, lora_a, grad_x) if flat.numel() < 2**32 and g_low.dtype == torch.float32 else None
     if lib is None:
-        grad_a = torch.empty_like(lora_a) if need_a else None
-        for i, drop in enumerate(drops):
-            rows = slice(i * rank, (i + 1) * rank)
-            if need_a:
-                torch.mm(g_low[:, rows].t(), apply(flat, drop), out=grad_a[rows])
-            if grad_x is not None:
-                product = g_low[:, rows] @ lora_a[rows]
-                grad_x.add_(apply(product, drop, out=product).to(grad_x.dtype))
-        return grad_a
-    grad_a = torch.empty_like(lora_a) if need_a else None
+        return None
+    rank = _rank(lora_a, drops)
     tokens, hidden = flat.shape
     if bits is not None and (
         bits.shape != bits_shape(len(drops), tokens, hidden) or not bits.is_contiguous()
@@ -266,4 +330,7 @@ def masked_input_grads(
     )  # fmt: skip
     if failed:
         raise MemoryError("LoRA dropout: no memory for the kernel's scratch")
-    return grad_a
+    return True
+
+
+_INPUT_GRADS = {"native": _input_grads_native, "torch": _input_grads_torch}

@@ -25,8 +25,9 @@ from twinkle.kernel.cpu_gemm import linear, times_weight
 from twinkle.kernel.lora import dropout
 from twinkle.kernel.lora.dropout import Drop
 
-registry.register_call("lora_linear", "fused", lambda: True, "nothing")
-registry.register_call("lora_linear", "peft", lambda: True, "nothing")
+OP = "lora_linear"
+registry.register_call(OP, "fused", lambda: True, "nothing")
+registry.register_call(OP, "peft", lambda: True, "nothing", plain=True)
 
 
 def _thin(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
@@ -233,16 +234,32 @@ def draw_drop(layer: Any, name: str) -> Drop | None:
     return None
 
 
+def _fused(layer: Any, x: torch.Tensor, args: tuple, kwargs: dict) -> torch.Tensor | None:
+    """Backend ``fused`` of ``lora_linear``: the call as one node, None where it is not plain LoRA."""
+    if not registry.enabled(OP, "fused"):
+        return None
+    name = fusable(layer, x, args, kwargs)
+    if name is None:
+        return None
+    base = layer.base_layer
+    a, b = layer.lora_A[name].weight, layer.lora_B[name].weight
+    return lora_linear(x, base.weight, base.bias, a, b, layer.scaling[name], draw_drop(layer, name))
+
+
+def _peft(layer: Any, x: torch.Tensor, args: tuple, kwargs: dict) -> torch.Tensor:
+    """Backend ``peft`` of ``lora_linear``: PEFT's own forward, for every call."""
+    return PeftLoraLinear.forward(layer, x, *args, **kwargs)
+
+
+_RUN = {"fused": _fused, "peft": _peft}
+
+
 class FusedLoraLinear(PeftLoraLinear):
-    """PEFT's LoRA linear layer whose plain-LoRA calls run as one autograd node."""
+    """PEFT's LoRA linear layer whose calls walk call op ``lora_linear``'s chain: plain-LoRA calls
+    as one autograd node (``fused``), every other call PEFT's forward (``peft``)."""
 
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        name = fusable(self, x, args, kwargs) if registry.enabled("lora_linear", "fused") else None
-        if name is None:
-            return super().forward(x, *args, **kwargs)
-        base = self.base_layer
-        a, b = self.lora_A[name].weight, self.lora_B[name].weight
-        return lora_linear(x, base.weight, base.bias, a, b, self.scaling[name], draw_drop(self, name))
+        return registry.dispatch(OP, _RUN, self, x, args, kwargs)
 
 
 def plain_loras(layers: tuple[Any, ...], x: torch.Tensor) -> list[str] | None:
@@ -250,9 +267,7 @@ def plain_loras(layers: tuple[Any, ...], x: torch.Tensor) -> list[str] | None:
     is plain LoRA (``fusable``); else None. For nodes that run several LoRA layers at once
     (``lora_mlp``, ``lora_qkv``), which draw each layer's dropout mask with ``draw_drop`` in the
     layers' order."""
-    if not registry.enabled("lora_linear", "fused") or any(
-        type(layer) is not FusedLoraLinear for layer in layers
-    ):
+    if not registry.enabled(OP, "fused") or any(type(layer) is not FusedLoraLinear for layer in layers):
         return None
     names = [fusable(layer, x, (), {}) for layer in layers]
     return None if None in names else names

@@ -23,8 +23,9 @@ Active adapter dropout is applied inside the node (``dropout.py``): gate's and u
 each mask x (both in one pass over it), down's masks the product; backward reads the masks' bits where the kernel kept them
 and recomputes them from their seeds elsewhere.
 
-``lora_mlp`` returns None where the MLP is not three plain-LoRA calls (see ``lora_linear``) or
-``TWINKLE_LORA_MLP`` is off; the caller then runs the layers one by one."""
+``lora_mlp`` walks call op ``lora_mlp``'s chain: ``fused`` (this node) where the MLP is three
+plain-LoRA calls (see ``lora_linear``) and ``TWINKLE_LORA_MLP`` is on, else ``modules``: it
+returns None and the caller runs the layers one by one."""
 
 from typing import Any
 
@@ -45,8 +46,9 @@ from twinkle.kernel.lora.linear import (
 )
 
 _SILU_BACKWARD = torch.ops.aten.silu_backward.grad_input
-registry.register_call("lora_mlp", "fused", lambda: True, "nothing")
-registry.register_call("lora_mlp", "modules", lambda: True, "nothing")
+OP = "lora_mlp"
+registry.register_call(OP, "fused", lambda: True, "nothing")
+registry.register_call(OP, "modules", lambda: True, "nothing", plain=True)
 
 
 class _LoraMLP(torch.autograd.Function):
@@ -198,12 +200,9 @@ def _paired_grads(grads, flat, lows, params, needs, scalings, drops, bits, need_
     return grad_x, layers[0], layers[1]
 
 
-def lora_mlp(mlp: Any, x: torch.Tensor, recompute: bool | None = None) -> torch.Tensor | None:
-    """``mlp.down_proj(silu(mlp.gate_proj(x)) * mlp.up_proj(x))`` as one node, or None when the
-    three projections are not plain LoRA layers. The caller checks
-    that the activation is silu. ``recompute``: keep only ``gate`` and ``up`` for backward
-    (default: on any device but the CPU)."""
-    if not registry.enabled("lora_mlp", "fused"):
+def _fused(mlp: Any, x: torch.Tensor, recompute: bool | None) -> torch.Tensor | None:
+    """Backend ``fused`` of ``lora_mlp``: the MLP as one node, None where it does not apply."""
+    if not registry.enabled(OP, "fused"):
         return None
     layers = (mlp.gate_proj, mlp.up_proj, mlp.down_proj)
     names = plain_loras(layers, x)
@@ -214,3 +213,20 @@ def lora_mlp(mlp: Any, x: torch.Tensor, recompute: bool | None = None) -> torch.
         recompute = x.device.type != "cpu"
     drops = tuple(draw_drop(layer, name) for layer, name in zip(layers, names, strict=True))
     return _LoraMLP.apply(x, recompute, scalings, drops, *params)
+
+
+def _modules(mlp: Any, x: torch.Tensor, recompute: bool | None) -> None:
+    """Backend ``modules`` of ``lora_mlp``: the caller runs the three layers one by one."""
+    return None
+
+
+_RUN = {"fused": _fused, "modules": _modules}
+
+
+def lora_mlp(mlp: Any, x: torch.Tensor, recompute: bool | None = None) -> torch.Tensor | None:
+    """``mlp.down_proj(silu(mlp.gate_proj(x)) * mlp.up_proj(x))`` as call op ``lora_mlp``'s chain
+    chooses: one node (``fused``, where the three projections are plain LoRA layers), or None
+    (``modules``: the caller runs the layers one by one). The caller checks that the activation
+    is silu. ``recompute``: keep only ``gate`` and ``up`` for backward (default: on any device
+    but the CPU)."""
+    return registry.dispatch(OP, _RUN, mlp, x, recompute)

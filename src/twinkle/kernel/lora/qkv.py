@@ -28,8 +28,9 @@ from twinkle.kernel.cpu_gemm import linear, times_weight
 from twinkle.kernel.lora import dropout
 from twinkle.kernel.lora.linear import draw_drop, lora_params, plain_loras
 
-registry.register_call("lora_qkv", "fused", lambda: True, "nothing")
-registry.register_call("lora_qkv", "modules", lambda: True, "nothing")
+OP = "lora_qkv"
+registry.register_call(OP, "fused", lambda: True, "nothing")
+registry.register_call(OP, "modules", lambda: True, "nothing", plain=True)
 
 
 def rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -198,14 +199,12 @@ def usable(layers: tuple[Any, ...], x: torch.Tensor) -> list[str] | None:
     return names
 
 
-def lora_qkv(
+def _fused(
     attention: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """``(rotated q, rotated k, v)`` of a Llama-style attention module for ``x`` of shape
-    (batch, tokens, hidden), each (batch, tokens, heads, head_dim), as one node; None where the
-    node does not apply (see ``usable``; also rotary tables that are not (batch or 1, tokens,
-    head_dim))."""
-    if not registry.enabled("lora_qkv", "fused"):
+    """Backend ``fused`` of ``lora_qkv``: the projections and rotation as one node, None where
+    it does not apply."""
+    if not registry.enabled(OP, "fused"):
         return None
     layers = (attention.q_proj, attention.k_proj, attention.v_proj)
     head_dim = attention.head_dim
@@ -225,3 +224,21 @@ def lora_qkv(
     params, scalings = lora_params(layers, names)
     drops = tuple(draw_drop(layer, name) for layer, name in zip(layers, names, strict=True))
     return _LoraQKV.apply(x, cos, sin, head_dim, scalings, drops, *params)
+
+
+def _modules(attention: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Backend ``modules`` of ``lora_qkv``: the caller runs the layers and the rotation itself."""
+    return None
+
+
+_RUN = {"fused": _fused, "modules": _modules}
+
+
+def lora_qkv(
+    attention: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """``(rotated q, rotated k, v)`` of a Llama-style attention module for ``x`` of shape
+    (batch, tokens, hidden), each (batch, tokens, heads, head_dim), as call op ``lora_qkv``'s
+    chain chooses: one node (``fused``, where ``usable`` says it applies and the rotary tables
+    are (batch or 1, tokens, head_dim)), or None (``modules``: the caller runs the layers)."""
+    return registry.dispatch(OP, _RUN, attention, x, cos, sin)
