@@ -40,6 +40,9 @@ ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 SCHEDULER = "scheduler.pt"
 OPTIMIZER = "optimizer.pt"
+# The training state a checkpoint holds beside the weights, by the adapter group's attribute:
+# (its file, what messages call it). ``save.state_parts`` writes them, ``load.load_state_parts`` loads them.
+STATE_PARTS = {"optimizer": (OPTIMIZER, "optimizer"), "lr_scheduler": (SCHEDULER, "LR schedule")}
 LAST = "last-checkpoint"
 FORMAT_VERSION = 1
 STATE_FIX = "resume from another checkpoint or start afresh"

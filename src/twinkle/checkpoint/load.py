@@ -166,6 +166,26 @@ def _load_adapter_weights(model: Any, folder: Path, adapter_name: str) -> None:
         raise UserError(f"checkpoint {folder} holds weights this model does not have (e.g. {unexpected[0]})")
 
 
+def load_state_parts(folder: Path, group: Any, *, verify: bool = True) -> list[str]:
+    """Load the training state parts of ``layout.STATE_PARTS`` (optimizer, LR schedule) from
+    ``folder`` into ``group``: each part the group has (not None) and the folder holds a file of.
+    The files are verified against the completion marker (``verify=False``: the caller already
+    did), then all read as data, before any part is loaded; a state that does not fit this run is
+    one ``UserError`` naming its file. The state does not depend on the weights, so callers load
+    it first: a refused part fails before the weights are replaced. Returns the parts loaded."""
+    if verify:
+        integrity.verify(folder, [name for name, _ in layout.STATE_PARTS.values()])
+    states = {
+        attr: read_state(folder / name)  # onto the CPU: the optimizer moves it to its parameters
+        for attr, (name, _) in layout.STATE_PARTS.items()
+        if getattr(group, attr) is not None and (folder / name).is_file()
+    }
+    for attr, state in states.items():
+        name, what = layout.STATE_PARTS[attr]
+        load_state_into(getattr(group, attr), folder / name, state, what)
+    return list(states)
+
+
 def load_checkpoint(
     folder: Path, *, model: Any, adapter_name: str, group: Any, rank: int, only_model: bool
 ) -> dict:
@@ -180,7 +200,7 @@ def load_checkpoint(
     rank_file = folder / layout.rank_state_file(rank)
     reads = [layout.ADAPTER_WEIGHTS]
     if not only_model:
-        reads += [rank_file.name, layout.OPTIMIZER, layout.SCHEDULER]
+        reads += [rank_file.name, *(name for name, _ in layout.STATE_PARTS.values())]
     integrity.verify(folder, reads)
     if only_model:
         _load_adapter_weights(model, folder, adapter_name)
@@ -193,15 +213,7 @@ def load_checkpoint(
         n: tuple((p.to_local() if hasattr(p, "to_local") else p).shape) for n, p in model.named_parameters()
     }
     rank_state = read_rank_state(rank_file, shapes)
-    opt_file, sched_file = folder / layout.OPTIMIZER, folder / layout.SCHEDULER
-    optimizer = read_state(opt_file) if group.optimizer is not None and opt_file.is_file() else None
-    schedule = read_state(sched_file) if group.lr_scheduler is not None and sched_file.is_file() else None
-    # The optimizer and the schedule first: their state does not depend on the weights, and a
-    # state that does not fit this run then fails the resume before the weights are replaced.
-    if optimizer is not None:
-        load_state_into(group.optimizer, opt_file, optimizer, "optimizer")
-    if schedule is not None:
-        load_state_into(group.lr_scheduler, sched_file, schedule, "LR schedule")
+    load_state_parts(folder, group, verify=False)  # before the weights: a misfit fails the resume first
     _load_adapter_weights(model, folder, adapter_name)
     _restore_rng(rank_file, rank_state["rng"])
     return {k: v for k, v in rank_state.items() if k != "rng"}

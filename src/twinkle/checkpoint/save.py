@@ -174,6 +174,21 @@ def data_only(obj: Any, what: str, name: str) -> None:
         ) from None
 
 
+def state_parts(group: Any, save_optimizer: bool) -> list[tuple[str, Any]]:
+    """(file, state dict) of each part of ``layout.STATE_PARTS`` the group has (not None), each
+    checked as data (``data_only``) before anything is written; the optimizer only with
+    ``save_optimizer``. ``load.load_state_parts`` reads them back."""
+    parts = []
+    for attr, (name, what) in layout.STATE_PARTS.items():
+        part = getattr(group, attr)
+        if part is None or (attr == "optimizer" and not save_optimizer):
+            continue
+        state = part.state_dict()
+        data_only(state, what, name)
+        parts.append((name, state))
+    return parts
+
+
 def _prepare(tmp: Path, final: Path) -> None:
     check_not_foreign(final)
     shutil.rmtree(tmp, ignore_errors=True)
@@ -190,16 +205,11 @@ def _write_files(
     # the serialiser (safetensors and torch.save report it as their own exception types).
     _torch_save(rank_state, tmp / layout.rank_state_file(rank))
     if rank == 0:
-        if group.lr_scheduler is not None:
-            data_only(group.lr_scheduler.state_dict(), "LR schedule", layout.SCHEDULER)
-        if save_optimizer and group.optimizer is not None:
-            data_only(group.optimizer.state_dict(), "optimizer", layout.OPTIMIZER)
-            _torch_save(group.optimizer.state_dict(), tmp / layout.OPTIMIZER)
+        for name, part in state_parts(group, save_optimizer):
+            _torch_save(part, tmp / name)
         _write_bytes(tmp / layout.ADAPTER_WEIGHTS, safetensors_bytes(adapter, metadata={"format": "pt"}))
         model.peft_config[adapter_name].save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        if group.lr_scheduler is not None:
-            _torch_save(group.lr_scheduler.state_dict(), tmp / layout.SCHEDULER)
         state = {**trainer_state, "format_version": layout.FORMAT_VERSION, "saved_optimizer": save_optimizer}
         (tmp / layout.TRAINER_STATE).write_text(json.dumps(state, indent=2))
 

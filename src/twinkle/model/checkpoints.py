@@ -13,9 +13,8 @@ from twinkle.checkpoint import (
     read_trainer_state,
     rotate_checkpoints,
     save_checkpoint,
-    verify_checkpoint,
 )
-from twinkle.checkpoint.load import load_adapter_weights, load_state_into, read_state
+from twinkle.checkpoint.load import load_adapter_weights, load_state_parts
 from twinkle.checkpoint.save import full_adapter_state
 from twinkle.distributed.collectives import all_reduce_sum
 from twinkle.model.lora import lora_signature
@@ -184,15 +183,7 @@ class Checkpoints:
                 "so load it with load_optimizer=False"
             )
         if load_optimizer:  # checked, read as data and loaded before the weights are replaced
-            verify_checkpoint(folder, [layout.OPTIMIZER, layout.SCHEDULER])
-            opt_file, sched_file = folder / layout.OPTIMIZER, folder / layout.SCHEDULER
-            optimizer = read_state(opt_file)  # onto the CPU: the optimizer moves it to its parameters
-            schedule = (
-                read_state(sched_file) if group.lr_scheduler is not None and sched_file.is_file() else None
-            )
-            load_state_into(group.optimizer, opt_file, optimizer, "optimizer")
-            if schedule is not None:
-                load_state_into(group.lr_scheduler, sched_file, schedule, "LR schedule")
+            load_state_parts(folder, group)
         load_adapter_weights(self.model, folder, group.adapter_name)
         if group.optimizer is not None:
             group.optimizer.sync_copies()

@@ -40,6 +40,9 @@ class OptimizerGroup:
     # the open window's (supervised tokens, NaN/inf seen, SIGTERM seen) over all ranks, once its
     # gradients are rescaled for the step; None until then (``TransformersModel._reduce_window``)
     reduced: tuple[float, float, float] | None = None
+    # the open window's gradient norm before clipping, once ``clip_grad_norm`` measured it; the
+    # step reuses it and, when it steps, makes it ``last_grad_norm``; None until then
+    window_grad_norm: float | None = None
     train_metrics: TokenMetrics = field(default_factory=TokenMetrics)
     eval_metrics: TokenMetrics = field(default_factory=TokenMetrics)
     # what raw rows pass through before the step (``set_template``, ``set_processor``); None:
@@ -55,6 +58,38 @@ class OptimizerGroup:
         """Step after exactly ``gradient_accumulation_steps`` micro-batches, and at the end of the data."""
         at_end = self.num_training_steps is not None and self.cur_step == self.num_training_steps
         return self.window_batches >= self.gradient_accumulation_steps or (at_end and self.window_batches > 0)
+
+    # The window's and the counters' transitions; the model's step calls run them in this order:
+    # add_micro_batch per backward, then stepped / skipped_nonfinite / skipped_without_tokens, then
+    # close_window (``TransformersModel``).
+    def add_micro_batch(self, samples: int, tokens: int, finite: bool) -> None:
+        """A micro-batch's gradients joined the open window (``cur_step`` counted before)."""
+        self.local_samples += samples
+        self.window_batches += 1
+        self.window_tokens += tokens
+        self.window_nonfinite = self.window_nonfinite or not finite
+
+    def stepped(self, grad_norm: float, lr: float) -> None:
+        """The optimizer stepped on the window, whose gradient norm was ``grad_norm``, at ``lr``."""
+        self.last_grad_norm, self.last_lr = grad_norm, lr
+        self.optimizer_steps += 1
+        self.consecutive_nonfinite = 0
+
+    def skipped_nonfinite(self) -> None:
+        """The window held a NaN/inf loss or gradient: no step."""
+        self.nonfinite_steps += 1
+        self.consecutive_nonfinite += 1
+
+    def skipped_without_tokens(self) -> None:
+        """The window held no supervised token on any rank: no step."""
+        self.skipped_steps += 1
+
+    def close_window(self) -> None:
+        """The next micro-batch opens a new window (its gradients are dropped by the caller)."""
+        self.window_tokens = self.window_batches = 0
+        self.window_nonfinite = False
+        self.reduced = None
+        self.window_grad_norm = None
 
     def state_dict(self) -> dict[str, Any]:
         return {

@@ -239,8 +239,8 @@ class TransformersModel(InputsAPI, MetricsAPI, Checkpoints):
         inputs = self._prepare_inputs(group, inputs)
         group.train_metrics.start_batch()
         batch = self._to_device(inputs)
-        # train() sets the flag on every module and reading them all walks them too (6.9 and
-        # 2.1 ms for SmolLM2-135M with LoRA, 2499 modules): set once, and again after an eval()
+        # train() sets the flag on every module and reading them all walks them too (thousands of
+        # modules with LoRA): set once, and again after an eval()
         if not (self._in_train_mode and self.model.training):
             self.model.train()
             self._in_train_mode = True
@@ -262,11 +262,9 @@ class TransformersModel(InputsAPI, MetricsAPI, Checkpoints):
         loss_sum = float(out.loss_sum.detach())
         group.cur_step += 1
         report.on_backward(self.runtime, group)  # progress (twinkle.metric.report)
-        group.local_samples += inputs["input_ids"].shape[0]
-        group.window_batches += 1
-        group.window_tokens += out.num_tokens
-        if not math.isfinite(loss_sum):
-            group.window_nonfinite = True
+        finite = math.isfinite(loss_sum)
+        group.add_micro_batch(inputs["input_ids"].shape[0], out.num_tokens, finite)
+        if not finite:
             return loss_sum  # kept out of the metrics, whose loss would otherwise read low
         correct = int(out.num_correct)
         group.train_metrics.update(
@@ -306,35 +304,40 @@ class TransformersModel(InputsAPI, MetricsAPI, Checkpoints):
         self, max_grad_norm: float | None = None, norm_type: float = 2, adapter_name: str | None = None
     ) -> float:
         """Clip the window's gradients (their global ``norm_type`` norm, after the rescale to the
-        token mean) to ``max_grad_norm`` (default: ``--max-grad-norm``, 1.0); returns the norm
-        before clipping."""
+        token mean) to ``max_grad_norm`` (default: ``--max-grad-norm``, 1.0; 0 measures without
+        clipping); returns the norm before clipping, which ``step`` reports as ``grad_norm``."""
         max_grad_norm = run_defaults().max_grad_norm if max_grad_norm is None else max_grad_norm
         group = self._group(adapter_name)
         total, _, _ = self._reduce_window(group)
         if total == 0:
             return 0.0
-        group.last_grad_norm = clip_gradients(group.optimizer.copies, max_grad_norm, norm_type)
-        return group.last_grad_norm
+        group.window_grad_norm = clip_gradients(group.optimizer.copies, max_grad_norm, norm_type)
+        return group.window_grad_norm
 
     def step(self, max_nonfinite_steps: int = 5, adapter_name: str | None = None) -> bool:
         """The optimizer step on the window's gradients (rescaled, clipped if ``clip_grad_norm``
-        ran); skipped when the window has no supervised token or a NaN/inf loss or gradient.
-        Returns whether it stepped. ``zero_grad()`` closes the window."""
+        ran); returns whether it stepped. ``zero_grad()`` closes the window.
+
+        The step is skipped when the window has no supervised token on any rank, or a NaN/inf
+        loss or gradient (counted in the ``nonfinite_steps`` metric); ``max_nonfinite_steps`` such
+        windows in a row stop training, and so does such a window at the end of the data, or a
+        run without any supervised token (``twinkle.model.health``)."""
         group = self._group(adapter_name)
         total, nonfinite, _ = self._reduce_window(group)
         if total == 0:
-            group.skipped_steps += 1
+            group.skipped_without_tokens()
             logger.warning("no supervised token in this accumulation window; the optimizer step is skipped")
             health.check_window_without_tokens(group)
             return False
-        norm = clip_gradients(group.optimizer.copies, math.inf)  # the norm only: no clipping
+        norm = group.window_grad_norm
+        if norm is None:  # clip_grad_norm did not run: measure only, without clipping
+            norm = clip_gradients(group.optimizer.copies, math.inf)
         if nonfinite or not math.isfinite(norm):
             self._drop_nonfinite_window(group, max_nonfinite_steps)
             return False
-        group.last_lr = group.optimizer.param_groups[0]["lr"]
+        lr = group.optimizer.param_groups[0]["lr"]
         group.optimizer.step()
-        group.optimizer_steps += 1
-        group.consecutive_nonfinite = 0
+        group.stepped(norm, lr)
         return True
 
     def zero_grad(self, adapter_name: str | None = None) -> None:
@@ -344,9 +347,7 @@ class TransformersModel(InputsAPI, MetricsAPI, Checkpoints):
         preempted = group.reduced is not None and group.reduced[2]
         if group.optimizer is not None:
             group.optimizer.zero_grad(set_to_none=True)
-        group.window_tokens = group.window_batches = 0
-        group.window_nonfinite = False
-        group.reduced = None
+        group.close_window()
         if preempted:
             self._save_and_exit(group)
 
@@ -363,44 +364,25 @@ class TransformersModel(InputsAPI, MetricsAPI, Checkpoints):
         max_nonfinite_steps: int = 5,
         adapter_name: str | None = None,
     ) -> bool:
-        """Step the optimizer when the accumulation window is full; returns whether it stepped.
-        The gradients are clipped to ``max_grad_norm`` (default: ``--max-grad-norm``, 1.0).
-
-        A window whose loss or gradient is NaN/inf on any rank is dropped (counted in the
-        ``nonfinite_steps`` metric); ``max_nonfinite_steps`` such windows in a row stop training, and
-        so does such a window at the end of the data, or a run without any supervised token
-        (``twinkle.model.health``)."""
+        """Once the accumulation window is full: ``clip_grad_norm``, ``step``, ``lr_step`` (when it
+        stepped and a schedule is set) and ``zero_grad``; returns whether it stepped. Before
+        that, returns False and leaves the window open. ``max_grad_norm`` and
+        ``max_nonfinite_steps`` go to ``clip_grad_norm`` and ``step``."""
         group = self._group(adapter_name)
         if group.optimizer is None:
             raise UserError("call set_optimizer(...) before clip_grad_and_step()")
         if not group.window_is_full():
             return False
-        max_grad_norm = run_defaults().max_grad_norm if max_grad_norm is None else max_grad_norm
-        total, nonfinite, _ = self._reduce_window(group)
-        stepped = False
-        if total == 0:
-            group.skipped_steps += 1
-            logger.warning("no supervised token in this accumulation window; the optimizer step is skipped")
-            health.check_window_without_tokens(group)
-        else:
-            grad_norm = clip_gradients(group.optimizer.copies, max_grad_norm)
-            if nonfinite or not math.isfinite(grad_norm):
-                self._drop_nonfinite_window(group, max_nonfinite_steps)
-            else:
-                group.last_grad_norm = grad_norm
-                group.last_lr = group.optimizer.param_groups[0]["lr"]
-                group.optimizer.step()
-                group.optimizer_steps += 1
-                group.consecutive_nonfinite = 0
-                stepped = True
-                if group.lr_scheduler is not None:
-                    group.lr_scheduler.step()
-        self.zero_grad(adapter_name=group.adapter_name)
+        name = group.adapter_name
+        self.clip_grad_norm(max_grad_norm, adapter_name=name)
+        stepped = self.step(max_nonfinite_steps, adapter_name=name)
+        if stepped and group.lr_scheduler is not None:
+            self.lr_step(adapter_name=name)
+        self.zero_grad(adapter_name=name)
         return stepped
 
     def _drop_nonfinite_window(self, group: OptimizerGroup, limit: int) -> None:
-        group.nonfinite_steps += 1
-        group.consecutive_nonfinite += 1
+        group.skipped_nonfinite()
         logger.warning(
             f"NaN/inf loss or gradient at step {group.cur_step}: update skipped "
             f"({group.consecutive_nonfinite} in a row, {group.nonfinite_steps} in all)"

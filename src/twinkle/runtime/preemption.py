@@ -6,8 +6,8 @@ process at once, with one line on stderr.
 ``initialize()`` installs the handler (in the main thread; elsewhere a signal cannot be caught
 and SIGTERM keeps its default). The loop begins at the first training forward
 (``TransformersModel.forward`` calls ``loop_started()``); from then on the handler only sets a
-flag, which ``TransformersModel.clip_grad_and_step`` asks ``requested()`` about after each
-optimizer step; under several processes the ranks agree on it in the step's own all-reduce, so
+flag, which the model's optimizer step asks ``requested()`` about (in the window's all-reduce,
+and at ``zero_grad`` it saves); under several processes the ranks agree on it in the step's own all-reduce, so
 they all save the same step. A second SIGTERM ends the process at once.
 
 Ending at once means dying by SIGTERM with its default action (exit status 143 in a shell), as a
