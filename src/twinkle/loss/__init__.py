@@ -1,10 +1,11 @@
 """Token losses over supervised positions, and upstream's loss classes.
 
-Public names: ``Loss``, ``HeadLoss``, ``CrossEntropyLoss``, ``ChunkedCrossEntropyLoss``,
+The protocol every loss follows is in ``twinkle.loss.base``. Public names: ``Loss``, ``HeadLoss``,
+``LossView``, ``UpstreamLoss``, ``as_loss``, ``CrossEntropyLoss``, ``ChunkedCrossEntropyLoss``,
 ``FusedLinearCrossEntropyLoss``, ``LigerFusedLinearCrossEntropyLoss``, ``MSELoss``, ``LOSSES``,
 ``build_loss``, ``resolve_loss``, ``LossOutput``, ``fused_linear_cross_entropy``."""
 
-from twinkle.loss.base import HeadLoss, Loss
+from twinkle.loss.base import HeadLoss, Loss, LossView, UpstreamLoss, as_loss
 from twinkle.loss.chunked_cross_entropy import ChunkedCrossEntropyLoss
 from twinkle.loss.cross_entropy import CrossEntropyLoss, LossOutput
 from twinkle.loss.fused_linear_ce import FusedLinearCrossEntropyLoss, fused_linear_cross_entropy
@@ -15,6 +16,9 @@ from twinkle.loss.registry import LOSSES, build_loss, resolve_loss
 __all__ = [
     "Loss",
     "HeadLoss",
+    "LossView",
+    "UpstreamLoss",
+    "as_loss",
     "CrossEntropyLoss",
     "ChunkedCrossEntropyLoss",
     "FusedLinearCrossEntropyLoss",

@@ -5,8 +5,9 @@ The model's own forward runs with its output head swapped for the identity, so t
 next token is supervised (see ``twinkle.loss``). Running the top-level forward (rather than the
 inner decoder) keeps FSDP2's root hooks in play, which gather the embedding and final norm.
 
-A loss of upstream's convention (``loss(inputs, outputs)``, any callable that is not a
-``twinkle.loss.HeadLoss``) gets the real logits instead (``outputs_loss``)."""
+A loss of upstream's convention (``consumes = "positions"``: ``loss(inputs, outputs)``, any
+callable that is not a ``twinkle.loss.HeadLoss``) gets the real logits instead
+(``positions_view``)."""
 
 import contextlib
 from collections.abc import Iterator, Mapping
@@ -15,8 +16,9 @@ from typing import Any
 import torch
 
 from twinkle.kernel.lora.linear import plain_linear
-from twinkle.loss import HeadLoss, LossOutput
-from twinkle.loss.cross_entropy import target_logps, top_is_target
+from twinkle.loss import LossOutput
+from twinkle.loss.base import POSITIONS, Loss, LossView, as_loss
+from twinkle.loss.cross_entropy import target_logps
 from twinkle.model.packing import can_pack, pack, shifted_targets
 from twinkle.template.base import IGNORE_INDEX
 from twinkle.utils.errors import UserError
@@ -69,65 +71,83 @@ def _model_inputs(lm: Any, batch: dict[str, Any], padding_free: bool) -> tuple[d
     return inputs, shifted_targets(batch["labels"], batch["attention_mask"])
 
 
+def _extras(loss: Loss, batch: Mapping[str, Any]) -> None:
+    missing = [k for k in loss.extra_inputs if not torch.is_tensor(batch.get(k))]
+    # a rank's empty share of a short last batch is one unlabelled pad: nothing to weigh
+    if missing and bool((batch["labels"] != IGNORE_INDEX).any()):
+        raise UserError(
+            f"the loss {loss.name} needs the batch tensor(s) {missing}; add them to every batch "
+            "(per-token values aligned with labels)"
+        )
+
+
 def compute_loss(
     model: Any, batch: dict[str, torch.Tensor], loss_fn: Any, padding_free: bool = True
 ) -> LossOutput:
-    """Summed token loss of ``batch`` (labels aligned with ``input_ids``, shifted here).
+    """Summed token loss of ``batch`` (labels aligned with ``input_ids``, shifted here): the
+    model computes what ``loss_fn.consumes`` asks for (``twinkle.loss.base``), once, and the
+    loss computes the ``LossOutput`` from it. A plain callable is wrapped (``as_loss``).
 
     With ``padding_free`` the batch runs packed into one row (see ``twinkle.model.packing``);
-    the loss is the same either way."""
+    the loss is the same either way. A loss with extra inputs runs on the padded batch."""
     lm = causal_lm_of(model)
-    if not isinstance(loss_fn, HeadLoss):
-        return outputs_loss(lm, batch, loss_fn)
+    loss = as_loss(loss_fn)
+    _extras(loss, batch)
+    if loss.consumes == POSITIONS:
+        return loss.compute(positions_view(lm, batch, loss))
+    return loss.compute(rows_view(lm, batch, padding_free and not loss.extra_inputs, loss.extra_inputs))
+
+
+def _next_position(values: torch.Tensor) -> torch.Tensor:
+    """``(B, L)`` values aligned with the labels -> aligned with the targets (shifted by one)."""
+    return torch.cat([values[:, 1:], torch.zeros_like(values[:, :1])], dim=1)
+
+
+def _rows_of(values: torch.Tensor | None, targets_2d: torch.Tensor) -> torch.Tensor:
+    """An extra input at each position's target: a per-token ``(B, L)`` tensor aligned with the
+    labels is shifted like them; a per-sample ``(B,)`` one holds for every token of its sample;
+    an absent one (an empty rank's pad, see ``_extras``) is zero."""
+    if values is None:
+        return torch.zeros(targets_2d.shape, device=targets_2d.device)
+    if values.dim() == 1:
+        return values[:, None].expand(targets_2d.shape)
+    return _next_position(values)
+
+
+def rows_view(lm: Any, batch: dict[str, Any], padding_free: bool, extra_inputs: tuple[str, ...]) -> LossView:
+    """The supervised rows: their hidden states and the head, or their logits where the head
+    cannot run apart from the model; ``extra_inputs`` at the same rows (padded batch only)."""
     inputs, targets_2d = _model_inputs(lm, batch, padding_free)
     mask = targets_2d != IGNORE_INDEX
     targets = targets_2d[mask]
+    extras = {k: _rows_of(batch.get(k), targets_2d)[mask] for k in extra_inputs}
     head = lm.get_output_embeddings()
     # a head that is not a plain Linear (a LoRA on lm_head, a wrapper) runs as the model's own
     if has_logit_transform(lm) or not plain_linear(head):
         logits = lm(**inputs, use_cache=False).logits[mask].float()
-        return loss_fn.logits_loss(logits, targets)
+        return LossView(targets=targets, logits=logits, extras=extras)
     with head_as_identity(head):
         hidden = lm(**inputs, use_cache=False).logits[mask]
     bias = getattr(head, "bias", None)
-    return loss_fn.head_loss(
-        hidden, full_weight(head.weight), targets, None if bias is None else full_weight(bias)
+    return LossView(
+        targets=targets,
+        hidden=hidden,
+        weight=full_weight(head.weight),
+        bias=None if bias is None else full_weight(bias),
+        extras=extras,
     )
 
 
-def outputs_loss(lm: Any, batch: dict[str, torch.Tensor], loss_fn: Any) -> LossOutput:
-    """``loss_fn(inputs, outputs)`` on the padded batch (never packed, so the loss sees
-    ``(batch, seq)`` shapes): ``inputs`` is the batch with each position's target as ``labels``
-    (-100 where none); ``outputs`` holds ``logps`` (unless ``loss_fn.require_logps`` is False)
-    and ``logits`` (if ``loss_fn.require_logits``), in fp32. A result with a non-zero
-    ``num_tokens`` is a sum over that many tokens; otherwise (a bare scalar, or ``num_tokens``
-    0) it is a mean over the supervised tokens, and its sum is the mean times their count, so
-    training still takes the mean over every supervised token of the global batch."""
-    if getattr(loss_fn, "require_entropy", False):
+def positions_view(lm: Any, batch: dict[str, torch.Tensor], loss: Loss) -> LossView:
+    """The padded batch (never packed, so the loss sees ``(batch, seq)`` shapes): every
+    position's target, the fp32 logits, and the targets' log-probabilities if required."""
+    if loss.require_entropy:
         raise UserError(
-            f"{type(loss_fn).__name__}.require_entropy is not supported yet: require_entropy; the model "
+            f"{loss.name}.require_entropy is not supported yet: require_entropy; the model "
             "hands logps and logits, compute the entropy from outputs['logits'] (require_logits = True)"
         )
     targets = shifted_targets(batch["labels"], batch["attention_mask"])
     model_inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids")}
     logits = lm(**model_inputs, use_cache=False).logits.float()
-    mask = targets != IGNORE_INDEX
-    outputs: dict[str, Any] = {"logits": logits if getattr(loss_fn, "require_logits", False) else None}
-    if getattr(loss_fn, "require_logps", True):
-        outputs["logps"] = target_logps(logits, targets)
-    result = loss_fn({**batch, "labels": targets}, outputs)
-    loss = result.get("loss") if isinstance(result, Mapping) else result
-    if not (torch.is_tensor(loss) and loss.numel() == 1):
-        raise UserError(
-            f"the loss {getattr(loss_fn, '__name__', type(loss_fn).__name__)} returned {type(result).__name__}; "
-            "return a scalar tensor or {'loss': scalar tensor, 'num_tokens': ...}"
-        )
-    loss = loss.reshape(()).float()
-    supervised = int(mask.sum())
-    counted = result.get("num_tokens") if isinstance(result, Mapping) else None
-    if counted is not None and int(counted) != 0:
-        num_tokens, loss_sum = (int(counted) if supervised else 0), loss
-    else:
-        num_tokens, loss_sum = supervised, loss * supervised
-    correct = top_is_target(logits[mask].detach(), targets[mask])
-    return LossOutput(loss=loss, loss_sum=loss_sum, num_tokens=num_tokens, num_correct=correct)
+    logps = target_logps(logits, targets) if loss.require_logps else None
+    return LossView(targets=targets, logits=logits, logps=logps, batch=batch)

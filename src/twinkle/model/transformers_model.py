@@ -14,7 +14,7 @@ import torch
 from twinkle.distributed.collectives import all_reduce_sum
 from twinkle.distributed.fsdp import apply_fsdp2
 from twinkle.kernel import cpu_gemm as gemm
-from twinkle.loss import FusedLinearCrossEntropyLoss, HeadLoss, build_loss, resolve_loss
+from twinkle.loss import FusedLinearCrossEntropyLoss, HeadLoss, as_loss, build_loss, resolve_loss
 from twinkle.metric import report
 from twinkle.model import health
 from twinkle.model.activation_checkpointing import LayerCheckpointing
@@ -191,8 +191,9 @@ class TransformersModel(InputsAPI, MetricsAPI, Checkpoints):
 
     def set_loss(self, loss_cls: Any, adapter_name: str | None = None, **kwargs: Any) -> None:
         """``loss_cls``: a name in ``twinkle.loss.LOSSES`` or a class (built with ``kwargs``), or
-        a loss instance or callable ``(inputs, outputs) -> loss`` (``twinkle.loss.base``)."""
-        self._group(adapter_name).loss_fn = resolve_loss(loss_cls, **kwargs)
+        a loss instance or callable ``(inputs, outputs) -> loss`` (``twinkle.loss.base``), which is
+        wrapped here, once, into a ``twinkle.loss.Loss``."""
+        self._group(adapter_name).loss_fn = as_loss(resolve_loss(loss_cls, **kwargs))
 
     # ----------------------------------------------------------------- steps
     def _to_device(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -220,8 +221,14 @@ class TransformersModel(InputsAPI, MetricsAPI, Checkpoints):
             if unfusable or getattr(loss, "ignore_index", IGNORE_INDEX) != IGNORE_INDEX:
                 raise UserError(
                     f"task='fused_lm_ce' replaces the loss by FusedLinearCrossEntropyLoss, which cannot compute "
-                    f"{type(loss).__name__} as it is set; use task='causal_lm'"
+                    f"{getattr(loss, 'name', type(loss).__name__)} as it is set; use task='causal_lm'"
                 )
+            logger.info(
+                "task='fused_lm_ce': %s(reduction=%r) replaced by FusedLinearCrossEntropyLoss (the same "
+                "cross-entropy, one chunk of logits at a time)",
+                type(loss).__name__,
+                loss.reduction,
+            )
             group.loss_fn = FusedLinearCrossEntropyLoss(reduction=loss.reduction)
         return group.loss_fn
 

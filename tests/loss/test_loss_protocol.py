@@ -1,0 +1,207 @@
+"""The loss protocol (``twinkle.loss.base``): a loss declares what it consumes and the model
+computes that once; a new loss is one file (``TokenWeightedCrossEntropyLoss``); plain callables
+are wrapped once by ``set_loss``; the fused choices are explicit."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+from tiny import TINY_LLAMA_SHAPE
+from tolerances import chain_tolerances, tiny_batch_sums, tiny_llama_sums
+
+import twinkle.loss.liger_fused_linear_cross_entropy as liger_module
+import twinkle.model.transformers_model as tm
+from twinkle.dataloader import DataLoader
+from twinkle.loss import (
+    CrossEntropyLoss,
+    FusedLinearCrossEntropyLoss,
+    LigerFusedLinearCrossEntropyLoss,
+    Loss,
+    UpstreamLoss,
+    as_loss,
+)
+from twinkle.loss.token_weighted_ce import TokenWeightedCrossEntropyLoss
+from twinkle.model.forward import compute_loss
+from twinkle.utils.errors import UserError
+
+VOCAB, IGNORE = 64, -100
+
+
+def _llama(tied: bool) -> transformers.LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        **TINY_LLAMA_SHAPE, vocab_size=VOCAB, tie_word_embeddings=tied, attn_implementation="sdpa"
+    )
+    return transformers.LlamaForCausalLM(config)
+
+
+def _batch(lengths: list[int]) -> dict[str, torch.Tensor]:
+    """Right-padded rows, the first 3 tokens unscored, and a weight per label in [0, 2)."""
+    width = max(lengths)
+    torch.manual_seed(1)
+    mask = (torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]).long()
+    ids = torch.randint(1, VOCAB, (len(lengths), width)) * mask
+    labels = ids.masked_fill(mask == 0, IGNORE)
+    labels[:, :3] = IGNORE
+    positions = (torch.arange(width)[None, :] * mask).long()
+    weights = torch.rand(len(lengths), width) * 2
+    return {
+        "input_ids": ids,
+        "labels": labels,
+        "attention_mask": mask,
+        "position_ids": positions,
+        "loss_weights": weights,
+    }
+
+
+def _weighted_reference(model, batch) -> torch.Tensor:
+    """``sum(w * CE)`` from the model's real logits: position t predicts label t+1 with its weight."""
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
+    targets = batch["labels"][:, 1:]
+    per_token = F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1), reduction="none")
+    return (per_token * batch["loss_weights"][:, 1:].reshape(-1)).sum()
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_token_weighted_ce_weighs_each_supervised_token(tied):
+    model = _llama(tied)
+    batch = _batch([10, 7, 9])
+    expected = _weighted_reference(model, batch)
+    out = compute_loss(model, batch, TokenWeightedCrossEntropyLoss(), padding_free=True)
+    sums = tiny_llama_sums(batch["input_ids"].shape[1], VOCAB) + [batch["input_ids"].numel()]
+    torch.testing.assert_close(out.loss_sum, expected, **chain_tolerances(sums, expected))
+    assert out.num_tokens == int((batch["labels"][:, 1:] != IGNORE).sum())
+    # weights differ from 1 by ~0.5 a token: the unweighted loss is far outside the tolerance
+    plain = compute_loss(model, batch, CrossEntropyLoss(reduction="sum")).loss_sum
+    assert not torch.allclose(plain, expected, **chain_tolerances(sums, expected))
+    # a zero weight takes the token out of the loss and out of the gradient
+    batch["loss_weights"][1:] = 0
+    only_first = compute_loss(model, batch, TokenWeightedCrossEntropyLoss()).loss_sum
+    first = {k: v[:1, :10] for k, v in batch.items()}
+    torch.testing.assert_close(
+        only_first, _weighted_reference(model, first), **chain_tolerances(sums, expected)
+    )
+
+
+def test_token_weighted_ce_trains_through_the_model(make_model, dataset):
+    model = make_model()
+    model.set_loss(TokenWeightedCrossEntropyLoss)
+    batch = next(iter(DataLoader(dataset, batch_size=2)))
+    with pytest.raises(UserError, match=r"needs the batch tensor\(s\) \['loss_weights'\]; add them"):
+        model.forward_backward(inputs=batch)
+    weighted = dict(batch, loss_weights=torch.zeros(batch["labels"].shape))
+    assert model.forward_backward(inputs=weighted) == 0.0  # every token weighs nothing
+    grads = [p.grad for p in model.model.parameters() if p.grad is not None]
+    assert grads and all(float(g.abs().sum()) == 0 for g in grads)
+    ones = dict(batch, loss_weights=torch.ones(batch["labels"].shape))
+    model.set_loss("CrossEntropyLoss", reduction="sum")
+    ce = torch.tensor(model.forward_only(inputs=batch))
+    model.set_loss(TokenWeightedCrossEntropyLoss)
+    weighted_ce = torch.tensor(model.forward_only(inputs=ones))
+    # all-ones weights: plain cross-entropy, summed in another order (padded, not packed)
+    torch.testing.assert_close(weighted_ce, ce, **chain_tolerances(tiny_batch_sums(batch["input_ids"]), ce))
+
+
+def test_set_loss_wraps_a_callable_once_and_keeps_a_loss(make_model):
+    model = make_model()
+
+    def my_loss(inputs, outputs):
+        return outputs["logps"].sum()
+
+    model.set_loss(my_loss)
+    wrapped = model.optimizer_group["default"].loss_fn
+    assert isinstance(wrapped, UpstreamLoss) and wrapped.fn is my_loss and wrapped.name == "my_loss"
+    assert as_loss(wrapped) is wrapped and "loss=my_loss " in model.get_train_configs()
+    loss = CrossEntropyLoss()
+    model.set_loss(loss)
+    assert model.optimizer_group["default"].loss_fn is loss
+
+    class Odd(Loss):
+        consumes = "everything"
+
+    with pytest.raises(UserError, match=r"Odd.consumes='everything'; use 'rows' or 'positions'"):
+        as_loss(Odd())
+
+
+def test_fused_lm_ce_swap_is_logged(make_model, dataset, monkeypatch):
+    logged = []
+    monkeypatch.setattr(tm.logger, "info", lambda msg, *args, **kw: logged.append(msg % args))
+    model = make_model()
+    batch = next(iter(DataLoader(dataset, batch_size=2)))
+    model.forward_backward(inputs=batch, task="fused_lm_ce")
+    assert isinstance(model.optimizer_group["default"].loss_fn, FusedLinearCrossEntropyLoss)
+    assert [m for m in logged if "replaced by FusedLinearCrossEntropyLoss" in m] == [
+        "task='fused_lm_ce': CrossEntropyLoss(reduction='sum') replaced by FusedLinearCrossEntropyLoss "
+        "(the same cross-entropy, one chunk of logits at a time)"
+    ]
+
+
+def _rows(seed: int = 0):
+    torch.manual_seed(seed)
+    hidden = torch.randn(23, 16, requires_grad=True)
+    weight = torch.randn(50, 16, requires_grad=True)
+    return hidden, weight, torch.randint(0, 50, (23,))
+
+
+def test_liger_loss_runs_liger_kernel_where_available(monkeypatch):
+    calls = []
+
+    def fake_liger(hidden, weight, targets, bias=None, ignore_index=IGNORE, reduction="mean"):
+        calls.append((ignore_index, reduction))
+        return F.cross_entropy(F.linear(hidden, weight, bias), targets, reduction=reduction)
+
+    monkeypatch.setattr(liger_module, "liger_kernel_for", lambda hidden: fake_liger)
+    hidden, weight, targets = _rows()
+    out = LigerFusedLinearCrossEntropyLoss(chunk_rows=5).head_loss(hidden, weight, targets)
+    assert calls == [(IGNORE, "sum")]
+    logits = F.linear(hidden, weight).detach()
+    assert torch.equal(out.loss_sum, F.cross_entropy(F.linear(hidden, weight), targets, reduction="sum"))
+    expected_correct = (logits.gather(1, targets[:, None]).squeeze(1) == logits.amax(-1)).sum()
+    assert int(out.num_correct) == int(expected_correct) and out.num_tokens == 23
+    out.loss_sum.backward()
+    assert hidden.grad is not None and weight.grad is not None
+
+
+def test_liger_loss_without_liger_is_twinkles_fused_kernel_bit_for_bit(monkeypatch):
+    monkeypatch.setattr(liger_module, "_liger_function", lambda: None)
+    hidden, weight, targets = _rows(1)
+    assert liger_module.liger_kernel_for(hidden) is None
+    ours = LigerFusedLinearCrossEntropyLoss(chunk_rows=5).head_loss(hidden, weight, targets)
+    fused = FusedLinearCrossEntropyLoss(chunk_rows=5).head_loss(hidden, weight, targets)
+    assert torch.equal(ours.loss_sum, fused.loss_sum) and torch.equal(ours.num_correct, fused.num_correct)
+
+
+class _Recorder(CrossEntropyLoss):
+    """Cross-entropy that keeps the view it was handed."""
+
+    extra_inputs = ("advantages", "loss_weights")
+
+    def compute(self, view):
+        self.view = view
+        return super().compute(view)
+
+
+def test_extra_inputs_reach_the_loss_at_its_rows_or_as_they_are():
+    model = _llama(tied=False)
+    batch = _batch([10, 7, 9])
+    batch["advantages"] = torch.tensor([0.5, -1.0, 2.0])  # one per sample, as GRPO's
+    loss = _Recorder(reduction="sum")
+    compute_loss(model, batch, loss)
+    targets = batch["labels"][:, 1:]
+    sample, position = (targets != IGNORE).nonzero(as_tuple=True)
+    assert torch.equal(loss.view.targets, targets[sample, position])
+    assert torch.equal(loss.view.extras["advantages"], batch["advantages"][sample])
+    assert torch.equal(loss.view.extras["loss_weights"], batch["loss_weights"][:, 1:][sample, position])
+
+    seen = {}
+
+    def upstream(inputs, outputs):
+        seen.update(inputs)
+        return outputs["logps"].sum()
+
+    upstream.extra_inputs = ("advantages",)
+    compute_loss(model, batch, upstream)
+    assert seen["advantages"] is batch["advantages"] and seen["loss_weights"] is batch["loss_weights"]
+    del batch["advantages"]
+    with pytest.raises(UserError, match=r"the loss upstream needs the batch tensor\(s\) \['advantages'\]"):
+        compute_loss(model, batch, upstream)
