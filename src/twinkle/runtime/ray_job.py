@@ -37,6 +37,8 @@ PLACEMENT_SECONDS = 30  # to reserve the workers' resources; Ray itself would wa
 CONNECT_SECONDS = 5  # for an address to answer
 # what the workers get from the driver's environment, besides every TWINKLE_ variable
 PASSED = ("PYTHONPATH", "HF_HOME", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE")
+# How long the other ranks may take to report after one rank's script failed (see ``wait``)
+DEATH_GRACE_SECONDS = 10
 CHECKPOINT_PREFIXES = ("checkpoint-", "last-checkpoint")
 
 
@@ -225,19 +227,26 @@ class Attempt:
         }
 
     def wait(self) -> Outcome | None:
-        """The first failing rank's outcome, or None when every rank exited cleanly."""
+        """The failing rank's outcome, or None when every rank exited cleanly. A worker that died
+        is the cause over a rank that failed: when one rank's script fails, the others get up to
+        ``DEATH_GRACE_SECONDS`` to report, because a killed worker's peers see their collective
+        cut off (a gloo read error) before Ray reports the death itself."""
         pending = list(self.runs)
+        failed: Outcome | None = None
         while pending:
-            done, pending = self.ray.wait(pending, num_returns=1)
+            timeout = None if failed is None else DEATH_GRACE_SECONDS
+            done, pending = self.ray.wait(pending, num_returns=1, timeout=timeout)
+            if not done:
+                break
             rank = self.runs[done[0]]
             try:
                 code, cause = self.ray.get(done[0])
             except self.ray.exceptions.RayActorError as exc:
                 first = next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), type(exc).__name__)
                 return Outcome(rank, 1, f"the worker process died ({first})")
-            if code != 0:
-                return Outcome(rank, code, cause)
-        return None
+            if code != 0 and failed is None:
+                failed = Outcome(rank, code, cause)
+        return failed
 
     def terminate(self) -> None:
         """SIGTERM to every worker: they save at the next step boundary and exit."""
