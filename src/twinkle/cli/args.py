@@ -14,6 +14,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from twinkle.runtime.runtime import MAX_SEED
 from twinkle.template.base import TRUNCATION_STRATEGIES
 from twinkle.template.registry import TEMPLATES
 from twinkle.utils.errors import UserError
@@ -26,7 +27,6 @@ _AT_LEAST_0 = (lambda v: v >= 0, ">= 0")
 _POSITIVE = (lambda v: v > 0, "> 0")
 # torch.manual_seed takes a seed below 2**64, and each rank of a distributed run seeds itself with
 # seed + 1_000_003 * rank: a seed below 2**63 leaves that offset room for any number of ranks.
-MAX_SEED = 2**63 - 1
 _SEED = (
     lambda v: 0 <= v <= MAX_SEED,
     f"in [0, {MAX_SEED}] (2**63 - 1: torch seeds are 64-bit and each rank adds an offset)",
