@@ -8,7 +8,8 @@ from peft import LoraConfig
 from twinkle.dataset import Dataset
 from twinkle.kernel import switches
 from twinkle.model import TransformersModel
-from twinkle.runtime import RunDefaults, set_run_defaults
+from twinkle.runtime import run_config
+from twinkle.runtime import runtime as runtime_module
 
 sys.path.insert(0, str(Path(__file__).parent / "assets"))
 
@@ -40,12 +41,14 @@ def _one_thread():
 
 
 @pytest.fixture(autouse=True)
-def _fresh_run_defaults_and_switches():
-    """A parsed command line sets the run defaults, and a test may set kernel switches; neither
-    may reach the next test."""
-    before = switches.values()
+def _fresh_run_context_and_switches():
+    """A test may parse a command line (whose configuration waits for ``initialize``), initialize
+    a run with its own configuration, or set kernel switches; none of it may reach the next test."""
+    before, runtime, hook = switches.values(), runtime_module._RUNTIME, sys.excepthook
     yield
-    set_run_defaults(RunDefaults())
+    run_config.take_handed_over()
+    runtime_module._RUNTIME = runtime
+    sys.excepthook = hook
     switches.set_switches(before)
 
 

@@ -121,3 +121,38 @@ def test_import_twinkle_has_no_side_effects():
     env = {k: v for k, v in os.environ.items() if not k.endswith("CACHE_CAPACITY")}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+PARSE_THEN_INITIALIZE = """
+import os, signal, sys, tempfile
+from pathlib import Path
+import torch
+out = Path(tempfile.mkdtemp()) / "out"
+sys.argv = ["train.py", "--seed", "7", "--skip-bad-rows", "--max-grad-norm", "0.5", "--output-dir", str(out)]
+state = lambda: (sys.excepthook, signal.getsignal(signal.SIGTERM), torch.random.get_rng_state().sum().item())
+import twinkle
+from twinkle.cli import CLI
+from twinkle.dataset import Dataset
+from twinkle.runtime import RunDefaults, run_defaults
+before = state()
+args = CLI.from_args()
+assert args.infra.seed == 7 and args.dataset.skip_bad_rows
+assert state() == before, "parsing changed the process"
+assert run_defaults() == RunDefaults() and Dataset().skip_bad_rows is False
+assert not out.exists(), "parsing created the output dir"
+runtime = twinkle.initialize()
+hook, sigterm, rng = state()
+assert hook is not before[0] and sigterm is not before[1] and rng != before[2]
+assert runtime.seed == 7 and runtime.defaults.max_grad_norm == 0.5 and runtime.defaults is run_defaults()
+assert Dataset().skip_bad_rows is True and Dataset(skip_bad_rows=False).skip_bad_rows is False
+assert (out / ".twinkle.lock").exists(), "initialize did not lock the run's output dir"
+"""
+
+
+def test_parsing_the_command_line_changes_nothing_until_initialize():
+    """``CLI.from_args()`` only parses; ``initialize()`` applies the run (excepthook, SIGTERM
+    handler, seeds, configuration, output-dir lock), in a fresh process as a script runs."""
+    done = subprocess.run(
+        [sys.executable, "-c", PARSE_THEN_INITIALIZE], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+import twinkle
 from twinkle.cli import CLI, TEMPLATE_NAMES, Args
 from twinkle.cli.fields import SPECS
 from twinkle.runtime import RunDefaults, run_defaults
@@ -47,7 +48,7 @@ def test_defaults():
     assert args.extra == {}
 
 
-def test_a_parse_hands_the_run_defaults_to_the_runtime():
+def test_a_parse_hands_the_run_defaults_to_initialize():
     assert run_defaults() == RunDefaults()
     CLI.from_args(
         [
@@ -62,16 +63,20 @@ def test_a_parse_hands_the_run_defaults_to_the_runtime():
         ],
         env={},
     )
-    parsed = run_defaults()
+    assert run_defaults() == RunDefaults()  # parsed, not applied
+    parsed = twinkle.initialize().defaults
+    assert parsed is run_defaults()
     assert parsed.run_args["infra"]["seed"] == 7  # the command line, saved with the metrics
     assert parsed == RunDefaults(
         seed=7,
         process_group_timeout_s=30,
         dtype="bfloat16",
         activation_checkpointing="on",
+        lock_output_dir=True,  # a CLI run owns its output dir
         report_to=(),  # a CLI run records metrics.jsonl
         run_args=parsed.run_args,
     )
+    assert twinkle.initialize().defaults == RunDefaults()  # handed over once
 
 
 def test_upstream_run_line():

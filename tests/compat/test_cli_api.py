@@ -7,11 +7,12 @@ import os
 
 import pytest
 
+import twinkle
 from twinkle.cli import CLI
 from twinkle.cli.cli import format_help
 from twinkle.dataset import Dataset, DatasetMeta
 from twinkle.model import TransformersModel
-from twinkle.runtime import RunDefaults, run_defaults
+from twinkle.runtime import RunDefaults
 from twinkle.utils.errors import UserError
 
 
@@ -59,7 +60,7 @@ def test_the_new_fields_parse_from_flags_env_and_files(tmp_path):
 
 def test_the_run_defaults_carry_max_grad_norm_and_model_cls():
     parse("--max-grad-norm", "0.25", "--model-cls", "Qwen3ForCausalLM")
-    defaults = run_defaults()
+    defaults = twinkle.initialize().defaults
     assert (defaults.max_grad_norm, defaults.model_cls) == (0.25, "Qwen3ForCausalLM")
     assert defaults.seed == RunDefaults().seed  # the rest as parsed by default
 

@@ -76,7 +76,7 @@ def test_an_output_folder_that_is_not_empty(checkpoint, tmp_path, capsys):
     code, err = run(capsys, "--adapter", str(checkpoint), "--output", str(out))
     assert_one_line_error(code, err, "exists and is not empty", "--overwrite")
     assert sorted(p.name for p in out.iterdir()) == ["keep.txt"]
-    # --overwrite replaces only an earlier export (tests/hardening/test_data_safety.py)
+    # --overwrite replaces only an earlier export (tests/run/test_data_safety.py)
     code, err = run(capsys, "--adapter", str(checkpoint), "--output", str(out), "--overwrite")
     assert_one_line_error(code, err, "is not a folder twinkle export wrote")
     assert sorted(p.name for p in out.iterdir()) == ["keep.txt"]

@@ -100,7 +100,7 @@ def test_local_folder_with_config(tiny_model_dir):
 
 
 def test_local_folder_is_checked(tmp_path):
-    """The first of the folder checks; the others: tests/hardening/test_model_folders.py."""
+    """The first of the folder checks; the others: tests/hub/test_model_folders.py."""
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(UserError, match=r'config.json has no "model_type"'):
         resolve_model(str(tmp_path))

@@ -237,11 +237,13 @@ def test_dtype_flag_sets_the_base_weights_and_keeps_lora_fp32(
 ):
     from peft import LoraConfig
 
+    import twinkle
     import twinkle.kernel.lora.linear as lora_linear
     from twinkle.cli import CLI
     from twinkle.model import TransformersModel
 
     CLI.from_args(["--dtype", flag])
+    twinkle.initialize()
     model = TransformersModel(str(tiny_model_dir))
     model.add_adapter_to_model("default", LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
     model.set_optimizer("AdamW", lr=1e-2)

@@ -29,7 +29,6 @@ from pathlib import Path
 from typing import Any
 
 from twinkle.checkpoint import integrity
-from twinkle.runtime import output_lock
 from twinkle.utils.errors import UserError
 from twinkle.utils.fileio import COMPLETE_MARKER, is_complete
 from twinkle.utils.logger import get_logger
@@ -100,9 +99,8 @@ def check_output_dir(output_dir: str | Path) -> None:
     """Raise ``UserError`` at start-up if checkpoints could not be written under ``output_dir``
     (its nearest existing ancestor is a file, or not writable) or its ``last-checkpoint`` is a
     folder Twinkle did not write, rather than after hours of training; warn about other foreign
-    ``checkpoint-N`` folders (a save to one of those names fails). Creates nothing; the folder
-    becomes the one ``initialize()`` locks for this run when the run defaults name it next
-    (``twinkle.runtime.output_lock``)."""
+    ``checkpoint-N`` folders (a save to one of those names fails). Creates nothing (the run's lock
+    is ``initialize()``'s, ``twinkle.runtime.output_lock``)."""
     path = Path(output_dir).expanduser().absolute()
     existing = next(folder for folder in (path, *path.parents) if folder.exists())
     if not existing.is_dir():
@@ -120,7 +118,6 @@ def check_output_dir(output_dir: str | Path) -> None:
             f"{folder} has no {MARKER}, so Twinkle did not write it: it is never resumed from, rotated "
             "or replaced, and a save under that name fails"
         )
-    output_lock.expect(output_dir)
 
 
 def _field_problem(state: dict[str, Any]) -> str | None:

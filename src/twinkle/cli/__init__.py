@@ -2,7 +2,7 @@
 
 Public names:
     CLI        -- ``CLI.from_args(argv=None, env=None, config_file=None, env_file=None) -> Args``;
-                  the parse also sets the run defaults (``twinkle.runtime.set_run_defaults``)
+                  it hands the run's configuration to ``twinkle.initialize()``, which applies it
     Args       -- typed groups ``infra dataset template model training lora optimizer
                   scheduler``, plus ``extra``, ``get_lora_args()``, upstream's
                   ``get_<group>_args()`` dicts, ``get()`` and ``to_dict()``

@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from twinkle.metric.sinks import parse_report_to
-from twinkle.runtime import RunDefaults, set_run_defaults
+from twinkle.runtime import RunDefaults, hand_over
 from twinkle.utils.errors import INTERRUPTED, UserError
 
 from .args import GROUPS, Args
@@ -40,10 +40,12 @@ class CLI:
         ``os.environ``. Precedence, lowest first: defaults < env_file < config_file < --config <
         environment < flags.
 
-        ``-h``/``--help`` prints the usage and exits 0. The parsed values a run needs beyond the
-        script's own calls (seed, process-group timeout, dtype, activation checkpointing, gradient
-        clipping, model class) become the process's run defaults
-        (``twinkle.runtime.set_run_defaults``); ``--skip-bad-rows`` becomes ``Dataset``'s default.
+        ``-h``/``--help`` prints the usage and exits 0. Parsing changes nothing in the process:
+        the values a run needs beyond the script's own calls (seed, process-group timeout, dtype,
+        activation checkpointing, gradient clipping, model class, skip-bad-rows, the output dir
+        and its metric sinks) are handed over as a ``RunDefaults`` (``twinkle.runtime.hand_over``),
+        which ``twinkle.initialize()`` applies; so is the hook that prints a ``UserError`` as one
+        line, for a command line read from ``sys.argv`` without ``--debug``.
         """
         if isinstance(env, str | os.PathLike):
             raise UserError(
@@ -78,10 +80,7 @@ class CLI:
                 raise
             print(f"error: {' '.join(str(exc).split())}", file=sys.stderr)
             sys.exit(2)
-        set_run_defaults(defaults)
-        _set_dataset_defaults(args)
-        if from_sys and not args.infra.debug:
-            sys.excepthook = _one_line_user_errors
+        hand_over(defaults, _one_line_user_errors if from_sys and not args.infra.debug else None)
         return args
 
 
@@ -108,7 +107,7 @@ def check_output_dir_use(args: Args) -> None:
 
 
 def run_defaults_of(args: Args) -> RunDefaults:
-    """What ``initialize`` and ``TransformersModel`` take from a parsed command line."""
+    """The run configuration of a parsed command line (``twinkle.runtime.run_config``)."""
     return RunDefaults(
         seed=args.infra.seed,
         process_group_timeout_s=args.infra.process_group_timeout,
@@ -116,24 +115,17 @@ def run_defaults_of(args: Args) -> RunDefaults:
         activation_checkpointing=args.model.activation_checkpointing,
         strategy=args.model.strategy,
         output_dir=args.training.output_dir,
+        lock_output_dir=True,
         max_restarts=args.infra.max_restarts,
         ray_address=args.infra.ray_address,
         ray_placement=args.infra.ray_placement,
         max_grad_norm=args.optimizer.max_grad_norm,
         model_cls=args.model.model_cls,
+        skip_bad_rows=args.dataset.skip_bad_rows,
         report_to=parse_report_to(args.training.report_to),
         resuming=args.training.resume_from_checkpoint is not None,
         run_args=args.to_dict(),
     )
-
-
-def _set_dataset_defaults(args: Args) -> None:
-    """``--skip-bad-rows`` becomes the default of every ``Dataset`` the script builds (its class
-    attribute; ``Dataset(skip_bad_rows=...)`` overrides it), as the run defaults do for
-    ``initialize`` and the model."""
-    from twinkle.dataset import Dataset
-
-    Dataset.skip_bad_rows = args.dataset.skip_bad_rows
 
 
 _PEER_LOST = ("Connection closed by peer", "Connection reset by peer")

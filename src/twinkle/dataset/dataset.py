@@ -31,15 +31,16 @@ class Dataset:
     wrong type, empty text, unknown roles, no assistant turn; or nothing left to learn after the
     template) is an error naming its file, line and field. With ``skip_bad_rows`` such rows are
     dropped instead, and each step that drops some logs one line with their count and the first
-    few. ``skip_bad_rows=None`` takes the class attribute, which the command line parser sets from
-    ``--skip-bad-rows`` (so a script that builds ``Dataset(meta)`` gets the flag's choice)."""
-
-    skip_bad_rows: bool = False
+    few. ``skip_bad_rows=None`` takes the run's configuration (``--skip-bad-rows`` once
+    ``twinkle.initialize()`` applied the command line; else False)."""
 
     def __init__(self, dataset_meta: DatasetMeta | None = None, skip_bad_rows: bool | None = None):
         self.template: Template | None = None
-        if skip_bad_rows is not None:
-            self.skip_bad_rows = skip_bad_rows
+        if skip_bad_rows is None:
+            from twinkle.runtime import run_defaults
+
+            skip_bad_rows = run_defaults().skip_bad_rows
+        self.skip_bad_rows = skip_bad_rows
         # (DatasetMeta.get_id() or None once several were merged, rows); and where each row came from
         self._parts: list[tuple[str | None, datasets.Dataset]] = []
         self._origins: list[RowOrigin] = []

@@ -6,8 +6,9 @@ micro-batch (the progress) and ``on_metrics`` from every ``calculate_metric`` (o
 per call: ``kind`` train or eval, ``step`` (micro-batches, the script's ``cur_step``), ``time``
 (Unix seconds), ``elapsed_s``, the metric numbers with lr, grad_norm and tokens_per_second, and
 ``peak_memory_mb``: ``torch.cuda.max_memory_allocated`` on CUDA, the process's peak RSS
-elsewhere). Only rank 0 records, and only in a run whose command line the CLI parsed
-(``RunDefaults.report_to`` is then a tuple): a library call writes nothing.
+elsewhere). Only rank 0 records, and only in a run whose configuration names sinks
+(``RunDefaults.report_to`` is a tuple: a parsed command line's, or a script's
+``initialize(run=...)``): a library call writes nothing.
 
 A resumed run appends to the file; its steps continue, as the step counter is restored. A fresh
 run starts the file again. Each line is flushed when written, so a crashed run keeps its
@@ -32,7 +33,7 @@ import torch
 from twinkle.metric.curves import draw_curves
 from twinkle.metric.progress import Progress, _clock
 from twinkle.metric.sinks import SINK_FOLDERS, open_sinks
-from twinkle.runtime import RunDefaults, run_defaults
+from twinkle.runtime import RunDefaults
 from twinkle.runtime.output_lock import LOCK_FILE
 from twinkle.utils.errors import UserError
 from twinkle.utils.fileio import open_no_follow, refuse_link_message
@@ -181,7 +182,7 @@ _ACTIVE: list[RunReport | None] = [None]
 
 def current(runtime: Any) -> RunReport | None:
     """This run's report on rank 0 of a CLI-parsed run, else None."""
-    defaults = run_defaults()
+    defaults = runtime.defaults
     if defaults.report_to is None or not runtime.is_main:
         return None
     report = _ACTIVE[0]

@@ -21,7 +21,7 @@ from twinkle.model.lora import lora_signature
 from twinkle.model.resume import check_resumable, fast_forward_scheduler
 from twinkle.model.step import local_grad, restore_grad
 from twinkle.model.train_state import OptimizerGroup
-from twinkle.runtime import preemption, run_defaults
+from twinkle.runtime import preemption
 from twinkle.utils.errors import UserError
 from twinkle.utils.logger import get_logger
 
@@ -217,7 +217,7 @@ class Checkpoints:
         """Preempted (SIGTERM): save ``checkpoint-<step>`` under the run's output dir and exit
         with ``PREEMPTED_EXIT_CODE``; ``--resume-from-checkpoint auto`` continues from it."""
         (samples,) = all_reduce_sum([group.local_samples])
-        output_dir = run_defaults().output_dir
+        output_dir = self.runtime.defaults.output_dir
         logger.warning(f"SIGTERM: saving checkpoint-{group.cur_step} under {output_dir} and exiting")
         self.save(
             f"checkpoint-{group.cur_step}",

@@ -29,7 +29,7 @@ from twinkle.model.step import clip_gradients
 from twinkle.model.train_state import OptimizerGroup
 from twinkle.optim import build_optimizer, build_scheduler
 from twinkle.optim.replicated import ReplicatedOptimizer
-from twinkle.runtime import get_runtime, preemption, run_defaults
+from twinkle.runtime import get_runtime, preemption
 from twinkle.template.base import IGNORE_INDEX
 from twinkle.utils.errors import UserError
 from twinkle.utils.logger import get_logger
@@ -73,7 +73,7 @@ class TransformersModel(InputsAPI, MetricsAPI, Checkpoints):
         ``accelerate`` are FSDP2; ``ddp`` keeps a whole model per rank and needs
         ``--fsdp-size 1``), ``ddp_config``, ``fsdp_config`` (``twinkle.model.options``)."""
         runtime = get_runtime()
-        defaults = run_defaults()
+        defaults = runtime.defaults
         if strategy is None and not ddp_config:
             strategy = defaults.strategy
         self.strategy = resolve_strategy(strategy, ddp_config, fsdp_config)
@@ -313,7 +313,7 @@ class TransformersModel(InputsAPI, MetricsAPI, Checkpoints):
         """Clip the window's gradients (their global ``norm_type`` norm, after the rescale to the
         token mean) to ``max_grad_norm`` (default: ``--max-grad-norm``, 1.0; 0 measures without
         clipping); returns the norm before clipping, which ``step`` reports as ``grad_norm``."""
-        max_grad_norm = run_defaults().max_grad_norm if max_grad_norm is None else max_grad_norm
+        max_grad_norm = self.runtime.defaults.max_grad_norm if max_grad_norm is None else max_grad_norm
         group = self._group(adapter_name)
         total, _, _ = self._reduce_window(group)
         if total == 0:

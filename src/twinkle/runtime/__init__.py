@@ -1,18 +1,18 @@
 """The process runtime: ``initialize``, ``get_runtime``, ``get_device_placement``, ``shutdown``,
-and the run defaults (``RunDefaults``, ``set_run_defaults``, ``run_defaults``).
+and the run's configuration (``RunDefaults``, ``run_defaults``, ``hand_over``).
 
 ``initialize()`` is the one place that touches process-wide state: seeds, the device, the
-process group when torchrun started several processes, and the lock on the run's output dir
-(``output_lock``)."""
+process group when torchrun started several processes, the lock on the run's output dir
+(``output_lock``), the SIGTERM handler and the one-line error hook; the configuration it
+applies comes from ``initialize(run=...)`` or from the CLI (``twinkle.cli``) (``hand_over``)."""
 
+from twinkle.runtime.run_config import RunDefaults, hand_over
 from twinkle.runtime.runtime import (
-    RunDefaults,
     Runtime,
     get_device_placement,
     get_runtime,
     initialize,
     run_defaults,
-    set_run_defaults,
     shutdown,
 )
 
@@ -23,6 +23,6 @@ __all__ = [
     "get_runtime",
     "get_device_placement",
     "run_defaults",
-    "set_run_defaults",
+    "hand_over",
     "shutdown",
 ]

@@ -1,11 +1,11 @@
 """One run per output folder: ``<output_dir>/.twinkle.lock``, held with ``flock`` while the run lives.
 
-Which folder: the CLI checks ``--output-dir`` while parsing (``check_output_dir`` calls ``expect``)
-and hands it over in the run defaults (``set_run_defaults`` calls ``arm``). ``initialize()``
-then takes the lock (``take_for_run``), before the process group forms, in the one process that
-owns the folder: rank 0 under torchrun (the other ranks of the job never ask, so they cannot
-refuse each other) and the driver under ``--mode ray`` (its workers never ask, so they cannot wait
-on it). A script that does not parse its command line with the CLI takes no lock.
+Which folder: the run configuration's ``output_dir`` when the run owns it
+(``RunDefaults.lock_output_dir``, set by the CLI, or by a script's ``initialize(run=...)``).
+``initialize()`` takes the lock (``take_for_run``), before the process group forms, in the one
+process that owns the folder: rank 0 under torchrun (the other ranks of the job never ask, so they
+cannot refuse each other) and the driver under ``--mode ray`` (its workers never ask, so they
+cannot wait on it). A library call that only builds a model takes no lock.
 
 A second run into the same folder is refused with one ``UserError`` naming the pid, host and
 start time written in the file. The OS drops a ``flock`` when its process dies, however it dies:
@@ -32,29 +32,13 @@ LOCK_FILE = ".twinkle.lock"
 _ATTEMPTS = 5  # a holder that removes the file as we open it: lock the new file instead
 
 _held: dict[str, tuple[int, Path, int]] = {}  # real path of the folder -> (fd, lock file, owner pid)
-_state: dict[str, Any] = {"checked": None, "armed": None, "exit_hook": False}
-
-
-def expect(output_dir: str | os.PathLike) -> None:
-    """The CLI checked ``output_dir`` for this run; ``arm`` follows with the run defaults."""
-    _state["checked"] = str(output_dir)
-
-
-def arm(defaults: Any) -> None:
-    """``defaults`` became the run defaults: they are a run's when they name the folder the CLI
-    just checked (a reset to the dataclass defaults is not)."""
-    checked, _state["checked"] = _state["checked"], None
-    _state["armed"] = defaults if checked is not None and defaults.output_dir == checked else None
-
-
-def disarm() -> None:
-    _state["armed"] = None
+_state: dict[str, Any] = {"exit_hook": False}
 
 
 def take_for_run(defaults: Any, owner: bool) -> None:
-    """Lock ``defaults.output_dir`` when ``defaults`` came from the CLI and this process owns the
-    folder (``owner``: rank 0 of torchrun, a single process, or the Ray driver)."""
-    if owner and defaults is not None and defaults is _state["armed"]:
+    """Lock ``defaults.output_dir`` when the run owns it and this process owns the folder
+    (``owner``: rank 0 of torchrun, a single process, or the Ray driver)."""
+    if owner and defaults.lock_output_dir:
         acquire(defaults.output_dir)
 
 

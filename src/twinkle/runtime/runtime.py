@@ -1,16 +1,13 @@
-"""``Runtime``: mode, mesh, rank and device of this process, created once by ``initialize``; and
-``RunDefaults``: what a run uses where a call leaves a value out (seed, process-group timeout,
-dtype, activation checkpointing).
-
-The CLI hands the parsed command line's values over with ``set_run_defaults`` (so a script need
-not pass ``args`` to ``initialize`` or ``TransformersModel``); without a CLI they are the
-dataclass's defaults. An explicit argument always wins."""
+"""``Runtime``: mode, mesh, rank, device, seed and run configuration of this process, created
+once by ``initialize``, the one place that applies a run's process-wide effects."""
 
 import atexit
 import datetime
 import os
 import random
-from dataclasses import dataclass
+import sys
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -19,45 +16,12 @@ import torch.distributed as dist
 from twinkle.distributed.fsdp import release_process_groups
 from twinkle.distributed.mesh import DeviceMesh
 from twinkle.runtime import output_lock, preemption
+from twinkle.runtime.run_config import RunDefaults, take_handed_over
 from twinkle.utils.errors import UserError
 from twinkle.utils.framework import Torch
 
 MODES = ("local", "ray")
 RAY_WORKER = "TWINKLE_RAY_WORKER"  # set in the processes a Ray job's driver starts
-DEFAULT_SEED = 42
-
-
-@dataclass(frozen=True)
-class RunDefaults:
-    seed: int = DEFAULT_SEED
-    process_group_timeout_s: int = 600  # how long a collective waits for a dead peer
-    dtype: str = "auto"  # the weights' dtype: auto (bf16 on accelerators, fp32 on CPU), float32, bfloat16
-    activation_checkpointing: str = "auto"  # auto, on, off
-    strategy: str = "fsdp"  # how several processes hold the model: fsdp or ddp
-    output_dir: str = "output"  # where a preempted run saves its checkpoint and metrics.jsonl goes
-    max_restarts: int = 0  # Ray: relaunches after a worker dies
-    ray_address: str | None = None  # Ray: the cluster to join; None: $RAY_ADDRESS, else a local one
-    ray_placement: str = "pack"  # Ray: "pack" or "spread" the workers over the nodes
-    max_grad_norm: float = 1.0  # clip_grad_and_step's gradient-norm bound when the call gives none
-    model_cls: str | None = None  # the transformers class to load; None: AutoModelForCausalLM
-    # A CLI-parsed run records its metrics (``twinkle.metric.report``): the --report-to sinks, ()
-    # for the JSONL alone; None (a library call) records nothing.
-    report_to: tuple[str, ...] | None = None
-    resuming: bool = False  # the run resumes a checkpoint: its metrics.jsonl is appended to
-    run_args: dict | None = None  # the parsed command line, saved next to the metrics
-
-
-_DEFAULTS = [RunDefaults()]
-
-
-def set_run_defaults(defaults: RunDefaults) -> None:
-    """Make ``defaults`` this process's run defaults (the CLI calls this after parsing)."""
-    _DEFAULTS[0] = defaults
-    output_lock.arm(defaults)
-
-
-def run_defaults() -> RunDefaults:
-    return _DEFAULTS[0]
 
 
 @dataclass
@@ -68,6 +32,7 @@ class Runtime:
     local_rank: int
     device: torch.device
     seed: int
+    defaults: RunDefaults = field(default_factory=RunDefaults)
 
     @property
     def world_size(self) -> int:
@@ -110,16 +75,45 @@ def initialize(
     global_device_mesh: DeviceMesh | None = None,
     seed: int | None = None,
     timeout_s: int | None = None,
+    *,
+    run: RunDefaults | None = None,
 ) -> Runtime:
-    """Set up this process: seed, device (cuda > npu > cpu) and, under torchrun, the process group.
+    """Set up this process for a run, and apply the run's configuration; nothing else in Twinkle
+    changes process-wide state.
 
-    ``seed`` defaults to the run defaults' (``--seed``, else 42). Every rank uses the same seed
-    so that LoRA weights start identical on all ranks. ``timeout_s`` bounds how long a
-    collective waits for a dead peer (default: the run defaults', ``--process-group-timeout``).
+    The configuration is ``run``, else the one the CLI (``twinkle.cli``) parsed and handed over, else
+    ``RunDefaults()`` (a library call). Its effects, in order:
 
-    A run whose command line the CLI parsed takes the lock on its ``--output-dir`` here, in rank 0
-    or the Ray driver: a second run into that folder is refused (``output_lock``)."""
+    - for a command-line run, ``sys.excepthook`` printing a ``UserError`` as one line;
+    - the lock on ``output_dir`` when the run owns it (``lock_output_dir``: the CLI's runs), taken
+      in rank 0 or the Ray driver before the process group forms (``output_lock``);
+    - under ``--mode ray``, in the driver: the job on the workers, then exit with its status;
+    - the device (cuda > npu > cpu) and, under torchrun, the process group, whose collectives wait
+      ``timeout_s`` (default ``process_group_timeout_s``) for a dead peer;
+    - the seeds (``seed``, default the configuration's): every rank the same, so that LoRA weights
+      start identical;
+    - the SIGTERM handler that saves at the next step boundary (``preemption``).
+
+    The configuration then lives in ``Runtime.defaults``, where components built afterwards read
+    what their call leaves out (``run_defaults()``): dtype, activation checkpointing, strategy,
+    model class, gradient clipping, skip-bad-rows and the metric sinks."""
+    handed = take_handed_over()  # an explicit ``run`` replaces it
+    if run is None and handed is not None:
+        return _start(mode, global_device_mesh, seed, timeout_s, handed.defaults, handed.excepthook)
+    return _start(mode, global_device_mesh, seed, timeout_s, run or RunDefaults(), None)
+
+
+def _start(
+    mode: str,
+    global_device_mesh: DeviceMesh | None,
+    seed: int | None,
+    timeout_s: int | None,
+    run: RunDefaults,
+    excepthook: Any,
+) -> Runtime:
     global _RUNTIME
+    if excepthook is not None:  # first, so that every refusal below is one line
+        sys.excepthook = excepthook
     if mode not in MODES:
         raise UserError(f"--mode: {mode!r} is not one of {', '.join(MODES)}")
     if seed is not None and not (isinstance(seed, int) and 0 <= seed <= MAX_SEED):
@@ -129,8 +123,8 @@ def initialize(
         # the driver: run this script on the workers and end with the job's exit code
         from twinkle.runtime.ray_job import run_job
 
-        output_lock.take_for_run(run_defaults(), owner=True)  # held for the workers, who never ask
-        raise SystemExit(run_job(global_device_mesh or DeviceMesh.from_sizes(), run_defaults()))
+        output_lock.take_for_run(run, owner=True)  # held for the workers, who never ask
+        raise SystemExit(run_job(global_device_mesh or DeviceMesh.from_sizes(), run))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     mesh = global_device_mesh or DeviceMesh.from_sizes(world_size=world)
     if mesh.world_size != world:
@@ -139,27 +133,32 @@ def initialize(
             f"process(es); launch with torchrun --nproc_per_node {mesh.world_size} or change --fsdp-size/--dp-size"
         )
     rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
-    output_lock.take_for_run(run_defaults(), owner=rank == 0 and not ray_worker)
+    output_lock.take_for_run(run, owner=rank == 0 and not ray_worker)
     device = _pick_device(local_rank)
     if world > 1 and not dist.is_initialized():
         if timeout_s is None:
-            timeout_s = run_defaults().process_group_timeout_s
+            timeout_s = run.process_group_timeout_s
         backend = {"cuda": "nccl", "npu": "hccl"}.get(device.type, "gloo")
         dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
         atexit.register(shutdown)
-    seed = run_defaults().seed if seed is None else seed
+    seed = run.seed if seed is None else seed
     seed_everything(seed)
     preemption.install()
-    _RUNTIME = Runtime(mode=mode, mesh=mesh, rank=rank, local_rank=local_rank, device=device, seed=seed)
+    _RUNTIME = Runtime(mode, mesh, rank, local_rank, device, seed, run)
     return _RUNTIME
 
 
 def get_runtime() -> Runtime:
-    """The runtime of this process; a single-process CPU/GPU runtime if ``initialize`` was not called."""
+    """The runtime of this process; a single-process CPU/GPU runtime with the default
+    configuration if ``initialize`` was not called (a library call: it owns no output folder)."""
     if _RUNTIME is None:
-        output_lock.disarm()  # started by a library call, not by the script: no run to lock for
-        return initialize()
+        return _start("local", None, None, None, RunDefaults(), None)  # leaves a parsed command line waiting
     return _RUNTIME
+
+
+def run_defaults() -> RunDefaults:
+    """The run's configuration (``Runtime.defaults``), or ``RunDefaults()`` before ``initialize``."""
+    return RunDefaults() if _RUNTIME is None else _RUNTIME.defaults
 
 
 def shutdown() -> None:

@@ -1,6 +1,9 @@
 """Runs that cannot succeed end at once with one line: a run that learns nothing (no supervised
 token, a NaN/inf eval loss, a diverged last step), a damaged ``run_args.json`` read by
-``twinkle eval``, SIGTERM before the training loop, and Ctrl-C."""
+``twinkle eval``, SIGTERM before the training loop, and Ctrl-C.
+
+In ``tests/run`` because a run ends early from several packages: the model's health checks,
+``twinkle eval``, and the runtime's signal handling."""
 
 import errno
 import json
@@ -284,8 +287,12 @@ def test_ctrl_c_in_the_script_prints_one_line(tiny_model_dir, tmp_path):
 
 
 def test_ctrl_c_ends_a_cli_parsed_process_as_interrupted(tmp_path):
-    """In a fresh interpreter (the exit status is Python's own): status 130 in a shell."""
-    code = "import time; from twinkle.cli import CLI; CLI.from_args(); print('ready', flush=True); time.sleep(120)"
+    """In a fresh interpreter (the exit status is Python's own): status 130 in a shell. The hook is
+    one of the effects ``initialize()`` applies for a parsed command line."""
+    code = (
+        "import time, twinkle; from twinkle.cli import CLI; CLI.from_args(); twinkle.initialize(); "
+        "print('ready', flush=True); time.sleep(120)"
+    )
     command = [sys.executable, "-c", code, "--output-dir", str(tmp_path / "out")]
     proc = subprocess.Popen(
         command, env=script_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True

@@ -1,5 +1,8 @@
 """SIGTERM (a scheduler preempting the job): a checkpoint at the next step boundary, the
-documented exit code, and ``--resume-from-checkpoint auto`` ends where an uninterrupted run does."""
+documented exit code, and ``--resume-from-checkpoint auto`` ends where an uninterrupted run does.
+
+In ``tests/run`` because it preempts the real script: signal handling, the save and the resume
+together."""
 
 import re
 import signal

@@ -1,4 +1,4 @@
-"""Helpers of the hardening tests: run the contract script in its own process, check that it
+"""Helpers of the tests that run the contract script: run it in its own process, check that it
 failed in one line, snapshot weights."""
 
 import os

@@ -19,7 +19,7 @@ import twinkle
 import twinkle.runtime.ray_job as ray_job
 import twinkle.runtime.runtime as runtime_module
 from twinkle.cli import CLI
-from twinkle.runtime import RunDefaults, get_runtime, output_lock, run_defaults, set_run_defaults
+from twinkle.runtime import RunDefaults, get_runtime, output_lock, run_defaults
 
 FAST = ("--train-samples", "4", "--batch-size", "4", "--eval-samples", "4", "--eval-interval", "100")
 
@@ -83,7 +83,7 @@ def test_a_second_run_is_refused_and_a_killed_runs_lock_is_taken_over(tmp_path, 
 def test_the_lock_is_taken_once_per_process_and_removed_at_exit(tmp_path):
     out = tmp_path / "out"
     CLI.from_args(["--output-dir", str(out)], env={})
-    output_lock.take_for_run(run_defaults(), owner=True)
+    twinkle.initialize(seed=0)
     output_lock.take_for_run(run_defaults(), owner=True)  # again in the same process: nothing to refuse
     holder = _holder(out / ".twinkle.lock")
     assert holder["pid"] == os.getpid() and holder["host"] == socket.gethostname()
@@ -121,12 +121,20 @@ def test_the_ray_driver_holds_the_lock_while_its_workers_run(tmp_path, monkeypat
     assert seen["pid"] == os.getpid()
 
 
-def test_no_lock_without_the_cli_or_an_explicit_initialize(tmp_path, monkeypatch):
+def test_no_lock_without_a_run_that_owns_the_folder(tmp_path, monkeypatch):
     out = tmp_path / "out"
-    set_run_defaults(RunDefaults(output_dir=str(out)))  # a script that sets its own defaults
-    twinkle.initialize(seed=0)
+    twinkle.initialize(seed=0, run=RunDefaults(output_dir=str(out)))  # a script's run that owns no folder
     assert not out.exists()
     CLI.from_args(["--output-dir", str(out)], env={})
     monkeypatch.setattr(runtime_module, "_RUNTIME", None)
     get_runtime()  # started implicitly by a library call, not by the script
     assert not out.exists()
+    twinkle.initialize(seed=0)  # the script's initialize applies the parsed command line
+    assert (out / ".twinkle.lock").exists()
+
+
+def test_a_script_without_a_command_line_locks_by_asking(tmp_path):
+    out = tmp_path / "out"
+    twinkle.initialize(seed=0, run=RunDefaults(output_dir=str(out), lock_output_dir=True))
+    assert _holder(out / ".twinkle.lock")["pid"] == os.getpid()
+    output_lock.release_all()

@@ -18,7 +18,10 @@ session whose environment has ``RANK=1``.
 
 "Bit for bit" holds because a resume restores every rank's state (weights, Muon momentum,
 scheduler, each rank's RNG and open window) and the data order, and the 2 ranks reduce in the
-same order in every job; every loss any attempt logged is also the uninterrupted run's, as text."""
+same order in every job; every loss any attempt logged is also the uninterrupted run's, as text.
+
+In ``tests/run`` because it tests the whole run end to end: torchrun, FSDP2, checkpointing and
+resume together."""
 
 import os
 import re

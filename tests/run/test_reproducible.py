@@ -5,7 +5,9 @@ bit-identical adapter.
 Nothing on the default path may depend on timing or load: the frozen weights' products go to
 oneDNN by a fixed rule (``TWINKLE_ONEDNN=on``), never by a measurement that a busy machine can
 flip, so neither run writes a measured route into its cache. Activation checkpointing, which
-follows the free memory, leaves the numbers alone."""
+follows the free memory, leaves the numbers alone.
+
+In ``tests/run`` because it compares whole runs of the real script, from the cache to the adapter."""
 
 import re
 import subprocess

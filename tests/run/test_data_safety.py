@@ -1,6 +1,9 @@
 """Twinkle never deletes or writes through what it did not create: ``twinkle export --overwrite``
 replaces only an earlier export, a run file that is a link is refused (its target unchanged),
-``--output-dir`` may not overlap a local ``--dataset-id``, and built folders follow the umask."""
+``--output-dir`` may not overlap a local ``--dataset-id``, and built folders follow the umask.
+
+In ``tests/run`` because the one guarantee spans several packages: export, the metric writers
+and the CLI's check of ``--output-dir``."""
 
 import json
 import os

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from harness import assert_one_line_error, run_script
 
+import twinkle
 from twinkle.cli import CLI
 from twinkle.dataset import Dataset, DatasetMeta
 from twinkle.preprocessor import MessagesProcessor, SelfCognitionProcessor
@@ -21,14 +22,6 @@ from twinkle.utils.errors import UserError
 
 GOOD = {"query": "Who are you?", "response": "I am {{NAME}}."}
 FAST = ("--train-samples", "8", "--batch-size", "4", "--eval-samples", "4", "--eval-interval", "100")
-
-
-@pytest.fixture(autouse=True)
-def _skip_default_restored():
-    """``CLI.from_args`` sets ``Dataset.skip_bad_rows`` for the process; no test may leak it."""
-    before = Dataset.skip_bad_rows
-    yield
-    Dataset.skip_bad_rows = before
 
 
 @pytest.fixture
@@ -200,11 +193,14 @@ def test_bad_rows_found_by_worker_processes_are_named_too(tmp_path):
 
 def test_the_flag_sets_the_dataset_default_and_stays_out_of_the_meta_args():
     args = CLI.from_args(["--skip-bad-rows", "--dataset-id", "d"], env={})
-    assert args.dataset.skip_bad_rows and Dataset.skip_bad_rows
+    assert args.dataset.skip_bad_rows and not Dataset().skip_bad_rows  # parsed, not yet applied
+    twinkle.initialize()
+    assert Dataset().skip_bad_rows
     assert args.get_dataset_args() == {"dataset_id": "d", "split": "train"}  # DatasetMeta(**...)
     assert Dataset(skip_bad_rows=False).skip_bad_rows is False  # the keyword wins
     CLI.from_args([], env={})
-    assert Dataset.skip_bad_rows is False
+    twinkle.initialize()
+    assert Dataset().skip_bad_rows is False
 
 
 # ---------------------------------------------------------------- the contract script

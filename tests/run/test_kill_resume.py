@@ -5,7 +5,10 @@ uninterrupted run's, and every loss any attempt logged equals the uninterrupted 
 step. Kill points come from a seeded RNG and from watching the run (its log and its output dir),
 not from a hook inside the framework: during a save (a ``.<name>.tmp`` folder exists), during a
 training step, and during an evaluation. Where exactly a kill lands still depends on timing; the
-assertions hold wherever it lands."""
+assertions hold wherever it lands.
+
+In ``tests/run`` because it tests the whole run end to end: training, evaluation, saves and
+resume together."""
 
 import json
 import os
