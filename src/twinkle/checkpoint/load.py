@@ -187,7 +187,14 @@ def load_state_parts(folder: Path, group: Any, *, verify: bool = True) -> list[s
 
 
 def load_checkpoint(
-    folder: Path, *, model: Any, adapter_name: str, group: Any, rank: int, only_model: bool
+    folder: Path,
+    *,
+    model: Any,
+    adapter_name: str,
+    group: Any,
+    rank: int,
+    only_model: bool,
+    load_weights: Any = None,
 ) -> dict:
     """Load weights (and, unless ``only_model``, optimizer, schedule, RNG). Returns this rank's
     open-window state for the caller to place: ``grads`` (name -> local gradient) and, in
@@ -203,7 +210,7 @@ def load_checkpoint(
         reads += [rank_file.name, *(name for name, _ in layout.STATE_PARTS.values())]
     integrity.verify(folder, reads)
     if only_model:
-        _load_adapter_weights(model, folder, adapter_name)
+        load_weights(folder)
         return {}
     if not rank_file.is_file():
         raise UserError(
@@ -214,6 +221,6 @@ def load_checkpoint(
     }
     rank_state = read_rank_state(rank_file, shapes)
     load_state_parts(folder, group, verify=False)  # before the weights: a misfit fails the resume first
-    _load_adapter_weights(model, folder, adapter_name)
+    load_weights(folder)
     _restore_rng(rank_file, rank_state["rng"])
     return {k: v for k, v in rank_state.items() if k != "rng"}

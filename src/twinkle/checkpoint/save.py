@@ -85,8 +85,11 @@ def save_checkpoint(
     save_optimizer: bool,
     rank: int,
     grads: dict[str, torch.Tensor],
+    export: tuple[dict[str, torch.Tensor], Any] | None = None,
 ) -> Path:
     """Every rank calls this. Rank 0 owns the folder; each rank writes its own files.
+    ``export``: the adapter's (tensors, LoRA config) to write, already gathered on every rank;
+    None takes PEFT's state of ``adapter_name``.
 
     The ranks agree after each phase (an all-reduce of failures, in place of a barrier), so a
     write that fails on one rank fails the save on all of them at once instead of leaving the
@@ -97,7 +100,7 @@ def save_checkpoint(
     phases = (
         lambda: _prepare(tmp, final) if rank == 0 else None,
         lambda: _write_files(
-            tmp, model, tokenizer, adapter_name, group, trainer_state, save_optimizer, rank, grads
+            tmp, model, tokenizer, adapter_name, group, trainer_state, save_optimizer, rank, grads, export
         ),
         lambda: _finish(tmp, final) if rank == 0 else None,
     )
@@ -196,9 +199,11 @@ def _prepare(tmp: Path, final: Path) -> None:
 
 
 def _write_files(
-    tmp, model, tokenizer, adapter_name, group, trainer_state, save_optimizer, rank, grads
+    tmp, model, tokenizer, adapter_name, group, trainer_state, save_optimizer, rank, grads, export
 ) -> None:  # noqa: ANN001
-    adapter = full_adapter_state(model, adapter_name)  # a collective: every rank, before any early exit
+    if export is None:  # a collective: every rank, before any early exit
+        export = (full_adapter_state(model, adapter_name), model.peft_config[adapter_name])
+    adapter, config = export
     # The open window's token count differs per rank (trainer_state.json holds rank 0's only).
     rank_state = {"rng": rng_state(), "grads": grads, "window_tokens": group.window_tokens}
     # Every file is written by Python's own ``write``, so a full disk is an ``OSError`` whatever
@@ -208,7 +213,7 @@ def _write_files(
         for name, part in state_parts(group, save_optimizer):
             _torch_save(part, tmp / name)
         _write_bytes(tmp / layout.ADAPTER_WEIGHTS, safetensors_bytes(adapter, metadata={"format": "pt"}))
-        model.peft_config[adapter_name].save_pretrained(tmp)
+        config.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         state = {**trainer_state, "format_version": layout.FORMAT_VERSION, "saved_optimizer": save_optimizer}
         (tmp / layout.TRAINER_STATE).write_text(json.dumps(state, indent=2))

@@ -1,10 +1,12 @@
 """The model facade: ``TransformersModel`` (load, LoRA, optimizer, step, metrics, checkpoints).
 
-Public names: ``TransformersModel``, ``OptimizerGroup``, ``InputProcessor`` (what turns encoded
+Public names: ``TransformersModel``, ``MultiLoraTransformersModel`` (several adapters on one
+base, ``twinkle.model.multi_lora``), ``OptimizerGroup``, ``InputProcessor`` (what turns encoded
 rows into a batch, ``TransformersModel.set_processor``)."""
 
 from twinkle.model.inputs import InputProcessor
+from twinkle.model.multi_lora import MultiLoraTransformersModel
 from twinkle.model.train_state import OptimizerGroup
 from twinkle.model.transformers_model import TransformersModel
 
-__all__ = ["TransformersModel", "OptimizerGroup", "InputProcessor"]
+__all__ = ["TransformersModel", "MultiLoraTransformersModel", "OptimizerGroup", "InputProcessor"]

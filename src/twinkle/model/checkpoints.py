@@ -40,8 +40,27 @@ class Checkpoints:
             "model_path": str(self.model_path),
             "base_model": self.model_id or "bundled:SmolLM2-135M-Instruct",
             "base_dtype": str(next(p.dtype for p in self.model.parameters() if not p.requires_grad)),
-            "lora": lora_signature(self.model.peft_config[group.adapter_name]),
+            "lora": lora_signature(self._lora_config(group)),
         }
+
+    # What a model whose adapters live in slots (``twinkle.model.multi_lora``) replaces: the
+    # adapter's LoRA config, its weights as saved, its parameters and how saved weights load.
+    def _lora_config(self, group: OptimizerGroup) -> Any:
+        return self.model.peft_config[group.adapter_name]
+
+    def _adapter_export(self, group: OptimizerGroup) -> tuple[dict[str, torch.Tensor], Any] | None:
+        return None  # the save writes PEFT's state of the adapter
+
+    def _window_params(self, group: OptimizerGroup) -> Any:
+        return self.model.named_parameters()
+
+    def _restore_window_grads(self, group: OptimizerGroup, grads: dict[str, torch.Tensor]) -> None:
+        params = dict(self.model.named_parameters())
+        for n, g in grads.items():  # names and shapes checked when the file was read
+            restore_grad(params[n], g)
+
+    def _load_weights(self, folder: Path, group: OptimizerGroup) -> None:
+        load_adapter_weights(self.model, folder, group.adapter_name)  # checked against the marker
 
     def save(
         self,
@@ -86,7 +105,7 @@ class Checkpoints:
             ) from exc
         grads = {}
         if group.window_batches:  # an open accumulation window: keep its partial gradients
-            grads = {n: local_grad(p) for n, p in self.model.named_parameters() if p.grad is not None}
+            grads = {n: local_grad(p) for n, p in self._window_params(group) if p.grad is not None}
         path = save_checkpoint(
             out / name,
             model=self.model,
@@ -97,6 +116,7 @@ class Checkpoints:
             save_optimizer=save_optimizer,
             rank=self.runtime.rank,
             grads=grads,
+            export=self._adapter_export(group),
         )
         logger.info(f"saved checkpoint {path}")
         if save_total_limit is not None and self.runtime.rank == 0:
@@ -125,6 +145,7 @@ class Checkpoints:
             group=group,
             rank=self.runtime.rank,
             only_model=resume_only_model,
+            load_weights=lambda f: self._load_weights(f, group),
         )
         if resume_only_model:
             # Fresh optimizer state, but the run keeps its place: the step counters continue and
@@ -137,9 +158,7 @@ class Checkpoints:
             # trainer_state.json holds rank 0's count of the open window; each rank needs its own,
             # or the step divides the window's gradients by the wrong global token count.
             group.window_tokens = int(window.get("window_tokens", group.window_tokens))
-            params = dict(self.model.named_parameters())
-            for n, g in window["grads"].items():  # names and shapes checked when the file was read
-                restore_grad(params[n], g)
+            self._restore_window_grads(group, window["grads"])
         if group.optimizer is not None:
             group.optimizer.sync_copies()
         group.resumed_samples, group.local_samples = int(state["consumed_train_samples"]), 0
@@ -172,7 +191,7 @@ class Checkpoints:
                 f"{folder} holds no LoRA adapter ({layout.ADAPTER_CONFIG} and {layout.ADAPTER_WEIGHTS}); "
                 "pass a folder that model.save(...) or PEFT's save_pretrained wrote"
             )
-        self._check_lora_matches(folder, group.adapter_name)
+        self._check_lora_matches(folder, group)
         if load_optimizer and group.optimizer is None:
             raise UserError(
                 "load(..., load_optimizer=True) restores the optimizer: call set_optimizer(...) first"
@@ -184,13 +203,13 @@ class Checkpoints:
             )
         if load_optimizer:  # checked, read as data and loaded before the weights are replaced
             load_state_parts(folder, group)
-        load_adapter_weights(self.model, folder, group.adapter_name)
+        self._load_weights(folder, group)
         if group.optimizer is not None:
             group.optimizer.sync_copies()
         logger.info(f"loaded adapter {group.adapter_name!r} from {folder}")
         return folder
 
-    def _check_lora_matches(self, folder: Path, adapter_name: str) -> None:
+    def _check_lora_matches(self, folder: Path, group: OptimizerGroup) -> None:
         from peft import LoraConfig
 
         try:
@@ -199,10 +218,10 @@ class Checkpoints:
             raise UserError(
                 f"{folder / layout.ADAPTER_CONFIG} is not a LoRA config this PEFT reads ({exc})"
             ) from exc
-        current = lora_signature(self.model.peft_config[adapter_name])
+        current = lora_signature(self._lora_config(group))
         if saved != current:
             raise UserError(
-                f"{folder} holds a LoRA adapter {saved}, adapter {adapter_name!r} is {current}; "
+                f"{folder} holds a LoRA adapter {saved}, adapter {group.adapter_name!r} is {current}; "
                 "add the adapter with the same r, lora_alpha and target_modules"
             )
 
@@ -211,7 +230,8 @@ class Checkpoints:
         ``adapter_model.safetensors`` (PEFT's, without the adapter name). Under FSDP every rank
         must call it (the shards are gathered)."""
         group = self._group(adapter_name)
-        return full_adapter_state(self.model, group.adapter_name)
+        export = self._adapter_export(group)
+        return full_adapter_state(self.model, group.adapter_name) if export is None else export[0]
 
     def _save_and_exit(self, group: OptimizerGroup) -> None:
         """Preempted (SIGTERM): save ``checkpoint-<step>`` under the run's output dir and exit

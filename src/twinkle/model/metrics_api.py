@@ -8,8 +8,10 @@ reported. Metrics from ``add_metric`` see each micro-batch whose loss is finite 
 the step that used the micro-batch. Their numbers join the built-in ones, replacing a built-in
 number of the same name."""
 
+import contextlib
 import copy
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -19,6 +21,7 @@ from twinkle.metric import build_metric, report
 from twinkle.model import health
 from twinkle.model.forward import compute_loss
 from twinkle.model.lora import trainable_parameters
+from twinkle.model.lora_modes import BASE_ROW, adapter_per_row, adapters_off, loss_and_logps
 from twinkle.model.packing import shifted_targets
 from twinkle.model.train_state import OptimizerGroup
 from twinkle.utils.errors import UserError
@@ -28,20 +31,65 @@ class MetricsAPI:
     """Mixed into ``TransformersModel`` (which provides ``model``, ``runtime``, ``_group``,
     ``_prepare_inputs``, ``_to_device``, ``_loss_fn``, ``padding_free``)."""
 
+    last_outputs: dict[str, Any] | None = None  # set by forward_only(disable_lora=/adapter_names=)
+
     @torch.no_grad()
-    def forward_only(self, inputs: Any, task: str = "causal_lm", adapter_name: str | None = None) -> float:
+    def forward_only(
+        self,
+        inputs: Any,
+        task: str = "causal_lm",
+        adapter_name: str | None = None,
+        disable_lora: bool = False,
+        adapter_names: Sequence[str | None] | None = None,
+    ) -> float:
         """Evaluate one batch (no gradients, dropout off); ``calculate_loss()`` records it.
-        ``inputs``: a batch of tensors, or rows (``twinkle.model.inputs``)."""
-        group = self._group(adapter_name)
+        ``inputs``: a batch of tensors, or rows (``twinkle.model.inputs``). Returns the mean token
+        loss.
+
+        ``disable_lora=True``: the base model's outputs, every adapter off. ``adapter_names``: one
+        adapter name per row (None: the base model for that row), all rows in one pass, each with
+        its own adapter. Either mode runs the batch unpacked and also leaves ``last_outputs``:
+        ``{"logps": (B, L) log-probability of each label (0 where the label is -100), "loss",
+        "num_tokens"}``, what a loss needs as reference outputs (DPO). The adapter whose loss,
+        template and eval metrics serve the batch is ``adapter_name``, else the first named row's."""
+        group = self._group(adapter_name if adapter_name is not None else _first_named(adapter_names))
         inputs = self._prepare_inputs(group, inputs)
         group.eval_metrics.start_batch()
         batch = self._to_device(inputs)
         if any(m.training for m in self.model.modules()):
             self.model.eval()
         self._in_train_mode = False
-        out = compute_loss(self.model, batch, self._loss_fn(group, task), self.padding_free)
+        loss_fn = self._loss_fn(group, task)
+        if disable_lora or adapter_names is not None:
+            with self._lora_mode(disable_lora, adapter_names, inputs["input_ids"].shape[0]):
+                out, logps = loss_and_logps(self.model, batch, loss_fn)
+            mean = float(out.loss_sum) / max(1, out.num_tokens)
+            self.last_outputs = {"logps": logps, "loss": mean, "num_tokens": out.num_tokens}
+        else:
+            out = compute_loss(self.model, batch, loss_fn, self.padding_free)
         self._pending_eval = (group.adapter_name, out, inputs)
         return float(out.loss_sum) / max(1, out.num_tokens)
+
+    def _peft_adapter(self, adapter_name: str) -> str:
+        """The PEFT adapter that holds ``adapter_name``'s weights."""
+        return self._group(adapter_name).adapter_name
+
+    def _lora_mode(
+        self, disable_lora: bool, adapter_names: Sequence[str | None] | None, rows: int
+    ) -> contextlib.AbstractContextManager:
+        if disable_lora:
+            if adapter_names is not None:
+                raise UserError("forward_only: pass disable_lora=True or adapter_names=[...], not both")
+            return adapters_off(self.model)
+        names = list(adapter_names)
+        if len(names) != rows:
+            raise UserError(
+                f"adapter_names has {len(names)} name(s) for a batch of {rows} row(s); give one per row "
+                "(None for the base model)"
+            )
+        if rows == 0:  # this rank's empty share runs one pad row (``_to_device``)
+            names = [None]
+        return adapter_per_row(self.model, [BASE_ROW if n is None else self._peft_adapter(n) for n in names])
 
     def calculate_loss(self) -> float:
         """Record the last ``forward_only`` batch in the eval metrics; return its mean token loss."""
@@ -149,3 +197,7 @@ class MetricsAPI:
             f"optimizer={type(group.optimizer.optimizer).__name__} scheduler={sched} loss={loss} "
             f"gradient_accumulation_steps={group.gradient_accumulation_steps}"
         )
+
+
+def _first_named(adapter_names: Sequence[str | None] | None) -> str | None:
+    return next((n for n in adapter_names or () if n is not None), None)

@@ -1,9 +1,19 @@
 """``OptimizerGroup``: everything that trains one adapter (optimizer, schedule, loss, counters)."""
 
+import hashlib
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from twinkle.metric import TokenMetrics
+
+
+def stream_seed(seed: int, name: str, purpose: str, rank: int = 0) -> int:
+    """A 63-bit seed from (run seed, adapter name, purpose, rank), the same in every process and
+    Python version (a SHA-256 digest, not Python's salted ``hash``)."""
+    digest = hashlib.sha256(f"{seed}\0{name}\0{purpose}\0{rank}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
 @dataclass
@@ -53,6 +63,27 @@ class OptimizerGroup:
     # accumulated once the step after it is known (``twinkle.model.metrics_api``)
     added_metrics: dict[bool, list[Any]] = field(default_factory=lambda: {True: [], False: []})
     pending_metric_batch: dict[bool, tuple[Any, Any]] = field(default_factory=dict)
+    # the adapter's own torch RNG stream (CPU, and the accelerator's when there is one) while
+    # another adapter is active: dropout masks draw from the global generator, so a model that
+    # switches adapters keeps each adapter's draws apart (``swap_rng_out`` / ``swap_rng_in``)
+    rng_cpu: torch.Tensor | None = None
+    rng_device: torch.Tensor | None = None
+
+    def swap_rng_out(self) -> None:
+        """The adapter stops being active: keep the global generators' state as its stream."""
+        self.rng_cpu = torch.get_rng_state()
+        self.rng_device = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
+
+    def swap_rng_in(self, seed: int) -> None:
+        """The adapter becomes active: the global generators continue its stream, seeded from
+        ``seed`` on its first activation."""
+        if self.rng_cpu is None:
+            self.rng_cpu = torch.Generator().manual_seed(seed).get_state()
+            if torch.cuda.is_available():
+                self.rng_device = torch.Generator(device="cuda").manual_seed(seed).get_state()
+        torch.set_rng_state(self.rng_cpu)
+        if self.rng_device is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state(self.rng_device)
 
     def window_is_full(self) -> bool:
         """Step after exactly ``gradient_accumulation_steps`` micro-batches, and at the end of the data."""

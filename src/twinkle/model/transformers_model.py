@@ -130,6 +130,14 @@ class TransformersModel(InputsAPI, MetricsAPI, Checkpoints):
                 f"it already has {', '.join(self.optimizer_group)}"
             )
         self.model = add_lora(self.model, adapter_name, config)
+        self._place_adapters()
+        self.optimizer_group[adapter_name] = OptimizerGroup(
+            adapter_name, gradient_accumulation_steps, loss_fn=build_loss("CrossEntropyLoss", reduction="sum")
+        )
+
+    def _place_adapters(self) -> None:
+        """Once the adapters are attached: shard the model under FSDP2, or pack the frozen weights
+        for CPU training in one process."""
         if self.runtime.is_distributed:
             if self.strategy == "ddp" and self.runtime.mesh.fsdp_size != 1:
                 raise UserError(
@@ -144,9 +152,6 @@ class TransformersModel(InputsAPI, MetricsAPI, Checkpoints):
             torch.manual_seed(self.runtime.seed + 1_000_003 * self.runtime.rank)
         elif self.device.type == "cpu":
             self._pack_frozen_weights()
-        self.optimizer_group[adapter_name] = OptimizerGroup(
-            adapter_name, gradient_accumulation_steps, loss_fn=build_loss("CrossEntropyLoss", reduction="sum")
-        )
 
     def _pack_frozen_weights(self) -> None:
         """The frozen linear weights' forward products from oneDNN-packed copies (see

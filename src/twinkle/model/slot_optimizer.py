@@ -1,0 +1,71 @@
+"""``SlotOptimizer``: an adapter's optimizer over the rank-r parts of its slot's weights.
+
+The user's optimizer runs on full-size copies of exactly the parts the adapter uses (``A[:r]``,
+``B[:, :r]``), so it sees the shapes of a plain rank-r adapter: Muon's shape-dependent learning
+rate (``adjust_lr_fn``) and orthogonalisation, AdamW's state and the saved optimizer state are
+those of a rank-r adapter, not of the ``max_r`` slot. The step writes the copies back into the
+slot (each rank its shard under FSDP2); the unused rows and columns stay zero. Same interface as
+``twinkle.optim.replicated.ReplicatedOptimizer``, which the training step drives."""
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from twinkle.model.slots import full, write_full
+
+
+class SlotOptimizer:
+    """``build(copies)`` makes the user's optimizer; ``parts`` pairs each slot weight with the
+    part of it the adapter trains."""
+
+    def __init__(
+        self,
+        parts: list[tuple[torch.nn.Parameter, tuple[slice, ...]]],
+        build: Callable[[list[torch.nn.Parameter]], Any],
+    ):
+        self.params = [p for p, _ in parts]
+        self.slices = [s for _, s in parts]
+        self.copies = [
+            torch.nn.Parameter(full(p).detach()[s].clone())
+            for p, s in zip(self.params, self.slices, strict=True)
+        ]
+        self.optimizer = build(self.copies)
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    def gather_grads(self, scale: float) -> None:
+        """The used parts of the slot's gradients onto the copies, multiplied by ``scale``."""
+        for p, c, s in zip(self.params, self.copies, self.slices, strict=True):
+            c.grad = None if p.grad is None else full(p.grad).detach()[s].to(c.dtype) * scale
+
+    @torch.no_grad()
+    def step(self) -> None:
+        self.optimizer.step()
+        for p, c, s in zip(self.params, self.copies, self.slices, strict=True):
+            if hasattr(p, "to_local"):
+                value = torch.zeros(p.shape, dtype=c.dtype, device=c.device)
+                value[s] = c
+                write_full(p, value)
+            else:
+                p[s].copy_(c)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop this adapter's gradients only: other adapters' open windows keep theirs."""
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+        for p in self.params:
+            p.grad = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state)
+
+    def sync_copies(self) -> None:
+        """Refresh the copies from the (possibly just loaded) slot weights."""
+        with torch.no_grad():
+            for p, c, s in zip(self.params, self.copies, self.slices, strict=True):
+                c.copy_(full(p)[s])
