@@ -24,6 +24,8 @@ TIERS = [
         "optim",
         "metric",
         "checkpoint",
+        "advantage",
+        "reward",
     },
     {"model", "export"},
     {"cli"},

@@ -1,0 +1,7 @@
+"""Advantages for policy-gradient RL: plain functions of the rewards of each prompt's group of
+completions (``GRPOAdvantage``, ``RLOOAdvantage``)."""
+
+from twinkle.advantage.grpo import GRPOAdvantage
+from twinkle.advantage.rloo import RLOOAdvantage
+
+__all__ = ["GRPOAdvantage", "RLOOAdvantage"]
