@@ -11,6 +11,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "twinkle"
 # lowest first; a package may import its own tier's packages (no cycle) and any lower tier's
 TIERS = [
     {"utils"},
+    {"data_format"},
     {"distributed"},
     {"runtime"},
     {

@@ -1,8 +1,9 @@
 """Batches for this rank: ``DataLoader`` (resumable, distributed) and ``collate``.
 
-Public names: ``DataLoader``, ``collate``."""
+Public names: ``DataLoader``, ``collate``, ``interleave_pairs`` (preference rows as
+``[pos_1, neg_1, pos_2, neg_2, ...]``)."""
 
-from twinkle.dataloader.collate import collate
+from twinkle.dataloader.collate import collate, interleave_pairs
 from twinkle.dataloader.dataloader import DataLoader
 
-__all__ = ["DataLoader", "collate"]
+__all__ = ["DataLoader", "collate", "interleave_pairs"]

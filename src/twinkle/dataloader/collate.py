@@ -38,12 +38,37 @@ def split_packed(sample: dict[str, Any]) -> list[dict[str, Any]]:
     ]
 
 
+def is_pair(row: Any) -> bool:
+    """An encoded preference row: ``{'positive': sample, 'negative': sample, ...}``."""
+    return (
+        isinstance(row, dict)
+        and isinstance(row.get("positive"), dict)
+        and isinstance(row.get("negative"), dict)
+    )
+
+
+def interleave_pairs(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Preference rows -> their samples as ``[pos_1, neg_1, pos_2, neg_2, ...]`` (upstream's
+    ``prepare_dpo_batch``): each side gets the row's other fields too. Other rows pass as they are."""
+    out: list[dict[str, Any]] = []
+    for row in rows:
+        if not is_pair(row):
+            out.append(row)
+            continue
+        rest = {k: v for k, v in row.items() if k not in ("positive", "negative", "length")}
+        out += [{**rest, **row["positive"]}, {**rest, **row["negative"]}]
+    return out
+
+
 def collate(samples: Sequence[dict[str, Any]], pad_token_id: int) -> dict[str, torch.Tensor]:
     """Right-pad to the longest sample: pad tokens get ``attention_mask`` 0 and label -100.
 
-    A packed row becomes one row per sample it holds (see the module docstring). An empty list
-    (a rank whose share of a short last batch is nothing) gives tensors of shape ``(0, 0)``; the
-    model still joins the collectives for it."""
+    A packed row becomes one row per sample it holds (see the module docstring). A preference
+    row becomes two rows, its positive then its negative side (``interleave_pairs``), so a batch
+    of ``n`` pairs has ``2n`` rows, the pairs' sides next to each other. An empty list (a rank
+    whose share of a short last batch is nothing) gives tensors of shape ``(0, 0)``; the model
+    still joins the collectives for it."""
+    samples = interleave_pairs(samples)
     if any("input_ids" not in s for s in samples):
         raise UserError(
             "the rows are not encoded (no 'input_ids'); call dataset.encode() first, "

@@ -48,7 +48,12 @@ class DataLoader:
     its rows as they are, a list of dicts. ``num_workers`` reads and collates in torch worker
     processes, giving the same batches in the same order. A row whose read raises is tried
     ``max_retries`` more times, then left out with a warning and counted in ``skipped_samples``.
-    A global batch shorter than ``min_batch_size`` ends the pass."""
+    A global batch shorter than ``min_batch_size`` ends the pass.
+
+    Over encoded preference pairs (rows ``{'positive', 'negative'}``, see ``Dataset.encode``)
+    ``batch_size`` counts pairs, as upstream's DPO recipe does: a rank's share is whole pairs
+    and its batch has two rows per pair, ``[pos_1, neg_1, pos_2, neg_2, ...]`` (``collate``),
+    so no pair is ever split between ranks."""
 
     def __init__(
         self,

@@ -12,6 +12,7 @@ from twinkle.dataset.export import save_rows
 from twinkle.dataset.meta import DatasetMeta, load_rows
 from twinkle.dataset.ops import filter_rows, map_rows, reject_unsupported, resolve_function
 from twinkle.dataset.origin import RowOrigin, bad_rows_text, report_skipped
+from twinkle.dataset.pairs import holds_pairs
 from twinkle.template import Template, get_template
 from twinkle.template.tokenizer import load_tokenizer
 from twinkle.utils.errors import UserError
@@ -242,6 +243,10 @@ class Dataset:
     ) -> "Dataset":
         """Tokenise every conversation into ``input_ids``, ``labels``, ``attention_mask``,
         ``position_ids`` and ``length``; rows dropped by ``truncation_strategy='delete'`` go.
+        A preference row (``positive``/``negative`` trajectories, from a preference
+        preprocessor) becomes ``{'positive': sample, 'negative': sample, 'length'}``: both sides
+        share the prompt and only the final reply is supervised; ``twinkle.dataset.pairs`` says
+        what each truncation strategy does with a pair that is too long.
 
         ``batched`` and ``num_proc`` (capped at the rows and CPUs) only change the speed.
         ``load_from_cache_file=True`` reuses rows encoded before from the same rows, template,
@@ -253,7 +258,7 @@ class Dataset:
             )
         if self.template is None:
             raise UserError("call dataset.set_template(...) before dataset.encode()")
-        if "messages" not in self.data.column_names:
+        if "messages" not in self.data.column_names and not holds_pairs(self.data.column_names):
             raise UserError("rows have no 'messages'; call dataset.map(<preprocessor>) before encode()")
         encoded, origin = encode_dataset(
             self.data,

@@ -1,5 +1,7 @@
 """Encoding: every row's ``messages`` to ``input_ids``, ``labels``, ``attention_mask``,
-``position_ids`` and ``length`` with a template, optionally through the on-disk cache.
+``position_ids`` and ``length`` with a template, optionally through the on-disk cache. Rows
+holding preference pairs (``positive`` and ``negative`` trajectories) become a pair of such
+samples each (``twinkle.dataset.pairs``).
 
 A row that leaves nothing to learn once the template has rendered it (no assistant reply after
 another turn, a reply that renders to nothing) is a bad row (``BadRow``): an error naming its
@@ -14,6 +16,7 @@ import datasets
 import numpy as np
 from datasets.fingerprint import generate_random_fingerprint
 
+from twinkle.dataset import pairs as pairs_module
 from twinkle.dataset.cache import Built, EncodeCache, encode_key
 from twinkle.dataset.ops import ROW_COLUMN, cap_num_proc
 from twinkle.dataset.origin import RowOrigin, bad_rows_text, located, report_skipped
@@ -43,6 +46,9 @@ FEATURES = datasets.Features(
 BAD_COLUMN = "__twinkle_bad__"
 _OUT_FEATURES = datasets.Features(
     {**FEATURES, ROW_COLUMN: datasets.Value("int64"), BAD_COLUMN: datasets.Value("string")}
+)
+_PAIR_OUT_FEATURES = datasets.Features(
+    {**pairs_module.PAIR_FEATURES, ROW_COLUMN: datasets.Value("int64"), BAD_COLUMN: datasets.Value("string")}
 )
 _EMPTY = {"input_ids": [], "labels": [], "attention_mask": [], "position_ids": [], "length": 0}
 _KEPT_BAD = 20  # bad rows whose reasons an encoding keeps (the summary quotes the first few)
@@ -90,39 +96,49 @@ def _encode_one(template: Template, messages: list[dict[str, str]], index: int) 
     return None
 
 
-def _bad_marker(exc: BadRow, index: int) -> dict[str, Any]:
-    return {**_EMPTY, "length": -1, ROW_COLUMN: index, BAD_COLUMN: json.dumps([exc.field, exc.text])}
-
-
 class _Encoder:
-    def __init__(self, template: Template, skip_bad_rows: bool):
+    """Encodes conversations (``messages``) or, with ``pairs``, preference pairs."""
+
+    def __init__(self, template: Template, skip_bad_rows: bool, pairs: bool = False):
         self.template = template
         self.skip_bad_rows = skip_bad_rows
+        self.pairs = pairs
+        self.empty = pairs_module.EMPTY_PAIR if pairs else _EMPTY
+        self.features = _PAIR_OUT_FEATURES if pairs else _OUT_FEATURES
 
-    def one(self, messages: list[dict[str, str]], index: int) -> dict[str, Any]:
-        """The sample, ``_EMPTY`` when truncation drops it, a marker for a bad row that is skipped."""
+    def one(self, row: dict[str, Any], index: int) -> dict[str, Any]:
+        """The sample, ``empty`` when truncation drops it, a marker for a bad row that is skipped."""
         try:
-            out = _encode_one(self.template, messages, index)
+            if self.pairs:
+                out = pairs_module.encode_pair(self.template, row, index)
+            else:
+                out = _encode_one(self.template, row["messages"], index)
         except BadRow as exc:
             if not self.skip_bad_rows:
                 raise
-            return _bad_marker(exc, index)
-        return {**(out or _EMPTY), ROW_COLUMN: index, BAD_COLUMN: ""}
+            return {
+                **self.empty,
+                "length": -1,
+                ROW_COLUMN: index,
+                BAD_COLUMN: json.dumps([exc.field, exc.text]),
+            }
+        return {**(out or self.empty), ROW_COLUMN: index, BAD_COLUMN: ""}
 
 
 class _BatchEncoder(_Encoder):
     def __call__(self, batch: dict[str, list], indices: list[int]) -> dict[str, list]:
-        columns: dict[str, list] = {key: [] for key in _OUT_FEATURES}
-        for messages, index in zip(batch["messages"], indices, strict=True):
-            out = self.one(messages, index)
-            for key in _OUT_FEATURES if out["length"] != 0 else ():
+        columns: dict[str, list] = {key: [] for key in self.features}
+        keys = pairs_module.SIDES if self.pairs else ("messages",)
+        for i, index in enumerate(indices):
+            out = self.one({key: batch[key][i] for key in keys}, index)
+            for key in self.features if out["length"] != 0 else ():
                 columns[key].append(out[key])
         return columns
 
 
 class _RowEncoder(_Encoder):
     def __call__(self, row: dict[str, Any], index: int) -> dict[str, Any]:
-        return self.one(row["messages"], index)
+        return self.one(row, index)
 
 
 def _no_sample_left(template: Template) -> UserError:
@@ -143,20 +159,23 @@ def encode_rows(
     """Encode ``data`` in memory; ``batched`` and ``num_proc`` change the speed, never the result.
     The rows keep ``ROW_COLUMN``; ``info`` counts the rows truncation dropped and lists the bad
     rows ``skip_bad_rows`` dropped (``bad``: ``[index, field, text]``, the first few)."""
+    pairs = pairs_module.holds_pairs(data.column_names)
+    if pairs:
+        pairs_module.check_pair_template(template)
     common: dict[str, Any] = dict(
         with_indices=True,
         remove_columns=data.column_names,
         keep_in_memory=True,
-        features=_OUT_FEATURES,
+        features=_PAIR_OUT_FEATURES if pairs else _OUT_FEATURES,
         num_proc=cap_num_proc(num_proc, len(data), "encode"),
         new_fingerprint=generate_random_fingerprint(),
         desc="encode",
     )
     if batched:
-        encoder: Any = _BatchEncoder(template, skip_bad_rows)
+        encoder: Any = _BatchEncoder(template, skip_bad_rows, pairs)
         encoded = data.map(encoder, batched=True, batch_size=batch_size, **common)
     else:
-        encoded = data.map(_RowEncoder(template, skip_bad_rows), **common)
+        encoded = data.map(_RowEncoder(template, skip_bad_rows, pairs), **common)
     lengths = np.asarray(encoded["length"], dtype=np.int64)
     bad_at, keep = np.flatnonzero(lengths < 0), np.flatnonzero(lengths > 0)
     bad = [
@@ -195,7 +214,8 @@ def encode_dataset(
     build = functools.partial(encode_rows, data, template, batched, batch_size, num_proc, skip_bad_rows)
     try:
         if load_from_cache_file:
-            encoded, info = EncodeCache(encode_key(data, template, __name__)).get_or_build(build)
+            key = encode_key(data, template, __name__, pairs_module.__name__)
+            encoded, info = EncodeCache(key).get_or_build(build)
         else:
             encoded, info = build()
     except BadRow as exc:
@@ -208,7 +228,11 @@ def encode_dataset(
     encoded = encoded.remove_columns([ROW_COLUMN])
     if len(encoded) == 0:
         raise _no_sample_left(template)
-    if info.get("dropped"):
+    if info.get("dropped") and pairs_module.holds_pairs(data.column_names):
+        logger.warning(
+            f"{info['dropped']} of {info['rows']} pairs dropped: {pairs_module.drop_reason(template)}"
+        )
+    elif info.get("dropped"):
         logger.warning(
             f"{info['dropped']} of {info['rows']} samples dropped: no supervised token left after "
             f"--max-length {template.max_length} with --truncation-strategy {template.truncation_strategy}"

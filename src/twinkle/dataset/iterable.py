@@ -17,7 +17,15 @@ from typing import Any
 import torch.utils.data
 
 from twinkle.dataset.dataset import DatasetMeta
-from twinkle.hub.dataset import BUNDLED_DATASET_NAMES, FORMATS, _data_files, bundled_dataset_path
+from twinkle.dataset.pairs import drop_reason, encode_pair
+from twinkle.hub.dataset import (
+    BUNDLED_DATASET_NAMES,
+    BUNDLED_PREFERENCE_NAMES,
+    FORMATS,
+    _data_files,
+    bundled_dataset_path,
+    bundled_preference_path,
+)
 from twinkle.hub.remote import looks_like_hub_id, snapshot
 from twinkle.preprocessor.base import BadRow
 from twinkle.template import Template, get_template
@@ -40,6 +48,8 @@ def _files(meta: DatasetMeta) -> tuple[list[Path], str]:
     dataset_id = meta.dataset_id
     if dataset_id is None or dataset_id in BUNDLED_DATASET_NAMES:
         return [bundled_dataset_path()], "self-cognition"
+    if dataset_id in BUNDLED_PREFERENCE_NAMES:
+        return [bundled_preference_path(meta.split)], "self-cognition-dpo"
     path = Path(dataset_id).expanduser()
     if path.is_dir():
         return _data_files(path, dataset_id, meta.subset_name, meta.split), dataset_id
@@ -208,6 +218,8 @@ class IterableDataset(torch.utils.data.IterableDataset):
             raise UserError(f"{exc.at(f'dataset {self.name}: row {index}')}; fix the row") from exc
         if not self.encoded:
             return row
+        if "positive" in row and "negative" in row:
+            return self._finish_pair(row, index)
         if "messages" not in row:
             raise UserError("rows have no 'messages'; call dataset.map(<preprocessor>) before encode()")
         out = self.template.encode(row["messages"], index=index)
@@ -220,6 +232,17 @@ class IterableDataset(torch.utils.data.IterableDataset):
                     f"{self.template.truncation_strategy}"
                 )
             return None
+        return out
+
+    def _finish_pair(self, row: dict[str, Any], index: int) -> dict[str, Any] | None:
+        """A preference pair encoded (``twinkle.dataset.pairs``); None when truncation drops it."""
+        try:
+            out = encode_pair(self.template, row, index)
+        except BadRow as exc:
+            raise UserError(f"{exc.at(f'dataset {self.name}: row {index}')}; fix the row") from exc
+        if out is None and not self._warned_drop:
+            self._warned_drop = True
+            logger.warning(f"pairs are dropped (the first at row {index}): {drop_reason(self.template)}")
         return out
 
     def __iter__(self) -> Iterator[dict[str, Any]]:

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from twinkle.dataset.dataset import Dataset, DatasetMeta
+from twinkle.dataset.pairs import holds_pairs
 from twinkle.template.base import IGNORE_INDEX
 from twinkle.utils.errors import UserError
 from twinkle.utils.logger import get_logger
@@ -110,6 +111,11 @@ class PackingDataset(Dataset):
         """Group the encoded samples into packed rows."""
         if self.template is None:
             raise UserError("call dataset.set_template(...) before dataset.pack_dataset()")
+        if holds_pairs(self.data.column_names):
+            raise UserError(
+                "preference pairs are not packed (the model runs preference losses unpacked); "
+                "use Dataset instead of PackingDataset"
+            )
         if not self._is_encoded():
             raise UserError("call dataset.encode() before dataset.pack_dataset()")
         if "length" in self.data.column_names:

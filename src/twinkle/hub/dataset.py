@@ -19,6 +19,9 @@ if TYPE_CHECKING:  # imported lazily: ``datasets`` is slow to import and resolve
 BUNDLED_DATASET_NAMES = frozenset(
     {"self-cognition", "twinkle://self-cognition", "swift/self-cognition", "ms://swift/self-cognition"}
 )
+# The bundled preference pairs (``self_cognition_dpo*.jsonl``), one file per split.
+BUNDLED_PREFERENCE_NAMES = frozenset({"self-cognition-dpo", "twinkle://self-cognition-dpo"})
+PREFERENCE_SPLITS = {"train": "self_cognition_dpo.jsonl", "eval": "self_cognition_dpo_eval.jsonl"}
 # File extension -> the ``datasets`` builder that reads it (JSON is read by ``jsonrows``).
 FORMATS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
 # Metadata that hub dataset snapshots carry next to the data; never rows.
@@ -115,6 +118,21 @@ def bundled_dataset_path() -> Path:
 def identity_rows_path() -> Path:
     """The bundled identity rows alone (``twinkle/hub/assets/self_cognition.jsonl``)."""
     return asset_path("self_cognition.jsonl")
+
+
+def bundled_preference_path(split: str = "train") -> Path:
+    """The bundled preference pairs (``self-cognition-dpo``): 120 training pairs (``train``)
+    and 30 held-out pairs whose prompts are not trained on (``eval``), half Chinese, half
+    English. Each row is ``{prompt, chosen, rejected, tag}``: the identity answer as the
+    configured assistant (with ``{{NAME}}``/``{{AUTHOR}}``, filled by
+    ``SelfCognitionDPOProcessor``) preferred over a wrong or generic identity. Written by
+    ``scripts/build_self_cognition_dpo.py`` from the identity rows of the bundled set."""
+    if split not in PREFERENCE_SPLITS:
+        raise UserError(
+            f"the bundled dataset self-cognition-dpo has no {split!r} split; use split "
+            f"{' or '.join(repr(s) for s in PREFERENCE_SPLITS)}"
+        )
+    return asset_path(PREFERENCE_SPLITS[split])
 
 
 def _split_words(path: Path, root: Path) -> set[str]:
@@ -276,6 +294,8 @@ def resolve_dataset(
       or ``'ms://swift/self-cognition'``: the bundled self-cognition rows, identity rows mixed
       with replay rows (``bundled_dataset_path``). These names always mean the bundled file,
       even where a ModelScope cache holds the remote dataset.
+    - ``'self-cognition-dpo'`` or ``'twinkle://self-cognition-dpo'``: the bundled preference
+      pairs, ``split`` ``'train'`` or ``'eval'`` (``bundled_preference_path``).
     - a local ``.jsonl`` / ``.json`` / ``.csv`` / ``.parquet`` file: its rows as the 'train' split.
     - a local folder of such files (searched recursively; ``subset_name`` picks a subfolder and
       ``split`` picks files whose names contain the split word, e.g. ``train-0000.parquet``).
@@ -299,6 +319,11 @@ def resolve_dataset_sources(
         if not path.is_file():
             raise UserError(f"the bundled self-cognition dataset is missing at {path}; reinstall twinkle")
         return _load_path(path, "self-cognition", None, split, skip_bad_rows)
+    if dataset_id in BUNDLED_PREFERENCE_NAMES:
+        path = bundled_preference_path(split)
+        if not path.is_file():
+            raise UserError(f"the bundled self-cognition-dpo dataset is missing at {path}; reinstall twinkle")
+        return _load_path(path, "self-cognition-dpo", None, "train", skip_bad_rows)
     path = Path(dataset_id).expanduser()
     if path.exists():
         return _load_path(path.resolve(), dataset_id, subset_name, split, skip_bad_rows)

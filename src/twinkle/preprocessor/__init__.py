@@ -1,11 +1,20 @@
-"""Row preprocessors: turn a raw data row into chat ``messages``.
+"""Row preprocessors: turn a raw data row into chat ``messages``, or a preference row into a
+pair ``{'positive': Trajectory, 'negative': Trajectory}``.
 
 Public names: ``Preprocessor``, ``SelfCognitionProcessor``, ``MessagesProcessor``, ``AlpacaProcessor``,
-``ToolCallProcessor``, and ``BadRow``: what a preprocessor raises for a row that cannot become a
-sample (``Dataset`` names the row's file and line, or drops it with ``skip_bad_rows``)."""
+``ToolCallProcessor``, the preference readers ``PreferenceProcessor`` (upstream's name:
+``DPOProcessor``), ``EmojiDPOProcessor`` and ``SelfCognitionDPOProcessor``, and ``BadRow``: what
+a preprocessor raises for a row that cannot become a sample (``Dataset`` names the row's file
+and line, or drops it with ``skip_bad_rows``)."""
 
 from twinkle.preprocessor.alpaca import AlpacaProcessor
 from twinkle.preprocessor.base import BadRow, MessagesProcessor, Preprocessor
+from twinkle.preprocessor.preference import (
+    DPOProcessor,
+    EmojiDPOProcessor,
+    PreferenceProcessor,
+    SelfCognitionDPOProcessor,
+)
 from twinkle.preprocessor.self_cognition import SelfCognitionProcessor
 from twinkle.preprocessor.tool_call import ToolCallProcessor
 
@@ -15,5 +24,9 @@ __all__ = [
     "SelfCognitionProcessor",
     "AlpacaProcessor",
     "ToolCallProcessor",
+    "PreferenceProcessor",
+    "DPOProcessor",
+    "EmojiDPOProcessor",
+    "SelfCognitionDPOProcessor",
     "BadRow",
 ]

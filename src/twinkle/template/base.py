@@ -140,7 +140,10 @@ class Template:
         pieces.append((full[pos:], False))
         return [p for p in pieces if p[0]]
 
-    def tokenize(self, messages: list[dict[str, str]]) -> tuple[list[int], list[int]]:
+    def tokenize(self, messages: list[dict[str, str]], skip_replies: int = 0) -> tuple[list[int], list[int]]:
+        """``input_ids`` and ``labels``; the first ``skip_replies`` supervised pieces get label
+        -100 too (a preference pair's prompt may hold earlier assistant turns: only the final
+        reply is compared)."""
         # Plain text is a document: it gets the tokenizer's own special tokens (a BOS, say).
         special = self.use_chat_template is False
         input_ids: list[int] = []
@@ -148,6 +151,8 @@ class Template:
         for text, supervised in self.segments(messages):
             ids = self.tokenizer(text, add_special_tokens=special)["input_ids"]
             input_ids += ids
+            if supervised and skip_replies > 0:
+                supervised, skip_replies = False, skip_replies - 1
             labels += ids if supervised else [IGNORE_INDEX] * len(ids)
         return input_ids, labels
 
