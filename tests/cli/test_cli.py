@@ -92,6 +92,8 @@ def test_upstream_run_line():
         "max_restarts": 0,
         "ray_address": None,
         "ray_placement": "pack",
+        "model_gpus": None,
+        "sampler_gpus": None,
     }
     assert d["dataset"] == {
         "dataset_id": "ms://swift/self-cognition",
@@ -103,6 +105,7 @@ def test_upstream_run_line():
         "template_cls": "Qwen3_5Template",
         "max_length": 2048,
         "truncation_strategy": "right",
+        "default_system": None,
     }
     assert d["model"] == {
         "model_id": "ms://Qwen/Qwen3.5-4B",
@@ -128,6 +131,8 @@ def test_upstream_run_line():
         "max_steps": None,
         "save_steps": None,
         "padding_free": True,
+        "mini_batch_size": None,
+        "micro_batch_size": None,
     }
     assert d["lora"]["adapter_name"] == "default"
     assert d["optimizer"] == {"learning_rate": 1e-4, "optimizer_cls": "AdamW", "max_grad_norm": 1.0}

@@ -137,8 +137,13 @@ def test_an_unknown_config_key_names_the_nearest_field(tmp_path):
     assert "nearest field: max_steps" in one_line_error(config_file=config)
     config.write_text("model_name: bot\nextra: {anything: 1}\n")  # the cookbook's keys and extra: pass
     assert parse("--config", str(config)).extra == {"model_name": "bot", "anything": 1}
-    config.write_text("loss: {loss_cls: CrossEntropyLoss}\n")
-    assert "not supported yet: the 'loss' group" in one_line_error("--config", str(config))
+    config.write_text("checkpoint: {save_optimizer: true}\n")
+    assert "not supported yet: the 'checkpoint' group" in one_line_error("--config", str(config))
+    config.write_text("loss: {beta: 0.5}\nrl: {num_generations: 4}\n")
+    assert (parse("--config", str(config)).loss.beta, parse("--config", str(config)).rl.num_generations) == (
+        0.5,
+        4,
+    )
 
 
 def test_get_group_args_follow_upstreams_groups():
@@ -174,7 +179,46 @@ def test_the_group_dicts_fit_the_calls_they_configure():
     )
 
 
-@pytest.mark.parametrize("group", ["loss", "checkpoint", "sampler", "sampling", "server", "rl"])
+def test_the_preference_and_rl_groups_upstreams_scripts_read():
+    args = parse(
+        "--beta", "0.2", "--loss-type", "ipo", "--sft-weight", "0.5", "--num-generations", "4",
+        "--max-new-tokens", "64", "--temperature", "0.7", "--top-p", "0.9",
+        "--mini-batch-size", "8", "--micro-batch-size", "2", "--default-system", "Be brief.",
+        "--model-gpus", "2", "--sampler-gpus", "1",
+    )  # fmt: skip
+    assert args.get_loss_args() == {
+        "loss_type": "ipo",
+        "beta": 0.2,
+        "sft_weight": 0.5,
+        "label_smoothing": 0.0,
+        "epsilon": 0.2,
+    }  # epsilon_high is None: left out
+    assert args.get_sampling_args() == {"max_tokens": 64, "temperature": 0.7, "top_p": 0.9, "top_k": -1}
+    assert args.get_rl_args() == {"num_generations": 4, "advantage_scale": "group"}
+    assert (args.training.mini_batch_size, args.training.micro_batch_size) == (8, 2)
+    assert (args.template.default_system, args.infra.model_gpus, args.infra.sampler_gpus) == (
+        "Be brief.",
+        2,
+        1,
+    )
+    assert "--beta" in format_help() and "--num-generations" in format_help()
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["--beta", "-1"], "--beta"),
+        (["--loss-type", "kto"], "--loss-type"),
+        (["--top-p", "0"], "--top-p"),
+        (["--top-k", "0"], "--top-k"),
+        (["--label-smoothing", "0.5"], "--label-smoothing"),
+    ],
+)
+def test_bad_preference_and_rl_values_are_one_line(argv, needle):
+    assert needle in one_line_error(*argv)
+
+
+@pytest.mark.parametrize("group", ["checkpoint", "sampler", "server"])
 def test_groups_without_our_fields_are_not_supported_yet(group):
     with pytest.raises(UserError) as info:
         getattr(parse(), f"get_{group}_args")()

@@ -78,6 +78,12 @@ class InfraArgs:
         "--mode ray: place the workers on as few nodes as possible, or across nodes",
         choices=("pack", "spread"),
     )
+    model_gpus: int | None = _opt(
+        None, "devices of the model group when a script places trainer and sampler apart", check=_AT_LEAST_1
+    )
+    sampler_gpus: int | None = _opt(
+        None, "devices of the sampler group when a script places trainer and sampler apart", check=_AT_LEAST_1
+    )
 
 
 @dataclass
@@ -101,6 +107,9 @@ class TemplateArgs:
         "right",
         "what to do with samples longer than max_length",
         choices=TRUNCATION_STRATEGIES,
+    )
+    default_system: str | None = _opt(
+        None, "system prompt added to conversations that have none (dataset.set_template(default_system=...))"
     )
 
 
@@ -175,6 +184,16 @@ class TrainingArgs:
         True,
         "batches run packed into one row where the model allows it, with the padded loss; only true is accepted",
     )
+    mini_batch_size: int | None = _opt(
+        None,
+        "RL: samples per optimizer step within one batch of rollouts; None = the whole batch",
+        check=_AT_LEAST_1,
+    )
+    micro_batch_size: int | None = _opt(
+        None,
+        "RL: samples per forward/backward within a mini-batch; None = the whole mini-batch",
+        check=_AT_LEAST_1,
+    )
 
 
 @dataclass
@@ -213,6 +232,61 @@ class SchedulerArgs:
     )
 
 
+@dataclass
+class LossArgs:
+    loss_type: str = _opt(
+        "sigmoid", "DPOLoss's form: sigmoid (DPO), hinge (SLiC) or ipo", choices=("sigmoid", "hinge", "ipo")
+    )
+    beta: float = _opt(0.1, "preference/KL strength: DPO's beta, GRPO's KL coefficient", check=_AT_LEAST_0)
+    sft_weight: float = _opt(
+        0.0, "DPO: weight of the chosen replies' cross-entropy added to the loss", check=_AT_LEAST_0
+    )
+    label_smoothing: float = _opt(
+        0.0,
+        "DPO: the share of pairs taken as mislabelled (conservative DPO)",
+        check=(lambda v: 0 <= v < 0.5, "in [0, 0.5)"),
+    )
+    epsilon: float = _opt(
+        0.2, "GRPO: the ratio's clip range below 1 (and above 1 without --epsilon-high)", check=_POSITIVE
+    )
+    epsilon_high: float | None = _opt(
+        None, "GRPO: the ratio's clip range above 1; None = --epsilon", check=_POSITIVE
+    )
+
+
+@dataclass
+class SamplingArgs:
+    max_tokens: int | None = _opt(
+        None,
+        "tokens a completion may add; None = the script's default",
+        check=_AT_LEAST_1,
+        aliases=("max-new-tokens",),
+    )
+    temperature: float = _opt(1.0, "sampling temperature; 0 = greedy", check=_AT_LEAST_0)
+    top_p: float = _opt(
+        1.0,
+        "nucleus sampling: the smallest set of tokens with this much probability",
+        check=(lambda v: 0 < v <= 1, "in (0, 1]"),
+    )
+    top_k: int = _opt(
+        -1,
+        "sample among the k most likely tokens; -1 = all",
+        check=(lambda v: v == -1 or v >= 1, "-1 or >= 1"),
+    )
+
+
+@dataclass
+class RLArgs:
+    num_generations: int = _opt(
+        8, "completions sampled per prompt (the group GRPO compares)", check=_AT_LEAST_1
+    )
+    advantage_scale: str = _opt(
+        "group",
+        "GRPO advantages divided by the group's std, the batch's, or none",
+        choices=("group", "batch", "none"),
+    )
+
+
 # Group name -> dataclass; the order is the order of ``--help``.
 GROUPS: dict[str, type] = {
     "infra": InfraArgs,
@@ -223,6 +297,9 @@ GROUPS: dict[str, type] = {
     "lora": LoraArgs,
     "optimizer": OptimizerArgs,
     "scheduler": SchedulerArgs,
+    "loss": LossArgs,
+    "sampling": SamplingArgs,
+    "rl": RLArgs,
 }
 
 
@@ -247,18 +324,15 @@ UPSTREAM_GROUP: dict[str, str] = {"seed": "training", "skip_bad_rows": "training
 # Upstream groups no field of ours belongs to: their helper raises instead of returning an empty
 # dict, which a ``**kwargs`` call would accept without a word. Name -> what to use instead.
 UNSUPPORTED_GROUPS: dict[str, str] = {
-    "loss": "choose the loss with model.set_loss(...)",
     "checkpoint": "model.save(...) takes save_optimizer=; resume options are in get_training_args()",
-    "sampler": "there is no generation sampler (vLLM) here",
-    "sampling": "there is no generation sampler (vLLM) here",
-    "server": "there is no training server here",
-    "rl": "there is no RL trainer here",
+    "sampler": "the sampler's class and engine are chosen in the script (twinkle.sampler)",
+    "server": "the server takes its own flags (twinkle server --help)",
 }
 
 
 @dataclass
 class Args:
-    """Everything a training script reads: eight typed groups plus free-form ``extra``, and
+    """Everything a training script reads: eleven typed groups plus free-form ``extra``, and
     upstream's ``get_<group>_args()`` dicts (grouped as upstream groups them).
 
     ``extra`` holds unknown flags and config keys (for example ``model_name`` and
@@ -274,6 +348,9 @@ class Args:
     lora: LoraArgs = field(default_factory=LoraArgs)
     optimizer: OptimizerArgs = field(default_factory=OptimizerArgs)
     scheduler: SchedulerArgs = field(default_factory=SchedulerArgs)
+    loss: LossArgs = field(default_factory=LossArgs)
+    sampling: SamplingArgs = field(default_factory=SamplingArgs)
+    rl: RLArgs = field(default_factory=RLArgs)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def get_lora_args(self) -> dict[str, Any]:
@@ -330,7 +407,7 @@ class Args:
         return self._upstream_group("infra")
 
     def get_loss_args(self) -> dict[str, Any]:
-        """Raises: no option of ours belongs to upstream's loss group."""
+        """loss_type, beta, sft_weight, label_smoothing, epsilon (and epsilon_high when set)."""
         return self._upstream_group("loss")
 
     def get_checkpoint_args(self) -> dict[str, Any]:
@@ -342,15 +419,15 @@ class Args:
         return self._upstream_group("sampler")
 
     def get_sampling_args(self) -> dict[str, Any]:
-        """Raises: there is no sampler."""
+        """max_tokens (when set), temperature, top_p, top_k: ``SamplingParams(**...)``."""
         return self._upstream_group("sampling")
 
     def get_server_args(self) -> dict[str, Any]:
-        """Raises: there is no server."""
+        """Raises: the server takes its own flags."""
         return self._upstream_group("server")
 
     def get_rl_args(self) -> dict[str, Any]:
-        """Raises: there is no RL trainer."""
+        """num_generations and advantage_scale."""
         return self._upstream_group("rl")
 
     def get(self, name: str, default: Any = None) -> Any:
