@@ -195,8 +195,8 @@ def test_loader_over_packed_rows_gives_the_loss_of_its_samples(make_model, packe
     expected = collate([dataset[i] for i in members], dataset.pad_token_id)
     assert all(torch.equal(batch[k], expected[k]) for k in expected)  # one row per sample
     model = make_model(init_lora_weights=False)
-    loss = model.forward_only(inputs=batch)
-    alone = [model.forward_only(inputs=collate([dataset[i]], dataset.pad_token_id)) for i in members]
+    loss = model.forward_only(inputs=batch)["loss"]
+    alone = [model.forward_only(inputs=collate([dataset[i]], dataset.pad_token_id))["loss"] for i in members]
     tokens = [sum(t != IGNORE_INDEX for t in dataset[i]["labels"][1:]) for i in members]
     mean = sum(loss_i * n for loss_i, n in zip(alone, tokens, strict=True)) / sum(tokens)
     assert abs(loss - mean) < 1e-5

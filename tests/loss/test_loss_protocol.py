@@ -95,9 +95,9 @@ def test_token_weighted_ce_trains_through_the_model(make_model, dataset):
     assert grads and all(float(g.abs().sum()) == 0 for g in grads)
     ones = dict(batch, loss_weights=torch.ones(batch["labels"].shape))
     model.set_loss("CrossEntropyLoss", reduction="sum")
-    ce = torch.tensor(model.forward_only(inputs=batch))
+    ce = torch.tensor(model.forward_only(inputs=batch)["loss"])
     model.set_loss(TokenWeightedCrossEntropyLoss)
-    weighted_ce = torch.tensor(model.forward_only(inputs=ones))
+    weighted_ce = torch.tensor(model.forward_only(inputs=ones)["loss"])
     # all-ones weights: plain cross-entropy, summed in another order (padded, not packed)
     torch.testing.assert_close(weighted_ce, ce, **chain_tolerances(tiny_batch_sums(batch["input_ids"]), ce))
 

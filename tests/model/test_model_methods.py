@@ -40,9 +40,9 @@ def test_raw_and_encoded_rows_train_exactly_like_the_dataloader_batch(make_model
     a, b, c = _weights(reference), _weights(from_chat), _weights(from_encoded)
     assert all(torch.equal(a[k], b[k]) and torch.equal(a[k], c[k]) for k in a)
     # forward_only takes rows too, and one row alone
-    assert from_chat.forward_only(inputs=chat_rows) == reference.forward_only(inputs=batch)
-    single = from_chat.forward_only(inputs=chat_rows[0], adapter_name="default")
-    assert single == reference.forward_only(inputs=next(iter(DataLoader(dataset, batch_size=1))))
+    assert from_chat.forward_only(inputs=chat_rows)["loss"] == reference.forward_only(inputs=batch)["loss"]
+    single = from_chat.forward_only(inputs=chat_rows[0], adapter_name="default")["loss"]
+    assert single == reference.forward_only(inputs=next(iter(DataLoader(dataset, batch_size=1))))["loss"]
 
 
 def test_a_custom_processor_and_template_settings(make_model, chat_rows):

@@ -178,7 +178,7 @@ def test_disable_lora_gives_the_base_model(tiny_model_dir, batches, interleaved)
     with torch.no_grad():
         inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids") if k in batch}
         expected = label_logps(base(**inputs).logits, batch)
-    loss = model.forward_only(batch, adapter_name="a", disable_lora=True)
+    loss = model.forward_only(batch, adapter_name="a", disable_lora=True)["loss"]
     assert torch.equal(model.last_outputs["logps"], expected)
     assert loss == pytest.approx(model.last_outputs["loss"])
     assert model.last_outputs["logps"].shape == batch["labels"].shape

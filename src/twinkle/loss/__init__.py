@@ -3,14 +3,17 @@
 The protocol every loss follows is in ``twinkle.loss.base``. Public names: ``Loss``, ``HeadLoss``,
 ``LossView``, ``UpstreamLoss``, ``as_loss``, ``CrossEntropyLoss``, ``ChunkedCrossEntropyLoss``,
 ``FusedLinearCrossEntropyLoss``, ``LigerFusedLinearCrossEntropyLoss``, ``MSELoss``, ``LOSSES``,
-``build_loss``, ``resolve_loss``, ``LossOutput``, ``fused_linear_cross_entropy``."""
+``build_loss``, ``resolve_loss``, ``LossOutput``, ``fused_linear_cross_entropy``, and the preference
+losses ``DPOLoss``, ``SimPOLoss``, ``CPOLoss``, ``ORPOLoss``, ``PreferenceLoss``."""
 
 from twinkle.loss.base import HeadLoss, Loss, LossView, UpstreamLoss, as_loss
 from twinkle.loss.chunked_cross_entropy import ChunkedCrossEntropyLoss
 from twinkle.loss.cross_entropy import CrossEntropyLoss, LossOutput
+from twinkle.loss.dpo import DPOLoss
 from twinkle.loss.fused_linear_ce import FusedLinearCrossEntropyLoss, fused_linear_cross_entropy
 from twinkle.loss.liger_fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
 from twinkle.loss.mse import MSELoss
+from twinkle.loss.preference import CPOLoss, ORPOLoss, PreferenceLoss, SimPOLoss
 from twinkle.loss.registry import LOSSES, build_loss, resolve_loss
 
 __all__ = [
@@ -29,4 +32,9 @@ __all__ = [
     "resolve_loss",
     "LossOutput",
     "fused_linear_cross_entropy",
+    "DPOLoss",
+    "SimPOLoss",
+    "CPOLoss",
+    "ORPOLoss",
+    "PreferenceLoss",
 ]

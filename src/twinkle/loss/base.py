@@ -10,7 +10,10 @@ tokens, the token count and the count of correctly predicted tokens for the accu
   never built. Where the head cannot be split off (it post-processes its logits or carries a
   LoRA) the view holds those rows' logits instead. An extra input is a ``(batch, seq)`` tensor
   aligned with ``labels`` or a ``(batch,)`` per-sample one; the view holds its values at the
-  supervised rows (``view.extras``), and the batch runs padded (not packed).
+  supervised rows (``view.extras``), and the batch runs padded (not packed). With
+  ``require_samples`` the view also holds each supervised row's batch row (``view.samples``), in
+  the batch's row-major order whether the batch runs packed or not (a loss over whole samples:
+  the preference losses of ``twinkle.loss.preference``).
 - ``consumes = "positions"`` (``Loss``; upstream's convention ``loss(inputs, outputs) ->
   {"loss", "num_tokens"}``): the padded batch's fp32 logits and the targets' log-probabilities
   (``require_logps``); ``inputs["labels"]`` holds each position's target (already shifted,
@@ -36,8 +39,9 @@ POSITIONS = "positions"
 class LossView:
     """What the model computed for a loss. For ``rows``: ``targets`` ``(N,)`` and either
     ``hidden`` ``(N, hidden)`` with ``weight``/``bias``, or ``logits`` ``(N, vocab)`` fp32; and
-    ``extras`` (name -> ``(N,)``). For ``positions``: ``targets`` ``(B, L)`` (-100 where none),
-    ``logits`` ``(B, L, vocab)`` fp32, ``logps`` ``(B, L)`` (None unless required) and ``batch``."""
+    ``extras`` (name -> ``(N,)``), ``samples`` (``(N,)`` batch rows, None unless required) and
+    ``batch``. For ``positions``: ``targets`` ``(B, L)`` (-100 where none), ``logits``
+    ``(B, L, vocab)`` fp32, ``logps`` ``(B, L)`` (None unless required) and ``batch``."""
 
     targets: torch.Tensor
     hidden: torch.Tensor | None = None
@@ -47,6 +51,7 @@ class LossView:
     logps: torch.Tensor | None = None
     extras: dict[str, torch.Tensor] = field(default_factory=dict)
     batch: Mapping[str, Any] = field(default_factory=dict)
+    samples: torch.Tensor | None = None
 
 
 class Loss:
@@ -54,10 +59,12 @@ class Loss:
     "positions"``). ``require_logps``: the model hands the targets' log-probabilities
     (``outputs["logps"]``); ``require_logits``: it hands the logits too (they are left out
     otherwise, as they are the largest tensor of the step). ``extra_inputs``: batch keys the loss
-    reads (reference or old log-probs, advantages, pair indices, token weights)."""
+    reads (reference or old log-probs, advantages, pair indices, token weights).
+    ``require_samples``: a ``rows`` loss gets each row's batch row (``LossView.samples``)."""
 
     consumes = POSITIONS
     extra_inputs: tuple[str, ...] = ()
+    require_samples = False
     require_logits = False
     require_entropy = False
     require_logps = True

@@ -4,9 +4,11 @@ from typing import Any
 
 from twinkle.loss.chunked_cross_entropy import ChunkedCrossEntropyLoss
 from twinkle.loss.cross_entropy import CrossEntropyLoss
+from twinkle.loss.dpo import DPOLoss
 from twinkle.loss.fused_linear_ce import FusedLinearCrossEntropyLoss
 from twinkle.loss.liger_fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
 from twinkle.loss.mse import MSELoss
+from twinkle.loss.preference import CPOLoss, ORPOLoss, SimPOLoss
 from twinkle.utils.errors import UserError
 
 LOSSES: dict[str, type] = {
@@ -16,6 +18,10 @@ LOSSES: dict[str, type] = {
     # upstream's name; our chunked fused loss on every device (see its module)
     "LigerFusedLinearCrossEntropyLoss": LigerFusedLinearCrossEntropyLoss,
     "MSELoss": MSELoss,
+    "DPOLoss": DPOLoss,  # the preference losses: interleaved pairs of rows (twinkle.loss.preference)
+    "SimPOLoss": SimPOLoss,
+    "CPOLoss": CPOLoss,
+    "ORPOLoss": ORPOLoss,
 }
 
 

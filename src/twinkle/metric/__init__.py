@@ -1,16 +1,26 @@
 """Training and evaluation metrics, reduced over ranks.
 
 Public names: ``TokenMetrics`` (the model's built-in numbers), ``Metric``, ``Accuracy``,
-``LossMetric``, ``TrainMetric``, ``METRICS``, ``build_metric``.
+``LossMetric``, ``TrainMetric``, ``DPOMetric``, ``METRICS``, ``build_metric``.
 
 A run's record (``metrics.jsonl``, ``--report-to`` sinks, progress, summary and ``curves.png``)
 lives in ``twinkle.metric.report``, which the model's step and metric calls feed."""
 
 from twinkle.metric.accuracy import Accuracy
 from twinkle.metric.base import Metric
+from twinkle.metric.dpo import DPOMetric
 from twinkle.metric.loss import LossMetric
 from twinkle.metric.registry import METRICS, build_metric
 from twinkle.metric.token_metrics import TokenMetrics
 from twinkle.metric.train_metric import TrainMetric
 
-__all__ = ["TokenMetrics", "Metric", "Accuracy", "LossMetric", "TrainMetric", "METRICS", "build_metric"]
+__all__ = [
+    "TokenMetrics",
+    "Metric",
+    "Accuracy",
+    "LossMetric",
+    "TrainMetric",
+    "DPOMetric",
+    "METRICS",
+    "build_metric",
+]

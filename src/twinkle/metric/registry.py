@@ -4,6 +4,7 @@ from typing import Any
 
 from twinkle.metric.accuracy import Accuracy
 from twinkle.metric.base import Metric
+from twinkle.metric.dpo import DPOMetric
 from twinkle.metric.loss import LossMetric
 from twinkle.metric.train_metric import TrainMetric
 from twinkle.utils.errors import UserError
@@ -12,6 +13,7 @@ METRICS: dict[str, type[Metric]] = {
     "Accuracy": Accuracy,
     "LossMetric": LossMetric,
     "TrainMetric": TrainMetric,
+    "DPOMetric": DPOMetric,
 }
 
 

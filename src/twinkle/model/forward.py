@@ -90,12 +90,32 @@ def compute_loss(
 
     With ``padding_free`` the batch runs packed into one row (see ``twinkle.model.packing``);
     the loss is the same either way. A loss with extra inputs runs on the padded batch."""
+    return loss_and_view(model, batch, loss_fn, padding_free)[0]
+
+
+def loss_and_view(
+    model: Any, batch: dict[str, torch.Tensor], loss_fn: Any, padding_free: bool = True
+) -> tuple[LossOutput, LossView]:
+    """``compute_loss`` and the view it computed the loss from (``twinkle.model.outputs`` reads
+    the labels' log-probabilities from it)."""
     lm = causal_lm_of(model)
     loss = as_loss(loss_fn)
     _extras(loss, batch)
     if loss.consumes == POSITIONS:
-        return loss.compute(positions_view(lm, batch, loss))
-    return loss.compute(rows_view(lm, batch, padding_free and not loss.extra_inputs, loss.extra_inputs))
+        view = positions_view(lm, batch, loss)
+    else:
+        view = rows_view(lm, batch, padding_free and not loss.extra_inputs, loss.extra_inputs)
+        if loss.require_samples:
+            view.samples = supervised_samples(batch)
+    return loss.compute(view), view
+
+
+def supervised_samples(batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """The batch row of each supervised position, in row-major order: the order of the rows
+    view's rows, packed or not (a packed row lays the samples end to end and its shared prefix
+    holds no target, ``twinkle.model.packing``)."""
+    targets = shifted_targets(batch["labels"], batch["attention_mask"])
+    return (targets != IGNORE_INDEX).nonzero(as_tuple=True)[0]
 
 
 def _next_position(values: torch.Tensor) -> torch.Tensor:
@@ -125,7 +145,7 @@ def rows_view(lm: Any, batch: dict[str, Any], padding_free: bool, extra_inputs: 
     # a head that is not a plain Linear (a LoRA on lm_head, a wrapper) runs as the model's own
     if has_logit_transform(lm) or not plain_linear(head):
         logits = lm(**inputs, use_cache=False).logits[mask].float()
-        return LossView(targets=targets, logits=logits, extras=extras)
+        return LossView(targets=targets, logits=logits, extras=extras, batch=batch)
     with head_as_identity(head):
         hidden = lm(**inputs, use_cache=False).logits[mask]
     bias = getattr(head, "bias", None)
@@ -135,6 +155,7 @@ def rows_view(lm: Any, batch: dict[str, Any], padding_free: bool, extra_inputs: 
         weight=full_weight(head.weight),
         bias=None if bias is None else full_weight(bias),
         extras=extras,
+        batch=batch,
     )
 
 

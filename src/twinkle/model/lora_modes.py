@@ -84,7 +84,10 @@ def loss_and_logps(model: Any, batch: dict[str, torch.Tensor], loss_fn: Any) -> 
     else:
         mask = ~ignored
         extras = {k: _rows_of(batch.get(k), targets)[mask] for k in loss.extra_inputs}
-        view = LossView(targets=targets[mask], logits=logits[mask], extras=extras)
+        samples = mask.nonzero(as_tuple=True)[0] if loss.require_samples else None
+        view = LossView(
+            targets=targets[mask], logits=logits[mask], extras=extras, batch=batch, samples=samples
+        )
     aligned = torch.zeros_like(logps)
     aligned[:, 1:] = logps[:, :-1]
     return loss.compute(view), aligned

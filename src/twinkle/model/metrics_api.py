@@ -19,9 +19,11 @@ import torch
 from twinkle.loss import LossOutput
 from twinkle.metric import build_metric, report
 from twinkle.model import health
-from twinkle.model.forward import compute_loss
+from twinkle.model.forward import loss_and_view
 from twinkle.model.lora import trainable_parameters
 from twinkle.model.lora_modes import BASE_ROW, adapter_per_row, adapters_off, loss_and_logps
+from twinkle.model.loss_inputs import keyword_inputs, missing_inputs, with_loss_inputs
+from twinkle.model.outputs import LogpsOnly, ModelOutputs, label_logps, metric_logps
 from twinkle.model.packing import shifted_targets
 from twinkle.model.train_state import OptimizerGroup
 from twinkle.utils.errors import UserError
@@ -31,7 +33,8 @@ class MetricsAPI:
     """Mixed into ``TransformersModel`` (which provides ``model``, ``runtime``, ``_group``,
     ``_prepare_inputs``, ``_to_device``, ``_loss_fn``, ``padding_free``)."""
 
-    last_outputs: dict[str, Any] | None = None  # set by forward_only(disable_lora=/adapter_names=)
+    last_outputs: ModelOutputs | None = None  # what the last forward_only returned
+    _eval_without: tuple[str, list[str]] | None = None  # (loss, inputs) the last forward_only lacked
 
     @torch.no_grad()
     def forward_only(
@@ -41,34 +44,45 @@ class MetricsAPI:
         adapter_name: str | None = None,
         disable_lora: bool = False,
         adapter_names: Sequence[str | None] | None = None,
-    ) -> float:
+        ref_outputs: Any = None,
+        **loss_inputs: Any,
+    ) -> ModelOutputs:
         """Evaluate one batch (no gradients, dropout off); ``calculate_loss()`` records it.
-        ``inputs``: a batch of tensors, or rows (``twinkle.model.inputs``). Returns the mean token
-        loss.
+        ``inputs``: a batch of tensors, or rows (``twinkle.model.inputs``). Returns
+        ``ModelOutputs`` (``twinkle.model.outputs``): ``{"loss": mean loss, "num_tokens", "logps":
+        (B, L) log-probability of each label (0 where the label is -100)}``, also kept as
+        ``last_outputs``; ``logps`` is what a loss takes as reference outputs (DPO).
 
         ``disable_lora=True``: the base model's outputs, every adapter off. ``adapter_names``: one
         adapter name per row (None: the base model for that row), all rows in one pass, each with
-        its own adapter. Either mode runs the batch unpacked and also leaves ``last_outputs``:
-        ``{"logps": (B, L) log-probability of each label (0 where the label is -100), "loss",
-        "num_tokens"}``, what a loss needs as reference outputs (DPO). The adapter whose loss,
-        template and eval metrics serve the batch is ``adapter_name``, else the first named row's."""
+        its own adapter. Either mode runs the batch unpacked. The adapter whose loss, template and
+        eval metrics serve the batch is ``adapter_name``, else the first named row's.
+
+        ``ref_outputs``/``loss_inputs``: the loss's extra inputs, as for ``forward``. Without
+        them a loss that declares them is not computed (a reference pass): ``loss`` is NaN and
+        ``calculate_loss()`` has nothing to record; ``logps`` is there all the same."""
         group = self._group(adapter_name if adapter_name is not None else _first_named(adapter_names))
-        inputs = self._prepare_inputs(group, inputs)
+        loss_fn = self._loss_fn(group, task)
+        extras = keyword_inputs(loss_fn, ref_outputs, loss_inputs)
+        inputs = with_loss_inputs(loss_fn, self._prepare_inputs(group, inputs), extras, required=False)
         group.eval_metrics.start_batch()
         batch = self._to_device(inputs)
         if any(m.training for m in self.model.modules()):
             self.model.eval()
         self._in_train_mode = False
-        loss_fn = self._loss_fn(group, task)
+        missing = missing_inputs(loss_fn, batch)
+        run_fn = LogpsOnly(loss_fn.name) if missing else loss_fn
         if disable_lora or adapter_names is not None:
             with self._lora_mode(disable_lora, adapter_names, inputs["input_ids"].shape[0]):
-                out, logps = loss_and_logps(self.model, batch, loss_fn)
-            mean = float(out.loss_sum) / max(1, out.num_tokens)
-            self.last_outputs = {"logps": logps, "loss": mean, "num_tokens": out.num_tokens}
+                out, logps = loss_and_logps(self.model, batch, run_fn)
         else:
-            out = compute_loss(self.model, batch, loss_fn, self.padding_free)
-        self._pending_eval = (group.adapter_name, out, inputs)
-        return float(out.loss_sum) / max(1, out.num_tokens)
+            out, view = loss_and_view(self.model, batch, run_fn, self.padding_free)
+            logps = label_logps(out, view, batch, lazy=not self.runtime.is_distributed)
+        self._pending_eval = None if missing else (group.adapter_name, out, inputs)
+        self._eval_without = (loss_fn.name, missing) if missing else None
+        mean = float(out.loss_sum) / max(1, out.num_tokens)
+        self.last_outputs = ModelOutputs(mean, out.num_tokens, logps)
+        return self.last_outputs
 
     def _peft_adapter(self, adapter_name: str) -> str:
         """The PEFT adapter that holds ``adapter_name``'s weights."""
@@ -94,6 +108,12 @@ class MetricsAPI:
     def calculate_loss(self) -> float:
         """Record the last ``forward_only`` batch in the eval metrics; return its mean token loss."""
         if self._pending_eval is None:
+            if self._eval_without is not None:
+                name, missing = self._eval_without
+                raise UserError(
+                    f"the last forward_only had no {', '.join(missing)} for the loss {name}, so there is no "
+                    "loss to record; pass them to forward_only too (ref_outputs=...) before calculate_loss()"
+                )
             raise UserError("call forward_only(inputs=...) before calculate_loss()")
         name, out, inputs = self._pending_eval
         self._pending_eval = None
@@ -165,6 +185,7 @@ class MetricsAPI:
         self._flush_metric_batch(group, is_training)
         shifted = {**inputs, "labels": shifted_targets(inputs["labels"], inputs["attention_mask"])}
         outputs = {"loss": loss_sum, "num_tokens": out.num_tokens, "num_correct": correct, "logits": None}
+        outputs.update(metric_logps(out, inputs, shifted["labels"]))
         group.pending_metric_batch[is_training] = (shifted, outputs)
 
     def _flush_metric_batch(self, group: OptimizerGroup, is_training: bool) -> None:

@@ -23,6 +23,7 @@ from twinkle.model.forward import causal_lm_of, compute_loss
 from twinkle.model.inputs import InputsAPI
 from twinkle.model.loading import load_causal_lm, resolve_dtype
 from twinkle.model.lora import add_lora, trainable_parameters
+from twinkle.model.loss_inputs import keyword_inputs, with_loss_inputs
 from twinkle.model.metrics_api import MetricsAPI
 from twinkle.model.options import resolve_precision, resolve_strategy
 from twinkle.model.step import clip_gradients
@@ -223,6 +224,7 @@ class TransformersModel(InputsAPI, MetricsAPI, Checkpoints):
         if task == "fused_lm_ce" and not isinstance(loss, FusedLinearCrossEntropyLoss):
             # the fused loss computes plain cross-entropy on every supervised token, nothing else
             unfusable = not isinstance(loss, HeadLoss) or getattr(loss, "dft", False)
+            unfusable = unfusable or bool(loss.extra_inputs) or loss.require_samples  # weights, pairs
             if unfusable or getattr(loss, "ignore_index", IGNORE_INDEX) != IGNORE_INDEX:
                 raise UserError(
                     f"task='fused_lm_ce' replaces the loss by FusedLinearCrossEntropyLoss, which cannot compute "
@@ -238,17 +240,26 @@ class TransformersModel(InputsAPI, MetricsAPI, Checkpoints):
         return group.loss_fn
 
     def forward(
-        self, inputs: Any, task: str = "causal_lm", adapter_name: str | None = None
+        self,
+        inputs: Any,
+        task: str = "causal_lm",
+        adapter_name: str | None = None,
+        ref_outputs: Any = None,
+        **loss_inputs: Any,
     ) -> dict[str, float]:
         """The training forward of one micro-batch; ``backward()`` then runs its backward.
-        ``inputs``: a batch of tensors, or rows (``twinkle.model.inputs``).
+        ``inputs``: a batch of tensors, or rows (``twinkle.model.inputs``). ``ref_outputs`` (what
+        ``forward_only`` returned on the same batch) and ``loss_inputs`` (``old_logps=``,
+        ``advantages=``, ...) are extra inputs the loss declares (``twinkle.model.loss_inputs``).
 
-        Returns ``{"loss": this rank's mean token loss, "num_tokens": supervised tokens}`` (no
-        logits: the packed rows and the fused loss never build them). A model in eval mode
-        (after ``forward_only``) is put back in training mode first."""
+        Returns ``{"loss": this rank's mean loss, "num_tokens": the loss's count}`` (supervised
+        tokens; pairs for a preference loss; no logits: the packed rows and the fused loss never
+        build them). A model in eval mode (after ``forward_only``) is put back in training mode."""
         group = self._group(adapter_name)
         preemption.loop_started()  # a SIGTERM from here on saves at the next step boundary
-        inputs = self._prepare_inputs(group, inputs)
+        loss_fn = self._loss_fn(group, task)
+        extras = keyword_inputs(loss_fn, ref_outputs, loss_inputs)
+        inputs = with_loss_inputs(loss_fn, self._prepare_inputs(group, inputs), extras, required=True)
         group.train_metrics.start_batch()
         batch = self._to_device(inputs)
         # train() sets the flag on every module and reading them all walks them too (thousands of
@@ -258,7 +269,7 @@ class TransformersModel(InputsAPI, MetricsAPI, Checkpoints):
             self._in_train_mode = True
         # positions the layers may run: the padded batch (a packed row is never longer)
         self.checkpointing.decide(batch["input_ids"].numel(), self.device)
-        out = compute_loss(self.model, batch, self._loss_fn(group, task), self.padding_free)
+        out = compute_loss(self.model, batch, loss_fn, self.padding_free)
         self._pending_backward = (group, out, inputs)
         loss_sum = float(out.loss_sum.detach())
         return {"loss": loss_sum / max(1, out.num_tokens), "num_tokens": out.num_tokens}
@@ -290,10 +301,18 @@ class TransformersModel(InputsAPI, MetricsAPI, Checkpoints):
         return loss_sum / max(1, out.num_tokens)
 
     def forward_backward(
-        self, inputs: Any, task: str = "causal_lm", adapter_name: str | None = None
+        self,
+        inputs: Any,
+        task: str = "causal_lm",
+        adapter_name: str | None = None,
+        ref_outputs: Any = None,
+        **loss_inputs: Any,
     ) -> float:
-        """``forward`` then ``backward``. Returns this rank's mean token loss."""
-        self.forward(inputs, task=task, adapter_name=adapter_name)
+        """``forward`` then ``backward``. Returns this rank's mean loss (per token; per pair for a
+        preference loss). ``ref_outputs``/``loss_inputs``: see ``forward``."""
+        if ref_outputs is not None:
+            loss_inputs["ref_outputs"] = ref_outputs
+        self.forward(inputs, task=task, adapter_name=adapter_name, **loss_inputs)
         return self.backward()
 
     def _reduce_window(self, group: OptimizerGroup) -> tuple[float, float, float]:

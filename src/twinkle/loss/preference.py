@@ -1,0 +1,203 @@
+"""Preference losses over pairs of rows: ``PreferenceLoss`` (their shared part) and the
+reference-free ``SimPOLoss``, ``CPOLoss`` and ``ORPOLoss``; ``DPOLoss`` is in ``twinkle.loss.dpo``.
+
+A preference batch holds its rows interleaved, ``[chosen_1, rejected_1, chosen_2, rejected_2,
+...]``: rows ``2i`` and ``2i + 1`` are pair ``i``. Each row's log-probability is the sum of its
+supervised tokens' log-probabilities (its response). The model hands these losses the supervised
+rows (``consumes = "rows"``, ``twinkle.loss.base``) with each row's sample; a loss computes one
+value per pair and returns their sum with ``num_tokens`` = the number of pairs, so a training
+step (the summed loss over the global batch divided by its count over all ranks) is the mean
+over every pair of the global batch. ``num_correct`` counts the pairs whose chosen row the
+loss's implicit reward prefers, so the model's built-in ``accuracy`` is that share of the pairs.
+
+An NLL term on the chosen row (``CPOLoss``, ``ORPOLoss``, ``DPOLoss(sft_weight=)``) is its mean
+token negative log-likelihood, one value per pair, so it too is a mean over pairs."""
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from twinkle.loss.base import ROWS, HeadLoss, LossView
+from twinkle.loss.cross_entropy import IGNORE_INDEX, LossOutput, target_logps
+from twinkle.utils.errors import UserError
+
+
+@dataclass
+class PreferenceOutput(LossOutput):
+    """``LossOutput`` plus ``logps``: the supervised rows' target log-probabilities ``(N,)``,
+    detached, in the view's row order (the model hands them to the metrics)."""
+
+    logps: torch.Tensor | None = None
+
+
+@dataclass
+class Pairs:
+    """Per-pair sums of one micro-batch: the chosen and rejected rows' summed log-probabilities,
+    their supervised-token counts and, when given, the reference's summed log-probabilities."""
+
+    chosen: torch.Tensor
+    rejected: torch.Tensor
+    chosen_len: torch.Tensor
+    rejected_len: torch.Tensor
+    ref_chosen: torch.Tensor | None = None
+    ref_rejected: torch.Tensor | None = None
+
+
+def check_positive(loss: str, name: str, value: float, usual: float) -> float:
+    if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
+        raise UserError(
+            f"{loss}: {name} must be above 0, got {value!r}; pass a positive {name} ({usual} is usual)"
+        )
+    return float(value)
+
+
+def check_non_negative(loss: str, name: str, value: float) -> float:
+    if not (isinstance(value, int | float) and math.isfinite(value) and value >= 0):
+        raise UserError(f"{loss}: {name} must be 0 or more, got {value!r}; pass a number at least 0")
+    return float(value)
+
+
+def row_logps(view: LossView) -> torch.Tensor:
+    """Each supervised row's target log-probability, fp32, with the graph to the policy."""
+    logits = view.logits if view.hidden is None else F.linear(view.hidden, view.weight, view.bias)
+    return -F.cross_entropy(logits.float(), view.targets, reduction="none")
+
+
+def mean_nll(logps_sum: torch.Tensor, length: torch.Tensor) -> torch.Tensor:
+    return -logps_sum / length
+
+
+def log1m_exp(x: torch.Tensor) -> torch.Tensor:
+    """``log(1 - exp(x))`` for ``x < 0``, stable at both ends (``expm1`` near 0, ``log1p`` far)."""
+    x = x.clamp(max=-1e-7)
+    return torch.where(x > -math.log(2.0), torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))
+
+
+class PreferenceLoss(HeadLoss):
+    """The pair bookkeeping shared by the preference losses; a subclass implements
+    ``pair_losses(pairs) -> (loss per pair, preference logit per pair)`` and declares
+    ``extra_inputs = ("ref_logps",)`` when it reads the reference's log-probabilities (per label,
+    ``(B, L)`` aligned with ``labels``: ``model.forward_only(...)["logps"]``)."""
+
+    consumes = ROWS
+    require_samples = True
+    reduction = "sum"  # the summed pair loss; the model divides by the pairs of the global batch
+
+    def pair_losses(self, pairs: Pairs) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def compute(self, view: LossView) -> PreferenceOutput:
+        if view.samples is None:
+            raise UserError(f"{self.name} needs each row's sample; run it through model.set_loss")
+        rows = int(view.batch["input_ids"].shape[0]) if view.batch else 0
+        return self.from_rows(row_logps(view), view.samples, rows, view.extras.get("ref_logps"))
+
+    def from_rows(
+        self, logps: torch.Tensor, samples: torch.Tensor, rows: int, ref: torch.Tensor | None = None
+    ) -> PreferenceOutput:
+        """The loss from the supervised rows' log-probabilities ``(N,)``, their batch rows
+        ``(N,)``, the batch's row count and the reference's values at the same rows."""
+        if logps.numel() == 0:  # a rank's empty share: nothing to pair, but backward must run
+            zero = logps.sum() * 0.0
+            return PreferenceOutput(zero, zero, 0, torch.zeros((), dtype=torch.long), logps.detach())
+        if rows % 2:
+            raise UserError(
+                f"{self.name} needs rows in pairs [chosen_1, rejected_1, chosen_2, ...], but the batch "
+                f"has {rows} rows; keep both sides of every pair in the batch"
+            )
+        pairs = self._pairs(logps, samples, rows, ref)
+        losses, logits = self.pair_losses(pairs)
+        loss_sum = losses.sum()
+        count = losses.numel()
+        correct = (logits.detach() > 0).sum()
+        return PreferenceOutput(loss_sum / count, loss_sum, count, correct, logps.detach())
+
+    def _pairs(
+        self, logps: torch.Tensor, samples: torch.Tensor, rows: int, ref: torch.Tensor | None
+    ) -> Pairs:
+        samples = samples.to(logps.device)
+        sums = torch.zeros(rows, dtype=logps.dtype, device=logps.device).index_add(0, samples, logps)
+        lengths = torch.bincount(samples, minlength=rows)
+        empty = (lengths == 0).nonzero()
+        if empty.numel():
+            row = int(empty[0])
+            side = "chosen" if row % 2 == 0 else "rejected"
+            raise UserError(
+                f"{self.name}: row {row} (the {side} side of pair {row // 2}) has no supervised token; "
+                "every chosen and rejected row needs a labelled response"
+            )
+        lengths = lengths.to(logps.dtype)
+        pairs = Pairs(sums[0::2], sums[1::2], lengths[0::2], lengths[1::2])
+        if ref is not None:
+            ref = ref.detach().to(logps.device, logps.dtype)  # the reference is a constant
+            ref_sums = torch.zeros_like(sums).index_add(0, samples, ref)
+            pairs.ref_chosen, pairs.ref_rejected = ref_sums[0::2], ref_sums[1::2]
+        return pairs
+
+    def from_outputs(self, inputs: Mapping[str, Any], outputs: Mapping[str, Any]) -> dict[str, Any]:
+        """Upstream's convention: ``inputs["labels"]`` ``(B, L)`` (-100 where none), ``outputs``
+        with ``logps`` ``(B, L)`` aligned with them (or ``logits``), ``inputs["ref_logps"]``
+        aligned the same way when the loss reads it. Returns ``{"loss": summed pair loss,
+        "num_tokens": pairs}``."""
+        labels = inputs["labels"]
+        logps = outputs.get("logps")
+        if logps is None:
+            if outputs.get("logits") is None:
+                raise UserError(f"{self.name} needs outputs['logps'] or outputs['logits']")
+            logps = target_logps(outputs["logits"], labels)
+        mask = labels != IGNORE_INDEX
+        ref = inputs.get("ref_logps") if "ref_logps" in self.extra_inputs else None
+        if "ref_logps" in self.extra_inputs and ref is None:
+            raise UserError(f"{self.name} needs inputs['ref_logps'] (the reference's log-probs)")
+        out = self.from_rows(
+            logps[mask], mask.nonzero(as_tuple=True)[0], labels.shape[0], None if ref is None else ref[mask]
+        )
+        return {"loss": out.loss_sum, "num_tokens": out.num_tokens}
+
+
+class SimPOLoss(PreferenceLoss):
+    """SimPO (Meng et al. 2024, arXiv 2405.14734), reference-free: each row's reward is its
+    length-normalised log-probability times ``beta``; per pair
+    ``-log sigmoid(beta * (avg_chosen - avg_rejected) - gamma)`` (``gamma``: the target margin)."""
+
+    def __init__(self, beta: float = 2.5, gamma: float = 0.5):
+        self.beta = check_positive(self.name, "beta", beta, 2.5)
+        self.gamma = check_non_negative(self.name, "gamma", gamma)
+
+    def pair_losses(self, pairs: Pairs) -> tuple[torch.Tensor, torch.Tensor]:
+        margin = self.beta * (pairs.chosen / pairs.chosen_len - pairs.rejected / pairs.rejected_len)
+        return -F.logsigmoid(margin - self.gamma), margin
+
+
+class CPOLoss(PreferenceLoss):
+    """CPO (Xu et al. 2024, arXiv 2401.08417), reference-free: per pair
+    ``-log sigmoid(beta * (logp_chosen - logp_rejected))`` on the summed log-probabilities, plus
+    ``bc_coef`` times the chosen row's mean token NLL (behaviour cloning)."""
+
+    def __init__(self, beta: float = 0.1, bc_coef: float = 1.0):
+        self.beta = check_positive(self.name, "beta", beta, 0.1)
+        self.bc_coef = check_non_negative(self.name, "bc_coef", bc_coef)
+
+    def pair_losses(self, pairs: Pairs) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = self.beta * (pairs.chosen - pairs.rejected)
+        return -F.logsigmoid(logits) + self.bc_coef * mean_nll(pairs.chosen, pairs.chosen_len), logits
+
+
+class ORPOLoss(PreferenceLoss):
+    """ORPO (Hong et al. 2024, arXiv 2403.07691), reference-free: with each row's mean token
+    log-probability ``a`` and its odds ``a - log(1 - exp(a))``, per pair the chosen row's mean
+    token NLL plus ``lambda_orpo`` times ``-log sigmoid(log odds_chosen - log odds_rejected)``."""
+
+    def __init__(self, lambda_orpo: float = 0.1):
+        self.lambda_orpo = check_non_negative(self.name, "lambda_orpo", lambda_orpo)
+
+    def pair_losses(self, pairs: Pairs) -> tuple[torch.Tensor, torch.Tensor]:
+        chosen = pairs.chosen / pairs.chosen_len
+        rejected = pairs.rejected / pairs.rejected_len
+        log_odds = (chosen - log1m_exp(chosen)) - (rejected - log1m_exp(rejected))
+        nll = mean_nll(pairs.chosen, pairs.chosen_len)
+        return nll - self.lambda_orpo * F.logsigmoid(log_odds), log_odds

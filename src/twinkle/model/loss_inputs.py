@@ -1,0 +1,81 @@
+"""Extra batch inputs a loss declares (``Loss.extra_inputs``), passed to the model's steps as
+keywords: ``forward_backward(inputs, ref_outputs=ref)`` gives ``ref_logps`` (the ``logps`` of
+what ``forward_only`` returned), ``forward_backward(inputs, old_logps=..., advantages=...)`` any
+other. Each value is per label, ``(B, L)`` aligned with ``labels``, or per row, ``(B,)``; it
+joins the batch under its name, where the model hands it to the loss (``twinkle.model.forward``).
+A value may also come inside the batch itself (a ``DataLoader`` column)."""
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from twinkle.template.base import IGNORE_INDEX
+from twinkle.utils.errors import UserError
+
+REF_HINT = "ref_outputs=model.forward_only(inputs=batch, disable_lora=True)"
+
+
+def _from_ref_outputs(ref_outputs: Any) -> torch.Tensor:
+    logps = ref_outputs.get("logps") if isinstance(ref_outputs, Mapping) else None
+    if logps is None:
+        raise UserError(
+            f"ref_outputs= got {type(ref_outputs).__name__} without 'logps'; pass what model.forward_only(...) returned"
+        )
+    return logps
+
+
+def keyword_inputs(loss: Any, ref_outputs: Any, given: Mapping[str, Any]) -> dict[str, Any]:
+    """The keywords as batch inputs, each one the loss declares (else a one-line error)."""
+    given = dict(given)
+    if ref_outputs is not None:
+        if "ref_logps" in given:
+            raise UserError("pass ref_outputs= or ref_logps=, not both")
+        given["ref_logps"] = _from_ref_outputs(ref_outputs)
+    declared = tuple(getattr(loss, "extra_inputs", ()))
+    for name in given:
+        if name not in declared:
+            via = (
+                "ref_outputs= (its ref_logps)"
+                if name == "ref_logps" and ref_outputs is not None
+                else f"{name}="
+            )
+            reads = ", ".join(declared) or "nothing besides the batch"
+            raise UserError(
+                f"{via} is not an input of the loss {loss.name} (it reads {reads}); "
+                "set the loss that reads it with model.set_loss(...), or drop the keyword"
+            )
+    return given
+
+
+def missing_inputs(loss: Any, batch: Mapping[str, Any]) -> list[str]:
+    """The loss's declared inputs the batch lacks (none for a batch without a supervised label:
+    a rank's empty share)."""
+    missing = [k for k in getattr(loss, "extra_inputs", ()) if not torch.is_tensor(batch.get(k))]
+    return missing if missing and bool((batch["labels"] != IGNORE_INDEX).any()) else []
+
+
+def with_loss_inputs(loss: Any, batch: Mapping[str, Any], extras: Mapping[str, Any], required: bool) -> dict:
+    """``batch`` with ``extras`` added as tensors, each checked against the batch's shape.
+    ``required``: a declared input neither in the batch nor in ``extras`` is a one-line error."""
+    labels = batch["labels"]
+    rows, length = int(labels.shape[0]), int(labels.shape[1])
+    if rows == 0:  # this rank's empty share of a short last batch runs one unlabelled pad
+        return dict(batch)
+    out = dict(batch)
+    for name, value in extras.items():
+        tensor = value if torch.is_tensor(value) else torch.as_tensor(value, dtype=torch.float32)
+        if tuple(tensor.shape) not in ((rows, length), (rows,)):
+            raise UserError(
+                f"{name} has shape {tuple(tensor.shape)}, but the batch is {rows} x {length}; pass one value "
+                f"per label ({rows}, {length}) or per row ({rows},), computed on this same batch"
+            )
+        out[name] = tensor
+    missing = missing_inputs(loss, out)
+    if required and missing:
+        hints = [REF_HINT if k == "ref_logps" else f"{k}=..." for k in missing]
+        raise UserError(
+            f"the loss {loss.name} needs the batch tensor(s) {missing}; add them to every batch or pass "
+            f"them to the step: {', '.join(hints)}"
+        )
+    return out

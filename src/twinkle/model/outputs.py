@@ -1,0 +1,134 @@
+"""``ModelOutputs``: what ``forward_only`` returns, and the labels' log-probabilities it holds.
+
+``outputs["logps"]`` is ``(B, L)`` aligned with the batch's ``labels``: the log-probability the
+model gives each label from the position before it, 0 where the label is -100 or has no
+prediction (the first position, pads). It is what a reference pass hands a loss
+(``forward_backward(inputs, ref_outputs=outputs)``, ``twinkle.loss.dpo``).
+
+The evaluation computes the head only on the supervised positions (``twinkle.model.forward``);
+their log-probabilities are one more head product on those rows, so on that path they are
+computed on first read (the view's hidden rows are kept until then), and never when nobody reads
+them. Where the rows' logits or log-probabilities already exist (a preference loss computed
+them, the positions path, a LoRA mode) or the head weight is a gathered copy (FSDP2: keeping it
+would hold the whole head), they are placed at once."""
+
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from twinkle.loss.base import HeadLoss, LossView
+from twinkle.loss.cross_entropy import LossOutput
+from twinkle.loss.preference import row_logps
+from twinkle.model.packing import shifted_targets
+from twinkle.template.base import IGNORE_INDEX
+
+KEYS = ("loss", "num_tokens", "logps")
+
+
+class ModelOutputs(Mapping):
+    """``{"loss": mean loss (float), "num_tokens": the loss's count (int), "logps": (B, L)}``;
+    ``float(outputs)`` is the loss. ``logps`` may be computed on first read (then kept)."""
+
+    def __init__(self, loss: float, num_tokens: int, logps: torch.Tensor | Callable[[], torch.Tensor]):
+        self._values: dict[str, Any] = {"loss": loss, "num_tokens": num_tokens, "logps": logps}
+
+    def __getitem__(self, key: str) -> Any:
+        value = self._values[key]
+        if key == "logps" and callable(value):
+            value = self._values["logps"] = value()
+        return value
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(KEYS)
+
+    def __len__(self) -> int:
+        return len(KEYS)
+
+    def __float__(self) -> float:
+        return float(self._values["loss"])
+
+    def __repr__(self) -> str:
+        logps = self._values["logps"]
+        shown = "(computed on read)" if callable(logps) else f"tensor{tuple(logps.shape)}"
+        return f"ModelOutputs(loss={self._values['loss']!r}, num_tokens={self._values['num_tokens']}, logps={shown})"
+
+
+def place_targets(values: torch.Tensor, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """Values of the supervised positions (row-major order, ``(N,)``) -> ``(B, L)`` at the
+    positions that predict them (aligned with the shifted labels), 0 elsewhere."""
+    targets = shifted_targets(batch["labels"], batch["attention_mask"])
+    placed = torch.zeros(targets.shape, dtype=values.dtype, device=values.device)
+    placed[(targets != IGNORE_INDEX).to(values.device)] = values
+    return placed
+
+
+def place_rows(values: torch.Tensor, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """``place_targets``, then each value moved to its label's own position."""
+    return align_to_labels(place_targets(values, batch))
+
+
+def align_to_labels(per_target: torch.Tensor) -> torch.Tensor:
+    """``(B, L)`` values at each position's target (its next label) -> at the label itself."""
+    aligned = torch.zeros_like(per_target)
+    aligned[:, 1:] = per_target[:, :-1]
+    return aligned
+
+
+def label_logps(
+    out: Any, view: LossView, batch: Mapping[str, torch.Tensor], lazy: bool
+) -> torch.Tensor | Callable[[], torch.Tensor]:
+    """The labels' log-probabilities of the pass that computed ``out`` from ``view``: a tensor,
+    or with ``lazy`` and only the hidden rows at hand, a function computing it."""
+    rows = getattr(out, "logps", None)  # a preference loss's, already computed
+    if rows is not None:
+        return place_rows(rows.detach(), batch)
+    if view.targets.dim() == 2:  # the positions view: (B, L) targets
+        logps = view.logps
+        if logps is None:
+            logps = -F.cross_entropy(view.logits.transpose(1, 2), view.targets.clamp(min=0), reduction="none")
+        return align_to_labels(logps.masked_fill(view.targets == IGNORE_INDEX, 0.0))
+    if view.hidden is None or not lazy:
+        return place_rows(row_logps(view).detach(), batch)
+    hidden, weight, bias, targets = view.hidden, view.weight, view.bias, view.targets
+
+    def compute() -> torch.Tensor:
+        with torch.no_grad():
+            return place_rows(
+                row_logps(LossView(targets=targets, hidden=hidden, weight=weight, bias=bias)), batch
+            )
+
+    return compute
+
+
+class LogpsOnly(HeadLoss):
+    """Stands in for a loss whose declared inputs a ``forward_only`` call lacks (a reference or
+    old-policy pass): no loss (NaN), only the rows the labels' log-probabilities come from."""
+
+    def __init__(self, loss_name: str):
+        self.loss_name = loss_name
+
+    @property
+    def name(self) -> str:
+        return self.loss_name
+
+    def compute(self, view: LossView) -> LossOutput:
+        nan = torch.full((), float("nan"))
+        return LossOutput(nan, nan, int(view.targets.numel()), torch.zeros((), dtype=torch.long))
+
+
+def metric_logps(out: Any, inputs: Mapping[str, Any], targets: torch.Tensor) -> dict[str, torch.Tensor]:
+    """What the added metrics read besides the counts, ``(B, L)`` aligned with the shifted labels
+    they get (``targets``), on their device: ``logps`` when the loss computed the rows'
+    log-probabilities (the preference losses), ``ref_logps`` when the batch carried them."""
+    found = {}
+    rows = getattr(out, "logps", None)
+    if rows is not None:
+        found["logps"] = place_targets(rows.detach(), inputs).to(targets.device)
+    ref = inputs.get("ref_logps")
+    if torch.is_tensor(ref) and ref.dim() == 2:
+        ref = ref.detach().to(targets.device, torch.float32)
+        shifted = torch.cat([ref[:, 1:], torch.zeros_like(ref[:, :1])], dim=1)
+        found["ref_logps"] = shifted.masked_fill(targets == IGNORE_INDEX, 0.0)
+    return found
