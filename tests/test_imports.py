@@ -28,7 +28,7 @@ TIERS = [
         "advantage",
         "reward",
     },
-    {"model", "export"},
+    {"model", "export", "sampler", "checkpoint_engine"},
     {"cli"},
 ]
 TIER = {package: level for level, packages in enumerate(TIERS) for package in packages}

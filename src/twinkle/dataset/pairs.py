@@ -142,7 +142,8 @@ def encode_pair(template: Template, row: dict[str, Any], index: int) -> dict[str
     shared = split_pair(positive, negative, index, SIDES)
     skip = _prompt_replies(template, positive[:shared])
     pair = [
-        _tokens(template, messages, skip, side, index) for messages, side in zip((positive, negative), SIDES, strict=True)
+        _tokens(template, messages, skip, side, index)
+        for messages, side in zip((positive, negative), SIDES, strict=True)
     ]
     if pair[0][0] == pair[1][0]:
         raise BadRow(

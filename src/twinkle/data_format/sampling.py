@@ -1,0 +1,145 @@
+"""What a sampler takes and returns: ``SamplingParams``, ``SampledSequence``, ``SampleResponse``.
+
+Upstream's names and fields. ``SamplingParams`` checks its values when built, so a bad value
+is one ``UserError`` line at the call that made it, not an error deep inside generation."""
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from twinkle.utils.errors import UserError
+
+StopReason = Literal["stop", "length"]
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+@dataclass
+class SamplingParams:
+    """How to sample.
+
+    - ``max_tokens``: the most tokens generated per sequence (at least 1; None: up to the
+      model's maximum positions).
+    - ``temperature``: 0 is greedy (the most likely token); otherwise logits are divided by it.
+    - ``top_p`` in (0, 1]: sample among the most likely tokens whose probabilities add up to
+      ``top_p``; ``top_k``: among the ``top_k`` most likely (-1 or 0: all).
+    - ``num_samples``: sequences per prompt.
+    - ``logprobs``: log-probabilities returned per generated token: the sampled token's always,
+      then the most likely other tokens, ``logprobs`` entries in all (None or 0: the sampled
+      token's only).
+    - ``seed``: the same seed, inputs and weights give the same samples (None: drawn from
+      torch's global generator).
+    - ``stop``: a string, strings, or token ids that end a sequence (the end-of-sequence tokens
+      always do); ``include_stop_str_in_output``: whether ``decoded`` keeps the stop string."""
+
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    num_samples: int = 1
+    logprobs: int | None = None
+    seed: int | None = None
+    stop: str | Sequence[str] | Sequence[int] | None = None
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+            raise UserError(
+                f"SamplingParams(max_tokens={self.max_tokens!r}): max_tokens must be an integer >= 1"
+            )
+        if not _is_number(self.temperature) or self.temperature < 0:
+            raise UserError(
+                f"SamplingParams(temperature={self.temperature!r}): temperature must be a number >= 0 "
+                "(0 is greedy)"
+            )
+        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
+            raise UserError(
+                f"SamplingParams(top_p={self.top_p!r}): top_p must be in (0, 1] (1 keeps every token)"
+            )
+        if not _is_int(self.top_k) or self.top_k < -1:
+            raise UserError(
+                f"SamplingParams(top_k={self.top_k!r}): top_k must be an integer >= 1, or -1 for all"
+            )
+        if not _is_int(self.num_samples) or self.num_samples < 1:
+            raise UserError(
+                f"SamplingParams(num_samples={self.num_samples!r}): num_samples must be an integer >= 1"
+            )
+        if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
+            raise UserError(
+                f"SamplingParams(logprobs={self.logprobs!r}): logprobs must be an integer >= 0 or None"
+            )
+        if self.seed is not None and not _is_int(self.seed):
+            raise UserError(f"SamplingParams(seed={self.seed!r}): seed must be an integer or None")
+        self.stop_strings, self.stop_token_ids = _split_stop(self.stop)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> "SamplingParams":
+        """From a dict (``max_new_tokens`` is read as ``max_tokens``); an unknown key is an error."""
+        values = dict(values)
+        if "max_new_tokens" in values and "max_tokens" not in values:
+            values["max_tokens"] = values.pop("max_new_tokens")
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise UserError(
+                f"SamplingParams: unknown key(s) {unknown}; valid keys: {', '.join(sorted(known))}"
+            )
+        return cls(**values)
+
+
+def _split_stop(stop: Any) -> tuple[list[str], list[int]]:
+    """``stop`` -> (stop strings, stop token ids)."""
+    if stop is None:
+        return [], []
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, Sequence) or isinstance(stop, bytes):
+        raise UserError(
+            f"SamplingParams(stop={stop!r}): stop must be a string, a list of strings or of token ids"
+        )
+    strings = [s for s in stop if isinstance(s, str)]
+    ids = [s for s in stop if _is_int(s)]
+    if len(strings) + len(ids) != len(stop) or "" in strings:
+        raise UserError(
+            f"SamplingParams(stop={list(stop)!r}): each stop must be a non-empty string or a token id"
+        )
+    return strings, ids
+
+
+@dataclass
+class SampledSequence:
+    """One generated sequence.
+
+    - ``tokens``: the generated token ids (an end-of-sequence token or the token that completed
+      a stop string included: the model is trained on what it sampled);
+    - ``logprobs``: per generated token, ``[(token_id, logprob), ...]``, the sampled token first
+      (``SamplingParams.logprobs``); the log-probabilities of the model itself, at temperature
+      1 and before top-k/top-p, i.e. what a training forward computes for the same tokens;
+    - ``decoded``: the text of ``tokens`` without special tokens (cut before a stop string
+      unless ``include_stop_str_in_output``);
+    - ``stop_reason``: ``stop`` (end-of-sequence token, stop string or stop token) or
+      ``length`` (``max_tokens`` or the model's maximum positions reached);
+    - ``new_input_feature``: prompt plus completion as a training row (``input_ids``,
+      ``labels`` -100 on the prompt and the tokens on the completion, ``attention_mask``,
+      ``position_ids``, ``length``; and ``messages``, the prompt's messages plus the reply,
+      when the prompt came as messages), ready for ``model.forward_backward(inputs=[...])``."""
+
+    tokens: list[int]
+    logprobs: list[list[tuple[int, float]]]
+    decoded: str
+    stop_reason: StopReason
+    new_input_feature: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class SampleResponse:
+    """The sequences sampled for one prompt (``num_samples`` of them) and the prompt's tokens."""
+
+    sequences: list[SampledSequence]
+    prompt_token_ids: list[int] = field(default_factory=list)

@@ -1,0 +1,204 @@
+"""Batched generation with a KV cache, one token per row and step, rows stopping independently.
+
+The loop calls the model's own forward step by step with a transformers ``DynamicCache``
+(rather than ``model.generate``), because it needs, at every step and for every row: the
+model's log-probability of the sampled token at temperature 1 (``generate`` hands processed
+scores), its own stop test (end-of-sequence tokens, stop token ids, stop strings, a budget per
+row), and draws from one ``torch.Generator`` seeded per call. It also does less work than
+``generate``:
+
+- the prompts are left-padded once (position ids count from each row's first real token, the
+  attention mask hides the pads) and each prompt is run once even when ``num_samples > 1``: its
+  cache rows are repeated afterwards;
+- only the last position's logits are computed (``logits_to_keep=1``);
+- a row that stops leaves the batch (its cache rows are dropped), so later steps run only the
+  rows still generating, and a batch without pads passes no attention mask at all.
+
+Under FSDP (a sampler sharing a sharded model) every rank must run the same forwards: the ranks
+agree each step on whether any of them still generates (``lockstep``), and a rank with nothing
+left runs a one-token pass without cache until all are done."""
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from twinkle.data_format.sampling import SamplingParams
+from twinkle.sampler.choose import choose, token_logprobs
+from twinkle.sampler.stops import Stops
+
+
+@dataclass
+class RowOutput:
+    """What one sequence generated (see ``twinkle.data_format.sampling.SampledSequence``)."""
+
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    stop_reason: str = "length"
+    by_string: bool = False
+
+
+def cache_keyword(lm: Any) -> str:
+    """The name of the forward's cache argument: ``cache`` (transformers >= 5.x) or
+    ``past_key_values`` (earlier)."""
+    import inspect
+
+    params = inspect.signature(type(lm).forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+class Decoder:
+    """One ``sample`` call's generation over ``lm`` (a causal LM module, in eval mode)."""
+
+    def __init__(
+        self,
+        lm: Any,
+        params: SamplingParams,
+        stops: Stops,
+        pad_id: int,
+        generator: torch.Generator,
+        lockstep: Callable[[bool], bool] | None = None,
+    ):
+        self.lm, self.params, self.stops, self.pad_id = lm, params, stops, pad_id
+        self.generator, self.lockstep = generator, lockstep
+        self.device = next(lm.parameters()).device
+        self.cache_kw = cache_keyword(lm)
+        self.alternatives = max(0, (params.logprobs or 1) - 1)
+
+    def run(self, prompts: list[list[int]], budgets: list[int]) -> list[list[RowOutput]]:
+        """Generate ``params.num_samples`` sequences for each prompt; ``budgets[i]``: the most
+        tokens prompt i's sequences may have. Returns, per prompt, its sequences."""
+        n = self.params.num_samples
+        rows = [RowOutput() for _ in range(len(prompts) * n)]
+        budget = [b for b in budgets for _ in range(n)]
+        if not prompts:
+            self._idle()
+            return []
+        logits, state = self._prefill(prompts)
+        alive = list(range(len(rows)))
+        while True:
+            keep = self._step(logits, alive, rows, budget)
+            if not self._continue(bool(keep)):
+                break
+            if not keep:
+                self._idle()
+                break
+            if len(keep) < len(alive):
+                state.select(keep)
+                alive = [alive[i] for i in keep]
+            last = torch.tensor([rows[r].tokens[-1] for r in alive], device=self.device)
+            logits = self._forward(last[:, None], state)
+        return [rows[i * n : (i + 1) * n] for i in range(len(prompts))]
+
+    # ------------------------------------------------------------------ steps
+    def _prefill(self, prompts: list[list[int]]) -> tuple[torch.Tensor, "CacheState"]:
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for i, p in enumerate(prompts):
+            ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+            mask[i, width - len(p) :] = 1
+        state = CacheState(self.lm.config, mask.to(self.device), any(len(p) < width for p in prompts))
+        positions = (state.mask.cumsum(-1) - 1).clamp(min=0)
+        logits = self._forward(ids.to(self.device), state, positions)
+        n = self.params.num_samples
+        if n > 1:
+            state.repeat(n)
+            logits = logits.repeat_interleave(n, dim=0)
+        return logits, state
+
+    def _forward(
+        self, ids: torch.Tensor, state: "CacheState", positions: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Run ``ids`` (rows, tokens) after what the cache holds; the last position's fp32 logits."""
+        if positions is None:
+            positions = state.next_positions[:, None]
+            state.extend()
+        mask = state.mask if state.padded else None
+        out = self.lm(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=positions,
+            use_cache=True,
+            logits_to_keep=1,
+            **{self.cache_kw: state.cache},
+        )
+        state.next_positions = positions[:, -1] + 1
+        return out.logits[:, -1].float()
+
+    def _step(
+        self, logits: torch.Tensor, alive: list[int], rows: list[RowOutput], budget: list[int]
+    ) -> list[int]:
+        """Pick each alive row's next token and record it; the positions (in ``alive``) of the
+        rows that go on."""
+        tokens = choose(logits, self.params, self.generator)
+        chosen, top_ids, top_values = token_logprobs(logits, tokens, self.alternatives)
+        token_list, chosen_list = tokens.tolist(), chosen.tolist()
+        tops = None if top_ids is None else (top_ids.tolist(), top_values.tolist())
+        keep = []
+        for pos, row_id in enumerate(alive):
+            row, token = rows[row_id], token_list[pos]
+            entry = [(token, chosen_list[pos])]
+            if tops is not None:
+                others = [(t, v) for t, v in zip(tops[0][pos], tops[1][pos], strict=True) if t != token]
+                entry += others[: self.alternatives]
+            row.tokens.append(token)
+            row.logprobs.append(entry)
+            if token in self.stops.token_ids:
+                row.stop_reason = "stop"
+            elif self.stops.hit(row.tokens):
+                row.stop_reason, row.by_string = "stop", True
+            elif len(row.tokens) >= budget[row_id]:
+                row.stop_reason = "length"
+            else:
+                keep.append(pos)
+        return keep
+
+    def _continue(self, mine: bool) -> bool:
+        return mine if self.lockstep is None else self.lockstep(mine)
+
+    def _idle(self) -> None:
+        """Under ``lockstep``, run one-token passes while another rank still generates."""
+        if self.lockstep is None:
+            return
+        pad = torch.full((1, 1), self.pad_id, dtype=torch.long, device=self.device)
+        while True:
+            self.lm(input_ids=pad, use_cache=False, logits_to_keep=1)
+            if not self.lockstep(False):
+                return
+
+
+class CacheState:
+    """The KV cache of the rows still generating, their attention mask (pads 0) and the
+    position each row's next token takes."""
+
+    def __init__(self, config: Any, mask: torch.Tensor, padded: bool):
+        from transformers import DynamicCache
+
+        try:  # the model's own layout of layers (sliding windows, ...)
+            self.cache = DynamicCache(config=config)
+        except TypeError:  # transformers before the cache took a config
+            self.cache = DynamicCache()
+        self.mask = mask
+        self.padded = padded
+        self.next_positions = torch.zeros(mask.shape[0], dtype=torch.long, device=mask.device)
+
+    def extend(self) -> None:
+        """One more position for every row (the token about to run)."""
+        if self.padded:
+            ones = torch.ones((self.mask.shape[0], 1), dtype=self.mask.dtype, device=self.mask.device)
+            self.mask = torch.cat([self.mask, ones], dim=1)
+
+    def select(self, keep: list[int]) -> None:
+        index = torch.tensor(keep, device=self.mask.device)
+        self.cache.batch_select_indices(index)
+        self.mask = self.mask[index]
+        self.next_positions = self.next_positions[index]
+        if self.padded and bool(self.mask.all()):
+            self.padded = False  # the rows left have no pads: no mask needed from here on
+
+    def repeat(self, n: int) -> None:
+        self.cache.batch_repeat_interleave(n)
+        self.mask = self.mask.repeat_interleave(n, dim=0)
+        self.next_positions = self.next_positions.repeat_interleave(n, dim=0)

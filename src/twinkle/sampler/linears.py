@@ -1,0 +1,56 @@
+"""A sampler's frozen linear layers compute through ``twinkle.kernel.cpu_gemm``, as training does.
+
+Training sends the products of frozen fp32 CPU weights to oneDNN by a fixed rule and keeps
+oneDNN-packed copies of them (design notes 23 and 24); its LoRA layers do so inside their fused
+nodes. A sampler's plain ``nn.Linear`` layers (the output head, the base layers of a model the
+sampler owns) would otherwise run torch's default library. ``route`` gives each of them a
+forward that calls ``cpu_gemm.linear`` (which falls back to torch for anything ineligible: not
+fp32, not CPU, a sharded weight); ``pack`` keeps packed copies of a sampler-owned model's frozen
+weights. The library changes summation order only (about 1e-6 relative)."""
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from twinkle.kernel import cpu_gemm
+
+
+def _forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    out = cpu_gemm.linear(x.reshape(-1, x.shape[-1]), module.weight, module.bias)
+    return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+def plain_linears(lm: Any) -> list[nn.Linear]:
+    """The ``nn.Linear`` layers of ``lm`` that run their own forward (LoRA base layers included:
+    PEFT calls them when no adapter runs)."""
+    return [m for m in lm.modules() if type(m) is nn.Linear and "forward" not in m.__dict__]
+
+
+def route(linears: list[nn.Linear]) -> None:
+    for module in linears:
+        module.forward = _forward.__get__(module)
+
+
+def unroute(linears: list[nn.Linear]) -> None:
+    for module in linears:
+        module.__dict__.pop("forward", None)
+
+
+@contextlib.contextmanager
+def routed(lm: Any) -> Iterator[None]:
+    """``lm``'s plain linear layers routed while the block runs (a trainer's modules, shared)."""
+    linears = plain_linears(lm)
+    route(linears)
+    try:
+        yield
+    finally:
+        unroute(linears)
+
+
+def pack(lm: Any) -> int:
+    """Packed copies of ``lm``'s frozen linear weights (``cpu_gemm.pack_frozen``); the bytes."""
+    weights = [m.weight for m in lm.modules() if isinstance(m, nn.Linear) and not m.weight.requires_grad]
+    return cpu_gemm.pack_frozen(weights)

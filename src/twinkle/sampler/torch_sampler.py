@@ -1,0 +1,319 @@
+"""``TorchSampler``: generation in plain PyTorch from the adapter being trained.
+
+Two ways to build it:
+
+- ``TorchSampler(model)`` with a ``TransformersModel`` (or ``MultiLoraTransformersModel``): the
+  sampler runs the trainer's own modules (colocated: no copy of any weight). ``adapter_name=``
+  picks the trainer's adapter; every optimizer step is visible to the next ``sample`` without a
+  sync. A model in training mode is put in eval mode for sampling; its next ``forward`` puts it
+  back.
+- ``TorchSampler(model_id)``: the sampler loads its own copy of the base model. Adapters come
+  from ``adapter_path=`` (a PEFT folder, loaded once per path) or from a trainer through
+  ``twinkle.checkpoint_engine.CheckpointEngineManager.sync_weights``.
+
+The generation loop is ``twinkle.sampler.decode``; ``sample`` returns one ``SampleResponse``
+per prompt. There is no prefix cache kept between calls, so ``reset_prefix_cache`` has nothing
+to drop."""
+
+import contextlib
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from twinkle.data_format.sampling import SampledSequence, SampleResponse, SamplingParams
+from twinkle.model import MultiLoraTransformersModel, TransformersModel
+from twinkle.model.forward import causal_lm_of
+from twinkle.model.loading import load_causal_lm, resolve_dtype
+from twinkle.runtime import get_runtime
+from twinkle.sampler import adapters, linears
+from twinkle.sampler.decode import Decoder
+from twinkle.sampler.prompts import Prompt, new_input_feature, prompts_of
+from twinkle.sampler.stops import Stops, eos_token_ids
+from twinkle.template import Template, get_template
+from twinkle.template.tokenizer import load_tokenizer
+from twinkle.utils.errors import UserError
+
+
+class TorchSampler:
+    """Batched sampling with a KV cache; see the module docstring. ``device_mesh``: the mesh the
+    sampler runs on (kept for upstream's signature; each process samples its own prompts).
+    ``dtype``/``model_cls``: as ``TransformersModel``'s, for a sampler that loads its own copy."""
+
+    def __init__(
+        self,
+        model_id: Any = None,
+        device_mesh: Any = None,
+        *,
+        dtype: torch.dtype | None = None,
+        model_cls: Any = None,
+    ):
+        self.runtime = get_runtime()
+        self.device_mesh = device_mesh
+        self.source: TransformersModel | None = None
+        self.template: Template | None = None
+        self.adapter_names: list[str] = []  # adapters of a sampler's own copy
+        self.default_adapter: str | None = None  # what adapter_name='' runs on an own copy
+        self._by_path: dict[str, str] = {}  # resolved adapter_path -> adapter name
+        self.merged_keys: set[str] = set()  # linear layers of an own copy holding merged LoRA weights
+        if isinstance(model_id, TransformersModel):
+            self.source = model_id
+            self.tokenizer, self.device = model_id.tokenizer, model_id.device
+            return
+        if model_id is not None and not isinstance(model_id, str | Path):
+            raise UserError(
+                f"TorchSampler({type(model_id).__name__}): pass a model id or folder, or a TransformersModel"
+            )
+        self.device = self.runtime.device
+        dtype = dtype or resolve_dtype(self.runtime.defaults.dtype, self.device)
+        self.model_id = None if model_id is None else str(model_id)
+        self._own, self.tokenizer, self.model_path = load_causal_lm(
+            self.model_id, self.device, dtype, model_cls=model_cls or self.runtime.defaults.model_cls
+        )
+        self._own.eval()
+        self._own.requires_grad_(False)
+        if self.device.type == "cpu":  # the products training runs (``twinkle.sampler.linears``)
+            linears.route(linears.plain_linears(self._own))
+            linears.pack(self._own)
+
+    # ----------------------------------------------------------------- set-up
+    @property
+    def lm(self) -> Any:
+        """The causal LM module that generates (the trainer's own when colocated)."""
+        return causal_lm_of(self.source.model) if self.source is not None else self._own
+
+    @property
+    def colocated(self) -> bool:
+        return self.source is not None
+
+    def set_template(
+        self, template_cls: Any = "Template", model_id: str | None = None, **kwargs: Any
+    ) -> None:
+        """The template prompts given as ``messages`` are rendered with (its generation prompt
+        appended): a name (``twinkle.template.TEMPLATES``), a ``Template`` subclass or instance;
+        ``kwargs`` reach its constructor. Its tokenizer is the model's, or ``model_id``'s."""
+        if isinstance(template_cls, Template):
+            if kwargs or model_id is not None:
+                raise UserError("set_template got a Template instance and keywords; pass one or the other")
+            self.template = template_cls
+            return
+        tokenizer = self.tokenizer if model_id is None else load_tokenizer(model_id)
+        try:
+            self.template = get_template(template_cls, tokenizer, **kwargs)
+        except TypeError as exc:
+            raise UserError(f"set_template({template_cls!r}): {exc}") from exc
+
+    def reset_prefix_cache(self) -> None:
+        """Nothing to drop: the sampler keeps no KV cache between ``sample`` calls (each call
+        runs its prompts once, sharing a prompt's cache among its ``num_samples``)."""
+
+    def _template(self, adapter_name: str = "") -> Template:
+        """``set_template``'s; else, colocated, the template the trainer's adapter encodes its
+        rows with (``model.set_template``); else ``Template`` on the model's tokenizer."""
+        if self.template is not None:
+            return self.template
+        if self.colocated:
+            groups = self.source.optimizer_group
+            group = groups.get(adapter_name) or (next(iter(groups.values())) if len(groups) == 1 else None)
+            if group is not None and group.template is not None:
+                return group.template
+        self.template = get_template("Template", self.tokenizer)
+        return self.template
+
+    # ----------------------------------------------------------------- adapters
+    def add_adapter(self, adapter_name: str, config: Any) -> None:
+        """Give a sampler's own copy an adapter ``adapter_name`` (a ``peft.LoraConfig``), zero
+        until weights are written into it (``load_adapter_weights``)."""
+        if self.colocated:
+            raise UserError(
+                "this sampler runs a TransformersModel's modules; add adapters to the model "
+                "(model.add_adapter_to_model) and pick them with adapter_name="
+            )
+        if adapter_name in self.adapter_names:
+            raise UserError(f"the sampler already has adapter {adapter_name!r}")
+        adapters.install(self._own, adapter_name, config)
+        self.adapter_names.append(adapter_name)
+
+    def load_adapter_weights(self, adapter_name: str, tensors: dict[str, torch.Tensor]) -> int:
+        """Copy an adapter's weights (saved names, ``TransformersModel.get_state_dict``) into
+        adapter ``adapter_name`` of the sampler's own copy, in place; returns the bytes copied."""
+        if adapter_name not in self.adapter_names:
+            raise UserError(
+                f"the sampler has no adapter {adapter_name!r}; adapters: {', '.join(self.adapter_names) or 'none'}"
+            )
+        return adapters.write(self._own, adapter_name, tensors)
+
+    def receive_lora(self, adapter_name: str, config: Any, tensors: dict[str, torch.Tensor]) -> int:
+        """A trainer's adapter weights (``CheckpointEngineManager``): added on first use, copied in
+        place after; ``adapter_name=''`` runs it from now on. Returns the bytes copied."""
+        if adapter_name not in self.adapter_names:
+            self.add_adapter(adapter_name, config)
+        written = self.load_adapter_weights(adapter_name, tensors)
+        self.default_adapter = adapter_name
+        return written
+
+    @torch.no_grad()
+    def receive_base_weights(self, weights: dict[str, torch.Tensor], merged: bool) -> int:
+        """Copy full weights of linear layers (module key relative to the causal LM -> weight)
+        into the sampler's own copy in place; returns the bytes copied. ``merged``: they hold a
+        LoRA merged in, so ``adapter_name=''`` runs the base (now merged) without any adapter."""
+        if self.colocated:
+            raise UserError("this sampler runs a TransformersModel's modules; it has no weights of its own")
+        written = 0
+        for key, value in weights.items():
+            module = self._own.get_submodule(key)
+            target = module.base_layer.weight if hasattr(module, "base_layer") else module.weight
+            target.copy_(value)
+            written += target.numel() * target.element_size()
+        if merged:
+            self.merged_keys |= set(weights)
+            self.default_adapter = None
+        else:
+            self.merged_keys -= set(weights)
+        return written
+
+    def _from_path(self, adapter_path: str | Path) -> str:
+        """The adapter loaded from a PEFT folder (loaded on first use, then kept by path)."""
+        if self.colocated:
+            raise UserError(
+                "adapter_path= needs a sampler with its own weights (TorchSampler(model_id)); a sampler "
+                "sharing a TransformersModel samples the model's adapters: pass adapter_name="
+            )
+        key = str(Path(adapter_path).resolve())
+        if key not in self._by_path:
+            config, tensors = adapters.read_folder(adapter_path)
+            name = f"path{len(self._by_path)}"
+            self.add_adapter(name, config)
+            self.load_adapter_weights(name, tensors)
+            self._by_path[key] = name
+        return self._by_path[key]
+
+    @contextlib.contextmanager
+    def _adapter(self, adapter_name: str | None, adapter_path: str | Path | None) -> Iterator[None]:
+        """Run the adapter a ``sample`` call asks for (see ``sample``)."""
+        if adapter_path is not None:
+            if adapter_name:
+                raise UserError("sample: pass adapter_name= or adapter_path=, not both")
+            adapter_name = self._from_path(adapter_path)
+        if self.colocated:
+            with self._trainer_adapter(adapter_name or None):
+                yield
+            return
+        if adapter_name and adapter_name not in self.adapter_names:
+            raise UserError(
+                f"unknown adapter {adapter_name!r}; the sampler's adapters: {', '.join(self.adapter_names) or 'none'}"
+            )
+        layers = adapters.lora_layers(self._own)
+        with adapters.running_adapter(layers, adapter_name or self.default_adapter):
+            yield
+
+    @contextlib.contextmanager
+    def _trainer_adapter(self, adapter_name: str | None) -> Iterator[None]:
+        """The trainer's adapter ``adapter_name`` (None: its only one) runs, in eval mode."""
+        model = self.source
+        if model.model.training:  # dropout off; the model's next forward() turns training mode back on
+            model.model.eval()
+            model._in_train_mode = False
+        if not model.optimizer_group:
+            if adapter_name:
+                model._group(adapter_name)  # the error naming the model's adapters
+            yield  # a model without adapters: the base model
+            return
+        group = model._group(adapter_name)
+        if isinstance(model, MultiLoraTransformersModel):
+            model._activate(group.adapter_name)
+            yield
+            return
+        layers = adapters.lora_layers(model.model)  # read per call: the model may gain adapters
+        with adapters.running_adapter(layers, model._peft_adapter(group.adapter_name)):
+            yield
+
+    # ----------------------------------------------------------------- sampling
+    @torch.no_grad()
+    def sample(
+        self,
+        inputs: Any,
+        sampling_params: SamplingParams | Mapping[str, Any] | None = None,
+        adapter_name: str = "",
+        adapter_path: str | Path | None = None,
+    ) -> list[SampleResponse]:
+        """Sample ``num_samples`` sequences for each input row: ``{'messages': [...]}`` (rendered
+        by the template with its generation prompt) or ``{'input_ids': [...]}`` (the prompt's
+        tokens), or a list of them. ``adapter_name``: the adapter to run ('' : the trainer's only
+        adapter when colocated, else the one last synced, else none); ``adapter_path``: a PEFT
+        folder to run instead. Returns one ``SampleResponse`` per row, in order."""
+        params = _params(sampling_params)
+        prompts = prompts_of(inputs, lambda: self._template(adapter_name), self.tokenizer)
+        budgets = self._budgets(prompts, params)
+        stops = Stops(self.tokenizer, eos_token_ids(self.lm, self.tokenizer), params)
+        seed = params.seed if params.seed is not None else int(torch.empty((), dtype=torch.int64).random_())
+        generator = torch.Generator(device=self.device).manual_seed(seed)
+        with self._adapter(adapter_name, adapter_path), self._routed():
+            decoder = Decoder(self.lm, params, stops, _pad_id(self.tokenizer), generator, self._lockstep())
+            outputs = decoder.run([p.ids for p in prompts], budgets)
+        return [
+            SampleResponse(
+                sequences=[self._sequence(prompt, out, stops) for out in outs],
+                prompt_token_ids=list(prompt.ids),
+            )
+            for prompt, outs in zip(prompts, outputs, strict=True)
+        ]
+
+    def _sequence(self, prompt: Prompt, out: Any, stops: Stops) -> SampledSequence:
+        decoded = stops.text(out.tokens, out.by_string)
+        return SampledSequence(
+            tokens=out.tokens,
+            logprobs=out.logprobs,
+            decoded=decoded,
+            stop_reason=out.stop_reason,
+            new_input_feature=new_input_feature(prompt, out.tokens, decoded),
+        )
+
+    def _budgets(self, prompts: Sequence[Prompt], params: SamplingParams) -> list[int]:
+        """The most tokens each prompt's sequences may have: ``max_tokens``, and no more than
+        the model's maximum positions leave after the prompt."""
+        limit = getattr(self.lm.config, "max_position_embeddings", None)
+        budgets = []
+        for i, prompt in enumerate(prompts):
+            if limit is not None and len(prompt.ids) >= limit:
+                raise UserError(
+                    f"input row {i} has {len(prompt.ids)} prompt tokens, but the model takes at most {limit} "
+                    "positions; shorten the prompt"
+                )
+            room = None if limit is None else limit - len(prompt.ids)
+            if params.max_tokens is None and room is None:
+                raise UserError("the model has no maximum positions; set SamplingParams(max_tokens=...)")
+            budgets.append(min(x for x in (params.max_tokens, room) if x is not None))
+        return budgets
+
+    def _routed(self) -> contextlib.AbstractContextManager:
+        """A shared trainer's plain linear layers (its head) run training's CPU products while
+        sampling; a sampler's own copy was routed when loaded."""
+        if self.colocated and self.device.type == "cpu" and not self.runtime.is_distributed:
+            return linears.routed(self.lm)
+        return contextlib.nullcontext()
+
+    def _lockstep(self) -> Any:
+        """Under FSDP a sampler sharing the sharded model must run the same forwards on every
+        rank (``twinkle.sampler.decode``): the ranks agree each step whether any still works."""
+        if not (self.colocated and self.runtime.is_distributed):
+            return None
+        from twinkle.distributed.collectives import all_reduce_sum
+
+        return lambda mine: all_reduce_sum([float(mine)])[0] > 0
+
+
+def _params(value: Any) -> SamplingParams:
+    if value is None:
+        return SamplingParams()
+    if isinstance(value, SamplingParams):
+        return value
+    if isinstance(value, Mapping):
+        return SamplingParams.from_dict(value)
+    raise UserError(f"sampling_params= got {type(value).__name__}; pass a SamplingParams or a dict")
+
+
+def _pad_id(tokenizer: Any) -> int:
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    return pad if pad is not None else 0
