@@ -28,7 +28,10 @@ class CheckpointEngineManager:
     send (None: its only one)."""
 
     def __init__(self, model: Any, sampler: Any, adapter_name: str | None = None, **kwargs: Any):
-        if not isinstance(model, TransformersModel):
+        from twinkle.checkpoint_engine.remote import is_remote  # device groups (checkpoint_engine.remote)
+
+        self.remote = is_remote(model) and is_remote(sampler)
+        if not isinstance(model, TransformersModel) and not self.remote:
             raise UserError(
                 f"CheckpointEngineManager(model=...) takes a TransformersModel, got {type(model).__name__}"
             )
@@ -49,6 +52,13 @@ class CheckpointEngineManager:
         """Bring the sampler up to the trainer's current weights (see the module docstring).
         Returns ``{'mode': 'colocated' | 'lora' | 'merged', 'tensors': n, 'bytes': b}``: what was
         copied (nothing when colocated)."""
+        if self.remote:  # trainer and sampler on device groups of their own
+            from twinkle.checkpoint_engine.remote import sync_remote
+
+            self.last = sync_remote(
+                self.model, self.sampler, adapter_name or self.adapter_name, merge_and_sync
+            )
+            return self.last
         if self.colocated:
             self.last = {"mode": "colocated", "tensors": 0, "bytes": 0}
             return self.last

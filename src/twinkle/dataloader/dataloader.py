@@ -10,6 +10,7 @@ from twinkle.dataloader.collate import collate
 from twinkle.dataloader.fetch import Fetched, Fetcher, as_is, rows_as_is
 from twinkle.dataloader.options import check_sampling, check_workers, data_rank, refuse
 from twinkle.dataloader.steps import Step, buffer_shuffle, index_steps, stream_steps
+from twinkle.runtime.remote import remote_class  # remote_group= hook
 from twinkle.utils.errors import UserError
 from twinkle.utils.logger import get_logger
 
@@ -25,6 +26,7 @@ def _is_dataset(obj: Any) -> bool:
     return hasattr(obj, "__getitem__") or hasattr(obj, "__iter__")
 
 
+@remote_class  # remote_group=: built on a device group's ranks (twinkle.runtime.remote)
 class DataLoader:
     """Iterate global batches of ``batch_size`` samples; this rank gets the contiguous
     ``batch_size / world_size`` rows at its data rank (from ``device_mesh`` when given, else

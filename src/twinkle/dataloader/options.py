@@ -25,7 +25,12 @@ def refuse(batch_sampler: Any, generator: Any, in_order: bool, pin_memory_device
 
 
 def data_rank(device_mesh: Any, world_size: int | None, rank: int | None) -> tuple[int, int]:
-    """``(data world size, data rank)``: from ``device_mesh``, else as given, else the runtime's."""
+    """``(data world size, data rank)``: from ``device_mesh``, else as given, else the runtime's.
+    The driver of a single controller reads whole global batches (its methods slice them)."""
+    from twinkle.runtime.controller import active  # single-controller hook (twinkle.runtime.remote)
+
+    if active() is not None and rank is None:
+        return 1, 0
     if device_mesh is not None:
         if world_size is not None or rank is not None:
             raise UserError("DataLoader: give device_mesh= or world_size=/rank=, not both")

@@ -1,5 +1,7 @@
 """``DeviceMesh``: how the processes of a job are arranged (replicate x shard)."""
 
+import functools
+import math
 import operator
 import os
 from dataclasses import dataclass, field
@@ -10,8 +12,9 @@ import torch
 from twinkle.utils.errors import UserError
 from twinkle.utils.platform import Platform
 
-# upstream Twinkle's other parallel dimensions: accepted at 1 (or None), refused above
-_UNSUPPORTED = {
+# the parallel dimensions a mesh plans; Twinkle's models run dp and fsdp, the others are refused
+# by the model asked to run them (``refuse_unimplemented``), so a mesh may be planned and shared
+MEANING = {
     "tp": "tensor parallelism",
     "pp": "pipeline parallelism",
     "cp": "context parallelism",
@@ -20,30 +23,13 @@ _UNSUPPORTED = {
     "vpp": "virtual pipeline parallelism",
     "ulysses": "Ulysses sequence parallelism",
 }
-_MESH_DIMS = ("dp", "fsdp", "tp", "pp", "cp", "ep")  # the names upstream's mesh_dim_names may use
+# the mesh's dimensions, outermost first: rank = (((pp*dp + dp_i)*fsdp + fsdp_i)*cp + cp_i)*tp + tp_i
+LAYOUT = ("pp", "dp", "fsdp", "cp", "tp")
+_MESH_DIMS = LAYOUT  # the names upstream's mesh_dim_names may use
 
 
 def _env_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
-
-
-def _reject_unsupported(sizes: dict[str, Any], sequence_parallel: bool = False) -> None:
-    """UserError for any of upstream's other parallel sizes above 1 (``sizes``: name -> size)."""
-    for name, size in sizes.items():
-        if size is None:
-            continue
-        dim = name.removesuffix("_size")
-        size = _size(size, name)
-        if size > 1:
-            raise UserError(
-                f"DeviceMesh: {name}={size} is not supported yet: {name} ({_UNSUPPORTED[dim]}); "
-                f"Twinkle arranges ranks as dp replicas x fsdp shards only, so leave {name} at 1 or None"
-            )
-    if sequence_parallel:
-        raise UserError(
-            "DeviceMesh: sequence_parallel=True is not supported yet: sequence_parallel "
-            "(Megatron sequence parallelism); leave it False"
-        )
 
 
 def _device_type(device_type: str | None) -> str | None:
@@ -69,8 +55,8 @@ def _size(value: Any, name: str) -> int:
     return size
 
 
-def _sizes_from_mesh(mesh: Any, mesh_dim_names: Any) -> tuple[int, int]:
-    """(fsdp_size, dp_size) of upstream's ``mesh=`` / ``mesh_dim_names=`` form, checked."""
+def _sizes_from_mesh(mesh: Any, mesh_dim_names: Any) -> dict[str, int]:
+    """The sizes (``LAYOUT`` name -> size) of upstream's ``mesh=`` / ``mesh_dim_names=`` form, checked."""
     if mesh_dim_names is None:
         raise UserError(
             "DeviceMesh: mesh= needs mesh_dim_names=, one name per dimension, e.g. ('dp', 'fsdp')"
@@ -88,48 +74,61 @@ def _sizes_from_mesh(mesh: Any, mesh_dim_names: Any) -> tuple[int, int]:
             f"{ranks.dim()} (shape {tuple(ranks.shape)})"
         )
     for name in names:
-        if name not in _MESH_DIMS:
-            raise UserError(f"DeviceMesh: unknown mesh dimension {name!r}; known: {', '.join(_MESH_DIMS)}")
+        if name == "ep":
+            raise UserError("DeviceMesh: give expert parallelism as ep_size=, not as a mesh= dimension")
+        if name not in LAYOUT:
+            raise UserError(f"DeviceMesh: unknown mesh dimension {name!r}; known: {', '.join(LAYOUT)}")
     if len(set(names)) != len(names):
         raise UserError(f"DeviceMesh: mesh_dim_names {names} repeats a name")
     shape = dict(zip(names, ranks.shape, strict=True))
-    _reject_unsupported({name: shape[name] for name in names if name not in ("dp", "fsdp")})
-    dp, fsdp = shape.get("dp", 1), shape.get("fsdp", 1)
-    if dp * fsdp == 0:
+    world = ranks.numel()
+    if world == 0:
         raise UserError(f"DeviceMesh: mesh= holds no ranks (shape {tuple(ranks.shape)})")
-    # move the dimensions to (dp, fsdp, the others of size 1) and read the ranks in that order
-    order = [names.index(n) for n in ("dp", "fsdp") if n in shape] + [
-        i for i, n in enumerate(names) if n not in ("dp", "fsdp")
-    ]
-    found = ranks.permute(order).reshape(-1).tolist()
-    world = dp * fsdp
+    # move the dimensions to LAYOUT's order and read the ranks in that order
+    found = ranks.permute([names.index(n) for n in LAYOUT if n in shape]).reshape(-1).tolist()
     if sorted(found) != list(range(world)):
         raise UserError(f"DeviceMesh: mesh= must hold each of the ranks 0..{world - 1} once, got {found}")
     if found != list(range(world)):
         raise UserError(
             "DeviceMesh: this rank layout is not supported yet: mesh= must put rank "
-            "dp_index * fsdp_size + fsdp_index at each (dp, fsdp) place, e.g. "
-            f"np.arange({world}).reshape({dp}, {fsdp}) with mesh_dim_names=('dp', 'fsdp')"
+            "dp_index * fsdp_size + fsdp_index at each (dp, fsdp) place (generally the order pp, dp, "
+            f"fsdp, cp, tp, outermost first), e.g. np.arange({world}).reshape(dp, fsdp) with "
+            "mesh_dim_names=('dp', 'fsdp')"
         )
-    return fsdp, dp
+    return {name: int(shape.get(name, 1)) for name in LAYOUT}
 
 
 @dataclass(frozen=True, init=False)
 class DeviceMesh:
-    """A 2-D arrangement of ranks: ``dp_size`` replicas, each sharded over ``fsdp_size`` ranks.
+    """An arrangement of ranks: ``dp_size`` replicas, each sharded over ``fsdp_size`` ranks, and
+    upstream's other dimensions, planned: ``pp_size`` pipeline stages (outermost), ``cp_size``
+    context and ``tp_size`` tensor-parallel ranks (innermost), in the order ``LAYOUT``:
 
-    Rank ``r`` sits at row ``r // fsdp_size`` (its replica) and column ``r % fsdp_size`` (its
-    shard). Every rank reads different data, so the data-parallel world is the whole mesh.
+        rank = (((pp_rank * dp + dp_rank) * fsdp + fsdp_rank) * cp + cp_rank) * tp + tp_rank
+
+    As upstream documents them: ``ep_size`` splits the world into ``ep_size`` expert groups of
+    consecutive ranks (``ep_rank = rank // (world / ep_size)``); ``ulysses_size`` (alias
+    ``sp_size``) makes that many consecutive data ranks read the same data, so the data world is
+    ``dp * fsdp / ulysses_size``; tp, cp and pp ranks of one replica share their data rank.
+    ``etp_size``, ``vpp_size`` and ``sequence_parallel`` are kept as given.
 
     Build it from the sizes, ``DeviceMesh(fsdp_size=2, dp_size=2)``, or in upstream Twinkle's
-    form, ``DeviceMesh(mesh=np.arange(4).reshape(2, 2), mesh_dim_names=('dp', 'fsdp'))``:
-    the same mesh. Upstream's other parallel sizes (``ulysses_size``, ``ep_size``, ...) are
-    accepted at 1 or None and refused above. ``device_type`` is checked and kept but takes no
-    part in equality: the runtime picks the device (cuda > npu > cpu)."""
+    form, ``DeviceMesh(mesh=np.arange(4).reshape(2, 2), mesh_dim_names=('dp', 'fsdp'))``: the
+    same mesh. Twinkle's models run dp x fsdp; a model asked to run another dimension above 1
+    refuses (``refuse_unimplemented``). ``device_type`` is checked and kept but takes no part in
+    equality: the runtime picks the device (cuda > npu > cpu)."""
 
     fsdp_size: int
     dp_size: int
     device_type: str | None = field(default=None, compare=False)
+    tp_size: int = 1
+    pp_size: int = 1
+    cp_size: int = 1
+    ep_size: int = 1
+    ulysses_size: int = 1
+    etp_size: int = 1
+    vpp_size: int = 1
+    sequence_parallel: bool = False
 
     def __init__(
         self,
@@ -139,20 +138,23 @@ class DeviceMesh:
         *,
         mesh: Any = None,
         mesh_dim_names: Any = None,
+        tp_size: int | None = None,
+        pp_size: int | None = None,
+        cp_size: int | None = None,
         ep_size: int | None = None,
         etp_size: int | None = None,
         vpp_size: int | None = None,
         ulysses_size: int | None = None,
+        sp_size: int | None = None,
         sequence_parallel: bool = False,
     ) -> None:
-        _reject_unsupported(
-            {"ep_size": ep_size, "etp_size": etp_size, "vpp_size": vpp_size, "ulysses_size": ulysses_size},
-            sequence_parallel,
-        )
+        sizes = {"tp": tp_size, "pp": pp_size, "cp": cp_size}
         if mesh is not None:
-            if fsdp_size is not None or dp_size is not None:
-                raise UserError("DeviceMesh: give fsdp_size/dp_size or mesh=/mesh_dim_names=, not both")
-            fsdp_size, dp_size = _sizes_from_mesh(mesh, mesh_dim_names)
+            if fsdp_size is not None or dp_size is not None or any(v is not None for v in sizes.values()):
+                raise UserError("DeviceMesh: give the sizes or mesh=/mesh_dim_names=, not both")
+            shape = _sizes_from_mesh(mesh, mesh_dim_names)
+            fsdp_size, dp_size = shape["fsdp"], shape["dp"]
+            sizes = {name: shape[name] for name in sizes}
         elif mesh_dim_names is not None:
             raise UserError(
                 "DeviceMesh: mesh_dim_names= needs mesh= (the ranks, e.g. np.arange(4).reshape(2, 2))"
@@ -162,9 +164,19 @@ class DeviceMesh:
                 "DeviceMesh needs fsdp_size and dp_size (or mesh= and mesh_dim_names=); "
                 "DeviceMesh.from_sizes infers a missing size from the world size"
             )
-        object.__setattr__(self, "fsdp_size", _size(fsdp_size, "fsdp_size"))
-        object.__setattr__(self, "dp_size", _size(dp_size, "dp_size"))
-        object.__setattr__(self, "device_type", _device_type(device_type))
+        if sp_size is not None and ulysses_size is not None and sp_size != ulysses_size:
+            raise UserError(f"DeviceMesh: sp_size={sp_size} and ulysses_size={ulysses_size} name one size")
+        ulysses_size = sp_size if ulysses_size is None else ulysses_size
+        put = functools.partial(object.__setattr__, self)
+        put("fsdp_size", _size(fsdp_size, "fsdp_size"))
+        put("dp_size", _size(dp_size, "dp_size"))
+        put("device_type", _device_type(device_type))
+        for name, size in (*sizes.items(), ("ep", ep_size), ("ulysses", ulysses_size)):
+            put(f"{name}_size", 1 if size is None else _size(size, f"{name}_size"))
+        put("etp_size", 1 if etp_size is None else _size(etp_size, "etp_size"))
+        put("vpp_size", 1 if vpp_size is None else _size(vpp_size, "vpp_size"))
+        put("sequence_parallel", bool(sequence_parallel))
+        _check_divides(self)
 
     @classmethod
     def from_sizes(
@@ -173,121 +185,125 @@ class DeviceMesh:
         dp_size: int | None = None,
         world_size: int | None = None,
         *,
-        tp_size: int | None = None,
-        pp_size: int | None = None,
-        cp_size: int | None = None,
-        ep_size: int | None = None,
-        etp_size: int | None = None,
-        vpp_size: int | None = None,
-        ulysses_size: int | None = None,
-        sequence_parallel: bool = False,
         device_type: str | None = None,
+        **others: Any,
     ) -> "DeviceMesh":
-        """Build a mesh; a size left ``None`` is inferred from the world size.
+        """Build a mesh; ``fsdp_size`` or ``dp_size`` left ``None`` is inferred from the world size
+        divided by the other mesh sizes (``tp_size``, ``pp_size``, ``cp_size``; ``others`` are
+        ``DeviceMesh``'s keywords).
 
         ``world_size`` defaults to ``$WORLD_SIZE`` (set by torchrun and by the Ray workers). A
         process no launcher started (no ``$WORLD_SIZE``: one process, or the driver of a Ray job,
         which starts the workers itself) takes the sizes as given, a size left ``None`` as 1;
-        ``initialize`` then checks the mesh against the processes it finds.
-
-        Upstream's other sizes (``tp_size``, ``pp_size``, ``cp_size``, ``ep_size``,
-        ``etp_size``, ``vpp_size``, ``ulysses_size``) may be 1 or None; above 1 they raise, as
-        does ``sequence_parallel=True``."""
-        _reject_unsupported(
-            {
-                "tp_size": tp_size,
-                "pp_size": pp_size,
-                "cp_size": cp_size,
-                "ep_size": ep_size,
-                "etp_size": etp_size,
-                "vpp_size": vpp_size,
-                "ulysses_size": ulysses_size,
-            },
-            sequence_parallel,
-        )
+        ``initialize`` then checks the mesh against the processes it finds."""
         for flag, size in (("--fsdp-size", fsdp_size), ("--dp-size", dp_size)):
             if size is not None and size < 1:
                 raise UserError(f"{flag} must be at least 1, got {size}")
+        for name in ("tp_size", "pp_size", "cp_size"):
+            if others.get(name) is not None:
+                _size(others[name], name)
         if world_size is None and "WORLD_SIZE" not in os.environ:
-            return cls(fsdp_size=fsdp_size or 1, dp_size=dp_size or 1, device_type=device_type)
+            return cls(fsdp_size=fsdp_size or 1, dp_size=dp_size or 1, device_type=device_type, **others)
         world = _env_world_size() if world_size is None else world_size
-        if fsdp_size is None and dp_size is None:
-            fsdp_size, dp_size = world, 1
-        elif fsdp_size is None:
-            fsdp_size = world // dp_size if world % dp_size == 0 else 0
-        elif dp_size is None:
-            dp_size = world // fsdp_size if world % fsdp_size == 0 else 0
-        if fsdp_size * dp_size != world:
-            if fsdp_size and dp_size:
-                problem = (
-                    f"--fsdp-size {fsdp_size} x --dp-size {dp_size} = {fsdp_size * dp_size} does not match"
-                )
-            else:  # a size left to be inferred came out 0: the given one does not divide the world
-                flag, given = ("--fsdp-size", fsdp_size) if fsdp_size else ("--dp-size", dp_size)
-                problem = f"{flag} {given} does not divide"
+        model_parallel = math.prod(others.get(n) or 1 for n in ("tp_size", "pp_size", "cp_size"))
+        if world % model_parallel:
             raise UserError(
-                f"{problem} the {world} process(es) of this job; launch with torchrun --nproc_per_node "
-                f"{max(1, (fsdp_size or 1) * (dp_size or 1))} or change the sizes"
+                f"tp_size x pp_size x cp_size = {model_parallel} does not divide the {world} process(es) "
+                "of this job; change the sizes"
             )
-        return cls(fsdp_size=fsdp_size, dp_size=dp_size, device_type=device_type)
+        world //= model_parallel
+        fsdp_size, dp_size = _infer(fsdp_size, dp_size, world)
+        return cls(fsdp_size=fsdp_size, dp_size=dp_size, device_type=device_type, **others)
 
     @property
     def world_size(self) -> int:
-        return self.fsdp_size * self.dp_size
+        return self.pp_size * self.dp_size * self.fsdp_size * self.cp_size * self.tp_size
+
+    def sizes(self) -> dict[str, int]:
+        """Every mesh dimension's size, in ``LAYOUT`` order."""
+        return {name: getattr(self, f"{name}_size") for name in LAYOUT}
+
+    def rank_coordinates(self, rank: int) -> dict[str, int]:
+        """Where ``rank`` sits: its index along every dimension (``tp``, ``pp``, ...), its expert
+        group (``ep``), its Ulysses index and its data rank (``data``)."""
+        self._check_rank(rank)
+        coords, rest = {}, rank
+        for name, size in reversed(self.sizes().items()):
+            rest, coords[name] = divmod(rest, size)
+        coords = {name: coords[name] for name in LAYOUT}
+        coords["ep"] = rank // (self.world_size // self.ep_size)
+        raw = coords["dp"] * self.fsdp_size + coords["fsdp"]
+        coords["data"], coords["ulysses"] = divmod(raw, self.ulysses_size)
+        return coords
 
     def coordinates(self, rank: int) -> tuple[int, int]:
         """(replica index, shard index) of ``rank``."""
-        return divmod(rank, self.fsdp_size)
+        where = self.rank_coordinates(rank)
+        return where["dp"], where["fsdp"]
+
+    def unimplemented(self) -> list[str]:
+        """``name=size`` of each planned dimension above 1 that Twinkle's models do not run."""
+        out = [f"{n}_size={getattr(self, f'{n}_size')}" for n in ("tp", "pp", "cp", "ep", "ulysses")]
+        out = [item for item in out if not item.endswith("=1")]
+        out += [
+            f"{n}_size={getattr(self, f'{n}_size')}"
+            for n in ("etp", "vpp")
+            if (getattr(self, f"{n}_size") or 1) > 1
+        ]
+        return out + (["sequence_parallel=True"] if self.sequence_parallel else [])
 
     def describe(self) -> str:
         if self.world_size == 1:
             return "single process (no sharding)"
-        return f"{self.dp_size} replica(s) x {self.fsdp_size} shard(s) = {self.world_size} ranks"
+        text = f"{self.dp_size} replica(s) x {self.fsdp_size} shard(s)"
+        others = [f"{n} {s}" for n, s in self.sizes().items() if n not in ("dp", "fsdp") and s > 1]
+        if others:
+            text += " x " + " x ".join(others)
+        return f"{text} = {self.world_size} ranks"
 
     # ------------------------------------------------------------ upstream Twinkle's queries
 
     @property
-    def mesh(self) -> torch.Tensor:
-        """The ranks as a ``(dp_size, fsdp_size)`` tensor (upstream: a numpy array)."""
-        return torch.arange(self.world_size).reshape(self.dp_size, self.fsdp_size)
+    def mesh_dim_names(self) -> tuple[str, ...]:
+        """dp and fsdp, and pp, cp, tp where they are above 1, in ``LAYOUT`` order."""
+        return tuple(n for n, s in self.sizes().items() if n in ("dp", "fsdp") or s > 1)
 
     @property
-    def mesh_dim_names(self) -> tuple[str, str]:
-        return ("dp", "fsdp")
+    def mesh(self) -> torch.Tensor:
+        """The ranks as a tensor over ``mesh_dim_names`` (upstream: a numpy array)."""
+        return torch.arange(self.world_size).reshape([self.sizes()[n] for n in self.mesh_dim_names])
 
     def has_dim(self, dim_name: str) -> bool:
         return dim_name in self.mesh_dim_names
 
     def get_dim_size(self, dim_name: str) -> int:
-        if dim_name == "dp":
-            return self.dp_size
-        if dim_name == "fsdp":
-            return self.fsdp_size
+        if dim_name in self.mesh_dim_names:
+            return self.sizes()[dim_name]
         raise UserError(f"DeviceMesh: no dimension {dim_name!r}; this mesh has {self.mesh_dim_names}")
-
-    @property
-    def dp_world_size(self) -> int:
-        return self.dp_size
-
-    @property
-    def fsdp_world_size(self) -> int:
-        return self.fsdp_size
 
     def _this_rank(self) -> int | None:
         rank = Platform.get_rank()
         return rank if 0 <= rank < self.world_size else None
 
-    @property
-    def dp_rank(self) -> int | None:
-        """This process's replica index; None when ``$RANK`` is unset or outside the mesh."""
+    def _this(self, name: str) -> int | None:
+        """This process's index along ``name``; None when ``$RANK`` is unset or outside the mesh."""
         rank = self._this_rank()
-        return None if rank is None else self.coordinates(rank)[0]
+        return None if rank is None else self.rank_coordinates(rank)[name]
 
-    @property
-    def fsdp_rank(self) -> int | None:
-        """This process's shard index; None when ``$RANK`` is unset or outside the mesh."""
-        rank = self._this_rank()
-        return None if rank is None else self.coordinates(rank)[1]
+    dp_rank = property(lambda self: self._this("dp"), doc="This process's replica index, or None.")
+    fsdp_rank = property(lambda self: self._this("fsdp"), doc="This process's shard index, or None.")
+    tp_rank = property(lambda self: self._this("tp"), doc="This process's tensor-parallel index, or None.")
+    pp_rank = property(lambda self: self._this("pp"), doc="This process's pipeline stage, or None.")
+    cp_rank = property(lambda self: self._this("cp"), doc="This process's context-parallel index, or None.")
+    ep_rank = property(lambda self: self._this("ep"), doc="This process's expert group, or None.")
+    ulysses_rank = property(lambda self: self._this("ulysses"), doc="This process's Ulysses index, or None.")
+    dp_world_size = property(lambda self: self.dp_size)
+    fsdp_world_size = property(lambda self: self.fsdp_size)
+    tp_world_size = property(lambda self: self.tp_size)
+    pp_world_size = property(lambda self: self.pp_size)
+    cp_world_size = property(lambda self: self.cp_size)
+    ep_world_size = property(lambda self: self.ep_size)
+    etp_world_size = property(lambda self: self.etp_size)
 
     @property
     def is_single_process(self) -> bool:
@@ -295,18 +311,12 @@ class DeviceMesh:
 
     @property
     def data_world_size(self) -> int:
-        """How many different data streams the job reads: every rank reads its own."""
-        return self.world_size
+        """How many different data streams the job reads: one per replica x shard, over Ulysses."""
+        return self.dp_size * self.fsdp_size // self.ulysses_size
 
     def get_data_rank_from_global_rank(self, global_rank: int) -> int:
-        """Which data stream ``global_rank`` reads: ``replica * fsdp_size + shard``, its rank."""
-        if not 0 <= global_rank < self.world_size:
-            raise UserError(
-                f"DeviceMesh: rank {global_rank} is not in this mesh of {self.world_size} rank(s) "
-                f"({self.describe()})"
-            )
-        replica, shard = self.coordinates(global_rank)
-        return replica * self.fsdp_size + shard
+        """Which data stream ``global_rank`` reads: ``(replica * fsdp_size + shard) // ulysses_size``."""
+        return self.rank_coordinates(global_rank)["data"]
 
     @property
     def data_rank(self) -> int:
@@ -325,3 +335,52 @@ class DeviceMesh:
         base, extra = divmod(total_length, world)
         start = rank * base + min(rank, extra)
         return slice(start, start + base + (1 if rank < extra else 0))
+
+    def _check_rank(self, rank: int) -> None:
+        if not 0 <= rank < self.world_size:
+            raise UserError(
+                f"DeviceMesh: rank {rank} is not in this mesh of {self.world_size} rank(s) ({self.describe()})"
+            )
+
+
+def refuse_unimplemented(mesh: DeviceMesh, who: str) -> None:
+    """One line when ``who`` is asked to run a planned dimension it does not implement."""
+    planned = mesh.unimplemented()
+    if planned:
+        name = planned[0].split("_size")[0].split("=")[0]
+        raise UserError(
+            f"{who}: not supported yet: {planned[0]} ({MEANING.get(name, 'Megatron sequence parallelism')}); "
+            f"it runs dp replicas x fsdp shards only: set {', '.join(p.split('=')[0] for p in planned)} to "
+            "1 (or False) in the mesh it is given"
+        )
+
+
+def _check_divides(mesh: DeviceMesh) -> None:
+    if mesh.world_size % mesh.ep_size:
+        raise UserError(f"DeviceMesh: ep_size={mesh.ep_size} does not divide the {mesh.world_size} ranks")
+    data = mesh.dp_size * mesh.fsdp_size
+    if data % mesh.ulysses_size:
+        raise UserError(
+            f"DeviceMesh: ulysses_size={mesh.ulysses_size} does not divide the {data} data ranks (dp x fsdp)"
+        )
+
+
+def _infer(fsdp_size: int | None, dp_size: int | None, world: int) -> tuple[int, int]:
+    """``(fsdp_size, dp_size)`` over ``world`` ranks, a missing one inferred."""
+    if fsdp_size is None and dp_size is None:
+        fsdp_size, dp_size = world, 1
+    elif fsdp_size is None:
+        fsdp_size = world // dp_size if world % dp_size == 0 else 0
+    elif dp_size is None:
+        dp_size = world // fsdp_size if world % fsdp_size == 0 else 0
+    if fsdp_size * dp_size != world:
+        if fsdp_size and dp_size:
+            problem = f"--fsdp-size {fsdp_size} x --dp-size {dp_size} = {fsdp_size * dp_size} does not match"
+        else:  # a size left to be inferred came out 0: the given one does not divide the world
+            flag, given = ("--fsdp-size", fsdp_size) if fsdp_size else ("--dp-size", dp_size)
+            problem = f"{flag} {given} does not divide"
+        raise UserError(
+            f"{problem} the {world} process(es) of this job; launch with torchrun --nproc_per_node "
+            f"{max(1, (fsdp_size or 1) * (dp_size or 1))} or change the sizes"
+        )
+    return fsdp_size, dp_size

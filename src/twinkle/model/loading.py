@@ -32,6 +32,7 @@ def load_causal_lm(
     dtype: torch.dtype | None = None,
     model_cls: Any = None,
     config: Any = None,
+    attn: str | None = None,
 ) -> tuple[Any, Any, Path]:
     """``model_cls.from_pretrained`` (default ``AutoModelForCausalLM``) on the folder the hub
     resolves ``model_id`` to, optionally with ``config``; the tokenizer from the same folder."""
@@ -52,6 +53,8 @@ def load_causal_lm(
     if not hasattr(model_cls, "from_pretrained"):
         raise UserError(f"model_cls={model_cls!r} has no from_pretrained(); pass a transformers model class")
     extra = {} if config is None else {"config": config}
+    if attn is not None:  # attn_implementation= (twinkle.model.attention_choice)
+        extra["attn_implementation"] = attn
     try:
         model = model_cls.from_pretrained(str(path), dtype=dtype, **extra)
     except (OSError, ValueError) as exc:

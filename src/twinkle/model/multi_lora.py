@@ -28,6 +28,7 @@ from twinkle.model.step import restore_grad
 from twinkle.model.train_state import OptimizerGroup, stream_seed
 from twinkle.model.transformers_model import TransformersModel
 from twinkle.optim import build_optimizer
+from twinkle.runtime.remote import remote_class  # remote_group= hook
 from twinkle.template import Template
 from twinkle.utils.errors import UserError
 
@@ -35,6 +36,7 @@ DEFAULT_TARGETS = "all-linear"  # the targets of a single adapter by default (``
 _SLOT_NAME = re.compile(rf"\.{SLOT_PREFIX}\d+\.")
 
 
+@remote_class  # remote_group=: built on a device group's ranks (twinkle.runtime.remote)
 class MultiLoraTransformersModel(TransformersModel):
     """``TransformersModel`` with ``max_loras`` adapter slots of rank ``max_r``.
 

@@ -13,11 +13,13 @@ import torch
 
 from twinkle.distributed.collectives import all_reduce_sum
 from twinkle.distributed.fsdp import apply_fsdp2
+from twinkle.distributed.mesh import refuse_unimplemented
 from twinkle.kernel import cpu_gemm as gemm
 from twinkle.loss import FusedLinearCrossEntropyLoss, HeadLoss, as_loss, build_loss, resolve_loss
 from twinkle.metric import report
 from twinkle.model import health
 from twinkle.model.activation_checkpointing import LayerCheckpointing
+from twinkle.model.attention_choice import resolve_attn_implementation
 from twinkle.model.checkpoints import Checkpoints
 from twinkle.model.forward import causal_lm_of, compute_loss
 from twinkle.model.inputs import InputsAPI
@@ -31,6 +33,7 @@ from twinkle.model.train_state import OptimizerGroup
 from twinkle.optim import build_optimizer, build_scheduler
 from twinkle.optim.replicated import ReplicatedOptimizer
 from twinkle.runtime import get_runtime, preemption
+from twinkle.runtime.remote import remote_class  # remote_group= hook
 from twinkle.template.base import IGNORE_INDEX
 from twinkle.utils.errors import UserError
 from twinkle.utils.logger import get_logger
@@ -39,6 +42,7 @@ TASKS = ("causal_lm", "fused_lm_ce")
 logger = get_logger()
 
 
+@remote_class  # remote_group=: built on a device group's ranks (twinkle.runtime.remote)
 class TransformersModel(InputsAPI, MetricsAPI, Checkpoints):
     """The model, its adapters and their training pieces; the methods come in groups: set-up and
     the training step here, raw inputs in ``twinkle.model.inputs``, evaluation and metrics in
@@ -59,6 +63,7 @@ class TransformersModel(InputsAPI, MetricsAPI, Checkpoints):
         ddp_config: dict[str, Any] | None = None,
         fsdp_config: dict[str, Any] | None = None,
         grad_scaler_config: dict[str, Any] | None = None,
+        attn_implementation: str | None = None,
     ):
         """``dtype``: the weights' dtype; None takes the run defaults' (``--dtype``; ``auto``: bf16
         on accelerators, fp32 on CPU). ``padding_free``: run each batch packed into one row (same
@@ -70,9 +75,11 @@ class TransformersModel(InputsAPI, MetricsAPI, Checkpoints):
         Upstream's keywords: ``model_cls`` (default ``AutoModelForCausalLM``), ``config`` (a
         ``PretrainedConfig`` to load ``model_id``'s weights with), ``device_mesh`` (must be the
         mesh ``initialize`` was given), ``mixed_precision`` (``no`` or ``bf16``, when ``dtype`` is
-        None), ``strategy`` (None takes the run defaults', ``--strategy``; ``native_fsdp`` and
+        None), ``attn_implementation`` (``twinkle.model.attention_choice``: flash attention where
+        the device supports it, else sdpa with a warning), ``strategy`` (None takes the run defaults', ``--strategy``; ``native_fsdp`` and
         ``accelerate`` are FSDP2; ``ddp`` keeps a whole model per rank and needs
         ``--fsdp-size 1``), ``ddp_config``, ``fsdp_config`` (``twinkle.model.options``)."""
+        refuse_unimplemented(device_mesh or get_runtime().mesh, type(self).__name__)  # tp/pp/...: one line
         runtime = get_runtime()
         defaults = runtime.defaults
         if strategy is None and not ddp_config:
@@ -93,8 +100,9 @@ class TransformersModel(InputsAPI, MetricsAPI, Checkpoints):
         self.runtime = runtime
         self.device = runtime.device
         self.model_id = model_id
+        attn = resolve_attn_implementation(attn_implementation, self.device, dtype)  # upstream's keyword
         self.model, self.tokenizer, self.model_path = load_causal_lm(
-            model_id, self.device, dtype, model_cls=model_cls or defaults.model_cls, config=config
+            model_id, self.device, dtype, model_cls=model_cls or defaults.model_cls, config=config, attn=attn
         )
         self.checkpointing = LayerCheckpointing(self.model, activation_checkpointing)
         self.optimizer_group: dict[str, OptimizerGroup] = {}

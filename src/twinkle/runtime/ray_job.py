@@ -20,7 +20,6 @@ rank's (``PREEMPTED_EXIT_CODE`` after a SIGTERM, which the driver passes on to e
 
 import os
 import signal
-import socket
 import sys
 import time
 from dataclasses import dataclass
@@ -29,14 +28,17 @@ from typing import Any
 
 from twinkle.distributed.mesh import DeviceMesh
 from twinkle.runtime.preemption import PREEMPTED_EXIT_CODE
-from twinkle.utils.cache import cache_root
+from twinkle.runtime.ray_cluster import (
+    connect,
+    free_port_here,
+    import_ray,
+    local_ranks,
+    passed_environment,
+    place,
+)
 from twinkle.utils.errors import UserError
 from twinkle.utils.logger import get_logger
 
-PLACEMENT_SECONDS = 30  # to reserve the workers' resources; Ray itself would wait forever
-CONNECT_SECONDS = 5  # for an address to answer
-# what the workers get from the driver's environment, besides every TWINKLE_ variable
-PASSED = ("PYTHONPATH", "HF_HOME", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE")
 # How long the other ranks may take to report after one rank's script failed (see ``wait``)
 DEATH_GRACE_SECONDS = 10
 CHECKPOINT_PREFIXES = ("checkpoint-", "last-checkpoint")
@@ -49,57 +51,9 @@ class Outcome:
     cause: str  # empty for a clean exit
 
 
-def _ray() -> Any:
-    # read by Ray at import: every rank's lines, none folded into "[repeated Nx across cluster]"
-    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
-    try:
-        import ray
-    except ImportError as exc:
-        raise UserError("--mode ray needs Ray: pip install 'twinkle[ray]'") from exc
-    return ray
-
-
-def _check_address(address: str) -> None:
-    """One line, in seconds, for an address nothing answers at (Ray would retry for minutes)."""
-    if address == "auto" or address.startswith("ray://"):
-        return
-    host, _, port = address.rpartition(":")
-    try:
-        with socket.create_connection((host or "127.0.0.1", int(port)), timeout=CONNECT_SECONDS):
-            return
-    except (OSError, ValueError) as exc:
-        raise UserError(
-            f"--ray-address {address}: no Ray cluster answers there ({exc}); start one with "
-            "`ray start --head`, fix the address, or leave it unset for a local cluster"
-        ) from exc
-
-
-def _temp_dir() -> str:
-    """The local cluster's files under the Twinkle cache; a short path elsewhere when that is too
-    long for the cluster's Unix sockets (107 bytes with the names Ray appends)."""
-    folder = cache_root() / "ray"
-    if len(str(folder)) > 40:
-        folder = Path("/tmp") / f"twinkle-ray-{os.getuid()}"
-    folder.mkdir(parents=True, exist_ok=True)
-    return str(folder)
-
-
-def _connect(ray: Any, address: str | None) -> bool:
-    """Join ``address`` (or ``$RAY_ADDRESS``), else start a local cluster; returns whether local."""
-    address = address or os.environ.get("RAY_ADDRESS") or None
-    if address:
-        _check_address(address)
-        try:
-            ray.init(address=address, log_to_driver=True, configure_logging=False)
-        except (ConnectionError, RuntimeError) as exc:
-            cause = next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), type(exc).__name__)
-            raise UserError(
-                f"--ray-address {address}: cannot join that Ray cluster ({cause}); a cluster with token "
-                "authentication needs RAY_AUTH_MODE=token and its token here (`ray get-auth-token`)"
-            ) from exc
-        return False
-    ray.init(include_dashboard=False, _temp_dir=_temp_dir(), configure_logging=False)
-    return True
+_ray = import_ray  # the connection and placement are shared with the single controller (ray_cluster)
+_connect = connect
+_local_ranks = local_ranks
 
 
 def _bundles(ray: Any, world: int) -> tuple[list[dict[str, float]], str]:
@@ -110,8 +64,6 @@ def _bundles(ray: Any, world: int) -> tuple[list[dict[str, float]], str]:
 
 
 def _reserve(ray: Any, world: int, placement: str) -> Any:
-    from ray.util.placement_group import placement_group
-
     bundles, kind = _bundles(ray, world)
     have = ray.cluster_resources()
     if have.get(kind, 0) < world:
@@ -120,16 +72,7 @@ def _reserve(ray: Any, world: int, placement: str) -> Any:
             f"{have.get(kind, 0):g} ({', '.join(f'{k} {v:g}' for k, v in sorted(have.items()) if k in ('CPU', 'GPU'))}); "
             "lower --fsdp-size/--dp-size or add nodes"
         )
-    group = placement_group(bundles, strategy=placement.upper())
-    ready, _ = ray.wait([group.ready()], timeout=PLACEMENT_SECONDS)
-    if not ready:
-        ray.util.remove_placement_group(group)
-        raise UserError(
-            f"--mode ray: {world} workers of {bundles[0]} ({placement}) could not be placed within "
-            f"{PLACEMENT_SECONDS} s; the cluster has {ray.available_resources()} free. Free resources, "
-            "lower --fsdp-size/--dp-size, or use --ray-placement spread"
-        )
-    return group
+    return place(ray, bundles, placement, f"--mode ray: {world} workers of {bundles[0]} ({placement})")
 
 
 class Rank:
@@ -145,10 +88,8 @@ class Rank:
         """This worker's node address, a free port on it, its process id and its node's id."""
         import ray
 
-        with socket.socket() as probe:
-            probe.bind(("", 0))
-            port = probe.getsockname()[1]
-        return ray.util.get_node_ip_address(), port, os.getpid(), ray.get_runtime_context().get_node_id()
+        address, port = free_port_here()
+        return address, port, os.getpid(), ray.get_runtime_context().get_node_id()
 
     def run(self, script: str, argv: list[str], env: dict[str, str]) -> tuple[int, str]:
         import runpy
@@ -175,18 +116,8 @@ class Rank:
         return 0, ""
 
 
-def _local_ranks(nodes: list[str]) -> list[tuple[int, int]]:
-    """(local rank, local world size) of each rank, by node."""
-    seen: dict[str, int] = {}
-    out = []
-    for node in nodes:
-        out.append((seen.get(node, 0), nodes.count(node)))
-        seen[node] = seen.get(node, 0) + 1
-    return out
-
-
 def _worker_env(rank: int, world: int, local: tuple[int, int], master: tuple[str, int]) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k.startswith("TWINKLE_") or k in PASSED}
+    env = passed_environment()
     env.update(
         TWINKLE_RAY_WORKER="1",
         RANK=str(rank),

@@ -77,6 +77,9 @@ def initialize(
     timeout_s: int | None = None,
     *,
     run: RunDefaults | None = None,
+    groups: Any = None,
+    nproc_per_node: int | None = None,
+    lazy_collect: bool = True,
 ) -> Runtime:
     """Set up this process for a run, and apply the run's configuration; nothing else in Twinkle
     changes process-wide state.
@@ -96,11 +99,34 @@ def initialize(
 
     The configuration then lives in ``Runtime.defaults``, where components built afterwards read
     what their call leaves out (``run_defaults()``): dtype, activation checkpointing, strategy,
-    model class, gradient clipping, skip-bad-rows and the metric sinks."""
+    model class, gradient clipping, skip-bad-rows and the metric sinks.
+
+    ``mode='ray'`` with ``groups`` (a list of ``DeviceGroup``): this process is the single
+    controller (``twinkle.runtime.controller``): it joins or starts the cluster, checks the
+    groups fit, and returns; objects built with ``remote_group=`` then live on the groups.
+    ``nproc_per_node`` is upstream's devices per node (recorded); ``lazy_collect=False``
+    gathers per-rank outputs to the driver at once (``twinkle.runtime.remote``)."""
     handed = take_handed_over()  # an explicit ``run`` replaces it
+    hook = None
     if run is None and handed is not None:
-        return _start(mode, global_device_mesh, seed, timeout_s, handed.defaults, handed.excepthook)
-    return _start(mode, global_device_mesh, seed, timeout_s, run or RunDefaults(), None)
+        run, hook = handed.defaults, handed.excepthook
+    run = run or RunDefaults()
+    if mode == "ray" and groups is not None and os.environ.get(RAY_WORKER) != "1":
+        return _start_controller(global_device_mesh, seed, run, hook, (groups, nproc_per_node, lazy_collect))
+    return _start(mode, global_device_mesh, seed, timeout_s, run, hook)
+
+
+def _start_controller(
+    mesh: DeviceMesh | None, seed: int | None, run: RunDefaults, hook: Any, how: tuple
+) -> Runtime:
+    """The driver of a single-controller run: a one-process runtime of its own, then the groups."""
+    from twinkle.runtime import controller
+
+    runtime = _start("local", None, seed, None, run, hook)
+    runtime.mode = "ray"  # the driver took the output lock above, for the groups' workers too
+    groups, nproc_per_node, lazy_collect = how
+    controller.start(groups, nproc_per_node, lazy_collect, run, runtime.seed, mesh)
+    return runtime
 
 
 def _start(
@@ -169,7 +195,12 @@ def shutdown() -> None:
 
 
 def get_device_placement() -> str:
-    """A readable picture of the mesh: which rank sits where, on which device."""
+    """A readable picture of the mesh: which rank sits where, on which device; under a single
+    controller, the device groups, their ranks, processes and devices."""
+    from twinkle.runtime.controller import active
+
+    if active() is not None:
+        return active().placement()
     rt = get_runtime()
     mesh = rt.mesh
     lines = [f"mode={rt.mode} world_size={rt.world_size} device={rt.device.type} mesh: {mesh.describe()}"]

@@ -27,6 +27,7 @@ from twinkle.model import MultiLoraTransformersModel, TransformersModel
 from twinkle.model.forward import causal_lm_of
 from twinkle.model.loading import load_causal_lm, resolve_dtype
 from twinkle.runtime import get_runtime
+from twinkle.runtime.remote import remote_class  # remote_group= hook
 from twinkle.sampler import adapters, linears
 from twinkle.sampler.decode import Decoder
 from twinkle.sampler.prompts import Prompt, new_input_feature, prompts_of
@@ -36,6 +37,7 @@ from twinkle.template.tokenizer import load_tokenizer
 from twinkle.utils.errors import UserError
 
 
+@remote_class  # remote_group=: built on a device group's ranks (twinkle.runtime.remote)
 class TorchSampler:
     """Batched sampling with a KV cache; see the module docstring. ``device_mesh``: the mesh the
     sampler runs on (kept for upstream's signature; each process samples its own prompts).

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from twinkle.data_format.sampling import SampledSequence, SampleResponse, SamplingParams
+from twinkle.runtime.remote import remote_class  # remote_group= hook
 from twinkle.sampler.prompts import new_input_feature, prompts_of
 from twinkle.sampler.stops import Stops
 from twinkle.template import Template, get_template
@@ -39,6 +40,7 @@ def _import_vllm() -> Any:
     return vllm
 
 
+@remote_class  # remote_group=: built on a device group's ranks (twinkle.runtime.remote)
 class vLLMSampler:  # noqa: N801  (upstream's name)
     """``vLLMSampler(model_id, engine_args=None, device_mesh=None)``; ``engine_args`` reach
     ``vllm.LLM`` (``gpu_memory_utilization``, ``max_model_len``, ``max_lora_rank``, ...)."""
