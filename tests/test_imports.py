@@ -29,7 +29,7 @@ TIERS = [
         "reward",
     },
     {"model", "export", "sampler", "checkpoint_engine"},
-    {"cli"},
+    {"cli", "server"},  # the server imports no cli module; `twinkle server` starts it
 ]
 TIER = {package: level for level, packages in enumerate(TIERS) for package in packages}
 
@@ -120,6 +120,8 @@ def test_import_twinkle_has_no_side_effects():
         "assert flags == (torch.get_default_dtype(), torch.are_deterministic_algorithms_enabled())\n"
         "import sys\n"
         "assert 'ray' not in sys.modules  # an optional extra: only --mode ray imports it\n"
+        "bad = [m for m in ('fastapi', 'uvicorn', 'tinker') if m in sys.modules]\n"
+        "assert not bad, bad  # the server extra: only `twinkle server` imports it\n"
     )
     env = {k: v for k, v in os.environ.items() if not k.endswith("CACHE_CAPACITY")}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)

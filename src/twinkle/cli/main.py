@@ -5,7 +5,8 @@ the base model's); ``twinkle replay`` writes the base model's own answers to gen
 training rows, mixed with identity rows; ``twinkle kernels`` says what each kernel op resolves to on this machine and why; ``twinkle
 verify`` checks checkpoint folders against the sizes and checksums their save recorded;
 ``twinkle export`` merges a checkpoint into its base model and writes it as a Hugging Face
-folder and GGUF files."""
+folder and GGUF files; ``twinkle server`` serves one base model to many tenants through the Tinker
+SDK (its flags are ``twinkle.server.config``'s)."""
 
 import argparse
 import sys
@@ -44,6 +45,11 @@ def _build_parser() -> argparse.ArgumentParser:
         metavar="CKPT",
         help="a checkpoint folder, or an output dir to check every one in it",
     )
+    sub.add_parser(
+        "server",
+        add_help=False,
+        help="serve one base model to many tenants through the Tinker SDK (see --help)",
+    )
     add_export_parser(sub)
     add_eval_parser(sub)
     add_replay_parser(sub)
@@ -81,6 +87,15 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(argv: list[str] | None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["server"]:  # its own flags, parsed by twinkle.server.config
+        from twinkle.server import serve
+
+        try:
+            return serve(argv[1:])
+        except UserError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
     args = _build_parser().parse_args(argv)
     try:
         if args.command == "kernels":

@@ -12,6 +12,7 @@ kept in its group), so each adapter draws the same dropout masks whatever else t
 live on each slot's own weights, so accumulation windows of different adapters may interleave."""
 
 import copy
+import math
 import re
 from typing import Any
 
@@ -210,11 +211,18 @@ class MultiLoraTransformersModel(TransformersModel):
         super().set_template(template_cls, adapter_name=adapter_name, **kwargs)
 
     def forward(
-        self, inputs: Any, task: str = "causal_lm", adapter_name: str | None = None
+        self,
+        inputs: Any,
+        task: str = "causal_lm",
+        adapter_name: str | None = None,
+        ref_outputs: Any = None,
+        **loss_inputs: Any,
     ) -> dict[str, float]:
         group = self._group(adapter_name)
         self._activate(group.adapter_name)
-        return super().forward(inputs, task=task, adapter_name=group.adapter_name)
+        return super().forward(
+            inputs, task=task, adapter_name=group.adapter_name, ref_outputs=ref_outputs, **loss_inputs
+        )
 
     def backward(self) -> float:
         if self._pending_backward is not None:  # a recomputed forward (checkpointing) runs its adapter
@@ -228,7 +236,9 @@ class MultiLoraTransformersModel(TransformersModel):
         adapter_name: str | None = None,
         disable_lora: bool = False,
         adapter_names: Any = None,
-    ) -> float:
+        ref_outputs: Any = None,
+        **loss_inputs: Any,
+    ) -> Any:
         if not disable_lora and adapter_names is None:
             adapter_name = self._group(adapter_name).adapter_name
             self._activate(adapter_name)
@@ -238,10 +248,23 @@ class MultiLoraTransformersModel(TransformersModel):
             adapter_name=adapter_name,
             disable_lora=disable_lora,
             adapter_names=adapter_names,
+            ref_outputs=ref_outputs,
+            **loss_inputs,
         )
 
     def _peft_adapter(self, adapter_name: str) -> str:
         return self.slots.holder[self._group(adapter_name).adapter_name]
+
+    def get_train_configs(self, adapter_name: str | None = None) -> str:
+        """``TransformersModel``'s line, counting as trainable the adapter's own rank-r weights
+        (every slot's weights require gradients, but only the active one's get any), and the
+        slots."""
+        group = self._group(adapter_name)
+        own = sum(math.prod(shape) for _, shape in self.slots.export_names(group.adapter_name))
+        total = sum(p.numel() for p in self.model.parameters())
+        line = super().get_train_configs(group.adapter_name)
+        mine = f"trainable={own:,}/{total:,} ({100 * own / max(1, total):.2f}%)"
+        return re.sub(r"trainable=\S+ \(\S+\)", mine, line) + f" slots={self.max_loras}x r{self.max_r}"
 
     # ---------------------------------------------------------------- checkpoints
     def save(

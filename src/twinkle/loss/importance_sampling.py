@@ -1,0 +1,55 @@
+"""``ImportanceSamplingLoss``: the policy-gradient loss of tokens sampled by another policy.
+
+Each supervised token ``t`` has the sampler's log-probability ``old_logps_t`` and an advantage
+``A_t`` (batch tensors aligned with ``labels``, ``extra_inputs``). With the trained policy's
+log-probability ``logp_t`` the loss is ``-sum_t exp(logp_t - old_logps_t) * A_t``, the
+Tinker SDK's ``importance_sampling`` loss; its gradient is the importance-weighted policy
+gradient. Use it with ``model.set_loss(ImportanceSamplingLoss())`` and
+``forward_backward(batch, old_logps=..., advantages=...)``."""
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from twinkle.loss.base import HeadLoss, LossView
+from twinkle.loss.cross_entropy import check_reduction, finish, top_is_target
+from twinkle.utils.errors import UserError
+
+
+def token_logps(view: LossView) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp32 logits, log-probability of each target) of the view's supervised rows."""
+    logits = view.logits
+    if view.hidden is not None:
+        logits = F.linear(view.hidden, view.weight, view.bias)
+    logits = logits.float()
+    return logits, -F.cross_entropy(logits, view.targets, reduction="none")
+
+
+class ImportanceSamplingLoss(HeadLoss):
+    """``-sum(ratio * advantages)`` with ``ratio = exp(logp - old_logps)``; ``reduction`` decides
+    only the reported value (``sum`` or per-token ``mean``)."""
+
+    def __init__(
+        self, reduction: str = "sum", old_key: str = "old_logps", advantages_key: str = "advantages"
+    ):
+        self.reduction = check_reduction(reduction)
+        self.old_key, self.advantages_key = old_key, advantages_key
+        self.extra_inputs = (old_key, advantages_key)
+
+    def objective(self, ratio: torch.Tensor, advantages: torch.Tensor) -> torch.Tensor:
+        """Per-token loss from the probability ratio and the advantages."""
+        return -ratio * advantages
+
+    def compute(self, view: LossView) -> Any:
+        logits, logps = token_logps(view)
+        old = view.extras[self.old_key].to(logps.device, torch.float32)
+        advantages = view.extras[self.advantages_key].to(logps.device, torch.float32)
+        ratio = torch.exp(logps - old)
+        loss_sum = self.objective(ratio, advantages).sum()
+        correct = top_is_target(logits.detach(), view.targets)
+        return finish(loss_sum, view.targets.numel(), correct, self.reduction)
+
+    def from_outputs(self, inputs: Mapping[str, Any], outputs: Mapping[str, Any]) -> dict:
+        raise UserError(f"{type(self).__name__} runs on the model's path only; pass it to model.set_loss")

@@ -1,0 +1,23 @@
+"""``twinkle server``: one base model served to many tenants, each training its own LoRA adapters
+through the official Tinker SDK (``tinker.ServiceClient(base_url=..., api_key=...)``).
+
+Public names: ``create_app`` (the FastAPI app of a ``ServerConfig``), ``ServerConfig``,
+``serve`` (the command). Needs the ``server`` extra (fastapi, uvicorn, tinker); ``import
+twinkle`` never imports it. See docs/server.md."""
+
+from twinkle.server.config import ServerConfig
+
+
+def create_app(config: ServerConfig, engine=None):  # noqa: ANN001, ANN201 (fastapi is optional)
+    from twinkle.server.app import create_app as make
+
+    return make(config, engine)
+
+
+def serve(argv: list[str]) -> int:
+    from twinkle.server.main import serve as run
+
+    return run(argv)
+
+
+__all__ = ["ServerConfig", "create_app", "serve"]

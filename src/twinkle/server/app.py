@@ -1,0 +1,175 @@
+"""The FastAPI app: the Tinker SDK's routes (``/api/v1/...``) over one ``Engine``.
+
+Requests are authenticated by the ``X-API-Key`` header (compared in constant time with every
+configured key). Work on the model goes through the ``Queue`` and answers with a future the
+SDK polls at ``/api/v1/retrieve_future``; everything else answers at once. A malformed request
+is a 4xx with ``{"detail": "<one line>"}``; a failure inside a queued step fails that request
+only (its future holds the error)."""
+
+import asyncio
+import hmac
+import json
+import math
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from twinkle.server.config import ServerConfig
+from twinkle.server.engine import Engine
+from twinkle.server.errors import BadRequest, ServerError, Unauthorized
+from twinkle.server.state import Queue, Registry, Tenant, tenant_id
+
+PROTO = "application/x-protobuf"
+MAX_JSON_BYTES = 64 << 20
+
+
+class Server:
+    """The app's state: config, engine, tenants, their runs, Tinker sessions and samplers, and
+    the queue."""
+
+    def __init__(self, config: ServerConfig, engine: Engine | None = None):
+        self.config = config
+        self.engine = engine or Engine(config.model_id, config.max_loras, config.max_r)
+        self.base_model = config.model_id or "bundled:SmolLM2-135M-Instruct"
+        self.tenants = {key: Tenant(tenant_id(key), limits) for key, limits in config.keys.items()}
+        for t in self.tenants.values():
+            t.tokens = t.limits.rate * 4
+        config.output_dir.mkdir(parents=True, exist_ok=True)
+        self.registry = Registry(config.output_dir)
+        self.queue = Queue()
+        self.sessions: dict[str, str] = {}  # session id -> tenant id
+        self.samplers: dict[str, tuple[str, str | None]] = {}  # sampling session -> (tenant, path)
+        if config.idle_timeout > 0:
+            threading.Thread(target=self._sweep, name="twinkle-server-idle", daemon=True).start()
+
+    # ---------------------------------------------------------------- runs on the model
+    def on_run(self, tenant: Tenant, run: Any, fn: Any) -> str:
+        """Queue ``fn`` for the run; a parked run is first loaded back into a slot."""
+
+        def job() -> Any:
+            if not run.live and run.parked is not None:
+                self.engine.add(run.adapter, run.rank)
+                self.engine.load(run.adapter, Path(run.parked), optimizer=True)
+                run.live, run.parked = True, None
+            return fn()
+
+        return self.queue.submit(tenant.id, job)
+
+    def park(self, run: Any) -> None:
+        """Save an idle run (adapter and optimizer, as ``weights/idle-<ms>``) and free its slot."""
+        if not run.live or time.time() - run.last_request < self.config.idle_timeout:
+            return
+        folder = self.registry.folder(run) / "weights" / f"idle-{int(time.time() * 1000)}"
+        self.engine.save(run.adapter, folder, optimizer=True)
+        self.engine.remove(run.adapter)
+        run.live, run.parked = False, str(folder)
+
+    def _sweep(self) -> None:
+        period = min(max(self.config.idle_timeout / 4, 0.05), 30.0)
+        while not self.queue.stopped:
+            time.sleep(period)
+            now = time.time()
+            for run in list(self.registry.runs.values()):
+                if run.live and now - run.last_request >= self.config.idle_timeout:
+                    self.queue.submit(run.tenant, lambda run=run: self.park(run))
+
+    def auth(self, request: Request) -> Tenant:
+        """The caller's tenant, one request taken from its rate bucket."""
+        tenant = self.identify(request)
+        tenant.take()
+        return tenant
+
+    def identify(self, request: Request) -> Tenant:
+        """The caller's tenant (polling a future takes nothing from the rate bucket)."""
+        given = request.headers.get("x-api-key") or ""
+        found = None
+        for key, tenant in self.tenants.items():  # every key compared, whichever matches
+            if hmac.compare_digest(key.encode(), given.encode()):
+                found = tenant
+        if found is None:
+            raise Unauthorized(
+                "missing or unknown API key; send a key the server was started with as X-API-Key"
+            )
+        return found
+
+
+async def body(request: Request) -> dict[str, Any]:
+    raw = await request.body()
+    if len(raw) > MAX_JSON_BYTES:
+        raise BadRequest(
+            f"request body of {len(raw)} bytes is over the limit of {MAX_JSON_BYTES}", status=413
+        )
+    try:
+        data = json.loads(raw or b"{}", parse_constant=lambda c: math.nan)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise BadRequest(f"the request body is not valid JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise BadRequest(f"the request body must be a JSON object, got {type(data).__name__}")
+    return data
+
+
+def field(data: dict, name: str, kind: type | tuple, default: Any = ..., required: bool = False) -> Any:
+    """``data[name]`` checked to be of ``kind`` (a missing one is ``default``)."""
+    if name not in data or data[name] is None:
+        if required or default is ...:
+            raise BadRequest(f"field {name!r} is missing")
+        return default
+    value = data[name]
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
+        names = "/".join(k.__name__ for k in kinds)
+        raise BadRequest(f"field {name!r} must be {names}, got {type(value).__name__}")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise BadRequest(f"field {name!r} must be a finite number, got {value}")
+    return value
+
+
+def future(request_id: str, model_id: str | None = None) -> dict[str, Any]:
+    return {"request_id": request_id, "model_id": model_id}
+
+
+def create_app(config: ServerConfig, engine: Engine | None = None) -> FastAPI:
+    from twinkle.server import routes
+
+    server = Server(config, engine)
+    app = FastAPI(title="twinkle server")
+    app.state.server = server
+
+    @app.exception_handler(ServerError)
+    async def _refused(request: Request, exc: ServerError) -> JSONResponse:
+        return JSONResponse({"detail": exc.message}, status_code=exc.status)
+
+    routes.add_routes(app, server)
+
+    @app.post("/api/v1/retrieve_future")
+    async def retrieve_future(request: Request) -> Any:
+        tenant = server.identify(request)
+        data = await body(request)
+        fut = server.queue.future(tenant.id, field(data, "request_id", str))
+        deadline = time.monotonic() + 2.0
+        while not fut.done.is_set() and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        if not fut.done.is_set():
+            return JSONResponse(
+                {"type": "try_again", "request_id": data["request_id"], "queue_state": "active"}, 408
+            )
+        if fut.error is not None:
+            message, category = fut.error
+            return {"error": message, "category": "user" if category == "user" else "server"}
+        if isinstance(fut.result, bytes):
+            return Response(fut.result, media_type=PROTO)
+        return fut.result
+
+    return app
+
+
+def new_id() -> str:
+    return uuid.uuid4().hex[:16]
+
+
+__all__ = ["PROTO", "Server", "create_app", "body", "field", "future", "new_id"]

@@ -1,0 +1,143 @@
+"""``twinkle server``'s command line and its API keys.
+
+Keys come from ``--api-keys FILE`` (one key a line; ``#`` starts a comment; after the key,
+optional limits ``max_adapters=N max_datums=N max_tokens=N rate=R``) or from the environment
+variable ``TWINKLE_API_KEYS`` (keys separated by commas). The Tinker SDK only sends keys that
+start with ``tml-``."""
+
+import argparse
+import os
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+from twinkle.server.state import Limits
+from twinkle.utils.errors import UserError
+
+ENV_KEYS = "TWINKLE_API_KEYS"
+
+
+@dataclass
+class ServerConfig:
+    model_id: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_loras: int = 4
+    max_r: int = 32
+    output_dir: Path = Path("output/server")
+    idle_timeout: float = 1800.0  # seconds without a request before a run is parked (0: never)
+    keys: dict[str, Limits] = field(default_factory=dict)
+
+
+def parse_keys(text: str, where: str, defaults: Limits) -> dict[str, Limits]:
+    keys: dict[str, Limits] = {}
+    names = {f.name: f.type for f in fields(Limits)}
+    for n, raw in enumerate(text.splitlines(), 1):
+        line = raw.split("#", 1)[0].split()
+        if not line:
+            continue
+        limits = Limits(**defaults.__dict__)
+        for item in line[1:]:
+            name, _, value = item.partition("=")
+            if name not in names:
+                raise UserError(f"{where}:{n}: unknown limit {name!r}; use {', '.join(names)}")
+            try:
+                setattr(limits, name, float(value) if name == "rate" else int(value))
+            except ValueError:
+                raise UserError(f"{where}:{n}: {name}={value!r} is not a number") from None
+        if not line[0].startswith("tml-"):
+            raise UserError(f"{where}:{n}: an API key must start with 'tml-' (the Tinker SDK sends no other)")
+        keys[line[0]] = limits
+    return keys
+
+
+def load_keys(path: str | None, defaults: Limits) -> dict[str, Limits]:
+    """The keys of ``path``, else of ``$TWINKLE_API_KEYS``; ``UserError`` when there are none."""
+    if path:
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except OSError as exc:
+            raise UserError(f"--api-keys {path}: cannot read it ({exc.strerror})") from None
+        keys = parse_keys(text, path, defaults)
+    else:
+        keys = parse_keys(os.environ.get(ENV_KEYS, "").replace(",", "\n"), ENV_KEYS, defaults)
+    if not keys:
+        raise UserError(
+            f"no API key: pass --api-keys FILE (one key a line) or set {ENV_KEYS}=tml-key1,tml-key2"
+        )
+    return keys
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="twinkle server",
+        description="Serve one base model to many tenants, each training its own LoRA adapters "
+        "through the Tinker SDK (ServiceClient(base_url=..., api_key=...)).",
+    )
+    p.add_argument(
+        "--model-id", default=None, help="base model (local folder or hub id); default: the bundled model"
+    )
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    p.add_argument(
+        "--max-loras",
+        type=int,
+        default=4,
+        help="adapter slots on the model, all tenants together (default 4)",
+    )
+    p.add_argument(
+        "--max-r", type=int, default=32, help="largest LoRA rank a tenant may ask for (default 32)"
+    )
+    p.add_argument(
+        "--output-dir",
+        default="output/server",
+        help="where runs and checkpoints are kept, one folder per key hash (default output/server)",
+    )
+    p.add_argument(
+        "--api-keys",
+        default=None,
+        metavar="FILE",
+        help=f"API keys, one a line, each optionally followed by limits such as max_adapters=2 rate=20; "
+        f"default: ${ENV_KEYS} (comma-separated)",
+    )
+    p.add_argument(
+        "--idle-timeout",
+        type=float,
+        default=1800.0,
+        help="seconds without a request after which a run is saved and its slot freed; its next "
+        "request loads it back (default 1800, 0: never)",
+    )
+    p.add_argument(
+        "--max-adapters", type=int, default=4, help="default live training runs per key (default 4)"
+    )
+    p.add_argument(
+        "--max-datums", type=int, default=512, help="default datums per forward_backward (default 512)"
+    )
+    p.add_argument(
+        "--max-tokens", type=int, default=65536, help="default tokens per forward_backward (default 65536)"
+    )
+    p.add_argument(
+        "--rate", type=float, default=50.0, help="default requests per second per key (default 50)"
+    )
+    return p
+
+
+def parse_args(argv: list[str]) -> ServerConfig:
+    args = build_parser().parse_args(argv)
+    for name in ("port", "max_loras", "max_r", "max_adapters", "max_datums", "max_tokens"):
+        if getattr(args, name) < 1:
+            raise UserError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if args.idle_timeout < 0:
+        raise UserError(f"--idle-timeout must be 0 (never) or positive, got {args.idle_timeout}")
+    if args.rate <= 0:
+        raise UserError(f"--rate must be positive, got {args.rate}")
+    defaults = Limits(args.max_adapters, args.max_datums, args.max_tokens, args.rate)
+    return ServerConfig(
+        model_id=args.model_id,
+        host=args.host,
+        port=args.port,
+        max_loras=args.max_loras,
+        max_r=args.max_r,
+        output_dir=Path(args.output_dir),
+        idle_timeout=args.idle_timeout,
+        keys=load_keys(args.api_keys, defaults),
+    )

@@ -1,0 +1,192 @@
+"""The server's model: one ``MultiLoraTransformersModel`` holding every tenant's adapter, and the
+Tinker operations on it (``forward_backward`` with the Tinker losses, ``optim_step``, saves,
+loads, sampling). Calls run one at a time (the scheduler's worker thread); each names its
+adapter, so tenants never see each other's weights or optimizer state.
+
+Tinker ``Datum`` to twinkle batch: input tokens ``x[0..n)`` with ``target_tokens`` ``y`` (``y[i]``
+is predicted at position ``i``) become the row ``x + [y[n-1]]`` with labels ``[-100] + y``
+(twinkle's labels are aligned with the inputs and shifted by the model). The losses are
+``twinkle.server.losses.TinkerLoss``; the optimizer step is twinkle's: the gradient of the
+window is the mean over its counted tokens (weight or advantage not 0)."""
+
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from twinkle.model import MultiLoraTransformersModel
+from twinkle.server.errors import BadRequest
+from twinkle.server.losses import TinkerLoss
+from twinkle.server.wire import Datum, check_datum
+
+IGNORE = -100
+LOSS_INPUTS = {
+    "cross_entropy": ("target_tokens", "weights"),
+    "importance_sampling": ("target_tokens", "logprobs", "advantages"),
+    "ppo": ("target_tokens", "logprobs", "advantages"),
+}
+LORA_ALPHA = 32  # Tinker's LoRA alpha
+
+
+def lora_config(rank: int) -> Any:
+    from peft import LoraConfig
+
+    return LoraConfig(r=rank, lora_alpha=LORA_ALPHA, lora_dropout=0.0, target_modules="all-linear")
+
+
+def datum_batch(data: list[Datum], loss_fn: str, pad_id: int) -> tuple[dict, dict]:
+    """(batch of tensors, the loss's extra inputs) of Tinker datums: row ``x + [y[-1]]``,
+    labels ``[-100] + y``, each per-token input aligned with the labels."""
+    width = max(d.tokens.size for d in data) + 1
+    shape = (len(data), width)
+    batch = {
+        "input_ids": torch.full(shape, pad_id, dtype=torch.long),
+        "labels": torch.full(shape, IGNORE, dtype=torch.long),
+        "attention_mask": torch.zeros(shape, dtype=torch.long),
+        "position_ids": torch.zeros(shape, dtype=torch.long),
+    }
+    sources = {"tinker_weights": "weights"} if loss_fn == "cross_entropy" else {}
+    sources = sources or {"old_logps": "logprobs", "advantages": "advantages"}
+    extras = {k: torch.zeros(shape, dtype=torch.float32) for k in sources}
+    for b, d in enumerate(data):
+        n = d.tokens.size + 1
+        targets = torch.from_numpy(d.inputs["target_tokens"].astype(np.int64))
+        batch["input_ids"][b, :n] = torch.cat([torch.from_numpy(d.tokens), targets[-1:]])
+        batch["labels"][b, 1:n] = targets
+        batch["attention_mask"][b, :n] = 1
+        batch["position_ids"][b, :n] = torch.arange(n)
+        for name, src in sources.items():
+            extras[name][b, 1:n] = torch.from_numpy(d.inputs[src].astype(np.float32))
+    return batch, extras
+
+
+class Engine:
+    """The shared model and the per-adapter operations (adapter names are the run ids)."""
+
+    def __init__(self, model_id: str | None, max_loras: int, max_r: int):
+        self.model = MultiLoraTransformersModel(model_id, max_loras=max_loras, max_r=max_r)
+        self.tokenizer = self.model.tokenizer
+        self.vocab = int(self.model.model.get_input_embeddings().weight.shape[0])
+        pad = self.tokenizer.pad_token_id
+        self.pad_id = int(pad if pad is not None else 0)
+        self.optim_params: dict[str, dict[str, float]] = {}
+        self.sampler: Any = None  # a TorchSampler on this model, made at the first sample
+
+    # ---------------------------------------------------------------- adapters
+    def add(self, name: str, rank: int) -> None:
+        self.model.add_adapter_to_model(name, lora_config(rank))
+
+    def remove(self, name: str) -> None:
+        """Free the adapter's slot (its last AdamW settings are kept for a reload)."""
+        if name in self.model.optimizer_group:
+            self.model.remove_adapter(name)
+
+    # ---------------------------------------------------------------- training
+    def forward_backward(
+        self, name: str, data: list[Datum], loss_fn: str, config: dict[str, Any], forward_only: bool
+    ) -> tuple[list[dict[str, np.ndarray]], dict[str, float]]:
+        """One pass (with backward unless ``forward_only``); per datum its targets' ``logprobs``
+        and ``elementwise_loss``, and the ``loss:sum`` metric."""
+        if loss_fn not in LOSS_INPUTS:
+            raise BadRequest(f"loss_fn {loss_fn!r} is not supported; use one of {', '.join(LOSS_INPUTS)}")
+        for i, d in enumerate(data):
+            check_datum(d, i, self.vocab, LOSS_INPUTS[loss_fn])
+        loss = TinkerLoss(loss_fn, config)
+        self.model.set_loss(loss, adapter_name=name)
+        batch, extras = datum_batch(data, loss_fn, self.pad_id)
+        if forward_only:
+            self.model.forward_only(batch, adapter_name=name, **extras)
+        else:
+            self.model.forward_backward(batch, adapter_name=name, **extras)
+        sizes = [d.tokens.size for d in data]
+        logps = torch.split(loss.last_logps, sizes)
+        per_token = torch.split(loss.last_per_token, sizes)
+        outputs = [
+            {"logprobs": lp.numpy(), "elementwise_loss": pt.numpy()}
+            for lp, pt in zip(logps, per_token, strict=True)
+        ]
+        return outputs, {"loss:sum": float(loss.last_per_token.sum())}
+
+    def optim_step(self, name: str, adam: dict[str, float]) -> dict[str, float]:
+        params = {
+            "lr": float(adam.get("learning_rate", 1e-4)),
+            "betas": (float(adam.get("beta1", 0.9)), float(adam.get("beta2", 0.95))),
+            "eps": float(adam.get("eps", 1e-12)),
+            "weight_decay": float(adam.get("weight_decay", 0.0)),
+        }
+        bad = [k for k, v in adam.items() if isinstance(v, float) and not math.isfinite(v)]
+        if bad or params["lr"] < 0:
+            raise BadRequest(
+                f"adam_params: {', '.join(bad) or 'learning_rate'} must be a finite non-negative number"
+            )
+        group = self.model.optimizer_group[name]
+        self.optim_params[name] = params
+        if group.optimizer is None:
+            self.model.set_optimizer("AdamW", adapter_name=name, **params)
+        else:
+            for g in group.optimizer.param_groups:
+                g.update(params)
+        clip = float(adam.get("grad_clip_norm", 0.0) or 0.0)
+        norm = self.model.clip_grad_norm(clip, adapter_name=name)
+        stepped = self.model.step(adapter_name=name)
+        self.model.zero_grad(adapter_name=name)
+        return {"grad_norm": float(norm), "stepped": float(stepped)}
+
+    # ---------------------------------------------------------------- checkpoints
+    def save(self, name: str, folder: Path, optimizer: bool) -> None:
+        self.model.save(
+            folder.name, output_dir=str(folder.parent), adapter_name=name, save_optimizer=optimizer
+        )
+
+    def load(self, name: str, folder: Path, optimizer: bool) -> None:
+        """The adapter's weights from ``folder``; with ``optimizer``, its AdamW state too (an
+        optimizer is made first when the adapter has none; the next ``optim_step`` sets its
+        hyperparameters)."""
+        if optimizer and self.model.optimizer_group[name].optimizer is None:
+            self.model.set_optimizer("AdamW", adapter_name=name, **self.optim_params.get(name, {"lr": 1e-4}))
+        self.model.resume_from_checkpoint(str(folder), resume_only_model=not optimizer, adapter_name=name)
+
+    def adapter_state(self, name: str) -> dict[str, torch.Tensor]:
+        return self.model.slots.export(name)
+
+    # ---------------------------------------------------------------- sampling
+    @torch.no_grad()
+    def _logits(self, name: str, ids: list[int]) -> torch.Tensor:
+        """Next-token logits (fp32, one row per position) of ``ids`` under adapter ``name``."""
+        m = self.model
+        m._activate(name)
+        m.model.eval()
+        m._in_train_mode = False
+        out = m.model(input_ids=torch.tensor([ids], device=m.device))
+        return out.logits[0].float().cpu()
+
+    def prompt_logprobs(self, name: str, ids: list[int]) -> list[float]:
+        """log p(ids[i] | ids[:i]) for i >= 1, NaN for the first token."""
+        logps = torch.log_softmax(self._logits(name, ids)[:-1], dim=-1)
+        picked = logps.gather(1, torch.tensor(ids[1:])[:, None]).squeeze(1)
+        return [math.nan, *picked.tolist()]
+
+    def sample(self, name: str, prompt: list[int], params: dict[str, Any], n: int, seed: int) -> list[tuple]:
+        """``n`` completions under adapter ``name`` by ``twinkle.sampler.TorchSampler``, sharing
+        this model's modules: (tokens, their log-probs at temperature 1, "stop"|"length")."""
+        from twinkle.sampler import SamplingParams, TorchSampler
+
+        if self.sampler is None:
+            self.sampler = TorchSampler(self.model)
+        stop = params.get("stop") or None  # Tinker's [] (no stop at all): the EOS tokens still stop
+        sp = SamplingParams(
+            max_tokens=int(params.get("max_tokens") or 16),
+            temperature=float(params.get("temperature", 1.0)),
+            top_p=float(params.get("top_p", 1.0)),
+            top_k=int(params.get("top_k", -1)),
+            num_samples=n,
+            seed=seed,
+            stop=stop,
+        )
+        (response,) = self.sampler.sample({"input_ids": list(prompt)}, sp, adapter_name=name)
+        return [
+            (list(seq.tokens), [float(entry[0][1]) for entry in seq.logprobs], seq.stop_reason)
+            for seq in response.sequences
+        ]

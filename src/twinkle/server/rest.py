@@ -1,0 +1,93 @@
+"""The ``RestClient`` routes: a tenant's training runs and checkpoints (listing, info, delete).
+Another tenant's run or checkpoint is a 404, as an unknown one."""
+
+import shutil
+from typing import Any
+
+from fastapi import FastAPI, Request
+
+from twinkle.server.app import Server, body, field
+from twinkle.server.errors import NotFound
+
+
+def add_rest_routes(app: FastAPI, s: Server, iso: Any) -> None:
+    v1 = "/api/v1"
+
+    def checkpoint_json(c: dict) -> dict:
+        return {**c, "time": iso(c["time"])}
+
+    def run_json(run: Any) -> dict:
+        ckpts = s.registry.checkpoints(run)
+        last = {t: checkpoint_json(c) for c in ckpts for t in [c["checkpoint_type"]]}
+        return {
+            "training_run_id": run.id,
+            "base_model": run.base_model,
+            "model_owner": run.tenant,
+            "is_lora": True,
+            "lora_rank": run.rank,
+            "last_request_time": iso(run.last_request),
+            "last_checkpoint": last.get("training"),
+            "last_sampler_checkpoint": last.get("sampler"),
+        }
+
+    @app.get(f"{v1}/training_runs")
+    async def training_runs(request: Request, limit: int = 20, offset: int = 0) -> dict:
+        tenant = s.auth(request)
+        mine = sorted((r for r in s.registry.runs.values() if r.tenant == tenant.id), key=lambda r: r.created)
+        page = mine[offset : offset + limit]
+        return {
+            "training_runs": [run_json(r) for r in page],
+            "cursor": {"offset": offset, "limit": limit, "total_count": len(mine)},
+        }
+
+    @app.get(f"{v1}/training_runs/{{run_id}}")
+    async def training_run(request: Request, run_id: str) -> dict:
+        return run_json(s.registry.run_of(s.auth(request), run_id, live=False))
+
+    @app.get(f"{v1}/training_runs/{{run_id}}/checkpoints")
+    async def checkpoints(request: Request, run_id: str) -> dict:
+        run = s.registry.run_of(s.auth(request), run_id, live=False)
+        return {"checkpoints": [checkpoint_json(c) for c in s.registry.checkpoints(run)]}
+
+    @app.delete(f"{v1}/training_runs/{{run_id}}/checkpoints/{{kind}}/{{name}}")
+    async def delete_checkpoint(request: Request, run_id: str, kind: str, name: str) -> dict:
+        _, _, folder = s.registry.checkpoint(s.auth(request), f"tinker://{run_id}/{kind}/{name}")
+        shutil.rmtree(folder)
+        return {}
+
+    @app.get(f"{v1}/checkpoints")
+    async def all_checkpoints(request: Request) -> dict:
+        tenant = s.auth(request)
+        out = [
+            checkpoint_json(c)
+            for r in s.registry.runs.values()
+            if r.tenant == tenant.id
+            for c in s.registry.checkpoints(r)
+        ]
+        return {"checkpoints": out, "cursor": {"offset": 0, "limit": len(out), "total_count": len(out)}}
+
+    @app.post(f"{v1}/weights_info")
+    async def weights_info(request: Request) -> dict:
+        tenant = s.auth(request)
+        path = field(await body(request), "tinker_path", str, required=True)
+        run, _, _ = s.registry.checkpoint(tenant, path)
+        return {"base_model": run.base_model, "is_lora": True, "lora_rank": run.rank}
+
+    @app.get(f"{v1}/sessions/{{session_id}}")
+    async def session(request: Request, session_id: str) -> dict:
+        tenant = s.auth(request)
+        if s.sessions.get(session_id) != tenant.id:
+            raise NotFound(f"session {session_id!r} is not one of this key's")
+        runs = [r.id for r in s.registry.runs.values() if r.tenant == tenant.id and r.live]
+        return {
+            "training_run_ids": runs,
+            "sampler_ids": [k for k, v in s.samplers.items() if v[0] == tenant.id],
+        }
+
+    @app.get(f"{v1}/samplers/{{sampler_id}}")
+    async def sampler(request: Request, sampler_id: str) -> dict:
+        tenant = s.auth(request)
+        owner, path = s.samplers.get(sampler_id, (None, None))
+        if owner != tenant.id:
+            raise NotFound(f"sampling session {sampler_id!r} is not one of this key's")
+        return {"sampler_id": sampler_id, "base_model": s.base_model, "model_path": path}

@@ -1,0 +1,162 @@
+"""The Tinker SDK's binary bodies: ``forward_backward`` requests come as the SDK's protobuf
+``ForwardBackwardRequest``, and the results of ``forward_backward`` and ``asample`` go back as
+its ``ForwardBackwardOutput`` and ``SampleResponse`` messages (the SDK accepts no JSON for
+those two). Every other body is JSON. The message classes are the SDK's own
+(``tinker.proto.tinker_public_pb2``), so the wire format is the pinned SDK's.
+
+Decoded datums are checked here: each bad field is a ``BadRequest`` naming it."""
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from twinkle.server.errors import BadRequest
+
+_NUMPY = {1: np.float32, 2: np.int64, 3: np.int32, 4: np.uint16}  # the proto DType values
+
+
+def _pb() -> Any:
+    from tinker.proto import tinker_public_pb2
+
+    return tinker_public_pb2
+
+
+@dataclass
+class Datum:
+    """One training example: input tokens and the per-token loss inputs (flat arrays of the
+    same length as ``tokens``)."""
+
+    tokens: np.ndarray
+    inputs: dict[str, np.ndarray] = field(default_factory=dict)
+
+
+@dataclass
+class FwdBwd:
+    model_id: str
+    loss_fn: str
+    loss_config: dict[str, Any]
+    data: list[Datum]
+    forward_only: bool
+
+
+def _tensor(msg: Any, where: str) -> np.ndarray:
+    pb = _pb()
+    dtype = _NUMPY.get(msg.dtype)
+    if dtype is None or msg.dtype == pb.DTYPE_BFLOAT16:
+        raise BadRequest(f"{where}: unsupported tensor dtype {msg.dtype}; send float32 or int64")
+    if msg.HasField("sparse_csr"):
+        raise BadRequest(f"{where}: sparse tensors are not supported; send a dense array")
+    if len(msg.dense) % np.dtype(dtype).itemsize:
+        raise BadRequest(f"{where}: {len(msg.dense)} bytes is not a whole number of {np.dtype(dtype).name}")
+    values = np.frombuffer(msg.dense, dtype=dtype)
+    if list(msg.shape) and math.prod(msg.shape) != values.size:
+        raise BadRequest(f"{where}: shape {list(msg.shape)} does not hold {values.size} values")
+    return values.reshape(-1)
+
+
+def decode_forward_backward(body: bytes, max_datums: int, max_tokens: int) -> FwdBwd:
+    """The request in ``body``, checked: token ids, lengths and finite float inputs."""
+    pb = _pb()
+    msg = pb.ForwardBackwardRequest()
+    try:
+        msg.ParseFromString(body)
+    except Exception as exc:  # noqa: BLE001 (protobuf's DecodeError and friends)
+        raise BadRequest(
+            f"the forward_backward body is not a ForwardBackwardRequest message ({exc})"
+        ) from exc
+    if not msg.model_id:
+        raise BadRequest("forward_backward: model_id is missing")
+    if len(msg.data) == 0:
+        raise BadRequest("forward_backward: data is empty; send at least one Datum")
+    if len(msg.data) > max_datums:
+        raise BadRequest(
+            f"forward_backward: {len(msg.data)} datums is more than this server's limit of {max_datums} per request",
+            status=413,
+        )
+    config: dict[str, Any] = {k: float(v) for k, v in msg.loss_fn_config.items()}
+    for k, v in msg.loss_fn_config_v2.items():
+        config[k] = v.text if v.WhichOneof("value") == "text" else float(v.number)
+    data, total = [], 0
+    for i, datum in enumerate(msg.data):
+        parts = []
+        for chunk in datum.model_input:
+            if chunk.WhichOneof("chunk") != "encoded_text":
+                raise BadRequest(f"datum {i}: only encoded text chunks are supported (no images or audio)")
+            parts.append(np.frombuffer(chunk.encoded_text.tokens, dtype=np.int32).astype(np.int64))
+        tokens = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+        total += tokens.size
+        inputs = {
+            name: _tensor(t, f"datum {i} loss_fn_inputs[{name!r}]")
+            for name, t in datum.loss_fn_inputs.items()
+        }
+        data.append(Datum(tokens, inputs))
+    if total > max_tokens:
+        raise BadRequest(
+            f"forward_backward: {total} tokens is more than this server's limit of {max_tokens} per request",
+            status=413,
+        )
+    return FwdBwd(msg.model_id, msg.loss_fn, config, data, bool(msg.forward_only))
+
+
+def check_datum(datum: Datum, i: int, vocab: int, needs: tuple[str, ...]) -> None:
+    """``BadRequest`` unless the datum has tokens in the vocabulary, every input in ``needs``,
+    each of the token count's length, and only finite floats."""
+    n = datum.tokens.size
+    if n == 0:
+        raise BadRequest(f"datum {i}: model_input has no tokens")
+    if int(datum.tokens.min()) < 0 or int(datum.tokens.max()) >= vocab:
+        raise BadRequest(f"datum {i}: a token id is outside the vocabulary [0, {vocab})")
+    for name in needs:
+        if name not in datum.inputs:
+            raise BadRequest(f"datum {i}: loss_fn_inputs lacks {name!r} (this loss needs {', '.join(needs)})")
+    for name, values in datum.inputs.items():
+        if values.size != n:
+            raise BadRequest(
+                f"datum {i}: loss_fn_inputs[{name!r}] has {values.size} values for {n} input tokens; "
+                "send one per token"
+            )
+        if values.dtype.kind == "f" and not np.isfinite(values).all():
+            raise BadRequest(f"datum {i}: loss_fn_inputs[{name!r}] holds NaN or inf")
+    targets = datum.inputs.get("target_tokens")
+    if targets is not None and (int(targets.min()) < 0 or int(targets.max()) >= vocab):
+        raise BadRequest(f"datum {i}: a target token id is outside the vocabulary [0, {vocab})")
+
+
+def encode_forward_backward_output(
+    per_datum: list[dict[str, np.ndarray]], metrics: dict[str, float]
+) -> bytes:
+    """A ``ForwardBackwardOutput`` message: one float32 field per output name, per datum."""
+    pb = _pb()
+    out = pb.ForwardBackwardOutput()
+    out.loss_fn_output_type = "ArrayRecord"
+    for k, v in metrics.items():
+        out.metrics[k] = float(v)
+    record = out.loss_fn_outputs.add()
+    record.num_datums = len(per_datum)
+    for name in per_datum[0] if per_datum else ():
+        arrays = [np.ascontiguousarray(d[name], dtype=np.float32).reshape(-1) for d in per_datum]
+        offsets = np.cumsum([0] + [a.nbytes for a in arrays]).astype(np.int64)
+        field_msg = record.fields[name]
+        field_msg.dtype = pb.DTYPE_FLOAT32
+        field_msg.data = b"".join(a.tobytes() for a in arrays)
+        field_msg.offsets = offsets.tobytes()
+    return out.SerializeToString()
+
+
+def encode_sample_response(
+    sequences: list[tuple[list[int], list[float], str]], prompt_logprobs: list[float] | None
+) -> bytes:
+    """A ``SampleResponse`` message: (tokens, log-probs, "stop"|"length") per sequence, and the
+    prompt's log-probs (NaN for the first token, which has none)."""
+    pb = _pb()
+    out = pb.SampleResponse()
+    for tokens, logprobs, reason in sequences:
+        seq = out.sequences.add()
+        seq.tokens = np.asarray(tokens, dtype=np.int32).tobytes()
+        seq.logprobs = np.asarray(logprobs, dtype=np.float32).tobytes()
+        seq.stop_reason = pb.STOP_REASON_STOP if reason == "stop" else pb.STOP_REASON_LENGTH
+    if prompt_logprobs is not None:
+        out.prompt_logprobs = np.asarray(prompt_logprobs, dtype=np.float32).tobytes()
+    return out.SerializeToString()

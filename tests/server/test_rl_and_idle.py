@@ -1,0 +1,118 @@
+"""The policy losses through the SDK, an idle run parked and resumed, and ``metrics.jsonl``."""
+
+import json
+import math
+import time
+
+import numpy as np
+import pytest
+import tinker
+import torch
+from serving import KEY_A, start
+from test_server import ROWS, adapter_of, assert_same_adapter, datum, local_train
+from tinker import types
+
+from twinkle.loss.base import LossView
+from twinkle.server.losses import TinkerLoss
+
+
+def _view(logits, targets, **extras) -> LossView:
+    return LossView(
+        targets=torch.tensor(targets),
+        logits=torch.tensor(logits),
+        extras={k: torch.tensor(v) for k, v in extras.items()},
+    )
+
+
+def test_policy_losses_by_hand():
+    logits = [[0.0, math.log(3.0)], [math.log(3.0), 0.0]]  # p(target 1) = 0.75, p(target 1) = 0.25
+    logp = [math.log(0.75), math.log(0.25)]
+    old = [logp[0] - 0.5, logp[1] + 0.5]  # ratios e^0.5 (1.6487) and e^-0.5 (0.6065)
+    adv = [1.0, -2.0]
+    out = TinkerLoss("importance_sampling", {}).compute(_view(logits, [1, 1], old_logps=old, advantages=adv))
+    expected = -(math.exp(0.5) * 1.0 + math.exp(-0.5) * -2.0)
+    assert out.loss_sum.item() == pytest.approx(expected, abs=1e-5) and out.num_tokens == 2
+    ppo = TinkerLoss("ppo", {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2})
+    out = ppo.compute(_view(logits, [1, 1], old_logps=old, advantages=adv))
+    # A>0: min(1.6487, 1.2) * 1 = 1.2; A<0: min(0.6065 * -2, 0.8 * -2) = -1.6
+    assert out.loss_sum.item() == pytest.approx(-(1.2 - 1.6), abs=1e-5)
+    ce = TinkerLoss("cross_entropy", {}).compute(_view(logits, [1, 1], tinker_weights=[0.0, 2.0]))
+    assert ce.loss_sum.item() == pytest.approx(-2 * logp[1], abs=1e-5) and ce.num_tokens == 1
+
+
+def test_an_importance_sampling_step_at_ratio_one_is_the_weighted_cross_entropy_step(
+    server, tiny_model_dir, tmp_path
+):
+    """At ratio 1 the gradient of -exp(logp - old) * A is -A * grad(logp), that of -w * logp
+    with w = A: one step of each from the same start ends at the same adapter."""
+    tokens, adv = ROWS["a"][0][0], [0.0, 0.5, -1.0, 2.0, 1.0]
+    other = start(tiny_model_dir, tmp_path / "other")
+    try:
+        states = []
+        for running, loss in ((server, "cross_entropy"), (other, "importance_sampling")):
+            tc = (
+                tinker.ServiceClient(base_url=running.url, api_key=KEY_A)
+                .create_lora_training_client(base_model=str(tiny_model_dir), rank=4)
+                .result()
+            )
+            d = datum(tokens, adv)
+            if loss == "importance_sampling":
+                now = tc.forward([d], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].tolist()
+                d = types.Datum(
+                    model_input=d.model_input,
+                    loss_fn_inputs={"target_tokens": tokens[1:], "logprobs": now, "advantages": adv},
+                )
+            out = tc.forward_backward([d], loss).result()
+            tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+            states.append(adapter_of(running, tc.model_id)[1])
+            if loss == "importance_sampling":  # ratio 1: the loss is -sum(A)
+                assert out.metrics["loss:sum"] == pytest.approx(-sum(adv), abs=1e-4)
+        assert_same_adapter(states[1], states[0])
+    finally:
+        other.stop()
+
+
+def test_an_idle_run_is_parked_and_resumes_where_it_was(tiny_model_dir, tmp_path):
+    from serving import Running, free_port
+
+    from twinkle.server import ServerConfig, create_app
+    from twinkle.server.state import Limits
+
+    config = ServerConfig(
+        model_id=str(tiny_model_dir),
+        max_loras=2,
+        max_r=8,
+        output_dir=tmp_path / "srv",
+        keys={KEY_A: Limits()},
+        idle_timeout=0.3,
+    )
+    running = Running(create_app(config), free_port())
+    try:
+        tc = (
+            tinker.ServiceClient(base_url=running.url, api_key=KEY_A)
+            .create_lora_training_client(base_model=str(tiny_model_dir), rank=4)
+            .result()
+        )
+        losses = []
+        for step in range(2):
+            out = tc.forward_backward([datum(*r) for r in ROWS["a"]], "cross_entropy").result()
+            tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+            losses.append(out.metrics["loss:sum"])
+            if step == 0:
+                s = running.app.state.server
+                deadline = time.monotonic() + 10
+                while s.registry.runs[tc.model_id].live and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                assert s.registry.runs[tc.model_id].parked is not None
+                assert len(s.engine.model.slots.free()) == 2  # its slot was given back
+        name, state = adapter_of(running, tc.model_id)
+        expected_state, expected_losses = local_train(tiny_model_dir, name, ROWS["a"], steps=2)
+        np.testing.assert_allclose(losses, expected_losses, atol=1e-5, rtol=0)
+        assert_same_adapter(state, expected_state)
+        lines = (
+            running.app.state.server.registry.folder(s.registry.runs[tc.model_id]) / "metrics.jsonl"
+        ).read_text()
+        ops = [json.loads(line)["op"] for line in lines.splitlines()]
+        assert ops == ["forward_backward", "optim_step"] * 2
+    finally:
+        running.stop()
