@@ -22,6 +22,9 @@ BUNDLED_DATASET_NAMES = frozenset(
 # The bundled preference pairs (``self_cognition_dpo*.jsonl``), one file per split.
 BUNDLED_PREFERENCE_NAMES = frozenset({"self-cognition-dpo", "twinkle://self-cognition-dpo"})
 PREFERENCE_SPLITS = {"train": "self_cognition_dpo.jsonl", "eval": "self_cognition_dpo_eval.jsonl"}
+# The bundled arithmetic word problems in GSM8K form (scripts/build_arithmetic.py), one file per split.
+BUNDLED_ARITHMETIC_NAMES = frozenset({"arithmetic-gsm8k", "twinkle://arithmetic-gsm8k"})
+ARITHMETIC_SPLITS = {"train": "arithmetic_gsm8k.jsonl", "eval": "arithmetic_gsm8k_eval.jsonl"}
 # File extension -> the ``datasets`` builder that reads it (JSON is read by ``jsonrows``).
 FORMATS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
 # Metadata that hub dataset snapshots carry next to the data; never rows.
@@ -296,6 +299,9 @@ def resolve_dataset(
       even where a ModelScope cache holds the remote dataset.
     - ``'self-cognition-dpo'`` or ``'twinkle://self-cognition-dpo'``: the bundled preference
       pairs, ``split`` ``'train'`` or ``'eval'`` (``bundled_preference_path``).
+    - ``'arithmetic-gsm8k'`` or ``'twinkle://arithmetic-gsm8k'``: the bundled arithmetic word
+      problems in GSM8K form (``question``, ``answer`` ending ``#### N``), ``split`` ``'train'``
+      (400) or ``'eval'`` (100 held out).
     - a local ``.jsonl`` / ``.json`` / ``.csv`` / ``.parquet`` file: its rows as the 'train' split.
     - a local folder of such files (searched recursively; ``subset_name`` picks a subfolder and
       ``split`` picks files whose names contain the split word, e.g. ``train-0000.parquet``).
@@ -324,6 +330,14 @@ def resolve_dataset_sources(
         if not path.is_file():
             raise UserError(f"the bundled self-cognition-dpo dataset is missing at {path}; reinstall twinkle")
         return _load_path(path, "self-cognition-dpo", None, "train", skip_bad_rows)
+    if dataset_id in BUNDLED_ARITHMETIC_NAMES:
+        if split not in ARITHMETIC_SPLITS:
+            raise UserError(
+                f"the bundled dataset arithmetic-gsm8k has no {split!r} split; use split 'train' or 'eval'"
+            )
+        return _load_path(
+            asset_path(ARITHMETIC_SPLITS[split]), "arithmetic-gsm8k", None, "train", skip_bad_rows
+        )
     path = Path(dataset_id).expanduser()
     if path.exists():
         return _load_path(path.resolve(), dataset_id, subset_name, split, skip_bad_rows)

@@ -4,13 +4,15 @@ The protocol every loss follows is in ``twinkle.loss.base``. Public names: ``Los
 ``LossView``, ``UpstreamLoss``, ``as_loss``, ``CrossEntropyLoss``, ``ChunkedCrossEntropyLoss``,
 ``FusedLinearCrossEntropyLoss``, ``LigerFusedLinearCrossEntropyLoss``, ``MSELoss``, ``LOSSES``,
 ``build_loss``, ``resolve_loss``, ``LossOutput``, ``fused_linear_cross_entropy``, and the preference
-losses ``DPOLoss``, ``SimPOLoss``, ``CPOLoss``, ``ORPOLoss``, ``PreferenceLoss``."""
+losses ``DPOLoss``, ``SimPOLoss``, ``CPOLoss``, ``ORPOLoss``, ``PreferenceLoss``, and the policy
+losses over sampled completions ``GRPOLoss``, ``GSPOLoss``, ``DRGRPOLoss``, ``CISPOLoss``."""
 
 from twinkle.loss.base import HeadLoss, Loss, LossView, UpstreamLoss, as_loss
 from twinkle.loss.chunked_cross_entropy import ChunkedCrossEntropyLoss
 from twinkle.loss.cross_entropy import CrossEntropyLoss, LossOutput
 from twinkle.loss.dpo import DPOLoss
 from twinkle.loss.fused_linear_ce import FusedLinearCrossEntropyLoss, fused_linear_cross_entropy
+from twinkle.loss.grpo import CISPOLoss, DRGRPOLoss, GRPOLoss, GSPOLoss
 from twinkle.loss.liger_fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
 from twinkle.loss.mse import MSELoss
 from twinkle.loss.preference import CPOLoss, ORPOLoss, PreferenceLoss, SimPOLoss
@@ -37,4 +39,8 @@ __all__ = [
     "CPOLoss",
     "ORPOLoss",
     "PreferenceLoss",
+    "GRPOLoss",
+    "GSPOLoss",
+    "DRGRPOLoss",
+    "CISPOLoss",
 ]

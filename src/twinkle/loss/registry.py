@@ -6,6 +6,7 @@ from twinkle.loss.chunked_cross_entropy import ChunkedCrossEntropyLoss
 from twinkle.loss.cross_entropy import CrossEntropyLoss
 from twinkle.loss.dpo import DPOLoss
 from twinkle.loss.fused_linear_ce import FusedLinearCrossEntropyLoss
+from twinkle.loss.grpo import CISPOLoss, DRGRPOLoss, GRPOLoss, GSPOLoss
 from twinkle.loss.liger_fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
 from twinkle.loss.mse import MSELoss
 from twinkle.loss.preference import CPOLoss, ORPOLoss, SimPOLoss
@@ -22,6 +23,10 @@ LOSSES: dict[str, type] = {
     "SimPOLoss": SimPOLoss,
     "CPOLoss": CPOLoss,
     "ORPOLoss": ORPOLoss,
+    "GRPOLoss": GRPOLoss,  # policy losses over sampled completions (twinkle.loss.grpo)
+    "GSPOLoss": GSPOLoss,
+    "DRGRPOLoss": DRGRPOLoss,
+    "CISPOLoss": CISPOLoss,
 }
 
 

@@ -1,13 +1,14 @@
 """Training and evaluation metrics, reduced over ranks.
 
 Public names: ``TokenMetrics`` (the model's built-in numbers), ``Metric``, ``Accuracy``,
-``LossMetric``, ``TrainMetric``, ``DPOMetric``, ``METRICS``, ``build_metric``.
+``LossMetric``, ``TrainMetric``, ``DPOMetric``, ``CompletionRewardMetric``, ``METRICS``, ``build_metric``.
 
 A run's record (``metrics.jsonl``, ``--report-to`` sinks, progress, summary and ``curves.png``)
 lives in ``twinkle.metric.report``, which the model's step and metric calls feed."""
 
 from twinkle.metric.accuracy import Accuracy
 from twinkle.metric.base import Metric
+from twinkle.metric.completion_reward import CompletionRewardMetric
 from twinkle.metric.dpo import DPOMetric
 from twinkle.metric.loss import LossMetric
 from twinkle.metric.registry import METRICS, build_metric
@@ -21,6 +22,7 @@ __all__ = [
     "LossMetric",
     "TrainMetric",
     "DPOMetric",
+    "CompletionRewardMetric",
     "METRICS",
     "build_metric",
 ]

@@ -4,6 +4,7 @@ from typing import Any
 
 from twinkle.metric.accuracy import Accuracy
 from twinkle.metric.base import Metric
+from twinkle.metric.completion_reward import CompletionRewardMetric
 from twinkle.metric.dpo import DPOMetric
 from twinkle.metric.loss import LossMetric
 from twinkle.metric.train_metric import TrainMetric
@@ -14,6 +15,7 @@ METRICS: dict[str, type[Metric]] = {
     "LossMetric": LossMetric,
     "TrainMetric": TrainMetric,
     "DPOMetric": DPOMetric,
+    "CompletionRewardMetric": CompletionRewardMetric,
 }
 
 

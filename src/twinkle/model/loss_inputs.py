@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from twinkle.loss.grpo import align_completion_values
 from twinkle.template.base import IGNORE_INDEX
 from twinkle.utils.errors import UserError
 
@@ -64,6 +65,7 @@ def with_loss_inputs(loss: Any, batch: Mapping[str, Any], extras: Mapping[str, A
         return dict(batch)
     out = dict(batch)
     for name, value in extras.items():
+        value = align_completion_values(name, value, labels)  # one ragged list per row: its completion
         tensor = value if torch.is_tensor(value) else torch.as_tensor(value, dtype=torch.float32)
         if tuple(tensor.shape) not in ((rows, length), (rows,)):
             raise UserError(

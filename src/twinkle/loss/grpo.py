@@ -1,0 +1,276 @@
+"""GRPO's policy losses over sampled completions: ``GRPOLoss`` and its variants ``GSPOLoss``,
+``DRGRPOLoss`` and ``CISPOLoss``.
+
+Each batch row is a prompt plus one sampled completion (the sampler's ``new_input_feature``:
+labels on the completion). The step passes, per row, the sampler's log-probability of each
+completion token (``old_logps``: ``(B, L)`` aligned with ``labels``, or one list per row holding
+only the completion's values, as ``[lp[0][1] for lp in seq.logprobs]``) and the row's advantage
+(``advantages``: ``(B,)``), and with ``beta > 0`` the reference's log-probabilities
+(``ref_outputs=model.forward_only(inputs=batch, disable_lora=True)``):
+
+    model.set_loss("GRPOLoss", epsilon=0.2)
+    model.forward_backward(inputs=rows, old_logps=old, advantages=adv)
+
+Per completion token ``t`` with the policy's ``logp_t``, ``ratio_t = exp(logp_t - old_t)``:
+
+- ``GRPOLoss``: ``-min(ratio_t * A, clip(ratio_t, 1 - epsilon, 1 + epsilon_high) * A)``, plus
+  ``beta`` times the k3 estimate of KL to the reference, ``exp(ref_t - logp_t) - (ref_t -
+  logp_t) - 1``; the mean over each completion's tokens, then the mean over completions.
+- ``GSPOLoss`` (Zheng et al. 2025, arXiv 2507.18071): the same clip on one ratio per completion,
+  ``exp(mean_t(logp_t - old_t))``.
+- ``DRGRPOLoss`` (Liu et al. 2025, arXiv 2503.20783): GRPO's token terms summed over each
+  completion and divided by the constant ``max_tokens`` (no length normalisation).
+- ``CISPOLoss`` (MiniMax 2025, arXiv 2506.13585): ``-sg(min(ratio_t, 1 + epsilon_high)) * A *
+  logp_t``, the mean over every completion token of the batch.
+
+A loss returns its sum over completions with ``num_tokens`` the number of completions (tokens
+for ``CISPOLoss``): the model divides a window's summed loss by that count over all ranks, so a
+step is the mean over every completion of the global batch. ``num_correct`` counts the tokens
+whose ratio was clipped (the model's ``accuracy`` then reads as the clipped share per
+completion; ``clip_fraction`` is the same count per token)."""
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from twinkle.loss.base import ROWS, HeadLoss, LossView
+from twinkle.loss.cross_entropy import IGNORE_INDEX, LossOutput, target_logps
+from twinkle.loss.preference import row_logps
+from twinkle.utils.errors import UserError
+
+PER_TOKEN = ("old_logps", "ref_logps")
+
+
+def _check(loss: str, name: str, value: Any, low: float = 0.0, strict: bool = False) -> float:
+    ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or value < low or (strict and value == low):
+        bound = f"above {low:g}" if strict else f"at least {low:g}"
+        raise UserError(f"{loss}: {name} must be a number {bound}, got {value!r}")
+    return float(value)
+
+
+def align_completion_values(
+    name: str, value: Any, labels: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> Any:
+    """``value`` as a ``(B, L)`` tensor aligned with ``labels`` when it is one list per row of
+    only the completion's values (ragged: the sampler's log-probs); anything else unchanged.
+    A row whose list does not have one value per supervised label is a one-line error."""
+    if torch.is_tensor(value) or not isinstance(value, Sequence) or isinstance(value, str):
+        return value
+    if not value or not all(isinstance(row, Sequence | torch.Tensor) for row in value):
+        return value  # per-row scalars: the model checks their shape
+    rows, length = labels.shape
+    if len(value) == rows and all(len(row) == length for row in value):
+        return value  # already (B, L)
+    if len(value) != rows:
+        raise UserError(f"{name} has {len(value)} rows, but the batch has {rows}; pass one list per row")
+    out = torch.zeros(labels.shape, dtype=dtype)
+    for i, row in enumerate(value):
+        where = (labels[i] != IGNORE_INDEX).nonzero(as_tuple=True)[0]
+        if len(row) != where.numel():
+            raise UserError(
+                f"{name} row {i} has {len(row)} values, but that row's completion has {where.numel()} "
+                "labelled tokens; pass the sampler's log-probs of that same sequence (one per token)"
+            )
+        out[i, where] = torch.as_tensor(row, dtype=dtype).reshape(-1)
+    return out
+
+
+class GRPOLoss(HeadLoss):
+    """See the module docstring. ``epsilon``: the clip below (``1 - epsilon``) and, unless
+    ``epsilon_high`` is given, above; ``beta``: the KL coefficient (0: no reference needed)."""
+
+    consumes = ROWS
+    require_samples = True
+    reduction = "sum"  # the summed per-completion loss; the model divides by the completions
+
+    def __init__(self, epsilon: float = 0.2, epsilon_high: float | None = None, beta: float = 0.0):
+        self.epsilon = _check(self.name, "epsilon", epsilon)
+        high = epsilon if epsilon_high is None else epsilon_high
+        self.epsilon_high = _check(self.name, "epsilon_high", high)
+        self.beta = _check(self.name, "beta", beta)
+        self.extra_inputs = ("old_logps", "advantages") + (("ref_logps",) if self.beta > 0 else ())
+
+    # ----------------------------------------------------------------- per token and per completion
+    def token_terms(self, logps: torch.Tensor, old: torch.Tensor, adv: torch.Tensor) -> torch.Tensor:
+        """Each completion token's policy term (``(N,)``)."""
+        ratio = torch.exp((logps - old).clamp(-20.0, 20.0))
+        clipped = ratio.clamp(1 - self.epsilon, 1 + self.epsilon_high)
+        return -torch.minimum(ratio * adv, clipped * adv)
+
+    def clipped(self, logps: torch.Tensor, old: torch.Tensor, adv: torch.Tensor) -> torch.Tensor:
+        """Tokens whose clipped term was the one taken (no gradient through them)."""
+        ratio = torch.exp((logps - old).clamp(-20.0, 20.0))
+        return ((ratio > 1 + self.epsilon_high) & (adv > 0)) | ((ratio < 1 - self.epsilon) & (adv < 0))
+
+    def reduce(self, terms: torch.Tensor, samples: torch.Tensor, rows: int) -> tuple[torch.Tensor, int]:
+        """(sum over completions of each one's token mean, completions)."""
+        sums, lengths = _per_row(terms, samples, rows)
+        kept = lengths > 0
+        return (sums[kept] / lengths[kept]).sum(), int(kept.sum())
+
+    def kl(self, logps: torch.Tensor, ref: torch.Tensor | None) -> torch.Tensor:
+        """Each token's k3 estimate of KL(policy || reference)."""
+        if ref is None:
+            raise UserError(f"{self.name}(beta={self.beta}) needs ref_logps; pass ref_outputs= to the step")
+        diff = ref - logps
+        return torch.exp(diff) - diff - 1
+
+    def sequence_loss(
+        self,
+        logps: torch.Tensor,
+        old: torch.Tensor,
+        adv: torch.Tensor,
+        ref: Any,
+        samples: torch.Tensor,
+        rows: int,
+    ) -> tuple[torch.Tensor, int]:
+        """(the summed loss, its count) of one micro-batch's completion tokens."""
+        terms = self.token_terms(logps, old, adv)
+        if self.beta > 0:
+            terms = terms + self.beta * self.kl(logps, ref)
+        return self.reduce(terms, samples, rows)
+
+    # ----------------------------------------------------------------- the protocol
+    def compute(self, view: LossView) -> LossOutput:
+        if view.samples is None:
+            raise UserError(f"{self.name} needs each row's sample; run it through model.set_loss")
+        rows = int(view.batch["input_ids"].shape[0]) if view.batch else 0
+        extras = view.extras
+        return self.from_rows(
+            row_logps(view),
+            extras["old_logps"],
+            extras["advantages"],
+            view.samples,
+            rows,
+            extras.get("ref_logps"),
+        )
+
+    def from_rows(
+        self,
+        logps: torch.Tensor,
+        old: torch.Tensor,
+        adv: torch.Tensor,
+        samples: torch.Tensor,
+        rows: int,
+        ref: torch.Tensor | None = None,
+    ) -> LossOutput:
+        """The loss from the completion tokens' log-probabilities ``(N,)`` (with the graph), the
+        sampler's ``old`` and each token's row advantage ``adv`` at the same tokens, their batch
+        rows ``samples`` ``(N,)``, the batch's row count, and the reference's values."""
+        if logps.numel() == 0:  # a rank's empty share: backward must still run
+            zero = logps.sum() * 0.0
+            return LossOutput(zero, zero, 0, torch.zeros((), dtype=torch.long))
+        old = old.detach().to(logps.device, logps.dtype)
+        adv = adv.detach().to(logps.device, logps.dtype)
+        ref = None if ref is None else ref.detach().to(logps.device, logps.dtype)
+        samples = samples.to(logps.device)
+        loss_sum, count = self.sequence_loss(logps, old, adv, ref, samples, rows)
+        correct = self.clipped(logps.detach(), old, adv).sum()
+        return LossOutput(loss_sum / max(1, count), loss_sum, count, correct)
+
+    def from_outputs(self, inputs: Mapping[str, Any], outputs: Mapping[str, Any]) -> dict[str, Any]:
+        """Upstream's convention: ``inputs["labels"]`` ``(B, L)`` (-100 where none),
+        ``inputs["old_logps"]``/``["advantages"]``/``["ref_logps"]`` (per label or per row; old
+        log-probs may be ragged, one list per row), ``outputs["logps"]`` aligned with the labels
+        (or ``outputs["logits"]``). Returns ``{"loss": summed loss, "num_tokens": its count}``."""
+        labels = torch.as_tensor(inputs["labels"])
+        logps = outputs.get("logps")
+        if logps is None:
+            if outputs.get("logits") is None:
+                raise UserError(f"{self.name} needs outputs['logps'] or outputs['logits']")
+            logps = target_logps(outputs["logits"], labels)
+        mask = labels != IGNORE_INDEX
+        values = {}
+        for key in self.extra_inputs:
+            if inputs.get(key) is None:
+                raise UserError(f"{self.name} needs inputs[{key!r}]")
+            value = inputs[key]
+            if key in PER_TOKEN:
+                value = align_completion_values(key, value, labels, logps.dtype)
+            value = torch.as_tensor(value, dtype=logps.dtype).to(logps.device)
+            values[key] = (value[:, None].expand(labels.shape) if value.dim() == 1 else value)[mask]
+        out = self.from_rows(
+            logps[mask],
+            values["old_logps"],
+            values["advantages"],
+            mask.nonzero(as_tuple=True)[0],
+            labels.shape[0],
+            values.get("ref_logps"),
+        )
+        return {"loss": out.loss_sum, "num_tokens": out.num_tokens}
+
+
+def _per_row(values: torch.Tensor, samples: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each batch row's sum of ``values`` and its count of tokens."""
+    sums = torch.zeros(rows, dtype=values.dtype, device=values.device).index_add(0, samples, values)
+    lengths = torch.bincount(samples, minlength=rows).to(values.dtype)
+    return sums, lengths
+
+
+class GSPOLoss(GRPOLoss):
+    """One importance ratio per completion, ``exp(mean_t(logp_t - old_t))``, clipped to ``[1 -
+    epsilon, 1 + epsilon_high]`` (GSPO's ranges are small: 3e-4 and 4e-4 in its paper); the KL
+    term, when ``beta > 0``, is each completion's token mean. The mean over completions."""
+
+    def __init__(self, epsilon: float = 3e-4, epsilon_high: float | None = 4e-4, beta: float = 0.0):
+        super().__init__(epsilon, epsilon_high, beta)
+
+    def sequence_loss(self, logps, old, adv, ref, samples, rows):
+        log_ratio, lengths = _per_row((logps - old).clamp(-20.0, 20.0), samples, rows)
+        kept = lengths > 0
+        seq_adv = _per_row(adv, samples, rows)[0][kept] / lengths[kept]  # the row's advantage
+        ratio = torch.exp(log_ratio[kept] / lengths[kept])
+        clipped = ratio.clamp(1 - self.epsilon, 1 + self.epsilon_high)
+        values = -torch.minimum(ratio * seq_adv, clipped * seq_adv)
+        if self.beta > 0:
+            values = (
+                values + self.beta * _per_row(self.kl(logps, ref), samples, rows)[0][kept] / lengths[kept]
+            )
+        return values.sum(), int(kept.sum())
+
+    def clipped(self, logps, old, adv):
+        return torch.zeros_like(logps, dtype=torch.bool)  # clipping is per completion, not per token
+
+
+class DRGRPOLoss(GRPOLoss):
+    """GRPO's token terms summed per completion and divided by ``max_tokens`` (the sampling
+    budget, a constant: long and short completions weigh per token the same), then the mean
+    over completions."""
+
+    def __init__(
+        self,
+        epsilon: float = 0.2,
+        epsilon_high: float | None = None,
+        beta: float = 0.0,
+        max_tokens: int = 1024,
+    ):
+        super().__init__(epsilon, epsilon_high, beta)
+        if not (isinstance(max_tokens, int) and not isinstance(max_tokens, bool) and max_tokens >= 1):
+            raise UserError(
+                f"{self.name}: max_tokens must be an integer >= 1 (the sampling budget), got {max_tokens!r}"
+            )
+        self.max_tokens = max_tokens
+
+    def reduce(self, terms: torch.Tensor, samples: torch.Tensor, rows: int) -> tuple[torch.Tensor, int]:
+        sums, lengths = _per_row(terms, samples, rows)
+        kept = lengths > 0
+        return sums[kept].sum() / self.max_tokens, int(kept.sum())
+
+
+class CISPOLoss(GRPOLoss):
+    """``-sg(min(ratio_t, 1 + epsilon_high)) * A * logp_t`` (every token keeps a gradient; only
+    the weight is clipped), plus the KL term when ``beta > 0``; the mean over every completion
+    token of the global batch (``num_tokens`` counts tokens)."""
+
+    def token_terms(self, logps: torch.Tensor, old: torch.Tensor, adv: torch.Tensor) -> torch.Tensor:
+        weight = torch.exp((logps - old).clamp(-20.0, 20.0)).clamp(max=1 + self.epsilon_high).detach()
+        return -weight * adv * logps
+
+    def clipped(self, logps: torch.Tensor, old: torch.Tensor, adv: torch.Tensor) -> torch.Tensor:
+        return torch.exp((logps - old).clamp(-20.0, 20.0)) > 1 + self.epsilon_high
+
+    def reduce(self, terms: torch.Tensor, samples: torch.Tensor, rows: int) -> tuple[torch.Tensor, int]:
+        return terms.sum(), int(terms.numel())
