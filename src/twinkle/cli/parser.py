@@ -30,6 +30,12 @@ KNOWN_EXTRA: dict[str, str] = {
     "model_name": "name the model calls itself (SelfCognitionProcessor)",
     "model_author": "author the model names (SelfCognitionProcessor)",
     "data_format": "messages or alpaca: the rows of --dataset-id (cookbook/transformers/sft_own_data.py)",
+    # cookbook/transformers/multi_lora.py: one comma-separated entry per identity
+    "adapters": "adapter names, e.g. twinkle,pip (cookbook/transformers/multi_lora.py)",
+    "model_names": "each identity's name, e.g. Twinkle,Pip (multi_lora.py)",
+    "model_authors": "each identity's author, e.g. ModelScope,Acme Labs (multi_lora.py)",
+    "ranks": "each adapter's LoRA rank, e.g. 8,16 (multi_lora.py)",
+    "optimizers": "each adapter's torch.optim class, e.g. Muon,AdamW (multi_lora.py)",
 }
 
 

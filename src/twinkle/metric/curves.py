@@ -14,6 +14,8 @@ from pathlib import Path
 from twinkle.utils.errors import UserError
 from twinkle.utils.fileio import refuse_link_message, umask_mode
 
+LINES = (("train", "loss"), ("eval", "loss"), ("train", "lr"))
+
 
 def read_records(path: Path) -> list[dict]:
     """The JSON lines of ``path``; a torn last line (a killed run) is skipped."""
@@ -26,10 +28,14 @@ def read_records(path: Path) -> list[dict]:
     return records
 
 
-def _series(records: list[dict], kind: str, name: str) -> tuple[list[int], list[float]]:
+def _series(
+    records: list[dict], kind: str, name: str, adapter: str | None = None
+) -> tuple[list[int], list[float]]:
     by_step: dict[int, float] = {}  # a resumed run may repeat steps: the later record wins
     for r in records:
         value = r.get(name)
+        if adapter is not None and r.get("adapter", "default") != adapter:
+            continue
         if r.get("kind") == kind and isinstance(value, int | float) and math.isfinite(value):
             by_step[int(r["step"])] = float(value)
     steps = sorted(by_step)
@@ -40,10 +46,14 @@ def draw_curves(jsonl: Path, png: Path) -> Path | None:
     """Write ``png`` from ``jsonl``: losses on the top panel, the learning rate below, sharing
     the step axis. Returns the picture, or None when there is nothing to draw."""
     records = read_records(jsonl) if jsonl.is_file() else []
-    train = _series(records, "train", "loss")
-    evals = _series(records, "eval", "loss")
-    lr = _series(records, "train", "lr")
-    if not (train[0] or evals[0]):
+    adapters = list(dict.fromkeys(r.get("adapter", "default") for r in records))
+    return _draw(records, png, adapters if len(adapters) > 1 else [None])  # several: a line of each
+
+
+def _draw(records: list[dict], png: Path, adapters: list[str | None]) -> Path | None:
+    """One train loss, eval loss and lr line per adapter (None: all records, unnamed lines)."""
+    lines = {a: [_series(records, k, n, a) for k, n in LINES] for a in adapters}
+    if not any(train[0] or evals[0] for train, evals, _ in lines.values()):
         return None
     import matplotlib
 
@@ -53,13 +63,16 @@ def draw_curves(jsonl: Path, png: Path) -> Path | None:
     fig, (top, bottom) = plt.subplots(
         2, 1, figsize=(8, 6), sharex=True, gridspec_kw={"height_ratios": [3, 1]}, constrained_layout=True
     )
-    top.plot(*train, label="train loss", color="tab:blue", marker="." if len(train[0]) < 50 else None)
-    top.plot(*evals, label="eval loss", color="tab:orange", marker="o")
+    for i, (adapter, (train, evals, lr)) in enumerate(lines.items()):
+        tag, style = ("", "-") if adapter is None else (f"{adapter}: ", ("-", "--", ":", "-.")[i % 4])
+        marker = "." if len(train[0]) < 50 else None
+        top.plot(*train, label=f"{tag}train loss", color="tab:blue", linestyle=style, marker=marker)
+        top.plot(*evals, label=f"{tag}eval loss", color="tab:orange", linestyle=style, marker="o")
+        bottom.plot(*lr, label=f"{tag}learning rate", color="tab:green", linestyle=style)
     top.set_ylabel("loss (mean per token)")
     top.set_title(f"{png.parent.name or 'run'}: loss and learning rate")
     top.grid(True, alpha=0.3)
     top.legend()
-    bottom.plot(*lr, label="learning rate", color="tab:green")
     bottom.set_ylabel("learning rate")
     bottom.set_xlabel("step (micro-batches)")
     bottom.ticklabel_format(axis="y", style="sci", scilimits=(-2, 2))

@@ -3,7 +3,8 @@ summary and ``curves.png``.
 
 The model calls two hooks, so a script needs no line of its own: ``on_backward`` after each
 micro-batch (the progress) and ``on_metrics`` from every ``calculate_metric`` (one JSON line
-per call: ``kind`` train or eval, ``step`` (micro-batches, the script's ``cur_step``), ``time``
+per call: ``kind`` train or eval, ``adapter`` (the adapter the numbers are of), ``step``
+(micro-batches, that adapter's ``cur_step``), ``time``
 (Unix seconds), ``elapsed_s``, the metric numbers with lr, grad_norm and tokens_per_second, and
 ``peak_memory_mb``: ``torch.cuda.max_memory_allocated`` on CUDA, the process's peak RSS
 elsewhere). Only rank 0 records, and only in a run whose configuration names sinks
@@ -117,7 +118,9 @@ class RunReport:
         self.steps = cur_step
         self.progress.step(cur_step, total)
 
-    def on_metrics(self, metrics: dict[str, Any], is_training: bool, cur_step: int) -> None:
+    def on_metrics(
+        self, metrics: dict[str, Any], is_training: bool, cur_step: int, adapter: str = "default"
+    ) -> None:
         if self.finished:
             return
         if self.file is None:
@@ -126,12 +129,13 @@ class RunReport:
         numbers = {k: v for k, v in ((k, _number(v)) for k, v in metrics.items()) if v is not None}
         numbers.pop("step", None)
         numbers["peak_memory_mb"] = round(peak_memory_mb(self.device), 1)
-        record = {"kind": kind, "step": cur_step, "time": round(time.time(), 3)}
+        record = {"kind": kind, "adapter": adapter, "step": cur_step, "time": round(time.time(), 3)}
         record["elapsed_s"] = round(time.time() - self.started, 3)
         self.file.write(json.dumps({**record, **numbers}) + "\n")
         self.file.flush()
+        tag = kind if adapter == "default" else f"{adapter}/{kind}"  # several adapters: a chart each
         for sink in self.sinks:
-            sink.log(kind, cur_step, numbers)
+            sink.log(tag, cur_step, numbers)
         if is_training:
             self.train_tokens += int(numbers.get("tokens", 0))
             self.progress.metrics(numbers)
@@ -202,7 +206,7 @@ def on_backward(runtime: Any, group: Any) -> None:
 def on_metrics(runtime: Any, group: Any, metrics: dict[str, Any], is_training: bool) -> None:
     report = current(runtime)
     if report is not None:
-        report.on_metrics(metrics, is_training, group.cur_step)
+        report.on_metrics(metrics, is_training, group.cur_step, group.adapter_name)
 
 
 def finish() -> None:

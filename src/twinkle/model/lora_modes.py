@@ -1,6 +1,6 @@
-"""Evaluation with the LoRA adapters off, or with each row of a batch through its own adapter, and
-the per-token log-probabilities such a pass returns (``forward_only(disable_lora=True)``,
-``forward_only(adapter_names=[...])``).
+"""Evaluation with the LoRA adapters off (``forward_only(disable_lora=True)``, which then runs the
+plain evaluation's supervised-rows path), or with each row of a batch through its own adapter and
+the per-token log-probabilities such a pass returns (``forward_only(adapter_names=[...])``).
 
 Both modes set PEFT's per-layer flags directly and put them back after the pass: PEFT's own
 ``disable_adapter()`` / ``set_adapter`` also switch the adapters' ``requires_grad``, which would
@@ -14,11 +14,8 @@ from typing import Any
 
 import torch
 
-from twinkle.loss.base import POSITIONS, LossView, as_loss
-from twinkle.loss.cross_entropy import target_logps
-from twinkle.model.forward import _rows_of, causal_lm_of
-from twinkle.model.packing import shifted_targets
-from twinkle.template.base import IGNORE_INDEX
+from twinkle.model.forward import loss_and_view
+from twinkle.model.outputs import label_logps
 
 BASE_ROW = "__base__"  # PEFT's name for a row without adapter in a mixed batch
 
@@ -67,27 +64,10 @@ def adapter_per_row(model: Any, names: Sequence[str]) -> Iterator[None]:
 
 
 def loss_and_logps(model: Any, batch: dict[str, torch.Tensor], loss_fn: Any) -> tuple[Any, torch.Tensor]:
-    """One unpacked pass over ``batch``: ``loss_fn``'s ``LossOutput`` and each label's
-    log-probability, ``(B, L)`` aligned with ``batch["labels"]`` (0 where a label is -100 or has
-    no prediction: the first position, pads)."""
-    lm = causal_lm_of(model)
-    loss = as_loss(loss_fn)
-    targets = shifted_targets(batch["labels"], batch["attention_mask"])
-    inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids") if k in batch}
-    logits = lm(**inputs, use_cache=False).logits.float()
-    ignored = targets == IGNORE_INDEX
-    logps = target_logps(logits, targets).masked_fill(ignored, 0.0)
-    if loss.consumes == POSITIONS:
-        view = LossView(
-            targets=targets, logits=logits, logps=logps if loss.require_logps else None, batch=batch
-        )
-    else:
-        mask = ~ignored
-        extras = {k: _rows_of(batch.get(k), targets)[mask] for k in loss.extra_inputs}
-        samples = mask.nonzero(as_tuple=True)[0] if loss.require_samples else None
-        view = LossView(
-            targets=targets[mask], logits=logits[mask], extras=extras, batch=batch, samples=samples
-        )
-    aligned = torch.zeros_like(logps)
-    aligned[:, 1:] = logps[:, :-1]
-    return loss.compute(view), aligned
+    """One unpacked pass over ``batch`` (rows stay rows, so each keeps its adapter): ``loss_fn``'s
+    ``LossOutput`` and each label's log-probability, ``(B, L)`` aligned with ``batch["labels"]``
+    (0 where a label is -100 or has no prediction: the first position, pads). The pass is the
+    plain eval's (``loss_and_view``): a head loss gets the head on the supervised rows only, so no
+    ``(B, L, vocab)`` logits are built for it."""
+    out, view = loss_and_view(model, batch, loss_fn, padding_free=False)
+    return out, label_logps(out, view, batch, lazy=False)
