@@ -53,10 +53,12 @@ class MetricsAPI:
         (B, L) log-probability of each label (0 where the label is -100)}``, also kept as
         ``last_outputs``; ``logps`` is what a loss takes as reference outputs (DPO).
 
-        ``disable_lora=True``: the base model's outputs, every adapter off. ``adapter_names``: one
-        adapter name per row (None: the base model for that row), all rows in one pass, each with
-        its own adapter. Either mode runs the batch unpacked. The adapter whose loss, template and
-        eval metrics serve the batch is ``adapter_name``, else the first named row's.
+        ``disable_lora=True``: the base model's outputs, every adapter off: a no-grad forward of
+        the base layers, the head on the supervised rows only (a reference pass costs no full
+        logits). ``adapter_names``: one adapter name per row (None: the base model for that row),
+        all rows in one pass, each with its own adapter. Either mode runs the batch unpacked. The
+        adapter whose loss, template and eval metrics serve the batch is ``adapter_name``, else
+        the first named row's.
 
         ``ref_outputs``/``loss_inputs``: the loss's extra inputs, as for ``forward``. Without
         them a loss that declares them is not computed (a reference pass): ``loss`` is NaN and
@@ -72,11 +74,16 @@ class MetricsAPI:
         self._in_train_mode = False
         missing = missing_inputs(loss_fn, batch)
         run_fn = LogpsOnly(loss_fn.name) if missing else loss_fn
-        if disable_lora or adapter_names is not None:
+        if adapter_names is not None:
             with self._lora_mode(disable_lora, adapter_names, inputs["input_ids"].shape[0]):
                 out, logps = loss_and_logps(self.model, batch, run_fn)
         else:
-            out, view = loss_and_view(self.model, batch, run_fn, self.padding_free)
+            # Adapters off is the plain eval of the base model: the head on the supervised rows
+            # only. It runs unpacked, the layout of the policy pass of a loss that reads the
+            # reference (a loss with extra inputs runs padded), so both run the same products.
+            mode = adapters_off(self.model) if disable_lora else contextlib.nullcontext()
+            with mode:
+                out, view = loss_and_view(self.model, batch, run_fn, self.padding_free and not disable_lora)
             logps = label_logps(out, view, batch, lazy=not self.runtime.is_distributed)
         self._pending_eval = None if missing else (group.adapter_name, out, inputs)
         self._eval_without = (loss_fn.name, missing) if missing else None
