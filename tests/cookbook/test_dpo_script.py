@@ -115,6 +115,7 @@ def test_the_adapter_loads_in_peft_and_chat(trained, tiny_model_dir, capsys):
 
 
 @pytest.mark.slow
+@pytest.mark.cluster  # a 2-process run: with the other multi-process suites in `-m cluster` (CI runs both)
 def test_two_fsdp_ranks_log_the_losses_of_one_process(trained, tiny_model_dir, tmp_path):
     """The same pairs on 2 gloo ranks (each rank holds 2 whole pairs): every train and eval loss
     and margin equals the one-process run's."""

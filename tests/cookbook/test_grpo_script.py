@@ -48,6 +48,7 @@ def test_two_steps_write_the_reward_metrics_and_save_the_adapter(tmp_path, tiny_
 
 
 @pytest.mark.slow
+@pytest.mark.cluster  # a 2-process run: with the other multi-process suites in `-m cluster` (CI runs both)
 def test_two_fsdp_ranks_sample_their_shares(tmp_path, tiny_model_dir):
     env = {k: v for k, v in script_env(tmp_path).items() if not k.startswith("TWINKLE_")}
     env.update(TWINKLE_CACHE=str(tmp_path / "cache"), PYTHONUNBUFFERED="1")

@@ -15,7 +15,10 @@ from pathlib import Path
 import pytest
 from tolerances import run_loss_rtol
 
-pytestmark = pytest.mark.slow
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.cluster,
+]  # a 2-process run: with the other multi-process suites in `-m cluster` (CI runs both)
 
 WORKER = Path(__file__).with_name("dpo_worker.py")
 ROWS, MAX_TOKENS = 8, 64

@@ -14,7 +14,10 @@ from peft import PeftModel
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-pytestmark = pytest.mark.slow
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.cluster,
+]  # a 2-process run: with the other multi-process suites in `-m cluster` (CI runs both)
 
 WORKER = Path(__file__).with_name("multi_lora_worker.py")
 

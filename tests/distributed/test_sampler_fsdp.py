@@ -8,7 +8,10 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.cluster,
+]  # a 2-process run: with the other multi-process suites in `-m cluster` (CI runs both)
 
 WORKER = Path(__file__).with_name("sampler_worker.py")
 
