@@ -29,7 +29,7 @@ MAX_JSON_BYTES = 64 << 20
 
 
 class Server:
-    """The app's state: config, engine, tenants, their runs, Tinker sessions and samplers, and
+    """The app's state: config, engine, tenants, their runs, the SDK clients' ids and the samplers, and
     the queue."""
 
     def __init__(self, config: ServerConfig, engine: Engine | None = None):
@@ -42,8 +42,8 @@ class Server:
         config.output_dir.mkdir(parents=True, exist_ok=True)
         self.registry = Registry(config.output_dir)
         self.queue = Queue()
-        self.sessions: dict[str, str] = {}  # session id -> tenant id
-        self.samplers: dict[str, tuple[str, str | None]] = {}  # sampling session -> (tenant, path)
+        self.clients: dict[str, str] = {}  # an SDK client's id (its session_id) -> tenant id
+        self.samplers: dict[str, tuple[str, str | None]] = {}  # sampler id -> (tenant, path)
         if config.idle_timeout > 0:
             threading.Thread(target=self._sweep, name="twinkle-server-idle", daemon=True).start()
 

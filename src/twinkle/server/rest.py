@@ -74,10 +74,10 @@ def add_rest_routes(app: FastAPI, s: Server, iso: Any) -> None:
         return {"base_model": run.base_model, "is_lora": True, "lora_rank": run.rank}
 
     @app.get(f"{v1}/sessions/{{session_id}}")
-    async def session(request: Request, session_id: str) -> dict:
+    async def client_info(request: Request, session_id: str) -> dict:  # the SDK's route name
         tenant = s.auth(request)
-        if s.sessions.get(session_id) != tenant.id:
-            raise NotFound(f"session {session_id!r} is not one of this key's")
+        if s.clients.get(session_id) != tenant.id:
+            raise NotFound(f"client {session_id!r} is not one of this key's")
         runs = [r.id for r in s.registry.runs.values() if r.tenant == tenant.id and r.live]
         return {
             "training_run_ids": runs,
@@ -89,5 +89,5 @@ def add_rest_routes(app: FastAPI, s: Server, iso: Any) -> None:
         tenant = s.auth(request)
         owner, path = s.samplers.get(sampler_id, (None, None))
         if owner != tenant.id:
-            raise NotFound(f"sampling session {sampler_id!r} is not one of this key's")
+            raise NotFound(f"sampler {sampler_id!r} is not one of this key's")
         return {"sampler_id": sampler_id, "base_model": s.base_model, "model_path": path}

@@ -1,4 +1,4 @@
-"""The Tinker routes: sessions and configuration, training runs and their checkpoints (sampling
+"""The Tinker routes: client registration and configuration, training runs and their checkpoints (sampling
 is ``twinkle.server.sampling``, the REST listing ``twinkle.server.rest``). Model work is queued
 (``Server.queue``) and answered with a future."""
 
@@ -59,9 +59,9 @@ def add_routes(app: FastAPI, s: Server) -> None:
     async def create_session(request: Request) -> dict:
         tenant = s.auth(request)
         await body(request)
-        session = new_id()
-        s.sessions[session] = tenant.id
-        return {"type": "create_session", "session_id": session}
+        client_id = new_id()
+        s.clients[client_id] = tenant.id
+        return {"type": "create_session", "session_id": client_id}
 
     @app.post(f"{v1}/session_heartbeat")
     async def heartbeat(request: Request) -> dict:
@@ -181,11 +181,11 @@ def add_routes(app: FastAPI, s: Server) -> None:
 
         def job() -> dict:
             path = save(s, run, "sampler_weights", name, False)
-            session = None
-            if name is None:  # save_weights_and_get_sampling_client: a sampling session on it
-                session = new_id()
-                s.samplers[session] = (tenant.id, path)
-            return {"path": path, "sampling_session_id": session, "type": "save_weights_for_sampler"}
+            sampler_id = None
+            if name is None:  # save_weights_and_get_sampling_client: a sampler on it
+                sampler_id = new_id()
+                s.samplers[sampler_id] = (tenant.id, path)
+            return {"path": path, "sampling_session_id": sampler_id, "type": "save_weights_for_sampler"}
 
         return future(s.on_run(tenant, run, job), run.id)
 
@@ -201,10 +201,10 @@ def add_routes(app: FastAPI, s: Server) -> None:
         if run is None:  # a new training client from the checkpoint: the SDK names it
             check_base(s, data)
             open_run(s, tenant, src.rank)
-            session = field(data, "session_id", str, required=True)
-            if s.sessions.get(session) != tenant.id:
-                raise NotFound(f"session {session!r} is not one of this key's")
-            new_id_ = f"{session}:train:{field(data, 'model_seq_id', int, required=True)}"
+            client_id = field(data, "session_id", str, required=True)
+            if s.clients.get(client_id) != tenant.id:
+                raise NotFound(f"client {client_id!r} is not one of this key's")
+            new_id_ = f"{client_id}:train:{field(data, 'model_seq_id', int, required=True)}"
             if new_id_ in s.registry.runs:
                 raise BadRequest(f"model {new_id_!r} exists already; use a new model_seq_id")
 

@@ -1,4 +1,4 @@
-"""The sampling routes: a sampling session on saved weights (or the base model), ``asample``
+"""The sampling routes: a sampler on saved weights (or the base model), ``asample``
 (``sample`` and ``compute_logprobs`` of the SDK)."""
 
 from typing import Any
@@ -23,19 +23,19 @@ def add_sampling_routes(app: FastAPI, s: Server) -> None:
             check_base(s, data)
         else:
             s.registry.checkpoint(tenant, path)
-        session = new_id()
-        s.samplers[session] = (tenant.id, path)
-        return {"type": "create_sampling_session", "sampling_session_id": session}
+        sampler_id = new_id()
+        s.samplers[sampler_id] = (tenant.id, path)
+        return {"type": "create_sampling_session", "sampling_session_id": sampler_id}
 
     @app.post(f"{v1}/asample")
     async def asample(request: Request) -> dict:
         tenant = s.auth(request)
         data = await body(request)
-        session = field(data, "sampling_session_id", str, default=None)
-        if session is not None:
-            owner, path = s.samplers.get(session, (None, None))
+        sampler_id = field(data, "sampling_session_id", str, default=None)
+        if sampler_id is not None:
+            owner, path = s.samplers.get(sampler_id, (None, None))
             if owner != tenant.id:
-                raise NotFound(f"sampling session {session!r} is not one of this key's")
+                raise NotFound(f"sampler {sampler_id!r} is not one of this key's")
         else:
             path = field(data, "model_path", str, default=None)
         folder = s.registry.checkpoint(tenant, path) if path else None
