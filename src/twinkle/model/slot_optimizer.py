@@ -4,8 +4,9 @@ The user's optimizer runs on full-size copies of exactly the parts the adapter u
 ``B[:, :r]``), so it sees the shapes of a plain rank-r adapter: Muon's shape-dependent learning
 rate (``adjust_lr_fn``) and orthogonalisation, AdamW's state and the saved optimizer state are
 those of a rank-r adapter, not of the ``max_r`` slot. The step writes the copies back into the
-slot (each rank its shard under FSDP2); the unused rows and columns stay zero. Same interface as
-``twinkle.optim.replicated.ReplicatedOptimizer``, which the training step drives."""
+slot (each rank its shard under FSDP2); the unused rows and columns stay zero. The rest (the
+param groups, ``zero_grad`` of this adapter's gradients only, the state dict) is
+``twinkle.optim.replicated.ReplicatedOptimizer``'s, which the training step drives."""
 
 from collections.abc import Callable
 from typing import Any
@@ -13,9 +14,10 @@ from typing import Any
 import torch
 
 from twinkle.model.slots import full, write_full
+from twinkle.optim.replicated import ReplicatedOptimizer
 
 
-class SlotOptimizer:
+class SlotOptimizer(ReplicatedOptimizer):
     """``build(copies)`` makes the user's optimizer; ``parts`` pairs each slot weight with the
     part of it the adapter trains."""
 
@@ -30,11 +32,8 @@ class SlotOptimizer:
             torch.nn.Parameter(full(p).detach()[s].clone())
             for p, s in zip(self.params, self.slices, strict=True)
         ]
+        self.direct = False  # the copies are always parts, never the parameters themselves
         self.optimizer = build(self.copies)
-
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        return self.optimizer.param_groups
 
     def gather_grads(self, scale: float) -> None:
         """The used parts of the slot's gradients onto the copies, multiplied by ``scale``."""
@@ -51,18 +50,6 @@ class SlotOptimizer:
                 write_full(p, value)
             else:
                 p[s].copy_(c)
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Drop this adapter's gradients only: other adapters' open windows keep theirs."""
-        self.optimizer.zero_grad(set_to_none=set_to_none)
-        for p in self.params:
-            p.grad = None
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.optimizer.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.optimizer.load_state_dict(state)
 
     def sync_copies(self) -> None:
         """Refresh the copies from the (possibly just loaded) slot weights."""
