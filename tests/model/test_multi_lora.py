@@ -15,6 +15,7 @@ from twinkle.dataloader import DataLoader
 from twinkle.loss.cross_entropy import target_logps
 from twinkle.model import MultiLoraTransformersModel, TransformersModel
 from twinkle.model.forward import causal_lm_of
+from twinkle.model.lora_modes import BASE_ROW, token_runs
 from twinkle.model.packing import shifted_targets
 from twinkle.template.base import IGNORE_INDEX
 from twinkle.utils.errors import UserError
@@ -213,6 +214,29 @@ def test_mixed_adapter_batch_equals_each_row_alone(dataset, interleaved):
                 alone = label_logps(lm(**inputs).logits, one)
         torch.testing.assert_close(mixed[row : row + 1], alone, atol=1e-6, rtol=0)
     assert not torch.equal(mixed[0], mixed[2])  # the adapters change the rows they run on
+
+
+def test_mixed_adapter_batch_runs_packed(dataset, interleaved):
+    """A mixed batch whose loss needs no per-token inputs runs as one packed row: every LoRA
+    layer sees a single row holding the batch's samples end to end (no pads), and ``a``'s samples
+    at either end of the row form two runs of ``a``'s product."""
+    from peft.tuners.lora import LoraLayer
+
+    model, _ = interleaved
+    batch = next(iter(DataLoader(dataset, batch_size=4)))
+    layer = next(m for m in model.model.modules() if isinstance(m, LoraLayer))
+    seen = []
+    hook = layer.register_forward_pre_hook(lambda module, args: seen.append(tuple(args[0].shape[:-1])))
+    try:
+        model.forward_only(batch, adapter_names=["a", "b", None, "a"])
+    finally:
+        hook.remove()
+    assert len(seen) == 1 and seen[0][0] == 1
+    assert seen[0][1] <= int(batch["attention_mask"].sum())  # no pad in the row
+    runs = token_runs(batch, ["a", "b", BASE_ROW, "a"])
+    assert [name for _, _, name in runs] == ["a", "b", "a"]
+    assert all(start < end for start, end, _ in runs)
+    assert "forward" not in layer.__dict__  # the layer's own forward is back
 
 
 def test_saved_adapters_load_in_peft(tiny_model_dir, batches, interleaved, tmp_path):

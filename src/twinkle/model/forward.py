@@ -62,9 +62,11 @@ def full_weight(weight: torch.Tensor) -> torch.Tensor:
     return weight.full_tensor() if hasattr(weight, "full_tensor") else weight
 
 
-def _model_inputs(lm: Any, batch: dict[str, Any], padding_free: bool) -> tuple[dict[str, Any], torch.Tensor]:
+def _model_inputs(
+    lm: Any, batch: dict[str, Any], padding_free: bool, share_prefix: bool = True
+) -> tuple[dict[str, Any], torch.Tensor]:
     """The forward's keyword arguments and each position's target (``IGNORE_INDEX`` where none)."""
-    packed = pack(batch) if padding_free and can_pack(lm) else None
+    packed = pack(batch, share_prefix) if padding_free and can_pack(lm) else None
     if packed is not None:
         return packed, packed.pop("targets")
     inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids")}
@@ -94,17 +96,22 @@ def compute_loss(
 
 
 def loss_and_view(
-    model: Any, batch: dict[str, torch.Tensor], loss_fn: Any, padding_free: bool = True
+    model: Any,
+    batch: dict[str, torch.Tensor],
+    loss_fn: Any,
+    padding_free: bool = True,
+    share_prefix: bool = True,
 ) -> tuple[LossOutput, LossView]:
     """``compute_loss`` and the view it computed the loss from (``twinkle.model.outputs`` reads
-    the labels' log-probabilities from it)."""
+    the labels' log-probabilities from it). ``share_prefix=False`` packs every sample whole (a
+    prefix is not shared when the samples run through different adapters)."""
     lm = causal_lm_of(model)
     loss = as_loss(loss_fn)
     _extras(loss, batch)
     if loss.consumes == POSITIONS:
         view = positions_view(lm, batch, loss)
     else:
-        view = rows_view(lm, batch, padding_free and not loss.extra_inputs, loss.extra_inputs)
+        view = rows_view(lm, batch, padding_free and not loss.extra_inputs, loss.extra_inputs, share_prefix)
         if loss.require_samples:
             view.samples = supervised_samples(batch)
     return loss.compute(view), view
@@ -134,10 +141,16 @@ def _rows_of(values: torch.Tensor | None, targets_2d: torch.Tensor) -> torch.Ten
     return _next_position(values)
 
 
-def rows_view(lm: Any, batch: dict[str, Any], padding_free: bool, extra_inputs: tuple[str, ...]) -> LossView:
+def rows_view(
+    lm: Any,
+    batch: dict[str, Any],
+    padding_free: bool,
+    extra_inputs: tuple[str, ...],
+    share_prefix: bool = True,
+) -> LossView:
     """The supervised rows: their hidden states and the head, or their logits where the head
     cannot run apart from the model; ``extra_inputs`` at the same rows (padded batch only)."""
-    inputs, targets_2d = _model_inputs(lm, batch, padding_free)
+    inputs, targets_2d = _model_inputs(lm, batch, padding_free, share_prefix)
     mask = targets_2d != IGNORE_INDEX
     targets = targets_2d[mask]
     extras = {k: _rows_of(batch.get(k), targets_2d)[mask] for k in extra_inputs}

@@ -4,9 +4,13 @@ the per-token log-probabilities such a pass returns (``forward_only(adapter_name
 
 Both modes set PEFT's per-layer flags directly and put them back after the pass: PEFT's own
 ``disable_adapter()`` / ``set_adapter`` also switch the adapters' ``requires_grad``, which would
-change what the optimizer and FSDP2 see. A mixed batch runs PEFT's mixed-batch LoRA forward
-(``adapter_names=`` on each LoRA layer: every row gets its own adapter's product, rows of the
-same adapter together); the fused LoRA nodes stand aside for it, as they take one adapter only."""
+change what the optimizer and FSDP2 see. The fused LoRA nodes stand aside for a mixed batch, as
+they take one adapter only. A mixed batch runs packed where the plain evaluation would
+(``adapter_per_span``): the samples end to end in one row, each LoRA layer computing the frozen
+product once for every token and each adapter's rank-r product on its own samples' tokens only
+(segmented LoRA, as S-LoRA and Punica serve many adapters). A batch that cannot be packed (a loss
+with extra per-token inputs runs padded) runs PEFT's mixed-batch forward (``adapter_per_row``:
+``adapter_names=`` on each LoRA layer, the rows of each adapter gathered and computed together)."""
 
 import contextlib
 from collections.abc import Iterator, Sequence
@@ -14,13 +18,15 @@ from typing import Any
 
 import torch
 
+from twinkle.kernel.cpu_gemm import linear
 from twinkle.model.forward import loss_and_view
 from twinkle.model.outputs import label_logps
+from twinkle.model.packing import pack, scored_lengths, shifted_targets
 
 BASE_ROW = "__base__"  # PEFT's name for a row without adapter in a mixed batch
 
 
-def _lora_layers(model: Any) -> list[Any]:
+def lora_layers(model: Any) -> list[Any]:
     from peft.tuners.lora import LoraLayer
 
     return [m for m in model.modules() if isinstance(m, LoraLayer)]
@@ -29,7 +35,7 @@ def _lora_layers(model: Any) -> list[Any]:
 @contextlib.contextmanager
 def adapters_off(model: Any) -> Iterator[None]:
     """Every LoRA layer computes its base layer only (the base model's outputs)."""
-    layers = _lora_layers(model)
+    layers = lora_layers(model)
     saved = [layer._disable_adapters for layer in layers]
     for layer in layers:
         layer._disable_adapters = True
@@ -44,7 +50,7 @@ def adapters_off(model: Any) -> Iterator[None]:
 def adapter_per_row(model: Any, names: Sequence[str]) -> Iterator[None]:
     """Row i of every LoRA layer's input runs through PEFT adapter ``names[i]`` (``BASE_ROW``:
     none). The layers' active adapters are emptied meanwhile, so no fused node takes the call."""
-    layers = _lora_layers(model)
+    layers = lora_layers(model)
     saved = [layer._active_adapter for layer in layers]
     names = list(names)
 
@@ -60,6 +66,111 @@ def adapter_per_row(model: Any, names: Sequence[str]) -> Iterator[None]:
         for hook in hooks:
             hook.remove()
         for layer, active in zip(layers, saved, strict=True):
+            layer._active_adapter = active
+
+
+def token_runs(batch: dict[str, torch.Tensor], names: Sequence[str]) -> list[tuple[int, int, str]] | None:
+    """``(start, end, adapter)`` of the packed row's tokens that each adapter computes (samples of
+    one adapter next to each other merge into one run; ``BASE_ROW`` samples get none), for the
+    row ``pack(batch, share_prefix=False)`` builds; None when the batch does not pack."""
+    packed = pack(batch, share_prefix=False)
+    if packed is None:
+        return None
+    kept = [
+        i
+        for i, n in enumerate(scored_lengths(shifted_targets(batch["labels"], batch["attention_mask"])))
+        if n
+    ]
+    runs: list[tuple[int, int, str]] = []
+    for row, (start, end) in zip(kept, packed["twinkle_segments"].spans, strict=True):
+        name = names[row]
+        if name == BASE_ROW:
+            continue
+        if runs and runs[-1][2] == name and runs[-1][1] == start:
+            runs[-1] = (runs[-1][0], end, name)
+        else:
+            runs.append((start, end, name))
+    return runs
+
+
+def _segmented_forward(layer: Any, runs: list[tuple[int, int, str]], masks: dict) -> Any:
+    """``layer`` (a PEFT ``lora.Linear``, eval mode: no dropout) on a packed row: the base product
+    for every token plus, per token, its run's adapter product. The adapters' A and scaled B are
+    stacked, so the branch is two products for the whole row whatever the number of runs: every
+    adapter's rank-r input is computed for every token (a few percent of the base product at
+    rank 8) and a 0/1 mask keeps each token's own adapter's columns."""
+    base = layer.base_layer
+    names = list(dict.fromkeys(name for _, _, name in runs))
+    lora_a = torch.cat([layer.lora_A[n].weight for n in names])  # (sum of ranks, in)
+    lora_b = torch.cat([layer.lora_B[n].weight * layer.scaling[n] for n in names], dim=1)  # (out, sum)
+    widths = tuple(layer.lora_A[n].weight.shape[0] for n in names)
+
+    def forward(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        out = linear(flat, base.weight, base.bias)
+        if names:
+            mask = _run_mask(masks, runs, names, widths, flat.shape[0], lora_a)
+            low = (flat.to(lora_a.dtype) @ lora_a.t()).mul_(mask)
+            if lora_a.dtype == out.dtype:
+                out.addmm_(low, lora_b.t())
+            else:  # an adapter wider than the base: its product rounded once, as PEFT does
+                out += torch.mm(low, lora_b.t()).to(out.dtype)
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+    return forward
+
+
+def _run_mask(
+    masks: dict,
+    runs: list[tuple[int, int, str]],
+    names: list[str],
+    widths: tuple,
+    tokens: int,
+    like: torch.Tensor,
+) -> torch.Tensor:
+    """``(tokens, sum of widths)``: 1 where a token's run uses the adapter of that column block
+    (built once per pass and layout, shared by the layers)."""
+    key = (widths, tokens, like.dtype, like.device)
+    if key not in masks:
+        mask = torch.zeros(tokens, sum(widths), dtype=like.dtype, device=like.device)
+        offsets = dict(zip(names, [sum(widths[:i]) for i in range(len(widths))], strict=True))
+        width = dict(zip(names, widths, strict=True))
+        for start, end, name in runs:
+            mask[start:end, offsets[name] : offsets[name] + width[name]] = 1
+        masks[key] = mask
+    return masks[key]
+
+
+def can_segment(layers: list[Any]) -> bool:
+    """Every LoRA layer is a plain PEFT ``lora.Linear`` (or the fused subclass) over an
+    ``nn.Linear``, unmerged, without DoRA or a LoRA bias: what ``adapter_per_span`` computes
+    (other layers run ``adapter_per_row``)."""
+    from peft.tuners.lora.layer import Linear as PeftLoraLinear
+
+    return all(
+        isinstance(layer, PeftLoraLinear)
+        and type(layer.base_layer) is torch.nn.Linear
+        and not layer.merged
+        and not any(layer.use_dora.values())
+        and not any(getattr(layer, "lora_bias", {}).values())
+        for layer in layers
+    )
+
+
+@contextlib.contextmanager
+def adapter_per_span(layers: list[Any], runs: list[tuple[int, int, str]]) -> Iterator[None]:
+    """The LoRA ``layers`` (``lora_layers``) compute a packed row as ``runs`` (``token_runs``)
+    say; their active adapters are emptied meanwhile, so no fused node takes the call."""
+    saved = [layer._active_adapter for layer in layers]
+    masks: dict = {}
+    for layer in layers:
+        layer.forward = _segmented_forward(layer, runs, masks)  # an instance attribute, removed below
+        layer._active_adapter = []
+    try:
+        yield
+    finally:
+        for layer, active in zip(layers, saved, strict=True):
+            del layer.forward
             layer._active_adapter = active
 
 

@@ -17,11 +17,21 @@ from typing import Any
 import torch
 
 from twinkle.loss import LossOutput
+from twinkle.loss.base import as_loss
 from twinkle.metric import build_metric, report
 from twinkle.model import health
 from twinkle.model.forward import loss_and_view
 from twinkle.model.lora import trainable_parameters
-from twinkle.model.lora_modes import BASE_ROW, adapter_per_row, adapters_off, loss_and_logps
+from twinkle.model.lora_modes import (
+    BASE_ROW,
+    adapter_per_row,
+    adapter_per_span,
+    adapters_off,
+    can_segment,
+    lora_layers,
+    loss_and_logps,
+    token_runs,
+)
 from twinkle.model.loss_inputs import keyword_inputs, missing_inputs, with_loss_inputs
 from twinkle.model.outputs import LogpsOnly, ModelOutputs, label_logps, metric_logps
 from twinkle.model.packing import shifted_targets
@@ -75,8 +85,7 @@ class MetricsAPI:
         missing = missing_inputs(loss_fn, batch)
         run_fn = LogpsOnly(loss_fn.name) if missing else loss_fn
         if adapter_names is not None:
-            with self._lora_mode(disable_lora, adapter_names, inputs["input_ids"].shape[0]):
-                out, logps = loss_and_logps(self.model, batch, run_fn)
+            out, logps = self._mixed_pass(disable_lora, adapter_names, batch, run_fn)
         else:
             # Adapters off is the plain eval of the base model: the head on the supervised rows
             # only. It runs unpacked, the layout of the policy pass of a loss that reads the
@@ -95,13 +104,10 @@ class MetricsAPI:
         """The PEFT adapter that holds ``adapter_name``'s weights."""
         return self._group(adapter_name).adapter_name
 
-    def _lora_mode(
-        self, disable_lora: bool, adapter_names: Sequence[str | None] | None, rows: int
-    ) -> contextlib.AbstractContextManager:
+    def _lora_mode(self, disable_lora: bool, adapter_names: Sequence[str | None], rows: int) -> list[str]:
+        """The PEFT adapter of each row (``BASE_ROW``: none), checked against the batch."""
         if disable_lora:
-            if adapter_names is not None:
-                raise UserError("forward_only: pass disable_lora=True or adapter_names=[...], not both")
-            return adapters_off(self.model)
+            raise UserError("forward_only: pass disable_lora=True or adapter_names=[...], not both")
         names = list(adapter_names)
         if len(names) != rows:
             raise UserError(
@@ -110,7 +116,23 @@ class MetricsAPI:
             )
         if rows == 0:  # this rank's empty share runs one pad row (``_to_device``)
             names = [None]
-        return adapter_per_row(self.model, [BASE_ROW if n is None else self._peft_adapter(n) for n in names])
+        return [BASE_ROW if n is None else self._peft_adapter(n) for n in names]
+
+    def _mixed_pass(
+        self, disable_lora: bool, adapter_names: Sequence[str | None], batch: dict, loss_fn: Any
+    ) -> tuple[Any, torch.Tensor]:
+        """``forward_only`` of a batch whose rows name their adapters: packed where the plain
+        evaluation would pack (``lora_modes.adapter_per_span``), else row by row."""
+        names = self._lora_mode(disable_lora, adapter_names, batch["input_ids"].shape[0])
+        layers, runs = lora_layers(self.model), None
+        if self.padding_free and not as_loss(loss_fn).extra_inputs and can_segment(layers):
+            runs = token_runs(batch, names)
+        if runs is None:
+            with adapter_per_row(self.model, names):
+                return loss_and_logps(self.model, batch, loss_fn)
+        with adapter_per_span(layers, runs):
+            out, view = loss_and_view(self.model, batch, loss_fn, padding_free=True, share_prefix=False)
+        return out, label_logps(out, view, batch, lazy=False)
 
     def calculate_loss(self) -> float:
         """Record the last ``forward_only`` batch in the eval metrics; return its mean token loss."""

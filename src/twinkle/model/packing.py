@@ -42,6 +42,13 @@ def can_pack(lm: Any) -> bool:
     )
 
 
+def scored_lengths(targets: torch.Tensor) -> list[int]:
+    """How much of each row a packed row keeps: up to its last position with a target (0 for a
+    row without one, which is left out)."""
+    scored = targets != IGNORE_INDEX
+    return torch.where(scored.any(1), targets.shape[1] - scored.flip(1).int().argmax(1), 0).tolist()
+
+
 def _common_prefix(rows: list[torch.Tensor]) -> int:
     limit = min(len(r) for r in rows)
     heads = torch.stack([r[:limit] for r in rows])  # on the rows' device, like everything here
@@ -61,8 +68,7 @@ def pack(batch: dict[str, torch.Tensor], share_prefix: bool = True) -> dict[str,
         return None
     targets = shifted_targets(batch["labels"], mask)
     scored = targets != IGNORE_INDEX
-    # keep each row up to its last position with a target; rows without one drop out
-    keep = torch.where(scored.any(1), mask.shape[1] - scored.flip(1).int().argmax(1), 0).tolist()
+    keep = scored_lengths(targets)
     rows = [i for i, n in enumerate(keep) if n > 0]
     if not rows:
         return None
