@@ -13,10 +13,14 @@ The identities come from comma-separated lists, one entry per adapter (``args.ex
 ``--adapters twinkle,pip --model-names Twinkle,Pip --model-authors "ModelScope,Acme Labs"
 --ranks 8,16 --optimizers Muon,AdamW`` (these replace the contract's ``--lora-rank``,
 ``--model-name`` and ``--model-author``). Every other option is the contract's
-(``cookbook/transformers/fsdp2.py``): ``--lr``, ``--batch-size``, ``--train-samples``, ..."""
+(``cookbook/transformers/fsdp2.py``): ``--lr``, ``--batch-size``, ``--train-samples``, ...
+
+Each adapter also saves ``checkpoint-<step>`` at every evaluation. ``--resume-from-checkpoint
+auto`` continues every adapter from the newest complete checkpoint in its own folder."""
 
 import os
 from dataclasses import dataclass
+from itertools import zip_longest
 from pathlib import Path
 
 from peft import LoraConfig
@@ -143,12 +147,49 @@ def evaluate(model: MultiLoraTransformersModel, identity: Identity) -> dict:
     return model.calculate_metric(is_training=False, adapter_name=identity.adapter)
 
 
-def train() -> None:
-    if args.training.resume_from_checkpoint:
+def adapter_dir(identity: Identity) -> Path:
+    return Path(args.training.output_dir) / identity.adapter
+
+
+def save(model: MultiLoraTransformersModel, identity: Identity, name: str, loader: DataLoader) -> None:
+    model.save(
+        name,
+        output_dir=str(adapter_dir(identity)),
+        adapter_name=identity.adapter,
+        save_optimizer=True,
+        consumed_train_samples=loader.get_state()["consumed_train_samples"],
+    )
+
+
+def resume(model: MultiLoraTransformersModel, identities: list[Identity], loaders: dict) -> None:
+    """``--resume-from-checkpoint auto``: each adapter continues from the newest complete
+    checkpoint in its own folder, ``<output-dir>/<adapter>`` (an adapter without one starts
+    fresh); its data skips the samples that checkpoint consumed."""
+    from twinkle.checkpoint import latest_checkpoint
+
+    if args.resume_request is None:
+        return
+    if args.resume_request not in ("auto", "latest"):
         raise UserError(
-            "multi_lora.py does not resume: each adapter's checkpoints are in its own folder "
-            "(<output-dir>/<adapter>); resume one with model.resume_from_checkpoint(..., adapter_name=...)"
+            f"--resume-from-checkpoint {args.resume_request}: multi_lora.py keeps each adapter's "
+            "checkpoints in <output-dir>/<adapter>; pass --resume-from-checkpoint auto to resume every adapter"
         )
+    for identity in identities:
+        found = latest_checkpoint(adapter_dir(identity))
+        if found is None:
+            logger.info(
+                f"[{identity.adapter}] no complete checkpoint in {adapter_dir(identity)}; starting fresh"
+            )
+            continue
+        progress = model.resume_from_checkpoint(
+            str(found), resume_only_model=args.training.resume_only_model, adapter_name=identity.adapter
+        )
+        if not args.training.ignore_data_skip:
+            loaders[identity.adapter].resume_from_checkpoint(progress["consumed_train_samples"])
+        logger.info(f"[{identity.adapter}] resumed from {found}")
+
+
+def train() -> None:
     identities = read_identities()
     train_samples = args.training.train_samples or 300  # the bundled rows once
     loaders = {
@@ -163,12 +204,16 @@ def train() -> None:
     for identity in identities:
         add_identity(model, identity, num_training_steps=len(loaders[identity.adapter]))
         logger.info(model.get_train_configs(adapter_name=identity.adapter))
+    resume(model, identities, loaders)
     task = "fused_lm_ce" if args.model.enable_liger and args.model.enable_fused_ce else "causal_lm"
     total = len(next(iter(loaders.values())))
     eval_interval = args.training.eval_interval or total
     # One batch of each identity in turn: the model switches adapters at every forward_backward.
-    for batches in zip(*loaders.values(), strict=True):
+    # (Adapters resumed from different steps each run their own remaining batches.)
+    for batches in zip_longest(*loaders.values()):
         for identity, batch in zip(identities, batches, strict=True):
+            if batch is None:
+                continue
             model.forward_backward(inputs=batch, task=task, adapter_name=identity.adapter)
             model.clip_grad_and_step(adapter_name=identity.adapter)
             step = model.optimizer_group[identity.adapter].cur_step
@@ -177,14 +222,9 @@ def train() -> None:
                 logger.info(f"[{identity.adapter}] step {step} of {total}, metric: {metric}")
             if step % eval_interval == 0:
                 logger.info(f"[{identity.adapter}] eval at step {step}: {evaluate(model, identity)}")
+                save(model, identity, f"checkpoint-{step}", loaders[identity.adapter])
     for identity in identities:
-        model.save(
-            "last-checkpoint",
-            output_dir=str(Path(args.training.output_dir) / identity.adapter),
-            adapter_name=identity.adapter,
-            save_optimizer=True,
-            consumed_train_samples=loaders[identity.adapter].get_state()["consumed_train_samples"],
-        )
+        save(model, identity, "last-checkpoint", loaders[identity.adapter])
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 saved as its own PEFT adapter; a bad identity list is one line of error."""
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -9,6 +10,7 @@ import torch
 import warm
 from harness import assert_one_line_error, script_env
 from peft import PeftModel
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from twinkle.cli.main import main as twinkle_main
@@ -100,3 +102,38 @@ def test_twinkle_chat_loads_each_adapter(trained, tiny_model_dir, capsys):
 def test_a_bad_identity_list_is_one_line(tmp_path, tiny_model_dir, flags, message):
     result = run(tmp_path, tiny_model_dir, *FLAGS, *flags)
     assert_one_line_error(result, message, tmp_path / "out")
+
+
+@pytest.mark.slow
+def test_resume_auto_continues_each_adapter(tmp_path, tiny_model_dir):
+    """A run whose last step was lost (``last-checkpoint`` of each adapter deleted after the run)
+    resumed with ``--resume-from-checkpoint auto`` continues each adapter from its
+    ``checkpoint-1`` and ends with the uninterrupted run's adapters, bit for bit."""
+    flags = (*FLAGS, "--eval-interval", "1", "--seed", "7")
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    whole.mkdir(), cut.mkdir()
+    for folder in (whole, cut):
+        result = run(folder, tiny_model_dir, *flags)
+        assert result.returncode == 0, result.stderr[-4000:]
+    for adapter in RANKS:
+        assert (cut / "out" / adapter / "checkpoint-1").is_dir()
+        shutil.rmtree(cut / "out" / adapter / "last-checkpoint")
+    result = run(cut, tiny_model_dir, *flags, "--resume-from-checkpoint", "auto")
+    assert result.returncode == 0, result.stderr[-4000:]
+    for adapter in RANKS:
+        assert f"[{adapter}] resumed from" in result.stderr
+        done = load_file(whole / "out" / adapter / "last-checkpoint" / "adapter_model.safetensors")
+        resumed = load_file(cut / "out" / adapter / "last-checkpoint" / "adapter_model.safetensors")
+        assert done.keys() == resumed.keys()
+        for key in done:
+            assert torch.equal(done[key], resumed[key]), key
+
+
+@pytest.mark.slow
+def test_an_explicit_resume_folder_is_one_line(tmp_path, tiny_model_dir):
+    folder = tmp_path / "somewhere"
+    folder.mkdir()
+    result = run(tmp_path, tiny_model_dir, *FLAGS, "--resume-from-checkpoint", str(folder))
+    assert_one_line_error(
+        result, r"pass --resume-from-checkpoint auto to resume every adapter", tmp_path / "out"
+    )

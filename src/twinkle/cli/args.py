@@ -352,6 +352,10 @@ class Args:
     sampling: SamplingArgs = field(default_factory=SamplingArgs)
     rl: RLArgs = field(default_factory=RLArgs)
     extra: dict[str, Any] = field(default_factory=dict)
+    # ``--resume-from-checkpoint`` as given. ``auto``/``latest`` become the newest complete
+    # checkpoint under --output-dir in ``training.resume_from_checkpoint``; a script that keeps
+    # checkpoints in sub-folders (one per adapter) resolves the request itself.
+    resume_request: str | None = None
 
     def get_lora_args(self) -> dict[str, Any]:
         """Keyword arguments for ``peft.LoraConfig``; builders take flat kwargs, not ``Args``."""

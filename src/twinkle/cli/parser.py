@@ -238,6 +238,7 @@ def parse(
     from twinkle.checkpoint import check_output_dir, latest_checkpoint
 
     check_output_dir(args.training.output_dir)  # fail now, not at the first save hours later
+    args.resume_request = args.training.resume_from_checkpoint
     if args.training.resume_from_checkpoint in ("auto", "latest"):
         found = latest_checkpoint(args.training.output_dir)
         get_logger().info(
