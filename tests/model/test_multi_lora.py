@@ -9,6 +9,7 @@ import json
 import pytest
 import torch
 from peft import LoraConfig, PeftModel, set_peft_model_state_dict
+from tolerances import probable_gamma, tiny_batch_sums
 from transformers import AutoModelForCausalLM
 
 from twinkle.dataloader import DataLoader
@@ -172,24 +173,29 @@ def test_slot_optimizer_updates_like_a_plain_rank_r_adapter(tiny_model_dir, batc
 
 def test_disable_lora_gives_the_base_model(tiny_model_dir, batches, interleaved):
     """``forward_only(disable_lora=True)`` on trained adapters gives the base model's log-probs
-    exactly (the same linear layers run, the adapters' terms are not added), on both classes."""
+    (the adapters' terms are not added), on both classes alike, bit for bit. Against Hugging Face's
+    own padded forward of the base model it runs packed through other kernels, so each log-prob
+    agrees within twice the probabilistic rounding bound of the tiny model's chain times its
+    magnitude (``tolerances.probable_gamma``); the adapters move them by far more."""
     model, _ = interleaved
     batch = batches[1]
     base = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), torch_dtype=torch.float32).eval()
     with torch.no_grad():
         inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids") if k in batch}
         expected = label_logps(base(**inputs).logits, batch)
+    bound = 2 * probable_gamma(sum(tiny_batch_sums(batch["input_ids"]))) * expected.abs()
     loss = model.forward_only(batch, adapter_name="a", disable_lora=True)["loss"]
-    assert torch.equal(model.last_outputs["logps"], expected)
+    off = model.last_outputs["logps"]
+    assert bool(((off - expected).abs() <= bound).all()), float((off - expected).abs().max())
     assert loss == pytest.approx(model.last_outputs["loss"])
-    assert model.last_outputs["logps"].shape == batch["labels"].shape
-    assert torch.all(model.last_outputs["logps"][batch["labels"] == IGNORE_INDEX] == 0)
+    assert off.shape == batch["labels"].shape
+    assert torch.all(off[batch["labels"] == IGNORE_INDEX] == 0)
     single = TransformersModel(str(tiny_model_dir))
     single.add_adapter_to_model("default", LoraConfig(r=4, lora_alpha=8, init_lora_weights=False))
     single.forward_only(batch, disable_lora=True)
-    assert torch.equal(single.last_outputs["logps"], expected)
+    assert torch.equal(single.last_outputs["logps"], off)
     single.forward_only(batch, adapter_names=["default", "default"])
-    assert not torch.equal(single.last_outputs["logps"], expected)  # the random B of the adapter counts
+    assert float((single.last_outputs["logps"] - expected).abs().max()) > 100 * float(bound.max())
 
 
 def test_mixed_adapter_batch_equals_each_row_alone(dataset, interleaved):

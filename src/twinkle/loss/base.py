@@ -10,7 +10,7 @@ tokens, the token count and the count of correctly predicted tokens for the accu
   never built. Where the head cannot be split off (it post-processes its logits or carries a
   LoRA) the view holds those rows' logits instead. An extra input is a ``(batch, seq)`` tensor
   aligned with ``labels`` or a ``(batch,)`` per-sample one; the view holds its values at the
-  supervised rows (``view.extras``), and the batch runs padded (not packed). With
+  supervised rows (``view.extras``), in the same order, packed or not. With
   ``require_samples`` the view also holds each supervised row's batch row (``view.samples``), in
   the batch's row-major order whether the batch runs packed or not (a loss over whole samples:
   the preference losses of ``twinkle.loss.preference``).

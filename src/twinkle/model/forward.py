@@ -91,7 +91,7 @@ def compute_loss(
     loss computes the ``LossOutput`` from it. A plain callable is wrapped (``as_loss``).
 
     With ``padding_free`` the batch runs packed into one row (see ``twinkle.model.packing``);
-    the loss is the same either way. A loss with extra inputs runs on the padded batch."""
+    the loss is the same either way."""
     return loss_and_view(model, batch, loss_fn, padding_free)[0]
 
 
@@ -111,7 +111,7 @@ def loss_and_view(
     if loss.consumes == POSITIONS:
         view = positions_view(lm, batch, loss)
     else:
-        view = rows_view(lm, batch, padding_free and not loss.extra_inputs, loss.extra_inputs, share_prefix)
+        view = rows_view(lm, batch, padding_free, loss.extra_inputs, share_prefix)
         if loss.require_samples:
             view.samples = supervised_samples(batch)
     return loss.compute(view), view
@@ -149,11 +149,14 @@ def rows_view(
     share_prefix: bool = True,
 ) -> LossView:
     """The supervised rows: their hidden states and the head, or their logits where the head
-    cannot run apart from the model; ``extra_inputs`` at the same rows (padded batch only)."""
+    cannot run apart from the model; ``extra_inputs`` at the same rows. Those are read from the
+    padded batch, packed or not: a packed row holds the supervised positions in the padded batch's
+    row-major order (``supervised_samples``)."""
     inputs, targets_2d = _model_inputs(lm, batch, padding_free, share_prefix)
     mask = targets_2d != IGNORE_INDEX
     targets = targets_2d[mask]
-    extras = {k: _rows_of(batch.get(k), targets_2d)[mask] for k in extra_inputs}
+    padded = shifted_targets(batch["labels"], batch["attention_mask"]) if extra_inputs else targets_2d
+    extras = {k: _rows_of(batch.get(k), padded)[padded != IGNORE_INDEX] for k in extra_inputs}
     head = lm.get_output_embeddings()
     # a head that is not a plain Linear (a LoRA on lm_head, a wrapper) runs as the model's own
     if has_logit_transform(lm) or not plain_linear(head):

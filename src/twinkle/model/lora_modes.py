@@ -8,9 +8,11 @@ change what the optimizer and FSDP2 see. The fused LoRA nodes stand aside for a 
 they take one adapter only. A mixed batch runs packed where the plain evaluation would
 (``adapter_per_span``): the samples end to end in one row, each LoRA layer computing the frozen
 product once for every token and each adapter's rank-r product on its own samples' tokens only
-(segmented LoRA, as S-LoRA and Punica serve many adapters). A batch that cannot be packed (a loss
-with extra per-token inputs runs padded) runs PEFT's mixed-batch forward (``adapter_per_row``:
-``adapter_names=`` on each LoRA layer, the rows of each adapter gathered and computed together)."""
+(segmented LoRA, as S-LoRA and Punica serve many adapters). A batch that cannot be packed (a model
+family without packed attention, a padding-aware model) or LoRA layers other than plain linear
+ones run PEFT's mixed-batch forward (``adapter_per_row``: ``adapter_names=`` on each LoRA layer,
+the rows of each adapter gathered and computed together). With the adapters off, the plain LoRA
+linears compute their frozen product through ``cpu_gemm`` as the fused nodes do."""
 
 import contextlib
 from collections.abc import Iterator, Sequence
@@ -34,16 +36,22 @@ def lora_layers(model: Any) -> list[Any]:
 
 @contextlib.contextmanager
 def adapters_off(model: Any) -> Iterator[None]:
-    """Every LoRA layer computes its base layer only (the base model's outputs)."""
+    """Every LoRA layer computes its base layer only (the base model's outputs); the plain
+    ones through ``cpu_gemm``'s linear, the frozen product of the fused nodes."""
     layers = lora_layers(model)
     saved = [layer._disable_adapters for layer in layers]
+    plain = can_segment(layers)
     for layer in layers:
         layer._disable_adapters = True
+        if plain:
+            layer.forward = _segmented_forward(layer, [], {})  # an instance attribute, removed below
     try:
         yield
     finally:
         for layer, flag in zip(layers, saved, strict=True):
             layer._disable_adapters = flag
+            if plain:
+                del layer.forward
 
 
 @contextlib.contextmanager
@@ -101,9 +109,10 @@ def _segmented_forward(layer: Any, runs: list[tuple[int, int, str]], masks: dict
     rank 8) and a 0/1 mask keeps each token's own adapter's columns."""
     base = layer.base_layer
     names = list(dict.fromkeys(name for _, _, name in runs))
-    lora_a = torch.cat([layer.lora_A[n].weight for n in names])  # (sum of ranks, in)
-    lora_b = torch.cat([layer.lora_B[n].weight * layer.scaling[n] for n in names], dim=1)  # (out, sum)
-    widths = tuple(layer.lora_A[n].weight.shape[0] for n in names)
+    if names:
+        lora_a = torch.cat([layer.lora_A[n].weight for n in names])  # (sum of ranks, in)
+        lora_b = torch.cat([layer.lora_B[n].weight * layer.scaling[n] for n in names], dim=1)  # (out, sum)
+        widths = tuple(layer.lora_A[n].weight.shape[0] for n in names)
 
     def forward(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])

@@ -17,7 +17,6 @@ from typing import Any
 import torch
 
 from twinkle.loss import LossOutput
-from twinkle.loss.base import as_loss
 from twinkle.metric import build_metric, report
 from twinkle.model import health
 from twinkle.model.forward import loss_and_view
@@ -88,11 +87,10 @@ class MetricsAPI:
             out, logps = self._mixed_pass(disable_lora, adapter_names, batch, run_fn)
         else:
             # Adapters off is the plain eval of the base model: the head on the supervised rows
-            # only. It runs unpacked, the layout of the policy pass of a loss that reads the
-            # reference (a loss with extra inputs runs padded), so both run the same products.
+            # only, packed as the policy pass of a loss that reads the reference is.
             mode = adapters_off(self.model) if disable_lora else contextlib.nullcontext()
             with mode:
-                out, view = loss_and_view(self.model, batch, run_fn, self.padding_free and not disable_lora)
+                out, view = loss_and_view(self.model, batch, run_fn, self.padding_free)
             logps = label_logps(out, view, batch, lazy=not self.runtime.is_distributed)
         self._pending_eval = None if missing else (group.adapter_name, out, inputs)
         self._eval_without = (loss_fn.name, missing) if missing else None
@@ -125,7 +123,7 @@ class MetricsAPI:
         evaluation would pack (``lora_modes.adapter_per_span``), else row by row."""
         names = self._lora_mode(disable_lora, adapter_names, batch["input_ids"].shape[0])
         layers, runs = lora_layers(self.model), None
-        if self.padding_free and not as_loss(loss_fn).extra_inputs and can_segment(layers):
+        if self.padding_free and can_segment(layers):
             runs = token_runs(batch, names)
         if runs is None:
             with adapter_per_row(self.model, names):
