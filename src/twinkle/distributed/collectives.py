@@ -26,6 +26,15 @@ def all_reduce_sum(values: list[float]) -> list[float]:
     return t.tolist()
 
 
+def all_reduce_max(values: list[float]) -> list[float]:
+    """The largest of a few numbers over all ranks."""
+    if not is_distributed():
+        return [float(v) for v in values]
+    t = torch.tensor(values, dtype=torch.float64, device=_comm_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
 def barrier() -> None:
     if is_distributed():
         dist.barrier()

@@ -10,7 +10,9 @@ from typing import Any
 
 import torch
 
+from twinkle.distributed.collectives import all_reduce_max
 from twinkle.loss.grpo import align_completion_values
+from twinkle.loss.preference import PreferenceLoss
 from twinkle.template.base import IGNORE_INDEX
 from twinkle.utils.errors import UserError
 
@@ -81,3 +83,27 @@ def with_loss_inputs(loss: Any, batch: Mapping[str, Any], extras: Mapping[str, A
             f"them to the step: {', '.join(hints)}"
         )
     return out
+
+
+def split_rows(batch: Mapping[str, Any], micro_batch_size: int, loss: Any) -> list[dict]:
+    """``batch`` (this rank's rows, the loss's inputs included) in parts of ``micro_batch_size``
+    rows, as many parts on every rank (a rank with fewer rows runs empty parts, which join the
+    collectives as a pad row). A preference loss keeps each (chosen, rejected) pair in one part."""
+    if isinstance(micro_batch_size, bool) or not isinstance(micro_batch_size, int) or micro_batch_size < 1:
+        raise UserError(f"micro_batch_size must be a whole number of rows >= 1, got {micro_batch_size!r}")
+    if isinstance(loss, PreferenceLoss) and micro_batch_size % 2:
+        raise UserError(
+            f"micro_batch_size={micro_batch_size} would split a (chosen, rejected) pair of {loss.name}; "
+            "give an even number of rows"
+        )
+    rows = int(batch["input_ids"].shape[0])
+    parts = int(all_reduce_max([-(-rows // micro_batch_size)])[0])
+    return [
+        {
+            k: v[i * micro_batch_size : (i + 1) * micro_batch_size]
+            if torch.is_tensor(v) and v.dim() and v.shape[0] == rows
+            else v
+            for k, v in batch.items()
+        }
+        for i in range(max(1, parts))
+    ]

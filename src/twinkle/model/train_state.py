@@ -93,10 +93,11 @@ class OptimizerGroup:
     # The window's and the counters' transitions; the model's step calls run them in this order:
     # add_micro_batch per backward, then stepped / skipped_nonfinite / skipped_without_tokens, then
     # close_window (``TransformersModel``).
-    def add_micro_batch(self, samples: int, tokens: int, finite: bool) -> None:
-        """A micro-batch's gradients joined the open window (``cur_step`` counted before)."""
+    def add_micro_batch(self, samples: int, tokens: int, finite: bool, counts: bool = True) -> None:
+        """A micro-batch's gradients joined the open window (``cur_step`` counted before);
+        ``counts=False``: a part of a batch that counts once, at its last part."""
         self.local_samples += samples
-        self.window_batches += 1
+        self.window_batches += int(counts)
         self.window_tokens += tokens
         self.window_nonfinite = self.window_nonfinite or not finite
 

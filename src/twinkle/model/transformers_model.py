@@ -25,7 +25,7 @@ from twinkle.model.forward import causal_lm_of, compute_loss
 from twinkle.model.inputs import InputsAPI
 from twinkle.model.loading import load_causal_lm, resolve_dtype
 from twinkle.model.lora import add_lora, trainable_parameters
-from twinkle.model.loss_inputs import keyword_inputs, with_loss_inputs
+from twinkle.model.loss_inputs import keyword_inputs, split_rows, with_loss_inputs
 from twinkle.model.metrics_api import MetricsAPI
 from twinkle.model.options import resolve_precision, resolve_strategy
 from twinkle.model.step import clip_gradients
@@ -263,11 +263,24 @@ class TransformersModel(InputsAPI, MetricsAPI, Checkpoints):
         Returns ``{"loss": this rank's mean loss, "num_tokens": the loss's count}`` (supervised
         tokens; pairs for a preference loss; no logits: the packed rows and the fused loss never
         build them). A model in eval mode (after ``forward_only``) is put back in training mode."""
+        group, loss_fn, inputs = self._training_inputs(inputs, task, adapter_name, ref_outputs, loss_inputs)
+        return self._forward_batch(group, loss_fn, inputs)
+
+    def _training_inputs(
+        self, inputs: Any, task: str, adapter_name: str | None, ref_outputs: Any, loss_inputs: dict
+    ) -> tuple[OptimizerGroup, Any, dict]:
+        """The adapter's group, its loss and this rank's share of the batch with the loss's inputs."""
         group = self._group(adapter_name)
         preemption.loop_started()  # a SIGTERM from here on saves at the next step boundary
         loss_fn = self._loss_fn(group, task)
         extras = keyword_inputs(loss_fn, ref_outputs, loss_inputs)
-        inputs = with_loss_inputs(loss_fn, self._prepare_inputs(group, inputs), extras, required=True)
+        return (
+            group,
+            loss_fn,
+            with_loss_inputs(loss_fn, self._prepare_inputs(group, inputs), extras, required=True),
+        )
+
+    def _forward_batch(self, group: OptimizerGroup, loss_fn: Any, inputs: dict) -> dict[str, float]:
         group.train_metrics.start_batch()
         batch = self._to_device(inputs)
         # train() sets the flag on every module and reading them all walks them too (thousands of
@@ -287,14 +300,20 @@ class TransformersModel(InputsAPI, MetricsAPI, Checkpoints):
         Returns the micro-batch's mean token loss."""
         if self._pending_backward is None:
             raise UserError("call forward(inputs=...) before backward()")
+        return self._backward(counts=True)
+
+    def _backward(self, counts: bool) -> float:
+        """``backward``; ``counts=False``: a part of a split batch, which counts (a step of
+        ``cur_step``, a micro-batch of the window) at its last part only."""
         group, out, inputs = self._pending_backward
         self._pending_backward = None
         out.loss_sum.backward()  # even when not finite: under FSDP every rank must run backward
         loss_sum = float(out.loss_sum.detach())
-        group.cur_step += 1
-        report.on_backward(self.runtime, group)  # progress (twinkle.metric.report)
+        if counts:
+            group.cur_step += 1
+            report.on_backward(self.runtime, group)  # progress (twinkle.metric.report)
         finite = math.isfinite(loss_sum)
-        group.add_micro_batch(inputs["input_ids"].shape[0], out.num_tokens, finite)
+        group.add_micro_batch(inputs["input_ids"].shape[0], out.num_tokens, finite, counts)
         if not finite:
             return loss_sum  # kept out of the metrics, whose loss would otherwise read low
         correct = int(out.num_correct)
@@ -314,14 +333,28 @@ class TransformersModel(InputsAPI, MetricsAPI, Checkpoints):
         task: str = "causal_lm",
         adapter_name: str | None = None,
         ref_outputs: Any = None,
+        micro_batch_size: int | None = None,
         **loss_inputs: Any,
     ) -> float:
         """``forward`` then ``backward``. Returns this rank's mean loss (per token; per pair for a
-        preference loss). ``ref_outputs``/``loss_inputs``: see ``forward``."""
-        if ref_outputs is not None:
-            loss_inputs["ref_outputs"] = ref_outputs
-        self.forward(inputs, task=task, adapter_name=adapter_name, **loss_inputs)
-        return self.backward()
+        preference loss). ``ref_outputs``/``loss_inputs``: see ``forward``.
+
+        ``micro_batch_size``: run this rank's rows ``micro_batch_size`` at a time (less memory),
+        their gradients summed; the call still counts as one micro-batch of the accumulation
+        window, and the step equals that of the whole batch up to summation order."""
+        if micro_batch_size is None:
+            if ref_outputs is not None:
+                loss_inputs["ref_outputs"] = ref_outputs
+            self.forward(inputs, task=task, adapter_name=adapter_name, **loss_inputs)
+            return self.backward()
+        group, loss_fn, inputs = self._training_inputs(inputs, task, adapter_name, ref_outputs, loss_inputs)
+        parts = split_rows(inputs, micro_batch_size, loss_fn)
+        loss_sum, tokens = 0.0, 0
+        for i, part in enumerate(parts):
+            out = self._forward_batch(group, loss_fn, part)
+            self._backward(counts=i == len(parts) - 1)
+            loss_sum, tokens = loss_sum + out["loss"] * out["num_tokens"], tokens + out["num_tokens"]
+        return loss_sum / max(1, tokens)
 
     def _reduce_window(self, group: OptimizerGroup) -> tuple[float, float, float]:
         """Once per window: ``(supervised tokens, NaN/inf seen, SIGTERM seen)`` over all ranks, and
