@@ -4,14 +4,17 @@ each adapter a Tinker training run on the server.
 Rows are the local API's encoded rows (``{"input_ids": [...], "labels": [...]}``, labels
 aligned with the inputs, -100 where a token is not trained) or a batch of such tensors; they
 go to the server as Tinker datums with the cross-entropy loss (weight 1 on each trained
-token). ``forward_backward`` returns the mean loss per trained token, as the local one does.
-The optimizer is AdamW (the server's); ``set_optimizer`` keeps its settings for the steps."""
+token). ``forward_backward`` returns the mean loss per trained token, as the local one does,
+and asks the server for the local API's gradient (the mean over the trained tokens of the
+step's window, ``loss_fn_config={"twinkle_reduction": "token_mean"}``) rather than Tinker's
+sum. The optimizer is AdamW (the server's); ``set_optimizer`` keeps its settings for the steps."""
 
 from typing import Any
 
 from twinkle_client.client import TwinkleClient, current_client
 
 IGNORE = -100
+TOKEN_MEAN = {"twinkle_reduction": "token_mean"}  # the local API's gradient (the engine's key)
 
 
 def _as_list(values: Any) -> list:
@@ -95,7 +98,7 @@ class MultiLoraTransformersModel:
     def forward_backward(self, inputs: Any, adapter_name: str | None = None, **kwargs: Any) -> float:
         _, run = self._run(adapter_name)
         data, count = datums_of(inputs)
-        out = run.forward_backward(data, "cross_entropy").result()
+        out = run.forward_backward(data, "cross_entropy", TOKEN_MEAN).result()
         return out.metrics["loss:sum"] / max(1.0, count)
 
     def forward_only(self, inputs: Any, adapter_name: str | None = None, **kwargs: Any) -> dict[str, Any]:
@@ -125,7 +128,7 @@ class MultiLoraTransformersModel:
     def save(self, name: str, adapter_name: str | None = None, **kwargs: Any) -> str:
         """Adapter and optimizer state; returns its ``tinker://`` path."""
         _, run = self._run(adapter_name)
-        return run.save_state(name).result().path
+        return run.save_state(name, overwrite=True).result().path  # as the local save replaces it
 
     def save_for_sampler(self, name: str, adapter_name: str | None = None) -> str:
         _, run = self._run(adapter_name)

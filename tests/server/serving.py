@@ -33,12 +33,25 @@ class Running:
         self.app.state.server.queue.stop()
 
 
-def start(tiny_model_dir, output_dir, keys: dict | None = None, max_loras: int = 4, **limits):
+def start(
+    tiny_model_dir,
+    output_dir,
+    keys: dict | None = None,
+    max_loras: int = 4,
+    port: int = 0,
+    report_to: tuple = (),
+    **limits,
+):
     from twinkle.server import ServerConfig, create_app
     from twinkle.server.state import Limits
 
     keys = keys or {KEY_A: Limits(**limits), KEY_B: Limits(**limits)}
     config = ServerConfig(
-        model_id=str(tiny_model_dir), max_loras=max_loras, max_r=8, output_dir=output_dir, keys=keys
+        model_id=str(tiny_model_dir),
+        max_loras=max_loras,
+        max_r=8,
+        output_dir=output_dir,
+        keys=keys,
+        report_to=report_to,
     )
-    return Running(create_app(config), free_port())
+    return Running(create_app(config), port or free_port())

@@ -1,4 +1,5 @@
-"""The policy losses through the SDK, an idle run parked and resumed, and ``metrics.jsonl``."""
+"""The policy losses through the SDK, an idle run parked and resumed, ``metrics.jsonl`` and its
+TensorBoard copy (``--report-to tensorboard``)."""
 
 import json
 import math
@@ -116,3 +117,30 @@ def test_an_idle_run_is_parked_and_resumes_where_it_was(tiny_model_dir, tmp_path
         assert ops == ["forward_backward", "optim_step"] * 2
     finally:
         running.stop()
+
+
+def test_report_to_tensorboard_writes_each_runs_metrics(tiny_model_dir, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    running = start(tiny_model_dir, tmp_path / "srv", report_to=("tensorboard",))
+    try:
+        tc = (
+            tinker.ServiceClient(base_url=running.url, api_key=KEY_A)
+            .create_lora_training_client(base_model=str(tiny_model_dir), rank=4)
+            .result()
+        )
+        for _ in range(2):
+            tc.forward_backward([datum(*r) for r in ROWS["a"]], "cross_entropy").result()
+            tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+        s = running.app.state.server
+        folder = s.registry.folder(s.registry.runs[tc.model_id])
+    finally:
+        running.stop()
+    records = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    events = EventAccumulator(str(folder / "tensorboard"))
+    events.Reload()
+    for op, name in (("forward_backward", "loss:sum"), ("optim_step", "grad_norm")):
+        logged = [(e.step, e.value) for e in events.Scalars(f"{op}/{name}")]
+        expected = [(i + 1, r[name]) for i, r in enumerate(x for x in records if x["op"] == op)]
+        assert [s for s, _ in logged] == [s for s, _ in expected] == [1, 2]
+        np.testing.assert_allclose([v for _, v in logged], [v for _, v in expected], rtol=1e-6)

@@ -28,25 +28,22 @@ def datum(tokens: list[int], weights: list[float]) -> types.Datum:
     )
 
 
-def sdk_train(url: str, key: str, base: str, rows, steps: int) -> tuple[str, list[float]]:
-    """``steps`` cross-entropy steps through the SDK; (model id, loss:sum of each step)."""
+def sdk_train(url: str, key: str, base: str, rows, steps: int, schedule=None) -> tuple[str, list[float]]:
+    """``steps`` cross-entropy steps on ``rows`` (or one step per entry of ``schedule``) through
+    the SDK; (model id, loss:sum of each step)."""
     client = tinker.ServiceClient(base_url=url, api_key=key)
     tc = client.create_lora_training_client(base_model=base, rank=4).result()
     losses = []
-    for _ in range(steps):
-        out = tc.forward_backward([datum(*r) for r in rows], "cross_entropy").result()
+    for step_rows in schedule or [rows] * steps:
+        out = tc.forward_backward([datum(*r) for r in step_rows], "cross_entropy").result()
         tc.optim_step(types.AdamParams(learning_rate=LR)).result()
         losses.append(out.metrics["loss:sum"])
     return tc.model_id, losses
 
 
-def local_train(tiny_model_dir, adapter: str, rows, steps: int) -> tuple[dict, list[float]]:
-    """The same steps on the local API: a multi-LoRA model, the token-weighted loss (sum),
-    AdamW with Tinker's defaults."""
-    model = MultiLoraTransformersModel(str(tiny_model_dir), max_loras=2, max_r=8)
-    config = LoraConfig(r=4, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear")
-    model.add_adapter_to_model(adapter, config)
-    model.set_loss(TokenWeightedCrossEntropyLoss(reduction="sum"), adapter_name=adapter)
+def _batch(rows) -> tuple[dict, torch.Tensor]:
+    """The local API's batch of Tinker rows (tokens, weights): labels where the weight is not 0,
+    and the weights aligned with the labels."""
     width = max(len(t) for t, _ in rows)
     batch = {
         k: torch.zeros(len(rows), width, dtype=torch.long)
@@ -63,14 +60,33 @@ def local_train(tiny_model_dir, adapter: str, rows, steps: int) -> tuple[dict, l
             weights[b, i + 1] = wi
             if wi:
                 batch["labels"][b, i + 1] = tokens[i + 1]
+    return batch, weights
+
+
+def local_train(
+    tiny_model_dir, adapter: str, rows, steps: int, sum_gradient: bool = True, schedule=None
+) -> tuple[dict, list[float]]:
+    """The same steps on the local API: a multi-LoRA model, the token-weighted loss, AdamW with
+    Tinker's defaults; (adapter, the summed loss of each step).
+
+    The local step divides the summed gradient by the window's trained-token count T. Tinker's
+    (``sum_gradient``) is the gradient of ``-sum(w * logp)`` itself, so the local loop trains on
+    the weights ``T * w``: its step then applies ``(1/T) * grad(-sum(T * w * logp))``, the same
+    gradient, and its mean loss ``sum(T * w * -logp) / T`` is the summed loss. Without
+    ``sum_gradient`` it is the local API as it is (what ``twinkle_client`` asks the server for)."""
+    model = MultiLoraTransformersModel(str(tiny_model_dir), max_loras=2, max_r=8)
+    config = LoraConfig(r=4, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear")
+    model.add_adapter_to_model(adapter, config)
+    model.set_loss(TokenWeightedCrossEntropyLoss(reduction="sum"), adapter_name=adapter)
+    model.set_optimizer("AdamW", lr=LR, adapter_name=adapter, betas=(0.9, 0.95), eps=1e-12, weight_decay=0.0)
     losses = []
-    for step in range(steps):
+    for step_rows in schedule or [rows] * steps:
+        batch, weights = _batch(step_rows)
+        trained = int((weights != 0).sum())
+        if sum_gradient:
+            weights = weights * trained
         mean = model.forward_backward(batch, adapter_name=adapter, loss_weights=weights)
-        losses.append(mean * int((weights != 0).sum()))
-        if step == 0:
-            model.set_optimizer(
-                "AdamW", lr=LR, adapter_name=adapter, betas=(0.9, 0.95), eps=1e-12, weight_decay=0.0
-            )
+        losses.append(mean if sum_gradient else mean * trained)
         model.clip_grad_norm(0.0, adapter_name=adapter)
         model.step(adapter_name=adapter)
         model.zero_grad(adapter_name=adapter)
@@ -90,11 +106,15 @@ def assert_same_adapter(actual: dict, expected: dict) -> None:
 
 
 def test_sdk_loop_matches_the_local_api(server, tiny_model_dir):
-    model_id, losses = sdk_train(server.url, KEY_A, str(tiny_model_dir), ROWS["a"], steps=3)
+    """Steps of 6, 4 and 6 trained tokens: Adam is blind to one constant scale of the gradient,
+    not to a scale that changes from step to step, so only Tinker's summed gradient (not the
+    token mean) gives the local loop's adapter."""
+    schedule = [ROWS["a"], ROWS["a"][:1], ROWS["a"]]
+    model_id, losses = sdk_train(server.url, KEY_A, str(tiny_model_dir), None, 0, schedule=schedule)
     name, state = adapter_of(server, model_id)
-    expected_state, expected_losses = local_train(tiny_model_dir, name, ROWS["a"], steps=3)
+    expected_state, expected_losses = local_train(tiny_model_dir, name, None, 0, schedule=schedule)
     np.testing.assert_allclose(losses, expected_losses, atol=1e-5, rtol=0)
-    assert losses[-1] < losses[0]  # it trained
+    assert losses[-1] < losses[0]  # it trained (the first and last steps are on the same rows)
     assert_same_adapter(state, expected_state)
 
 

@@ -10,6 +10,7 @@ import asyncio
 import hmac
 import json
 import math
+import shutil
 import threading
 import time
 import uuid
@@ -21,7 +22,7 @@ from fastapi.responses import JSONResponse, Response
 
 from twinkle.server.config import ServerConfig
 from twinkle.server.engine import Engine
-from twinkle.server.errors import BadRequest, ServerError, Unauthorized
+from twinkle.server.errors import BadRequest, NotFound, ServerError, Unauthorized
 from twinkle.server.state import Queue, Registry, Tenant, tenant_id
 
 PROTO = "application/x-protobuf"
@@ -40,34 +41,71 @@ class Server:
         for t in self.tenants.values():
             t.tokens = t.limits.rate * 4
         config.output_dir.mkdir(parents=True, exist_ok=True)
-        self.registry = Registry(config.output_dir)
+        reporter = None
+        if "tensorboard" in config.report_to:
+            from twinkle.server.report import Reporter
+
+            reporter = Reporter()
+        self.registry = Registry(config.output_dir, reporter)
         self.queue = Queue()
-        self.clients: dict[str, str] = {}  # an SDK client's id (its session_id) -> tenant id
-        self.samplers: dict[str, tuple[str, str | None]] = {}  # sampler id -> (tenant, path)
+        self.clients = self.registry.clients  # an SDK client's id (its session_id) -> tenant id
+        self.samplers = self.registry.samplers  # sampler id -> (tenant, checkpoint path or None)
         if config.idle_timeout > 0:
             threading.Thread(target=self._sweep, name="twinkle-server-idle", daemon=True).start()
 
     # ---------------------------------------------------------------- runs on the model
     def on_run(self, tenant: Tenant, run: Any, fn: Any) -> str:
-        """Queue ``fn`` for the run; a parked run is first loaded back into a slot."""
+        """Queue ``fn`` for the run; a parked run (idle, or from before a restart) is first loaded
+        back into a slot."""
 
         def job() -> Any:
+            if not run.live and run.parked is not None and not Path(run.parked).is_dir():
+                # its save was deleted (by the tenant, or a TTL): the newest one left, if any
+                run.parked, run.parked_optimizer = self.registry.restore_point(run)
+                if run.parked is None:
+                    raise NotFound(f"training run {run.id!r} has no saved state left to resume from")
             if not run.live and run.parked is not None:
+                self.make_room(keep=run)
                 self.engine.add(run.adapter, run.rank)
-                self.engine.load(run.adapter, Path(run.parked), optimizer=True)
-                run.live, run.parked = True, None
+                try:
+                    self.engine.load(run.adapter, Path(run.parked), optimizer=run.parked_optimizer)
+                except Exception:
+                    self.engine.remove(run.adapter)
+                    raise
+                run.live, run.parked, run.parked_optimizer = True, None, True
             return fn()
 
         return self.queue.submit(tenant.id, job)
 
-    def park(self, run: Any) -> None:
-        """Save an idle run (adapter and optimizer, as ``weights/idle-<ms>``) and free its slot."""
-        if not run.live or time.time() - run.last_request < self.config.idle_timeout:
+    def make_room(self, keep: Any = None) -> None:
+        """A free adapter slot (in the worker): when every slot is taken, the live run whose last
+        request is the oldest (not ``keep``) is parked; its next request loads it back."""
+        if self.engine.model.slots.free():
             return
-        folder = self.registry.folder(run) / "weights" / f"idle-{int(time.time() * 1000)}"
+        live = [r for r in self.registry.runs.values() if r.live and r is not keep]
+        if not live:
+            raise ServerError(
+                f"every adapter slot (--max-loras {self.config.max_loras}) is in use and none can be "
+                "freed; retry shortly, or start the server with a higher --max-loras",
+                status=503,
+            )
+        self.park(min(live, key=lambda r: r.last_request), force=True)
+
+    def park(self, run: Any, force: bool = False) -> None:
+        """Save a run idle for ``--idle-timeout`` (or any live run, ``force``) as
+        ``weights/parked-<ms>`` (adapter, AdamW state and any gradients of an open window), free
+        its slot, and delete the run's older ``parked-`` saves."""
+        idle = time.time() - run.last_request >= self.config.idle_timeout
+        if not run.live or not (force or idle):
+            return
+        weights = self.registry.folder(run) / "weights"
+        older = list(weights.glob("parked-*"))
+        folder = weights / f"parked-{int(time.time() * 1000)}"
         self.engine.save(run.adapter, folder, optimizer=True)
         self.engine.remove(run.adapter)
-        run.live, run.parked = False, str(folder)
+        run.live, run.parked, run.parked_optimizer = False, str(folder), True
+        for old in older:
+            shutil.rmtree(old, ignore_errors=True)
 
     def _sweep(self) -> None:
         period = min(max(self.config.idle_timeout / 4, 0.05), 30.0)

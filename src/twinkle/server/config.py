@@ -10,6 +10,7 @@ import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+from twinkle.server.report import parse_server_report_to
 from twinkle.server.state import Limits
 from twinkle.utils.errors import UserError
 
@@ -26,6 +27,7 @@ class ServerConfig:
     output_dir: Path = Path("output/server")
     idle_timeout: float = 1800.0  # seconds without a request before a run is parked (0: never)
     keys: dict[str, Limits] = field(default_factory=dict)
+    report_to: tuple[str, ...] = ()  # ("tensorboard",): per-run event files besides metrics.jsonl
 
 
 def parse_keys(text: str, where: str, defaults: Limits) -> dict[str, Limits]:
@@ -107,6 +109,12 @@ def build_parser() -> argparse.ArgumentParser:
         "request loads it back (default 1800, 0: never)",
     )
     p.add_argument(
+        "--report-to",
+        default="none",
+        help="tensorboard: each run's metrics also as TensorBoard scalars under its folder "
+        "(<output-dir>/<key hash>/<run>/tensorboard); default none (metrics.jsonl only)",
+    )
+    p.add_argument(
         "--max-adapters", type=int, default=4, help="default live training runs per key (default 4)"
     )
     p.add_argument(
@@ -140,4 +148,5 @@ def parse_args(argv: list[str]) -> ServerConfig:
         output_dir=Path(args.output_dir),
         idle_timeout=args.idle_timeout,
         keys=load_keys(args.api_keys, defaults),
+        report_to=parse_server_report_to(args.report_to),
     )

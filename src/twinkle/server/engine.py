@@ -6,8 +6,11 @@ adapter, so tenants never see each other's weights or optimizer state.
 Tinker ``Datum`` to twinkle batch: input tokens ``x[0..n)`` with ``target_tokens`` ``y`` (``y[i]``
 is predicted at position ``i``) become the row ``x + [y[n-1]]`` with labels ``[-100] + y``
 (twinkle's labels are aligned with the inputs and shifted by the model). The losses are
-``twinkle.server.losses.TinkerLoss``; the optimizer step is twinkle's: the gradient of the
-window is the mean over its counted tokens (weight or advantage not 0)."""
+``twinkle.server.losses.TinkerLoss``. The optimizer step applies Tinker's gradient: that of the
+summed loss of every ``forward_backward`` since the last step (no division by a token count).
+``loss_fn_config={"twinkle_reduction": "token_mean"}`` (what ``twinkle_client`` sends) asks
+for the local API's instead: the mean over the window's counted tokens (weight or advantage
+not 0)."""
 
 import math
 from pathlib import Path
@@ -28,6 +31,8 @@ LOSS_INPUTS = {
     "ppo": ("target_tokens", "logprobs", "advantages"),
 }
 LORA_ALPHA = 32  # Tinker's LoRA alpha
+REDUCTION_KEY = "twinkle_reduction"  # a loss_fn_config key of this server's own
+REDUCTIONS = ("sum", "token_mean")
 
 
 def lora_config(rank: int) -> Any:
@@ -72,6 +77,7 @@ class Engine:
         pad = self.tokenizer.pad_token_id
         self.pad_id = int(pad if pad is not None else 0)
         self.optim_params: dict[str, dict[str, float]] = {}
+        self.window_reduction: dict[str, str] = {}  # adapter -> its open window's reduction
         self.sampler: Any = None  # a TorchSampler on this model, made at the first sample
 
     # ---------------------------------------------------------------- adapters
@@ -93,6 +99,8 @@ class Engine:
             raise BadRequest(f"loss_fn {loss_fn!r} is not supported; use one of {', '.join(LOSS_INPUTS)}")
         for i, d in enumerate(data):
             check_datum(d, i, self.vocab, LOSS_INPUTS[loss_fn])
+        if not forward_only:
+            self._open_window(name, config)
         loss = TinkerLoss(loss_fn, config)
         self.model.set_loss(loss, adapter_name=name)
         batch, extras = datum_batch(data, loss_fn, self.pad_id)
@@ -109,7 +117,25 @@ class Engine:
         ]
         return outputs, {"loss:sum": float(loss.last_per_token.sum())}
 
+    def _open_window(self, name: str, config: dict[str, Any]) -> None:
+        """Record the reduction the adapter's open window is accumulated with (one per window)."""
+        reduction = config.get(REDUCTION_KEY, "sum")
+        if reduction not in REDUCTIONS:
+            raise BadRequest(
+                f"loss_fn_config[{REDUCTION_KEY!r}] must be one of {', '.join(REDUCTIONS)}, got {reduction!r}"
+            )
+        open_ = self.window_reduction.get(name)
+        if open_ is not None and open_ != reduction and self.model.optimizer_group[name].window_batches:
+            raise BadRequest(
+                f"this run's gradients since the last optim_step were accumulated with {REDUCTION_KEY}="
+                f"{open_!r}, not {reduction!r}; call optim_step first or send the same reduction"
+            )
+        self.window_reduction[name] = reduction
+
     def optim_step(self, name: str, adam: dict[str, float]) -> dict[str, float]:
+        """AdamW on the window's gradients: their sum (Tinker's), or their mean over the counted
+        tokens when the window asked for ``token_mean``. A window of only zero weights still steps
+        (a zero gradient; Adam's moments move the weights as on Tinker)."""
         params = {
             "lr": float(adam.get("learning_rate", 1e-4)),
             "betas": (float(adam.get("beta1", 0.9)), float(adam.get("beta2", 0.95))),
@@ -128,6 +154,8 @@ class Engine:
         else:
             for g in group.optimizer.param_groups:
                 g.update(params)
+        if self.window_reduction.pop(name, "sum") == "sum" and group.window_batches:
+            group.window_tokens = 1  # the model divides the summed gradients by this count
         clip = float(adam.get("grad_clip_norm", 0.0) or 0.0)
         norm = self.model.clip_grad_norm(clip, adapter_name=name)
         stepped = self.model.step(adapter_name=name)
@@ -162,9 +190,13 @@ class Engine:
         out = m.model(input_ids=torch.tensor([ids], device=m.device))
         return out.logits[0].float().cpu()
 
+    def next_token_logps(self, name: str, ids: list[int]) -> torch.Tensor:
+        """Row ``i``: log p(next token | ids[:i + 1]) over the vocabulary (fp32, temperature 1)."""
+        return torch.log_softmax(self._logits(name, ids), dim=-1)
+
     def prompt_logprobs(self, name: str, ids: list[int]) -> list[float]:
         """log p(ids[i] | ids[:i]) for i >= 1, NaN for the first token."""
-        logps = torch.log_softmax(self._logits(name, ids)[:-1], dim=-1)
+        logps = self.next_token_logps(name, ids)[:-1]
         picked = logps.gather(1, torch.tensor(ids[1:])[:, None]).squeeze(1)
         return [math.nan, *picked.tolist()]
 

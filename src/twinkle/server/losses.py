@@ -3,8 +3,9 @@
 Every target token of a datum is labelled, so the model hands the loss all of them (in the
 batch's row-major order, ``twinkle.loss.base``); the tokens that do not count (weight 0 for
 ``cross_entropy``, advantage 0 for ``importance_sampling`` and ``ppo``) add zero to the loss
-and are left out of its token count, so the optimizer step's mean runs over the counted tokens
-only (as if they were unlabelled). The same pass keeps each token's log-probability and loss
+and are left out of its token count, so a ``token_mean`` window's step (``twinkle_client``'s)
+averages over the counted tokens only (as if they were unlabelled); the default step applies the
+summed loss's gradient and ignores the count (``twinkle.server.engine``). The same pass keeps each token's log-probability and loss
 (``last_logps``, ``last_per_token``): ``forward_backward`` needs no second forward for them.
 
 The per-token objectives are ``TokenWeightedCrossEntropyLoss``'s (``-w * logp``) and those of

@@ -1,20 +1,20 @@
-"""The ``RestClient`` routes: a tenant's training runs and checkpoints (listing, info, delete).
-Another tenant's run or checkpoint is a 404, as an unknown one."""
+"""The ``RestClient`` routes: a tenant's training runs and checkpoints (listing, info, delete,
+TTLs). Another tenant's run or checkpoint is a 404, as an unknown one."""
 
-import shutil
 from typing import Any
 
 from fastapi import FastAPI, Request
 
 from twinkle.server.app import Server, body, field
 from twinkle.server.errors import NotFound
+from twinkle.server.runs import check_ttl
 
 
 def add_rest_routes(app: FastAPI, s: Server, iso: Any) -> None:
     v1 = "/api/v1"
 
     def checkpoint_json(c: dict) -> dict:
-        return {**c, "time": iso(c["time"])}
+        return {**c, "time": iso(c["time"]), "expires_at": iso(c["expires_at"]) if c["expires_at"] else None}
 
     def run_json(run: Any) -> dict:
         ckpts = s.registry.checkpoints(run)
@@ -51,12 +51,19 @@ def add_rest_routes(app: FastAPI, s: Server, iso: Any) -> None:
 
     @app.delete(f"{v1}/training_runs/{{run_id}}/checkpoints/{{kind}}/{{name}}")
     async def delete_checkpoint(request: Request, run_id: str, kind: str, name: str) -> dict:
-        _, _, folder = s.registry.checkpoint(s.auth(request), f"tinker://{run_id}/{kind}/{name}")
-        shutil.rmtree(folder)
+        run, _, _ = s.registry.checkpoint(s.auth(request), f"tinker://{run_id}/{kind}/{name}")
+        s.registry.forget(run, f"{kind}/{name}")
+        return {}
+
+    @app.put(f"{v1}/training_runs/{{run_id}}/checkpoints/{{kind}}/{{name}}/ttl")
+    async def set_ttl(request: Request, run_id: str, kind: str, name: str) -> dict:
+        run, _, _ = s.registry.checkpoint(s.auth(request), f"tinker://{run_id}/{kind}/{name}")
+        ttl = check_ttl(field(await body(request), "ttl_seconds", int, default=None))
+        s.registry.set_ttl(run, f"{kind}/{name}", ttl)
         return {}
 
     @app.get(f"{v1}/checkpoints")
-    async def all_checkpoints(request: Request) -> dict:
+    async def all_checkpoints(request: Request, limit: int = 100, offset: int = 0) -> dict:
         tenant = s.auth(request)
         out = [
             checkpoint_json(c)
@@ -64,7 +71,9 @@ def add_rest_routes(app: FastAPI, s: Server, iso: Any) -> None:
             if r.tenant == tenant.id
             for c in s.registry.checkpoints(r)
         ]
-        return {"checkpoints": out, "cursor": {"offset": 0, "limit": len(out), "total_count": len(out)}}
+        out.sort(key=lambda c: c["time"], reverse=True)
+        page = out[offset : offset + limit]
+        return {"checkpoints": page, "cursor": {"offset": offset, "limit": limit, "total_count": len(out)}}
 
     @app.post(f"{v1}/weights_info")
     async def weights_info(request: Request) -> dict:

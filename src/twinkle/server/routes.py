@@ -10,7 +10,7 @@ from fastapi.responses import PlainTextResponse
 
 from twinkle.server.app import PROTO, Server, body, field, future, new_id
 from twinkle.server.errors import BadRequest, NotFound
-from twinkle.server.runs import check_base, open_run, save, start_run
+from twinkle.server.runs import check_base, open_run, save, save_options, start_run
 from twinkle.server.wire import (
     decode_forward_backward,
     encode_forward_backward_output,
@@ -60,7 +60,7 @@ def add_routes(app: FastAPI, s: Server) -> None:
         tenant = s.auth(request)
         await body(request)
         client_id = new_id()
-        s.clients[client_id] = tenant.id
+        s.registry.remember_client(tenant.id, client_id)
         return {"type": "create_session", "session_id": client_id}
 
     @app.post(f"{v1}/session_heartbeat")
@@ -166,9 +166,9 @@ def add_routes(app: FastAPI, s: Server) -> None:
         tenant = s.auth(request)
         data = await body(request)
         run = s.registry.run_of(tenant, field(data, "model_id", str))
-        name = field(data, "path", str, default=None)
+        opts = save_options(data)
         rid = s.on_run(
-            tenant, run, lambda: {"path": save(s, run, "weights", name, True), "type": "save_weights"}
+            tenant, run, lambda: {"path": save(s, run, "weights", True, **opts), "type": "save_weights"}
         )
         return future(rid, run.id)
 
@@ -177,14 +177,14 @@ def add_routes(app: FastAPI, s: Server) -> None:
         tenant = s.auth(request)
         data = await body(request)
         run = s.registry.run_of(tenant, field(data, "model_id", str))
-        name = field(data, "path", str, default=None)
+        opts = save_options(data)
 
         def job() -> dict:
-            path = save(s, run, "sampler_weights", name, False)
+            path = save(s, run, "sampler_weights", False, **opts)
             sampler_id = None
-            if name is None:  # save_weights_and_get_sampling_client: a sampler on it
+            if opts["name"] is None:  # save_weights_and_get_sampling_client: a sampler on it
                 sampler_id = new_id()
-                s.samplers[sampler_id] = (tenant.id, path)
+                s.registry.remember_sampler(tenant.id, sampler_id, path)
             return {"path": path, "sampling_session_id": sampler_id, "type": "save_weights_for_sampler"}
 
         return future(s.on_run(tenant, run, job), run.id)
@@ -215,9 +215,30 @@ def add_routes(app: FastAPI, s: Server) -> None:
 
         return future(s.on_run(tenant, run, job) if run else s.queue.submit(tenant.id, job), model_id)
 
+    @app.post(f"{v1}/cancel_future")
+    async def cancel_future(request: Request) -> dict:
+        tenant = s.identify(request)
+        s.queue.cancel(tenant.id, field(await body(request), "request_id", str, required=True))
+        return {}
+
+    @app.get(f"{v1}/sessions")
+    async def sessions(request: Request, limit: int = 20, offset: int = 0) -> dict:
+        tenant = s.auth(request)
+        mine = [c for c, t in s.clients.items() if t == tenant.id]
+        return {"sessions": mine[offset : offset + limit]}
+
+    @app.post(f"{v1}/sessions/{{session_id}}/finish")
+    async def finish_session(request: Request, session_id: str) -> dict:
+        """The SDK's ``ServiceClient.close()``: the client's runs and samplers stay usable."""
+        tenant = s.identify(request)
+        if s.clients.get(session_id) != tenant.id:
+            raise NotFound(f"client {session_id!r} is not one of this key's")
+        return {}
+
     from twinkle.server.rest import add_rest_routes
     from twinkle.server.sampling import add_sampling_routes
+    from twinkle.server.unsupported import add_unsupported_routes
 
     add_sampling_routes(app, s)
-
     add_rest_routes(app, s, _iso)
+    add_unsupported_routes(app)

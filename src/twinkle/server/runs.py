@@ -8,6 +8,15 @@ from typing import Any
 from twinkle.server.app import field
 from twinkle.server.errors import BadRequest, NotFound, TooMany
 
+MAX_TTL = 10 * 365 * 24 * 3600
+
+
+def check_ttl(ttl: int | None) -> int | None:
+    """A checkpoint TTL in seconds: None (never expires) or 1 s to 10 years."""
+    if ttl is not None and not 1 <= ttl <= MAX_TTL:
+        raise BadRequest(f"ttl_seconds must be 1..{MAX_TTL} (10 years) or null (never expires), got {ttl}")
+    return ttl
+
 
 def check_base(s: Any, data: dict) -> str:
     """The request's ``base_model`` (default: the served one); another is ``NotFound``."""
@@ -31,8 +40,10 @@ def open_run(s: Any, tenant: Any, rank: int) -> int:
 
 
 def start_run(s: Any, tenant: Any, base: str, rank: int, seed: int = 0, run_id: str | None = None) -> Any:
-    """A new live run with its adapter on the model (in the worker: the limit is checked again)."""
+    """A new live run with its adapter on the model (in the worker: the limit is checked again; when
+    every slot is taken, the least recently used run is parked for it)."""
     open_run(s, tenant, rank)
+    s.make_room()
     run = s.registry.new_run(tenant, base, rank, seed, run_id)
     try:
         s.engine.add(run.adapter, rank)
@@ -43,10 +54,38 @@ def start_run(s: Any, tenant: Any, base: str, rank: int, seed: int = 0, run_id: 
     return run
 
 
-def save(s: Any, run: Any, kind: str, name: str | None, optimizer: bool) -> str:
-    """Save the run's adapter as ``<kind>/<name>`` (a timestamped name by default); its path."""
+def save_options(data: dict) -> dict[str, Any]:
+    """A save request's ``path`` (the name), ``ttl_seconds``, ``user_metadata`` and
+    ``overwrite``, checked."""
+    meta = field(data, "user_metadata", dict, default=None)
+    if meta is not None and not all(isinstance(v, str) for v in meta.values()):
+        raise BadRequest("user_metadata must map names to strings")
+    return {
+        "name": field(data, "path", str, default=None),
+        "ttl": check_ttl(field(data, "ttl_seconds", int, default=None)),
+        "meta": meta,
+        "overwrite": field(data, "overwrite", bool, default=True),
+    }
+
+
+def save(s: Any, run: Any, kind: str, optimizer: bool, name: str | None = None, **opts: Any) -> str:
+    """Save the run's adapter as ``<kind>/<name>`` (a timestamped name by default); its path.
+    ``opts`` (``save_options``): a TTL in seconds, user metadata, and whether an existing
+    checkpoint of that name may be replaced (``overwrite``)."""
     name = name or f"{kind.split('_')[0]}-{int(time.time() * 1000)}"
     if "/" in name or name.startswith(".") or len(name) > 128:
         raise BadRequest(f"checkpoint name {name!r} must be a plain name (no '/', not starting with '.')")
-    s.engine.save(run.adapter, s.registry.folder(run) / kind / name, optimizer)
+    folder = s.registry.folder(run) / kind / name
+    if folder.exists() and not opts.get("overwrite", True):
+        raise BadRequest(
+            f"checkpoint {kind}/{name} exists already; pass overwrite=True or choose another name"
+        )
+    s.engine.save(run.adapter, folder, optimizer)
+    ttl = opts.get("ttl")
+    s.registry.annotate(
+        run,
+        f"{kind}/{name}",
+        expires_at=None if ttl is None else time.time() + ttl,
+        user_metadata=opts.get("meta"),
+    )
     return f"tinker://{run.id}/{kind}/{name}"

@@ -3,9 +3,12 @@
 A tenant is an API key; it is known by the key's SHA-256 (``Tenant.id``, the key itself is
 never stored). Its runs and checkpoints live under ``output_dir/<tenant id>/<run id>/``:
 ``run.json`` (base model, LoRA rank), ``weights/<name>`` (``save_state``: adapter and optimizer)
-and ``sampler_weights/<name>`` (adapter only). Each save is written under a temporary name and
-renamed into place, so whatever a kill leaves, every listed checkpoint is whole; a restart
-reads the runs back from the folders.
+and ``sampler_weights/<name>`` (adapter only), ``checkpoints.json`` (their TTLs and user metadata). Each save
+is written under a temporary name and renamed into place, so whatever a kill leaves, every
+listed checkpoint is whole. A restart reads the runs back from the folders, each to be loaded
+on its next request from its newest checkpoint (``weights`` first: adapter and AdamW state),
+and the SDK clients' and samplers' ids from ``<tenant id>/clients.jsonl`` and
+``samplers.jsonl``, so a client that outlives the server goes on with the same ids.
 
 ``Queue``: one worker thread runs the requests one at a time, taking the tenants in turn (round
 robin over those with work waiting), each tenant's requests in the order they came."""
@@ -13,6 +16,7 @@ robin over those with work waiting), each tenant's requests in the order they ca
 import collections
 import hashlib
 import json
+import shutil
 import threading
 import time
 import uuid
@@ -68,18 +72,59 @@ class Run:
     last_request: float
     adapter: str = ""  # its adapter's name on the model (the LoRA initialisation follows it)
     live: bool = False  # its adapter holds a slot in this process
-    parked: str | None = None  # idle: saved here and its slot freed; reloaded on its next request
+    parked: str | None = None  # saved here and its slot freed; reloaded on its next request
+    parked_optimizer: bool = True  # the reload restores the AdamW state too (a ``weights`` save)
+
+
+PERSISTED = ("id", "tenant", "base_model", "rank", "created", "last_request", "adapter")
 
 
 class Registry:
     """Runs by id (every tenant's), read back from ``root`` at start."""
 
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, reporter: Any = None):
         self.root = root
+        self.reporter = reporter  # twinkle.server.report.Reporter with --report-to tensorboard
         self.runs: dict[str, Run] = {}
+        self.clients: dict[str, str] = {}  # an SDK client's id (its session_id) -> tenant id
+        self.samplers: dict[str, tuple[str, str | None]] = {}  # sampler id -> (tenant, path)
         for meta in sorted(root.glob("*/*/run.json")):
             data = json.loads(meta.read_text())
-            self.runs[data["id"]] = Run(**{**data, "live": False, "parked": None})
+            run = Run(**{k: data[k] for k in PERSISTED})
+            self.runs[run.id] = run
+            self.purge_expired(run)
+            run.parked, run.parked_optimizer = self.restore_point(run)
+        for path in sorted(root.glob("*/clients.jsonl")):
+            for line in path.read_text().splitlines():
+                self.clients[json.loads(line)["id"]] = path.parent.name
+        for path in sorted(root.glob("*/samplers.jsonl")):
+            for line in path.read_text().splitlines():
+                data = json.loads(line)
+                self.samplers[data["id"]] = (path.parent.name, data["path"])
+
+    def restore_point(self, run: Run) -> tuple[str | None, bool]:
+        """Where a run not in memory resumes: its newest ``weights`` checkpoint (with the AdamW
+        state), else its newest sampler weights (a fresh AdamW), else nowhere (None)."""
+        for kind in KINDS:
+            whole = [m for m in (self.folder(run) / kind).glob(f"[!.]*/{MARKER}") if m.is_file()]
+            if whole:
+                newest = max(whole, key=lambda m: m.stat().st_mtime)
+                return str(newest.parent), kind == "weights"
+        return None, True
+
+    def remember_client(self, tenant: str, client_id: str) -> None:
+        self.clients[client_id] = tenant
+        self._append(self.root / tenant / "clients.jsonl", {"id": client_id})
+
+    def remember_sampler(self, tenant: str, sampler_id: str, path: str | None) -> None:
+        self.samplers[sampler_id] = (tenant, path)
+        self._append(self.root / tenant / "samplers.jsonl", {"id": sampler_id, "path": path})
+
+    @staticmethod
+    def _append(path: Path, record: dict) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
 
     def folder(self, run: Run) -> Path:
         return self.root / run.tenant / run.id
@@ -105,7 +150,7 @@ class Registry:
         )
         folder = self.folder(run)
         folder.mkdir(parents=True, exist_ok=True)
-        data = {k: v for k, v in run.__dict__.items() if k not in ("live", "parked")}
+        data = {k: getattr(run, k) for k in PERSISTED}
         (folder / "run.json").write_text(json.dumps(data))
         self.runs[run.id] = run
         return run
@@ -117,8 +162,8 @@ class Registry:
             raise NotFound(f"model_id {run_id!r} is not one of this key's training runs")
         if live and not run.live and run.parked is None:
             raise NotFound(
-                f"training run {run_id!r} is not loaded (the server restarted); "
-                "create a training client from one of its saved checkpoints"
+                f"training run {run_id!r} has no saved state to resume from (it was unloaded, or the "
+                "server restarted before it saved a checkpoint); create a new training client"
             )
         run.last_request = time.time()
         return run
@@ -132,17 +177,64 @@ class Registry:
                 f"{path!r} is not a checkpoint path (tinker://<run>/weights|sampler_weights/<name>)"
             )
         run = self.runs.get(parts[0])
+        if run is not None and run.tenant == tenant.id:
+            self.purge_expired(run)
         folder = self.folder(run) / parts[1] / parts[2] if run else None
         if run is None or run.tenant != tenant.id or not (folder / MARKER).is_file():
             raise NotFound(f"checkpoint {path!r} does not exist for this key")
         return run, parts[1], folder
 
     def log(self, run: Run, record: dict[str, Any]) -> None:
-        """One line of the run's ``metrics.jsonl``."""
+        """One line of the run's ``metrics.jsonl`` (and its scalars with ``--report-to``)."""
         with open(self.folder(run) / "metrics.jsonl", "a", encoding="utf-8") as f:
             f.write(json.dumps({"time": round(time.time(), 3), **record}) + "\n")
+        if self.reporter is not None:
+            self.reporter.log(self.folder(run), record)
+
+    # ---------------------------------------------------------------- TTLs and metadata
+    def notes(self, run: Run) -> dict[str, dict[str, Any]]:
+        """``{"<kind>/<name>": {"expires_at": time, "user_metadata": {...}}}`` of the run's
+        checkpoints that have either (``checkpoints.json`` in the run's folder)."""
+        path = self.folder(run) / "checkpoints.json"
+        return json.loads(path.read_text()) if path.is_file() else {}
+
+    def annotate(self, run: Run, checkpoint_id: str, **values: Any) -> None:
+        """Set the checkpoint's notes (a None value removes that note)."""
+        notes = self.notes(run)
+        entry = {**notes.get(checkpoint_id, {}), **values}
+        entry = {k: v for k, v in entry.items() if v is not None}
+        if entry == notes.get(checkpoint_id, {}):
+            return
+        if entry:
+            notes[checkpoint_id] = entry
+        else:
+            notes.pop(checkpoint_id, None)
+        tmp = self.folder(run) / ".checkpoints.json.tmp"
+        tmp.write_text(json.dumps(notes))
+        tmp.replace(self.folder(run) / "checkpoints.json")
+
+    def set_ttl(self, run: Run, checkpoint_id: str, ttl_seconds: float | None) -> None:
+        """The checkpoint expires ``ttl_seconds`` from now (None: never)."""
+        self.annotate(
+            run, checkpoint_id, expires_at=None if ttl_seconds is None else time.time() + ttl_seconds
+        )
+
+    def forget(self, run: Run, checkpoint_id: str) -> None:
+        """Delete the checkpoint and its notes."""
+        shutil.rmtree(self.folder(run) / checkpoint_id, ignore_errors=True)
+        self.annotate(run, checkpoint_id, expires_at=None, user_metadata=None)
+
+    def purge_expired(self, run: Run) -> None:
+        """Delete the run's checkpoints whose TTL has passed (checked whenever they are listed or
+        looked up, and at start-up)."""
+        now = time.time()
+        for checkpoint_id, entry in self.notes(run).items():
+            if entry.get("expires_at", now + 1) <= now:
+                self.forget(run, checkpoint_id)
 
     def checkpoints(self, run: Run) -> list[dict[str, Any]]:
+        self.purge_expired(run)
+        notes = self.notes(run)
         out = []
         for kind, type_ in KINDS.items():
             for folder in sorted((self.folder(run) / kind).glob("[!.]*")):
@@ -155,6 +247,8 @@ class Registry:
                         "time": folder.stat().st_mtime,
                         "tinker_path": f"tinker://{run.id}/{kind}/{folder.name}",
                         "size_bytes": sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()),
+                        "expires_at": notes.get(f"{kind}/{folder.name}", {}).get("expires_at"),
+                        "user_metadata": notes.get(f"{kind}/{folder.name}", {}).get("user_metadata"),
                     }
                 )
         return out
@@ -187,6 +281,22 @@ class Queue:
             self.pending.setdefault(tenant, collections.deque()).append((request_id, fn))
             self.cond.notify()
         return request_id
+
+    def cancel(self, tenant: str, request_id: str) -> bool:
+        """Drop a request that has not started (its future fails as cancelled); False when it
+        started or finished already."""
+        fut = self.future(tenant, request_id)
+        with self.cond:
+            jobs = self.pending.get(tenant, ())
+            for job in jobs:
+                if job[0] == request_id:
+                    jobs.remove(job)
+                    if not jobs:
+                        del self.pending[tenant]
+                    fut.error = ("the request was cancelled", "user")
+                    fut.done.set()
+                    return True
+        return False
 
     def depth(self) -> int:
         with self.cond:

@@ -145,18 +145,41 @@ def encode_forward_backward_output(
     return out.SerializeToString()
 
 
+def _topk(msg: Any, topk: tuple[np.ndarray, np.ndarray]) -> None:
+    """Fill a ``TopkLogprobs`` message from (token ids, log-probs), each of shape (length, k)."""
+    ids, logps = topk
+    msg.length, msg.k = int(ids.shape[0]), int(ids.shape[1])
+    msg.token_ids = np.ascontiguousarray(ids, dtype=np.int32).tobytes()
+    msg.logprobs = np.ascontiguousarray(logps, dtype=np.float32).tobytes()
+
+
 def encode_sample_response(
-    sequences: list[tuple[list[int], list[float], str]], prompt_logprobs: list[float] | None
+    sequences: list[tuple[list[int], list[float], str]],
+    prompt_logprobs: list[float] | None,
+    extras: dict[str, Any] | None = None,
 ) -> bytes:
     """A ``SampleResponse`` message: (tokens, log-probs, "stop"|"length") per sequence, and the
-    prompt's log-probs (NaN for the first token, which has none)."""
+    prompt's log-probs (NaN where not scored: the first token, which has none, and those before
+    ``prompt_logprobs_last_n``). ``extras``: ``topk_prompt`` (ids, log-probs) of shape
+    (prompt length, k); ``topk_samples``, one such pair per sequence; ``target`` the float32
+    log-probs of ``target_prompt_logprobs``, shape (prompt length - 1, K)."""
     pb = _pb()
+    extras = extras or {}
     out = pb.SampleResponse()
-    for tokens, logprobs, reason in sequences:
+    for i, (tokens, logprobs, reason) in enumerate(sequences):
         seq = out.sequences.add()
         seq.tokens = np.asarray(tokens, dtype=np.int32).tobytes()
         seq.logprobs = np.asarray(logprobs, dtype=np.float32).tobytes()
         seq.stop_reason = pb.STOP_REASON_STOP if reason == "stop" else pb.STOP_REASON_LENGTH
+        if "topk_samples" in extras:
+            _topk(seq.topk_sampled_logprobs, extras["topk_samples"][i])
     if prompt_logprobs is not None:
         out.prompt_logprobs = np.asarray(prompt_logprobs, dtype=np.float32).tobytes()
+    if "topk_prompt" in extras:
+        _topk(out.topk_prompt_logprobs, extras["topk_prompt"])
+    if "target" in extras:
+        target = np.ascontiguousarray(extras["target"], dtype=np.float32)
+        out.target_prompt_logprobs.dtype = pb.DTYPE_FLOAT32
+        out.target_prompt_logprobs.shape.extend(target.shape)
+        out.target_prompt_logprobs.dense = target.tobytes()
     return out.SerializeToString()
