@@ -82,11 +82,11 @@ def add_rest_routes(app: FastAPI, s: Server, iso: Any) -> None:
         run, _, _ = s.registry.checkpoint(tenant, path)
         return {"base_model": run.base_model, "is_lora": True, "lora_rank": run.rank}
 
-    @app.get(f"{v1}/sessions/{{session_id}}")
-    async def client_info(request: Request, session_id: str) -> dict:  # the SDK's route name
+    @app.get(f"{v1}/sessions/{{client_id}}")  # the SDK's route name for its clients
+    async def client_info(request: Request, client_id: str) -> dict:
         tenant = s.auth(request)
-        if s.clients.get(session_id) != tenant.id:
-            raise NotFound(f"client {session_id!r} is not one of this key's")
+        if s.clients.get(client_id) != tenant.id:
+            raise NotFound(f"client {client_id!r} is not one of this key's")
         runs = [r.id for r in s.registry.runs.values() if r.tenant == tenant.id and r.live]
         return {
             "training_run_ids": runs,

@@ -221,18 +221,18 @@ def add_routes(app: FastAPI, s: Server) -> None:
         s.queue.cancel(tenant.id, field(await body(request), "request_id", str, required=True))
         return {}
 
-    @app.get(f"{v1}/sessions")
-    async def sessions(request: Request, limit: int = 20, offset: int = 0) -> dict:
+    @app.get(f"{v1}/sessions")  # the SDK's route and JSON names for its clients
+    async def list_clients(request: Request, limit: int = 20, offset: int = 0) -> dict:
         tenant = s.auth(request)
         mine = [c for c, t in s.clients.items() if t == tenant.id]
         return {"sessions": mine[offset : offset + limit]}
 
-    @app.post(f"{v1}/sessions/{{session_id}}/finish")
-    async def finish_session(request: Request, session_id: str) -> dict:
+    @app.post(f"{v1}/sessions/{{client_id}}/finish")
+    async def finish_client(request: Request, client_id: str) -> dict:
         """The SDK's ``ServiceClient.close()``: the client's runs and samplers stay usable."""
         tenant = s.identify(request)
-        if s.clients.get(session_id) != tenant.id:
-            raise NotFound(f"client {session_id!r} is not one of this key's")
+        if s.clients.get(client_id) != tenant.id:
+            raise NotFound(f"client {client_id!r} is not one of this key's")
         return {}
 
     from twinkle.server.rest import add_rest_routes

@@ -24,9 +24,9 @@ ROUTES = [
     (["POST"], "/join_sampling_session", "join_sampling_session"),
     (["POST"], "/retrieve_futures", "the batched futures poller"),
     (["POST"], "/save_weights_external", "save_weights_external"),
-    (["POST"], "/sessions/search", "session search"),
-    (["PUT"], "/sessions/{session_id}/project", "projects"),
-    (["GET"], "/sessions/{session_id}/trace_export", "trace export"),
+    (["POST"], "/sessions/search", "searching clients"),
+    (["PUT"], "/sessions/{client_id}/project", "projects"),
+    (["GET"], "/sessions/{client_id}/trace_export", "trace export"),
     (["GET"], CHECKPOINT + "/external_weights_urls", "external weights URLs"),
     (["POST", "DELETE"], CHECKPOINT + "/publish", "publishing checkpoints"),
 ]
