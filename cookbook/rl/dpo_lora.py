@@ -5,6 +5,7 @@ model with its adapters off (``forward_only(..., disable_lora=True)``), so no se
     python cookbook/rl/dpo_lora.py --model-name Pip --model-author Acme --output-dir output/dpo
     python cookbook/rl/dpo_lora.py --dataset-id my_pairs.jsonl --eval-samples 50
     torchrun --nproc_per_node 2 cookbook/rl/dpo_lora.py --fsdp-size 2
+    python cookbook/rl/dpo_lora.py --mode ray --fsdp-size 2
 
 Its defaults are the CLI's and those of ``dpo_lora.yaml`` beside it (``--sft-weight 1``: the
 chosen reply's cross-entropy joins the DPO loss, as upstream's script does). With no flags it
@@ -24,6 +25,13 @@ spans two data-parallel ranks). ``--beta``, ``--loss-type`` (sigmoid, hinge, ipo
 steps (default: none between) and at the end. ``--save-steps N`` saves ``checkpoint-<step>``;
 the PEFT adapter of the last step is ``last-checkpoint`` (``twinkle chat --adapter
 OUTPUT_DIR/last-checkpoint``).
+
+``--mode ray`` runs this loop as a single controller (``twinkle.runtime.controller``): this
+process drives it, and the model and its DataLoaders live on a device group ``model`` of
+``--fsdp-size`` x ``--dp-size`` ranks (FSDP2 among them; ``--model-gpus N``: N ranks), on a
+local Ray cluster or ``--ray-address``; each rank reads its share of every batch as it would
+under torchrun, and the losses are one process's. ``--max-restarts K``: a rank that dies
+restarts the run from its newest complete checkpoint (``--save-steps``), up to K times.
 """
 
 from pathlib import Path
@@ -31,7 +39,7 @@ from pathlib import Path
 from peft import LoraConfig
 
 import twinkle
-from twinkle import DeviceMesh, get_device_placement, get_logger
+from twinkle import DeviceGroup, DeviceMesh, get_device_placement, get_logger
 from twinkle.cli import CLI
 from twinkle.dataloader import DataLoader
 from twinkle.dataset import Dataset, DatasetMeta
@@ -40,19 +48,23 @@ from twinkle.loss import DPOLoss
 from twinkle.metric import DPOMetric
 from twinkle.model import TransformersModel
 from twinkle.preprocessor import PreferenceProcessor, SelfCognitionDPOProcessor
+from twinkle.runtime.remote import Sharded
 from twinkle.utils.errors import UserError
+from twinkle.utils.framework import Torch
 
 BUNDLED = "self-cognition-dpo"
 # One pass over the 120 bundled training pairs (30 steps of 4): on SmolLM2-135M the held-out reward
 # accuracy reaches 1.0 by step 10.
 DEFAULT_TRAIN_PAIRS = 120
+MODEL_GROUP = "model"  # --mode ray: the device group of the model and its DataLoaders
 
 logger = get_logger()
 args = CLI.from_args(config_file=Path(__file__).with_name("dpo_lora.yaml"))  # the defaults it ships
-twinkle.initialize(
-    mode=args.infra.mode,
-    global_device_mesh=DeviceMesh.from_sizes(fsdp_size=args.infra.fsdp_size, dp_size=args.infra.dp_size),
-)
+MESH = DeviceMesh.from_sizes(fsdp_size=args.infra.fsdp_size, dp_size=args.infra.dp_size,
+                             world_size=args.infra.model_gpus if args.infra.mode == "ray" else None)  # fmt: skip
+GROUPS = [DeviceGroup(name=MODEL_GROUP, ranks=MESH.world_size, device_type=Torch.device_type())]
+twinkle.initialize(mode=args.infra.mode, global_device_mesh=MESH,
+                   groups=GROUPS if args.infra.mode == "ray" else None)  # fmt: skip
 
 
 def build_dataset(split: str, rows: range | None) -> Dataset:
@@ -93,13 +105,15 @@ def datasets() -> tuple[Dataset, Dataset | None]:
     return build_dataset(split, train_rows), build_dataset(split, range(held_out)) if held_out else None
 
 
-def evaluate(model: TransformersModel, pairs: Dataset, refs: list[dict]) -> dict[str, float]:
+def evaluate(model: TransformersModel, pairs: DataLoader, refs: list) -> dict[str, float]:
     """The DPO loss and metrics of the held-out pairs: the policy's pass on each batch with the
     reference's log-probs. The reference (the base model) never changes: its pass runs at the
-    first evaluation only and ``refs`` keeps each batch's log-probs for the later ones."""
-    for index, batch in enumerate(DataLoader(dataset=pairs, batch_size=args.training.batch_size)):
+    first evaluation only and ``refs`` keeps each batch's log-probs for the later ones (under
+    ``--mode ray`` each rank's part, held here: the ranks keep only their last few values)."""
+    for index, batch in enumerate(pairs):
         if index == len(refs):
-            refs.append({"logps": model.forward_only(inputs=batch, disable_lora=True)["logps"]})
+            ref = model.forward_only(inputs=batch, disable_lora=True)
+            refs.append(ref.fetch("logps") if isinstance(ref, Sharded) else {"logps": ref["logps"]})
         model.forward_only(inputs=batch, ref_outputs=refs[index])
         model.calculate_loss()
     return model.calculate_metric(is_training=False)
@@ -111,8 +125,12 @@ def main() -> None:
                    label_smoothing=args.loss.label_smoothing)  # fmt: skip
     train_set, eval_set = datasets()
     train = DataLoader(dataset=train_set, batch_size=args.training.batch_size, shuffle=True,
-                       seed=args.infra.seed)  # fmt: skip
-    model = kernelize(TransformersModel(model_id=args.model.model_id))
+                       seed=args.infra.seed, device_mesh=MESH, remote_group=MODEL_GROUP)  # fmt: skip
+    pairs = None if eval_set is None else DataLoader(dataset=eval_set, batch_size=args.training.batch_size,
+                                                     device_mesh=MESH, remote_group=MODEL_GROUP)  # fmt: skip
+    model = kernelize(
+        TransformersModel(model_id=args.model.model_id, device_mesh=MESH, remote_group=MODEL_GROUP)
+    )
     model.add_adapter_to_model(args.lora.adapter_name, LoraConfig(**args.get_lora_args()),
                                gradient_accumulation_steps=args.training.gradient_accumulation_steps)  # fmt: skip
     model.set_optimizer(args.optimizer.optimizer_cls, lr=args.optimizer.learning_rate)
@@ -139,7 +157,7 @@ def main() -> None:
     eval_interval = args.training.eval_interval or horizon  # default: before training and at the end
     eval_refs: list[dict] = []
     if eval_set is not None:
-        logger.info(f"eval at step {group.cur_step}: {evaluate(model, eval_set, eval_refs)}")
+        logger.info(f"eval at step {group.cur_step}: {evaluate(model, pairs, eval_refs)}")
     done = max_steps is not None and group.optimizer_steps >= max_steps  # a resumed run may be done
     for batch in [] if done else train:
         updates = group.optimizer_steps
@@ -150,14 +168,14 @@ def main() -> None:
         if step % args.training.log_interval == 0:
             logger.info(f"step {step} of {horizon}: {model.calculate_metric(is_training=True)}")
         if eval_set is not None and step % eval_interval == 0 and step < horizon:
-            logger.info(f"eval at step {step}: {evaluate(model, eval_set, eval_refs)}")
+            logger.info(f"eval at step {step}: {evaluate(model, pairs, eval_refs)}")
         if save_steps is not None and stepped and group.optimizer_steps % save_steps == 0:
             save(f"checkpoint-{step}")
         if max_steps is not None and group.optimizer_steps >= max_steps:
             logger.info(f"--max-steps {max_steps}: stopping after optimizer step {group.optimizer_steps}")
             break
     if eval_set is not None:
-        logger.info(f"final eval at step {group.cur_step}: {evaluate(model, eval_set, eval_refs)}")
+        logger.info(f"final eval at step {group.cur_step}: {evaluate(model, pairs, eval_refs)}")
     save("last-checkpoint")
 
 

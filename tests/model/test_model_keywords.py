@@ -24,6 +24,28 @@ def test_mixed_precision_and_model_cls_and_config(tiny_model_dir):
     )
 
 
+def test_fp16_falls_back_to_the_device_default_with_one_warning(tiny_model_dir, caplog):
+    from twinkle.model import options
+    from twinkle.model.loading import default_dtype
+    from twinkle.runtime import get_runtime
+
+    options._warned.clear()
+    with caplog.at_level("WARNING"):
+        first = TransformersModel(
+            str(tiny_model_dir), mixed_precision="fp16", grad_scaler_config={"init_scale": 2}
+        )
+        second = TransformersModel(str(tiny_model_dir), mixed_precision="fp16")
+    device = get_runtime().device
+    expected = default_dtype(device)  # bf16 on an accelerator, fp32 on CPU
+    warnings = [r.getMessage() for r in caplog.records if "mixed_precision" in r.getMessage()]
+    assert warnings == [
+        "mixed_precision='fp16' needs a gradient scaler, which is not implemented here; grad_scaler_config= "
+        f"is ignored; training in {str(expected).removeprefix('torch.')} on {device.type} instead"
+    ]
+    assert next(first.model.parameters()).dtype == next(second.model.parameters()).dtype == expected
+    assert expected != torch.float16
+
+
 def test_the_mesh_given_must_be_the_runtimes(tiny_model_dir):
     TransformersModel(str(tiny_model_dir), device_mesh=DeviceMesh(fsdp_size=1, dp_size=1))
     with pytest.raises(
@@ -36,7 +58,7 @@ def test_the_mesh_given_must_be_the_runtimes(tiny_model_dir):
     ("keywords", "message"),
     [
         ({"strategy": "megatron"}, r"strategy='megatron' is not one of native_fsdp, accelerate"),
-        ({"mixed_precision": "fp16"}, r"mixed_precision='fp16' is not supported here; use one of no, bf16"),
+        ({"mixed_precision": "fp8"}, r"mixed_precision='fp8' is not supported here; use one of no, bf16"),
         ({"grad_scaler_config": {"init_scale": 2}}, r"grad_scaler_config= is for fp16 training"),
         (
             {"ddp_config": {"bucket_cap_mb": 25}},

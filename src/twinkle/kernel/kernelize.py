@@ -26,6 +26,7 @@ from twinkle.kernel.registry import (
     validate_choice,
 )
 from twinkle.kernel.switches import MASTER
+from twinkle.runtime.remote import RemoteObject  # a model on a device group (single controller)
 from twinkle.utils.errors import UserError
 from twinkle.utils.logger import get_logger
 
@@ -103,6 +104,8 @@ def kernelize(model: Any, mapping: Mapping[Any, Any] | None = None) -> Any:
     used raises ``UserError`` before anything is patched, never falls through. Any other key or
     value form raises ``UserError`` too. With ``TWINKLE_KERNELS=none`` the mapping is checked the
     same way and nothing is patched: every module keeps its own forward."""
+    if isinstance(model, RemoteObject):  # a model on a device group: patched on each of its ranks
+        return model.run_on_ranks(kernelize, mapping)
     mapping = DEFAULT_KERNEL_CONFIG if mapping is None else mapping
     if not isinstance(mapping, Mapping):
         raise UserError(f"kernel mapping: expected a dict of {{key: value}}, got {type(mapping).__name__}")

@@ -9,9 +9,11 @@ import math
 from typing import Any
 
 from twinkle.metric.base import Metric
+from twinkle.runtime.remote import remote_class  # remote_group= hook
 from twinkle.utils.errors import UserError
 
 
+@remote_class  # remote_group=: one per rank of a device group (twinkle.runtime.remote)
 class CompletionRewardMetric(Metric):
     """``calculate()`` (which also resets) returns, over the completions of every rank since the
     last call: ``train/<name>_reward`` (mean) and ``train/<name>_reward_std`` (population std)

@@ -1,12 +1,15 @@
 """Upstream Twinkle's ``TransformersModel`` keywords, checked and mapped to ours.
 
-Nothing is silently ignored: a value that cannot be honoured here raises ``UserError`` naming it."""
+Nothing is silently ignored: a value that cannot be honoured here raises ``UserError`` naming it,
+except ``mixed_precision='fp16'``, which falls back to the device's default dtype with one
+warning (``fp16_fallback``), as upstream scripts pass it for GPUs."""
 
 from typing import Any
 
 import torch
 
 from twinkle.utils.errors import UserError
+from twinkle.utils.logger import get_logger
 
 # upstream's strategy names -> ours. Both upstream FSDP strategies are FSDP2 here; "ddp" is
 # replication (FSDP2's HSDP with shards of one rank: DDP's all-reduce of the gradients).
@@ -45,7 +48,10 @@ def resolve_strategy(
 def resolve_precision(
     mixed_precision: str | None, grad_scaler_config: dict[str, Any] | None
 ) -> torch.dtype | None:
-    """The weights' dtype for upstream's ``mixed_precision`` (None: leave it to ``dtype``)."""
+    """The weights' dtype for upstream's ``mixed_precision`` (None: leave it to ``dtype``);
+    ``fp16`` falls back (``fp16_fallback``)."""
+    if mixed_precision == "fp16":
+        return fp16_fallback(grad_scaler_config)
     if grad_scaler_config:
         raise UserError("grad_scaler_config= is for fp16 training, which is not supported here; use bf16")
     if mixed_precision is None:
@@ -55,3 +61,27 @@ def resolve_precision(
             f"mixed_precision={mixed_precision!r} is not supported here; use one of {', '.join(PRECISIONS)}"
         )
     return PRECISIONS[mixed_precision]
+
+
+_warned: set[str] = set()
+
+
+def fp16_fallback(grad_scaler_config: dict[str, Any] | None) -> torch.dtype:
+    """``mixed_precision='fp16'``: fp16 training needs a gradient scaler (loss scaling, against
+    fp16's narrow range), which Twinkle does not run, so no device trains in fp16 here. The
+    run's default dtype for its device stands in (bf16 on accelerators, fp32 on CPU:
+    ``twinkle.model.loading.default_dtype``), with one warning per process; a
+    ``grad_scaler_config`` given with it has nothing to configure and is ignored."""
+    from twinkle.model.loading import default_dtype
+    from twinkle.runtime import get_runtime
+
+    device = get_runtime().device
+    dtype = default_dtype(device)
+    if "fp16" not in _warned:
+        _warned.add("fp16")
+        ignored = "; grad_scaler_config= is ignored" if grad_scaler_config else ""
+        get_logger().warning(
+            f"mixed_precision='fp16' needs a gradient scaler, which is not implemented here{ignored}; "
+            f"training in {str(dtype).removeprefix('torch.')} on {device.type} instead"
+        )
+    return dtype

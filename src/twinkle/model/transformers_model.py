@@ -75,7 +75,8 @@ class TransformersModel(InputsAPI, MetricsAPI, Checkpoints):
         Upstream's keywords: ``model_cls`` (default ``AutoModelForCausalLM``), ``config`` (a
         ``PretrainedConfig`` to load ``model_id``'s weights with), ``device_mesh`` (must be the
         mesh ``initialize`` was given), ``mixed_precision`` (``no`` or ``bf16``, when ``dtype`` is
-        None), ``attn_implementation`` (``twinkle.model.attention_choice``: flash attention where
+        None; ``fp16`` trains in the device's default dtype with one warning, as there is no
+        gradient scaler), ``attn_implementation`` (``twinkle.model.attention_choice``: flash attention where
         the device supports it, else sdpa with a warning), ``strategy`` (None takes the run defaults', ``--strategy``; ``native_fsdp`` and
         ``accelerate`` are FSDP2; ``ddp`` keeps a whole model per rank and needs
         ``--fsdp-size 1``), ``ddp_config``, ``fsdp_config`` (``twinkle.model.options``)."""

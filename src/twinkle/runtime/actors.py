@@ -10,7 +10,8 @@ objects inside are the local ones, FSDP2 and all.
 Values a method leaves on the ranks (a DataLoader's batch, ``forward_only``'s outputs) are kept
 here under a key the driver chose, at most ``KEEP`` per rank (the oldest go first), until a call
 of the same group names them (``Kept``) or another group fetches them from Ray's object store
-(``share``, then ``Fetched``)."""
+(``share``, then ``Fetched``). An argument that is another object of the group (``Local``) is
+that object here; a call whose value is its own object returns ``Itself`` instead of a copy."""
 
 import os
 import time
@@ -31,6 +32,19 @@ class Kept:
     """An argument that is the value kept under ``key`` on the rank the call runs on."""
 
     key: str
+
+
+@dataclass(frozen=True)
+class Local:
+    """An argument that is the object ``oid`` of this group, at the rank the call runs on."""
+
+    oid: str
+
+
+@dataclass(frozen=True)
+class Itself:
+    """What a call returns when its value is the object it was called on (the driver then
+    returns its proxy instead of a copy of the object)."""
 
 
 @dataclass(frozen=True)
@@ -58,14 +72,18 @@ class GroupWorker:
 
         return (*free_port_here(), os.getpid(), ray.get_runtime_context().get_node_id())
 
-    def setup(self, env: dict[str, str], mesh: Any, seed: int, run: Any) -> tuple[str, Any]:
-        """Become rank ``self.rank`` of the group's process group and initialize the runtime."""
-        return _guard(lambda: self._setup(env, mesh, seed, run))
+    def setup(self, env: dict[str, str], mesh: Any, seed: int, run: Any, cwd: str) -> tuple[str, Any]:
+        """Become rank ``self.rank`` of the group's process group and initialize the runtime, in
+        the driver's working directory where this node has it (relative paths then name the
+        driver's files, as they would in one process)."""
+        return _guard(lambda: self._setup(env, mesh, seed, run, cwd))
 
-    def _setup(self, env: dict[str, str], mesh: Any, seed: int, run: Any) -> None:
+    def _setup(self, env: dict[str, str], mesh: Any, seed: int, run: Any, cwd: str) -> None:
         from twinkle.runtime.runtime import initialize
         from twinkle.utils import logger
 
+        if os.path.isdir(cwd):
+            os.chdir(cwd)
         os.environ.update(env)
         logger.reset()  # this process is a rank only from here: the rank's prefix and level
         initialize("local", mesh, seed, run=run)
@@ -85,9 +103,10 @@ class GroupWorker:
 
         def run() -> Any:
             a, k = self._resolve(args, kwargs)
-            value = self._invoke(self.objects[oid], name, a, k)
+            obj = self.objects[oid]
+            value = self._invoke(obj, name, a, k)
             if keep is None:
-                return _portable(value)
+                return Itself() if value is obj else _portable(value)
             self._keep(keep, value)
             return None
 
@@ -164,6 +183,8 @@ class GroupWorker:
             return self.values[arg.key]
         if isinstance(arg, Fetched):
             return ray.get(arg.ref)
+        if isinstance(arg, Local):
+            return self.objects[arg.oid]
         return arg
 
 

@@ -10,11 +10,14 @@ that the groups fit the cluster's CPUs/GPUs, and reserves one placement group pe
 
 A call on the driver's proxy runs on every rank of the group in parallel; ``wait`` collects
 them. A worker that died (killed, out of memory, a lost node) ends the run: every group's
-workers are stopped and one line names the group and the rank. At exit (``shutdown``) the
-actors are killed, the placement groups removed, and a local cluster stopped."""
+workers are stopped and one line names the group and the rank; with ``--max-restarts K`` the
+run is started again from its newest complete checkpoint instead, up to K times
+(``controller_restarts``). At exit (``shutdown``) the actors are killed, the placement groups
+removed, and a local cluster stopped."""
 
 import atexit
 import dataclasses
+import os
 import sys
 import uuid
 from dataclasses import dataclass, field
@@ -22,6 +25,7 @@ from typing import Any
 
 from twinkle.distributed.device_group import DeviceGroup
 from twinkle.distributed.mesh import DeviceMesh
+from twinkle.runtime import controller_restarts
 from twinkle.runtime.ray_cluster import connect, import_ray, local_ranks, passed_environment, place
 from twinkle.utils.errors import UserError
 from twinkle.utils.logger import get_logger
@@ -108,7 +112,8 @@ class Controller:
         locals_ = local_ranks([where[3] for where in state.places])
         run = dataclasses.replace(self.run, lock_output_dir=False)  # the driver holds the lock
         self.wait(state, [
-            w.setup.remote(_env(i, state, locals_[i]), mesh, self.seed, run) for i, w in enumerate(state.workers)
+            w.setup.remote(_env(i, state, locals_[i]), mesh, self.seed, run, os.getcwd())
+            for i, w in enumerate(state.workers)
         ])  # fmt: skip
         get_logger().info(
             f"ray: group {state.spec.name!r}: {state.world} rank(s) on {state.kind} ({mesh.describe()})"
@@ -137,9 +142,9 @@ class Controller:
             except ray.exceptions.RayActorError as exc:
                 first = next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), type(exc).__name__)
                 self.stop_all()
-                raise UserError(
-                    f"ray: group {name!r} rank {rank}: the worker process died ({first[:200]}); the run stops"
-                ) from None
+                message = f"ray: group {name!r} rank {rank}: the worker process died ({first[:200]})"
+                controller_restarts.after_death(message)  # exits for a restart when one is left
+                raise UserError(f"{message}; the run stops") from None
             if status != "ok" and failed is None:
                 failed = (rank, status, value)
             values[rank] = value
@@ -246,6 +251,8 @@ def start(
         _CONTROLLER.shutdown()
     _install_one_line_hook()  # first, so that every refusal below is one line
     groups = _checked(groups)
+    if controller_restarts.supervising(run):  # --max-restarts: this process runs the attempts
+        raise SystemExit(controller_restarts.supervise(run))
     ray = import_ray()
     local = connect(ray, run.ray_address)
     controller = Controller(ray, local, nproc_per_node, lazy_collect)

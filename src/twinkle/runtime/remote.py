@@ -11,7 +11,14 @@ the proxy runs on every rank in parallel and returns:
   (supervised tokens, or pairs), which is what one process given the whole batch returns;
 - ``forward``/``forward_only``: a ``Sharded`` value (each rank's outputs stay on that rank),
   or, with ``initialize(lazy_collect=False)``, the ranks' outputs gathered at once;
-- anything else: rank 0's value (the ranks agree: the model reduces over them itself).
+- anything else: rank 0's value (the ranks agree: the model reduces over them itself); a
+  method that returns its object itself (``kernelize(model)``) returns the proxy.
+
+An attribute read on the proxy comes back as it is when it is plain data (numbers, strings,
+None, and lists, tuples, sets and dicts of them: ``sampler.merged_keys``); anything else is a
+live ``RemoteView`` (``model.optimizer_group['default']``), whose attributes and items are read
+again from the ranks at each access (``group.cur_step`` is the current step, as on a local
+object) and which, called, runs on every rank.
 
 Arguments: a ``Sharded`` value (a remote DataLoader's batch, a ``forward_only`` output) given to
 a call of the same group goes to each rank as that rank's own part, without leaving the process;
@@ -19,7 +26,10 @@ given to another group of the same size (or from a group of one rank), each rank
 part from Ray's object store, never through the driver. For ``forward``, ``forward_only`` and
 ``forward_backward``, a plain list, tensor or dict of tensors is the global batch: each rank
 gets its data rank's contiguous slice (``DeviceMesh.get_slice``), as upstream's
-``dispatch='slice_dp'`` does. Other arguments go to every rank as they are."""
+``dispatch='slice_dp'`` does. Another object of the same group (``model.add_metric(metric)``,
+``TorchSampler(model, remote_group=...)``) is, on each rank, that rank's object. A ``Parts``
+value (``Sharded.fetch``: parts held on the driver) goes to each rank as its own part. Other
+arguments go to every rank as they are."""
 
 import functools
 import inspect
@@ -29,7 +39,7 @@ from typing import Any
 import torch
 
 from twinkle.distributed.mesh import DeviceMesh
-from twinkle.runtime.actors import Fetched, Kept
+from twinkle.runtime.actors import Fetched, Itself, Kept, Local
 from twinkle.utils.errors import UserError
 
 SLICED = ("forward", "forward_only", "forward_backward")  # their list/tensor arguments are the batch
@@ -68,6 +78,14 @@ class Sharded:
         self.only_first = only_first  # rank 0's part stands for the value (every rank holds it)
         self._joined: Any = None
 
+    def fetch(self, *keys: str) -> "Parts":
+        """The parts, fetched to the driver once and held there (only ``keys`` of each, when
+        given): unlike the ranks' values (``KEEP`` a worker), they never age out."""
+        parts = self.parts()
+        if keys:
+            parts = [{key: part[key] for key in keys} for part in parts]
+        return Parts(self.group, parts)
+
     def first(self) -> "Sharded":
         """Rank 0's part alone: what every rank of the receiving group gets (weights, a state)."""
         return Sharded(self.controller, self.group, self.key, only_first=True)
@@ -102,17 +120,66 @@ class Sharded:
         return f"Sharded(group={self.group!r})"
 
 
+class Parts:
+    """A value of group ``group`` held on the driver, one part per rank (``Sharded.fetch``):
+    given to a call of that group, each rank gets its own part, sent from here; read here
+    (indexing, iterating, ``len``, ``gather()``), the parts join as ``Sharded``'s do."""
+
+    def __init__(self, group: str, parts: list[Any]) -> None:
+        self.group, self.parts = group, parts
+
+    def gather(self) -> Any:
+        return join(self.parts)
+
+    def __getitem__(self, item: Any) -> Any:
+        return self.gather()[item]
+
+    def __iter__(self) -> Any:
+        return iter(self.gather())
+
+    def __len__(self) -> int:
+        return len(self.gather())
+
+    def __repr__(self) -> str:
+        return f"Parts(group={self.group!r}, {len(self.parts)} part(s))"
+
+
+class RemoteView:
+    """A non-plain attribute of a remote object, or a part of one (see the module docstring):
+    each attribute or item read from it is read on the ranks at that moment."""
+
+    def __init__(self, owner: "RemoteObject", path: tuple, kind: str) -> None:
+        vars(self).update(_owner=owner, _path=path, _kind=kind)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return self._owner._read((*self._path, ("attr", name)))
+
+    def __getitem__(self, key: Any) -> Any:
+        return self._owner._read((*self._path, ("item", key)))
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._owner._call(_call_at, self._path, args, kwargs)
+
+    def __repr__(self) -> str:
+        steps = "".join(f".{k}" if kind == "attr" else f"[{k!r}]" for kind, k in self._path)
+        return f"<remote {self._kind} {self._owner._cls.__name__}{steps} on group {self._owner._group!r}>"
+
+
 class RemoteObject:
     """The driver's handle on an object built on every rank of a device group."""
 
     def __init__(self, controller: Any, cls: type, group: str, args: tuple, kwargs: dict) -> None:
         state = controller.group(group)
-        if any(isinstance(a, RemoteObject) for a in (*args, *kwargs.values())):
+        others = [a for a in (*args, *kwargs.values()) if isinstance(a, RemoteObject) and a._group != group]
+        if others:
             raise UserError(
-                f"{cls.__name__}(remote_group={group!r}): a remote object cannot be given to another's "
-                "constructor; build it from a model id on its own group and send weights with "
-                "CheckpointEngineManager(model, sampler).sync_weights()"
+                f"{cls.__name__}(remote_group={group!r}): an object of group {others[0]._group!r} cannot be "
+                "given to the constructor of another group's object; build it from a model id on its own "
+                "group and send weights with CheckpointEngineManager(model, sampler).sync_weights()"
             )
+        args, kwargs = tuple(_local(a) for a in args), {k: _local(v) for k, v in kwargs.items()}
         given = next((a for a in (*args, *kwargs.values()) if isinstance(a, DeviceMesh)), None)
         mesh = controller.mesh_for(state, given)
         controller.ensure_workers(state, mesh)
@@ -127,7 +194,12 @@ class RemoteObject:
         found = inspect.getattr_static(self._cls, name, None)
         if callable(found) and not isinstance(found, property):
             return functools.partial(self._call, name)
-        return self._call(name)  # an attribute: rank 0's
+        return self._read((("attr", name),))
+
+    def _read(self, path: tuple) -> Any:
+        """The value at ``path`` when it is plain, else a ``RemoteView`` of it."""
+        kind, value = self._call(_read_at, path)
+        return value if kind == "value" else RemoteView(self, path, value)
 
     def run_on_ranks(self, fn: Any, *args: Any, keep: bool = False, **kwargs: Any) -> Any:
         """``fn(the object, *args, **kwargs)`` on every rank (``fn`` importable, or a function Ray
@@ -165,7 +237,7 @@ class RemoteObject:
             return kept if controller.lazy_collect or _keep else kept.gather()
         if name == "forward_backward":
             return _weighted_mean(values)
-        return values[0]
+        return self if isinstance(values[0], Itself) else values[0]
 
     def __iter__(self) -> Any:
         controller = self._controller
@@ -190,13 +262,64 @@ def _arguments(controller: Any, state: Any, rank: int, name: str, args: tuple, k
     def one(value: Any) -> Any:
         if isinstance(value, Sharded):
             return _routed(controller, value, state, rank)
+        if isinstance(value, Parts):
+            return _part_of(value, state, rank)
         if isinstance(value, RemoteObject):
-            raise UserError(f"{name}(): a remote object cannot be an argument of another's method")
+            if value._group != state.spec.name:
+                raise UserError(
+                    f"{getattr(name, '__name__', name)}(): an object of group {value._group!r} cannot be an "
+                    f"argument of a method of group {state.spec.name!r}; objects meet on their own group only"
+                )
+            return Local(value._oid)
         if name in SLICED and state.world > 1:
             return _slice(value, state.mesh, rank)
         return value
 
     return tuple(one(a) for a in args), {k: one(v) for k, v in kwargs.items()}
+
+
+def _local(value: Any) -> Any:
+    return Local(value._oid) if isinstance(value, RemoteObject) else value
+
+
+def _part_of(value: Parts, state: Any, rank: int) -> Any:
+    if value.group != state.spec.name or len(value.parts) != state.world:
+        raise UserError(
+            f"a value held for group {value.group!r} ({len(value.parts)} parts) cannot go to group "
+            f"{state.spec.name!r} ({state.world} ranks) part by part; gather() it first"
+        )
+    return value.parts[rank]
+
+
+PLAIN = (type(None), bool, int, float, complex, str, bytes)
+
+
+def _plain(value: Any) -> bool:
+    """Whether ``value`` is plain data, which an attribute read returns as it is."""
+    if isinstance(value, PLAIN):
+        return True
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return all(_plain(v) for v in value)
+    if isinstance(value, dict):
+        return all(_plain(k) and _plain(v) for k, v in value.items())
+    return False
+
+
+def _walk(obj: Any, path: tuple) -> Any:
+    for kind, key in path:
+        obj = getattr(obj, key) if kind == "attr" else obj[key]
+    return obj
+
+
+def _read_at(obj: Any, path: tuple) -> tuple[str, Any]:
+    """On a rank: ``("value", v)`` when the value at ``path`` is plain, else ``("view", its type)``."""
+    value = _walk(obj, path)
+    return ("value", value) if _plain(value) else ("view", type(value).__name__)
+
+
+def _call_at(obj: Any, path: tuple, args: tuple, kwargs: dict) -> Any:
+    """On a rank: the value at ``path`` called."""
+    return _walk(obj, path)(*args, **kwargs)
 
 
 def _routed(controller: Any, value: Sharded, state: Any, rank: int) -> Any:

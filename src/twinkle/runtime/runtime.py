@@ -120,8 +120,9 @@ def _start_controller(
     mesh: DeviceMesh | None, seed: int | None, run: RunDefaults, hook: Any, how: tuple
 ) -> Runtime:
     """The driver of a single-controller run: a one-process runtime of its own, then the groups."""
-    from twinkle.runtime import controller
+    from twinkle.runtime import controller, controller_restarts
 
+    run = controller_restarts.for_attempt(run)  # an attempt's supervisor holds the output lock
     runtime = _start("local", None, seed, None, run, hook)
     runtime.mode = "ray"  # the driver took the output lock above, for the groups' workers too
     groups, nproc_per_node, lazy_collect = how
