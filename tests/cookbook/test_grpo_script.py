@@ -36,6 +36,7 @@ def check_run(out: Path) -> None:
         assert all(0.0 <= record[k] <= 2.0 for k in REWARD_KEYS), record
         assert 1 <= record["train/completion_length"] <= MAX_TOKENS
         assert 0.0 <= record["eval/greedy_accuracy"] <= 1.0  # step 1 carries the base model's
+        assert 0.0 <= record["clip_fraction"] <= 1.0 and "accuracy" not in record  # GRPOLoss's clip count
     assert (out / "last-checkpoint" / "adapter_model.safetensors").is_file()
 
 

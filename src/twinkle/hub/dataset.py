@@ -22,9 +22,17 @@ BUNDLED_DATASET_NAMES = frozenset(
 # The bundled preference pairs (``self_cognition_dpo*.jsonl``), one file per split.
 BUNDLED_PREFERENCE_NAMES = frozenset({"self-cognition-dpo", "twinkle://self-cognition-dpo"})
 PREFERENCE_SPLITS = {"train": "self_cognition_dpo.jsonl", "eval": "self_cognition_dpo_eval.jsonl"}
-# The bundled arithmetic word problems in GSM8K form (scripts/build_arithmetic.py), one file per split.
-BUNDLED_ARITHMETIC_NAMES = frozenset({"arithmetic-gsm8k", "twinkle://arithmetic-gsm8k"})
-ARITHMETIC_SPLITS = {"train": "arithmetic_gsm8k.jsonl", "eval": "arithmetic_gsm8k_eval.jsonl"}
+# The bundled arithmetic word problems in GSM8K form (scripts/build_arithmetic.py), one file per
+# split: one-step problems by default, the two-step level under its own name.
+ARITHMETIC_LEVELS = {
+    "arithmetic-gsm8k": {"train": "arithmetic_gsm8k.jsonl", "eval": "arithmetic_gsm8k_eval.jsonl"},
+    "arithmetic-gsm8k-two-step": {
+        "train": "arithmetic_gsm8k_two_step.jsonl",
+        "eval": "arithmetic_gsm8k_two_step_eval.jsonl",
+    },
+}
+BUNDLED_ARITHMETIC = {alias: name for name in ARITHMETIC_LEVELS for alias in (name, f"twinkle://{name}")}
+BUNDLED_ARITHMETIC_NAMES = frozenset(BUNDLED_ARITHMETIC)
 # File extension -> the ``datasets`` builder that reads it (JSON is read by ``jsonrows``).
 FORMATS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
 # Metadata that hub dataset snapshots carry next to the data; never rows.
@@ -300,8 +308,10 @@ def resolve_dataset(
     - ``'self-cognition-dpo'`` or ``'twinkle://self-cognition-dpo'``: the bundled preference
       pairs, ``split`` ``'train'`` or ``'eval'`` (``bundled_preference_path``).
     - ``'arithmetic-gsm8k'`` or ``'twinkle://arithmetic-gsm8k'``: the bundled arithmetic word
-      problems in GSM8K form (``question``, ``answer`` ending ``#### N``), ``split`` ``'train'``
-      (400) or ``'eval'`` (100 held out).
+      problems in GSM8K form (``question``, ``answer`` ending ``#### N``), one addition or
+      subtraction each, ``split`` ``'train'`` (400) or ``'eval'`` (100 held out, none asking a
+      sum or difference a training problem asks); ``'arithmetic-gsm8k-two-step'`` (or with
+      ``twinkle://``): two steps each on numbers below 100, the same splits.
     - a local ``.jsonl`` / ``.json`` / ``.csv`` / ``.parquet`` file: its rows as the 'train' split.
     - a local folder of such files (searched recursively; ``subset_name`` picks a subfolder and
       ``split`` picks files whose names contain the split word, e.g. ``train-0000.parquet``).
@@ -331,13 +341,10 @@ def resolve_dataset_sources(
             raise UserError(f"the bundled self-cognition-dpo dataset is missing at {path}; reinstall twinkle")
         return _load_path(path, "self-cognition-dpo", None, "train", skip_bad_rows)
     if dataset_id in BUNDLED_ARITHMETIC_NAMES:
-        if split not in ARITHMETIC_SPLITS:
-            raise UserError(
-                f"the bundled dataset arithmetic-gsm8k has no {split!r} split; use split 'train' or 'eval'"
-            )
-        return _load_path(
-            asset_path(ARITHMETIC_SPLITS[split]), "arithmetic-gsm8k", None, "train", skip_bad_rows
-        )
+        name = BUNDLED_ARITHMETIC[dataset_id]
+        if split not in ARITHMETIC_LEVELS[name]:
+            raise UserError(f"the bundled dataset {name} has no {split!r} split; use split 'train' or 'eval'")
+        return _load_path(asset_path(ARITHMETIC_LEVELS[name][split]), name, None, "train", skip_bad_rows)
     path = Path(dataset_id).expanduser()
     if path.exists():
         return _load_path(path.resolve(), dataset_id, subset_name, split, skip_bad_rows)

@@ -25,9 +25,10 @@ Per completion token ``t`` with the policy's ``logp_t``, ``ratio_t = exp(logp_t 
 
 A loss returns its sum over completions with ``num_tokens`` the number of completions (tokens
 for ``CISPOLoss``): the model divides a window's summed loss by that count over all ranks, so a
-step is the mean over every completion of the global batch. ``num_correct`` counts the tokens
-whose ratio was clipped (the model's ``accuracy`` then reads as the clipped share per
-completion; ``clip_fraction`` is the same count per token)."""
+step is the mean over every completion of the global batch. ``num_correct`` is the clipped
+count in the same units (each completion's share of tokens whose clipped term was taken, summed;
+clipped tokens for ``CISPOLoss``; clipped completions for ``GSPOLoss``), so the model reports
+``clip_fraction`` (``correct_metric``) in place of its token ``accuracy``."""
 
 import math
 from collections.abc import Mapping, Sequence
@@ -85,6 +86,7 @@ class GRPOLoss(HeadLoss):
     consumes = ROWS
     require_samples = True
     reduction = "sum"  # the summed per-completion loss; the model divides by the completions
+    correct_metric = "clip_fraction"  # the name the model reports num_correct / num_tokens under
 
     def __init__(self, epsilon: float = 0.2, epsilon_high: float | None = None, beta: float = 0.0):
         self.epsilon = _check(self.name, "epsilon", epsilon)
@@ -104,6 +106,14 @@ class GRPOLoss(HeadLoss):
         """Tokens whose clipped term was the one taken (no gradient through them)."""
         ratio = torch.exp((logps - old).clamp(-20.0, 20.0))
         return ((ratio > 1 + self.epsilon_high) & (adv > 0)) | ((ratio < 1 - self.epsilon) & (adv < 0))
+
+    def clip_count(
+        self, logps: torch.Tensor, old: torch.Tensor, adv: torch.Tensor, samples, rows
+    ) -> torch.Tensor:
+        """Each completion's clipped share of its tokens, summed over completions."""
+        shares, lengths = _per_row(self.clipped(logps, old, adv).to(logps.dtype), samples, rows)
+        kept = lengths > 0
+        return (shares[kept] / lengths[kept]).sum()
 
     def reduce(self, terms: torch.Tensor, samples: torch.Tensor, rows: int) -> tuple[torch.Tensor, int]:
         """(sum over completions of each one's token mean, completions)."""
@@ -168,7 +178,7 @@ class GRPOLoss(HeadLoss):
         ref = None if ref is None else ref.detach().to(logps.device, logps.dtype)
         samples = samples.to(logps.device)
         loss_sum, count = self.sequence_loss(logps, old, adv, ref, samples, rows)
-        correct = self.clipped(logps.detach(), old, adv).sum()
+        correct = self.clip_count(logps.detach(), old, adv, samples, rows)
         return LossOutput(loss_sum / max(1, count), loss_sum, count, correct)
 
     def from_outputs(self, inputs: Mapping[str, Any], outputs: Mapping[str, Any]) -> dict[str, Any]:
@@ -231,8 +241,14 @@ class GSPOLoss(GRPOLoss):
             )
         return values.sum(), int(kept.sum())
 
-    def clipped(self, logps, old, adv):
-        return torch.zeros_like(logps, dtype=torch.bool)  # clipping is per completion, not per token
+    def clip_count(self, logps, old, adv, samples, rows):
+        """Completions whose clipped ratio was the one taken."""
+        log_ratio, lengths = _per_row((logps - old).clamp(-20.0, 20.0), samples, rows)
+        kept = lengths > 0
+        ratio = torch.exp(log_ratio[kept] / lengths[kept])
+        seq_adv = _per_row(adv, samples, rows)[0][kept] / lengths[kept]
+        high = (ratio > 1 + self.epsilon_high) & (seq_adv > 0)
+        return (high | ((ratio < 1 - self.epsilon) & (seq_adv < 0))).sum()
 
 
 class DRGRPOLoss(GRPOLoss):
@@ -271,6 +287,10 @@ class CISPOLoss(GRPOLoss):
 
     def clipped(self, logps: torch.Tensor, old: torch.Tensor, adv: torch.Tensor) -> torch.Tensor:
         return torch.exp((logps - old).clamp(-20.0, 20.0)) > 1 + self.epsilon_high
+
+    def clip_count(self, logps, old, adv, samples, rows):
+        """Clipped tokens (the loss counts tokens)."""
+        return self.clipped(logps, old, adv).sum()
 
     def reduce(self, terms: torch.Tensor, samples: torch.Tensor, rows: int) -> tuple[torch.Tensor, int]:
         return terms.sum(), int(terms.numel())

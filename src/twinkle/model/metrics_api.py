@@ -146,7 +146,7 @@ class MetricsAPI:
         self._pending_eval = None
         group = self.optimizer_group[name]
         loss_sum = float(out.loss_sum)
-        correct = int(out.num_correct)
+        correct = float(out.num_correct)  # a count, or summed shares (GRPOLoss: clipped tokens)
         group.eval_metrics.update(
             loss_sum,
             out.num_tokens,
@@ -190,6 +190,9 @@ class MetricsAPI:
                 skipped_steps=group.skipped_steps,
                 nonfinite_steps=group.nonfinite_steps,
             )
+        name = getattr(group.loss_fn, "correct_metric", "accuracy")  # what the loss's num_correct counts
+        if name != "accuracy" and "accuracy" in metrics:
+            metrics[name] = metrics.pop("accuracy")
         self._flush_metric_batch(group, is_training)
         for metric in group.added_metrics[is_training]:
             metrics.update(metric.calculate())

@@ -317,7 +317,7 @@ class TransformersModel(InputsAPI, MetricsAPI, Checkpoints):
         group.add_micro_batch(inputs["input_ids"].shape[0], out.num_tokens, finite, counts)
         if not finite:
             return loss_sum  # kept out of the metrics, whose loss would otherwise read low
-        correct = int(out.num_correct)
+        correct = float(out.num_correct)  # a count, or summed shares (GRPOLoss: clipped tokens)
         group.train_metrics.update(
             loss_sum,
             out.num_tokens,

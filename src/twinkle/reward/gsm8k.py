@@ -9,11 +9,14 @@ from twinkle.reward.base import Reward, ground_truth_of
 
 _HASHES = re.compile(r"####\s*(-?[\d,]*\.?\d+)")
 _NUMBER = re.compile(r"-?[\d,]*\.?\d+")
+_HASHES_AT_END = re.compile(r"####\s*-?[\d,]*\.?\d+\.?\s*$")  # a final period may end the sentence
+_CLOSING = " \t\n.$\\])"  # what may close a \boxed{} answer: punctuation, the end of LaTeX math
 TOLERANCE = 1e-6  # answers are compared as numbers: "72", "72.0" and "72.00" are the same answer
 
 
-def _last_boxed(text: str) -> str | None:
-    """The contents of the last ``\\boxed{...}`` (nested braces allowed), None without one."""
+def _boxed_span(text: str) -> tuple[int, int] | None:
+    """Where the last ``\\boxed{...}``'s contents start and its closing brace is (nested braces
+    allowed), None without a closed one."""
     start = text.rfind("\\boxed{")
     if start < 0:
         return None
@@ -21,8 +24,14 @@ def _last_boxed(text: str) -> str | None:
     for j in range(i, len(text)):
         depth += {"{": 1, "}": -1}.get(text[j], 0)
         if depth == 0:
-            return text[i:j].strip()
+            return i, j
     return None
+
+
+def _last_boxed(text: str) -> str | None:
+    """The contents of the last ``\\boxed{...}``, None without one."""
+    span = _boxed_span(text)
+    return None if span is None else text[span[0] : span[1]].strip()
 
 
 def extract_answer(text: str) -> str | None:
@@ -63,10 +72,17 @@ class GSM8KAccuracyReward(Reward):
 
 
 class GSM8KFormatReward(Reward):
-    """1.0 when the completion states a final answer in the expected form (``#### N`` or
-    ``\\boxed{N}``), else 0.0: it rewards the form, whatever the number."""
+    """1.0 when the completion states one final answer in the expected form (``#### N`` or
+    ``\\boxed{N}``) and ends with it (only whitespace, or after ``\\boxed{}`` closing marks such
+    as ``$``, ``.``, ``\\]``, may follow), else 0.0: it rewards the form, whatever the number.
+    A completion that lists several answers (``#### 5 #### 2 ...``, whose last one the accuracy
+    reward would read) or runs on after its answer does not have the form."""
 
     name = "format"
 
     def score(self, completion: str, trajectory: Mapping[str, Any]) -> float:
-        return 1.0 if extract_answer(completion) is not None else 0.0
+        if extract_answer(completion) is None or completion.count("####") + completion.count("\\boxed{") != 1:
+            return 0.0
+        if "####" in completion:
+            return 1.0 if _HASHES_AT_END.search(completion) else 0.0
+        return 1.0 if not completion[_boxed_span(completion)[1] + 1 :].strip(_CLOSING) else 0.0
