@@ -109,15 +109,15 @@ def _segmented_forward(layer: Any, runs: list[tuple[int, int, str]], masks: dict
     rank 8) and a 0/1 mask keeps each token's own adapter's columns."""
     base = layer.base_layer
     names = list(dict.fromkeys(name for _, _, name in runs))
-    if names:
-        lora_a = torch.cat([layer.lora_A[n].weight for n in names])  # (sum of ranks, in)
-        lora_b = torch.cat([layer.lora_B[n].weight * layer.scaling[n] for n in names], dim=1)  # (out, sum)
-        widths = tuple(layer.lora_A[n].weight.shape[0] for n in names)
 
     def forward(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
         out = linear(flat, base.weight, base.bias)
         if names:
+            # read at the call: under FSDP2 the layer holds its gathered weights only in its forward
+            lora_a = torch.cat([layer.lora_A[n].weight for n in names])  # (sum of ranks, in)
+            lora_b = torch.cat([layer.lora_B[n].weight * layer.scaling[n] for n in names], dim=1)
+            widths = tuple(layer.lora_A[n].weight.shape[0] for n in names)
             mask = _run_mask(masks, runs, names, widths, flat.shape[0], lora_a)
             low = (flat.to(lora_a.dtype) @ lora_a.t()).mul_(mask)
             if lora_a.dtype == out.dtype:
