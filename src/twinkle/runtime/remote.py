@@ -69,7 +69,24 @@ def remote_class(cls: type) -> type:
     return cls
 
 
-class Sharded:
+class Gathered:
+    """Read on the driver (indexing, iterating, ``len``), a per-rank value is its parts joined
+    (``gather()``)."""
+
+    def gather(self) -> Any:
+        raise NotImplementedError
+
+    def __getitem__(self, item: Any) -> Any:
+        return self.gather()[item]
+
+    def __iter__(self) -> Any:
+        return iter(self.gather())
+
+    def __len__(self) -> int:
+        return len(self.gather())
+
+
+class Sharded(Gathered):
     """A value that lives on the ranks of a group, one part per rank. Reading it on the driver
     (indexing, iterating, ``len``, ``gather()``) fetches the parts and joins them once."""
 
@@ -101,15 +118,6 @@ class Sharded:
             self._joined = parts[0] if self.only_first else join(parts)
         return self._joined
 
-    def __getitem__(self, item: Any) -> Any:
-        return self.gather()[item]
-
-    def __iter__(self) -> Any:
-        return iter(self.gather())
-
-    def __len__(self) -> int:
-        return len(self.gather())
-
     def keys(self) -> Any:
         return self.gather().keys()
 
@@ -120,7 +128,7 @@ class Sharded:
         return f"Sharded(group={self.group!r})"
 
 
-class Parts:
+class Parts(Gathered):
     """A value of group ``group`` held on the driver, one part per rank (``Sharded.fetch``):
     given to a call of that group, each rank gets its own part, sent from here; read here
     (indexing, iterating, ``len``, ``gather()``), the parts join as ``Sharded``'s do."""
@@ -130,15 +138,6 @@ class Parts:
 
     def gather(self) -> Any:
         return join(self.parts)
-
-    def __getitem__(self, item: Any) -> Any:
-        return self.gather()[item]
-
-    def __iter__(self) -> Any:
-        return iter(self.gather())
-
-    def __len__(self) -> int:
-        return len(self.gather())
 
     def __repr__(self) -> str:
         return f"Parts(group={self.group!r}, {len(self.parts)} part(s))"
