@@ -41,6 +41,41 @@ def test_policy_losses_by_hand():
     assert ce.loss_sum.item() == pytest.approx(-2 * logp[1], abs=1e-5) and ce.num_tokens == 1
 
 
+@pytest.mark.parametrize("kind", ["cross_entropy", "ppo"])
+def test_uncounted_tokens_are_scored_without_a_graph_and_change_nothing(kind, monkeypatch):
+    """Tokens of weight (advantage) 0 are scored in chunks without a graph: their log-probs,
+    the per-token losses, the loss and the hidden states' gradient equal one pass with a graph
+    over every token (the head and the loss are the same fp32 ops on the same rows)."""
+    import twinkle.server.losses as losses
+
+    monkeypatch.setattr(losses, "CHUNK", 3)  # several chunks
+    torch.manual_seed(0)
+    n, width, vocab = 10, 8, 32
+    hidden = torch.randn(n, width, requires_grad=True)
+    weight, targets = torch.randn(vocab, width), torch.randint(0, vocab, (n,))
+    counted = torch.tensor([0, 1, 1, 0, 0, 1, 0, 0, 1, 0], dtype=torch.bool)
+    if kind == "cross_entropy":
+        extras = {"tinker_weights": counted.float() * 1.5}
+    else:
+        extras = {"old_logps": -torch.rand(n) * 4, "advantages": counted.float() * torch.randn(n)}
+    loss = TinkerLoss(kind, {})
+    out = loss.compute(LossView(targets=targets, hidden=hidden, weight=weight, extras=extras))
+    out.loss_sum.backward()
+    split_grad = hidden.grad.clone()
+    hidden.grad = None
+    logps = -torch.nn.functional.cross_entropy(hidden @ weight.T, targets, reduction="none")
+    if kind == "cross_entropy":
+        per_token = -logps * extras["tinker_weights"]
+    else:
+        per_token = loss.policy.objective(torch.exp(logps - extras["old_logps"]), extras["advantages"])
+    per_token.sum().backward()
+    assert torch.allclose(loss.last_logps, logps.detach(), atol=1e-5, rtol=0)  # fp32, logps ~ -10
+    assert torch.allclose(loss.last_per_token, per_token.detach(), atol=1e-5, rtol=0)
+    assert out.loss_sum.item() == pytest.approx(per_token.sum().item(), abs=1e-5)
+    assert torch.allclose(split_grad, hidden.grad, atol=1e-5, rtol=0)
+    assert not split_grad[~counted].any() and out.num_tokens == int(counted.sum())
+
+
 def test_an_importance_sampling_step_at_ratio_one_is_the_weighted_cross_entropy_step(
     server, tiny_model_dir, tmp_path
 ):

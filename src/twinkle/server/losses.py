@@ -7,6 +7,9 @@ and are left out of its token count, so a ``token_mean`` window's step (``twinkl
 averages over the counted tokens only (as if they were unlabelled); the default step applies the
 summed loss's gradient and ignores the count (``twinkle.server.engine``). The same pass keeps each token's log-probability and loss
 (``last_logps``, ``last_per_token``): ``forward_backward`` needs no second forward for them.
+Only the counted tokens go through the head with a graph; the others' log-probabilities are
+computed without one, in chunks: in an SFT datum most tokens are prompt (weight 0), and their
+``(tokens, vocab)`` logits and gradient would otherwise dominate the step's memory and time.
 
 The per-token objectives are ``TokenWeightedCrossEntropyLoss``'s (``-w * logp``) and those of
 ``twinkle.loss.importance_sampling`` / ``twinkle.loss.ppo``."""
@@ -21,6 +24,7 @@ from twinkle.loss.importance_sampling import ImportanceSamplingLoss, token_logps
 from twinkle.loss.ppo import PPOLoss
 
 KINDS = ("cross_entropy", "importance_sampling", "ppo")
+CHUNK = 1024  # tokens a head call scores without a graph: 1024 x 49152 fp32 logits are 192 MiB
 
 
 class TinkerLoss(HeadLoss):
@@ -46,15 +50,49 @@ class TinkerLoss(HeadLoss):
         return f"tinker:{self.kind}"
 
     def compute(self, view: LossView) -> Any:
-        logits, logps = token_logps(view)
         if self.policy is None:
-            weights = view.extras["tinker_weights"].to(logps.device, torch.float32)
-            per_token, counted = -logps * weights, weights != 0
+            weights = view.extras["tinker_weights"].to(view.targets.device, torch.float32)
+            counted = weights != 0
         else:
-            old = view.extras["old_logps"].to(logps.device, torch.float32)
-            advantages = view.extras["advantages"].to(logps.device, torch.float32)
-            per_token = self.policy.objective(torch.exp(logps - old), advantages)
+            old = view.extras["old_logps"].to(view.targets.device, torch.float32)
+            advantages = view.extras["advantages"].to(view.targets.device, torch.float32)
             counted = advantages != 0
-        self.last_logps, self.last_per_token = logps.detach().cpu(), per_token.detach().cpu()
-        correct = top_is_target(logits.detach()[counted], view.targets[counted])
+        logits, counted_logps = token_logps(_rows(view, counted))
+        logps = torch.empty(view.targets.shape, dtype=torch.float32, device=view.targets.device)
+        logps[counted] = counted_logps.detach()
+        logps[~counted] = _logps_without_graph(view, ~counted)
+        if self.policy is None:
+            per_token = -counted_logps * weights[counted]
+            reported = -logps * weights
+        else:
+            per_token = self.policy.objective(torch.exp(counted_logps - old[counted]), advantages[counted])
+            reported = self.policy.objective(torch.exp(logps - old), advantages)
+        reported[counted] = per_token.detach()
+        self.last_logps, self.last_per_token = logps.cpu(), reported.cpu()
+        correct = top_is_target(logits.detach(), view.targets[counted])
         return finish(per_token.sum(), int(counted.sum()), correct, self.reduction)
+
+
+def _rows(view: LossView, rows: torch.Tensor) -> LossView:
+    """The view restricted to ``rows`` (a boolean mask over its tokens)."""
+    if view.hidden is not None:
+        return LossView(
+            targets=view.targets[rows], hidden=view.hidden[rows], weight=view.weight, bias=view.bias
+        )
+    return LossView(targets=view.targets[rows], logits=view.logits[rows])
+
+
+@torch.no_grad()
+def _logps_without_graph(view: LossView, rows: torch.Tensor) -> torch.Tensor:
+    """Log-probabilities of the targets of ``rows``, ``CHUNK`` tokens at a time, no graph kept."""
+    index = rows.nonzero().squeeze(1)
+    parts = [
+        token_logps(_rows(_detached(view), index[i : i + CHUNK]))[1] for i in range(0, index.numel(), CHUNK)
+    ]
+    return torch.cat(parts) if parts else torch.zeros(0, device=view.targets.device)
+
+
+def _detached(view: LossView) -> LossView:
+    if view.hidden is not None:
+        return LossView(targets=view.targets, hidden=view.hidden.detach(), weight=view.weight, bias=view.bias)
+    return LossView(targets=view.targets, logits=view.logits.detach())
