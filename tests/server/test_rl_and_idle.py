@@ -140,7 +140,7 @@ def test_an_idle_run_is_parked_and_resumes_where_it_was(tiny_model_dir, tmp_path
                 while s.registry.runs[tc.model_id].live and time.monotonic() < deadline:
                     time.sleep(0.05)
                 assert s.registry.runs[tc.model_id].parked is not None
-                assert len(s.engine.model.slots.free()) == 2  # its slot was given back
+                assert s.engine.free_slots() == 2  # its slot was given back
         name, state = adapter_of(running, tc.model_id)
         expected_state, expected_losses = local_train(tiny_model_dir, name, ROWS["a"], steps=2)
         np.testing.assert_allclose(losses, expected_losses, atol=1e-5, rtol=0)

@@ -16,6 +16,10 @@ FLAGS = [
     "--api-keys",
     "--idle-timeout",
     "--report-to",
+    "--mode",
+    "--model-ranks",
+    "--sampler-ranks",
+    "--ray-address",
 ]
 
 

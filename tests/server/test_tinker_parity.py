@@ -68,7 +68,7 @@ def _reference_logps(server, tiny_model_dir, ids: list[int]) -> torch.Tensor:
     model's dtype (a base-model sampler's LoRA B is zero)."""
     from transformers import AutoModelForCausalLM
 
-    dtype = next(server.app.state.server.engine.model.model.parameters()).dtype
+    dtype = next(server.app.state.server.engine.core.model.model.parameters()).dtype
     model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), torch_dtype=dtype).eval()
     with torch.no_grad():
         return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)

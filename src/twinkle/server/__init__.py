@@ -3,7 +3,8 @@ through the official Tinker SDK (``tinker.ServiceClient(base_url=..., api_key=..
 
 Public names: ``create_app`` (the FastAPI app of a ``ServerConfig``), ``ServerConfig``,
 ``serve`` (the command). Needs the ``server`` extra (fastapi, uvicorn, tinker); ``import
-twinkle`` never imports it. See docs/server.md."""
+twinkle`` never imports it. ``--mode ray`` (the ``ray`` extra too) puts the model and a sampler on
+Ray device groups (``twinkle.server.ray_groups``). See docs/server.md."""
 
 from twinkle.server.config import ServerConfig
 

@@ -1,4 +1,5 @@
-"""The FastAPI app: the Tinker SDK's routes (``/api/v1/...``) over one ``Engine``.
+"""The FastAPI app: the Tinker SDK's routes (``/api/v1/...``) over one ``Engine`` (the model in
+this process, or on Ray device groups with ``--mode ray``).
 
 Requests are authenticated by the ``X-API-Key`` header (compared in constant time with every
 configured key). Work on the model goes through the ``Queue`` and answers with a future the
@@ -21,7 +22,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from twinkle.server.config import ServerConfig
-from twinkle.server.engine import Engine
+from twinkle.server.engine import Engine, build_engine
 from twinkle.server.errors import BadRequest, NotFound, ServerError, Unauthorized
 from twinkle.server.state import Queue, Registry, Tenant, tenant_id
 
@@ -35,7 +36,7 @@ class Server:
 
     def __init__(self, config: ServerConfig, engine: Engine | None = None):
         self.config = config
-        self.engine = engine or Engine(config.model_id, config.max_loras, config.max_r)
+        self.engine = engine or build_engine(config)
         self.base_model = config.model_id or "bundled:SmolLM2-135M-Instruct"
         self.tenants = {key: Tenant(tenant_id(key), limits) for key, limits in config.keys.items()}
         for t in self.tenants.values():
@@ -80,7 +81,7 @@ class Server:
     def make_room(self, keep: Any = None) -> None:
         """A free adapter slot (in the worker): when every slot is taken, the live run whose last
         request is the oldest (not ``keep``) is parked; its next request loads it back."""
-        if self.engine.model.slots.free():
+        if self.engine.free_slots():
             return
         live = [r for r in self.registry.runs.values() if r.live and r is not keep]
         if not live:

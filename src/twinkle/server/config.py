@@ -3,9 +3,13 @@
 Keys come from ``--api-keys FILE`` (one key a line; ``#`` starts a comment; after the key,
 optional limits ``max_adapters=N max_datums=N max_tokens=N rate=R``) or from the environment
 variable ``TWINKLE_API_KEYS`` (keys separated by commas). The Tinker SDK only sends keys that
-start with ``tml-``."""
+start with ``tml-``.
+
+``--mode ray`` puts the model (``--model-ranks``) and a sampler (``--sampler-ranks``) on device
+groups of a Ray cluster (``--ray-address``); see ``twinkle.server.ray_groups``."""
 
 import argparse
+import importlib.util
 import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -15,6 +19,7 @@ from twinkle.server.state import Limits
 from twinkle.utils.errors import UserError
 
 ENV_KEYS = "TWINKLE_API_KEYS"
+RAY_FLAGS = ("model_ranks", "sampler_ranks", "ray_address")  # taken by --mode ray only
 
 
 @dataclass
@@ -28,6 +33,10 @@ class ServerConfig:
     idle_timeout: float = 1800.0  # seconds without a request before a run is parked (0: never)
     keys: dict[str, Limits] = field(default_factory=dict)
     report_to: tuple[str, ...] = ()  # ("tensorboard",): per-run event files besides metrics.jsonl
+    mode: str = "local"  # "ray": the model and the sampler on Ray device groups (ray_groups)
+    model_ranks: int = 1  # ray: ranks of the model's group (FSDP2 over them)
+    sampler_ranks: int = 1  # ray: ranks of the sampler's group; 0: sample on the model's group
+    ray_address: str | None = None  # ray: the cluster to join; None: $RAY_ADDRESS, else a local one
 
 
 def parse_keys(text: str, where: str, defaults: Limits) -> dict[str, Limits]:
@@ -115,6 +124,32 @@ def build_parser() -> argparse.ArgumentParser:
         "(<output-dir>/<key hash>/<run>/tensorboard); default none (metrics.jsonl only)",
     )
     p.add_argument(
+        "--mode",
+        default="local",
+        help="local: the model in this process (default); ray: the model and a sampler on device "
+        "groups of a Ray cluster, this process serving HTTP",
+    )
+    p.add_argument(
+        "--model-ranks",
+        type=int,
+        default=None,
+        help="--mode ray: ranks (devices) of the model's group, FSDP2 over them; each runs its share "
+        "of a request's datums (default 1)",
+    )
+    p.add_argument(
+        "--sampler-ranks",
+        type=int,
+        default=None,
+        help="--mode ray: ranks of the sampler's group, each with its own copy of the base model that "
+        "the sampled checkpoint's LoRA weights are sent to; 0: sample on the model's group (default 1)",
+    )
+    p.add_argument(
+        "--ray-address",
+        default=None,
+        help="--mode ray: the Ray cluster to join (host:port, auto, ray://...); default $RAY_ADDRESS, "
+        "else a local Ray instance started for the server",
+    )
+    p.add_argument(
         "--max-adapters", type=int, default=4, help="default live training runs per key (default 4)"
     )
     p.add_argument(
@@ -138,6 +173,7 @@ def parse_args(argv: list[str]) -> ServerConfig:
         raise UserError(f"--idle-timeout must be 0 (never) or positive, got {args.idle_timeout}")
     if args.rate <= 0:
         raise UserError(f"--rate must be positive, got {args.rate}")
+    ray = _ray_flags(args)
     defaults = Limits(args.max_adapters, args.max_datums, args.max_tokens, args.rate)
     return ServerConfig(
         model_id=args.model_id,
@@ -149,4 +185,35 @@ def parse_args(argv: list[str]) -> ServerConfig:
         idle_timeout=args.idle_timeout,
         keys=load_keys(args.api_keys, defaults),
         report_to=parse_server_report_to(args.report_to),
+        **ray,
     )
+
+
+def _ray_flags(args: argparse.Namespace) -> dict:
+    """``--mode`` and the flags only ``--mode ray`` takes, checked before anything loads."""
+    given = [f"--{k.replace('_', '-')}" for k in RAY_FLAGS if getattr(args, k) is not None]
+    if args.mode not in ("local", "ray"):
+        raise UserError(f"--mode must be local or ray, got {args.mode!r}")
+    if args.mode == "local":
+        if given:
+            verb = "needs" if len(given) == 1 else "need"
+            raise UserError(
+                f"{', '.join(given)} {verb} --mode ray (the model runs in this process otherwise)"
+            )
+        return {}
+    model_ranks = 1 if args.model_ranks is None else args.model_ranks
+    sampler_ranks = 1 if args.sampler_ranks is None else args.sampler_ranks
+    if model_ranks < 1:
+        raise UserError(f"--model-ranks must be at least 1, got {model_ranks}")
+    if sampler_ranks < 0:
+        raise UserError(
+            f"--sampler-ranks must be 0 (sample on the model's group) or more, got {sampler_ranks}"
+        )
+    if importlib.util.find_spec("ray") is None:
+        raise UserError("--mode ray needs Ray: pip install 'twinkle[ray]'")
+    return {
+        "mode": "ray",
+        "model_ranks": model_ranks,
+        "sampler_ranks": sampler_ranks,
+        "ray_address": args.ray_address,
+    }

@@ -1,16 +1,15 @@
-"""The server's model: one ``MultiLoraTransformersModel`` holding every tenant's adapter, and the
-Tinker operations on it (``forward_backward`` with the Tinker losses, ``optim_step``, saves,
-loads, sampling). Calls run one at a time (the scheduler's worker thread); each names its
-adapter, so tenants never see each other's weights or optimizer state.
+"""``Engine``: the server's handle on its model, in the server's process whatever the mode.
 
-Tinker ``Datum`` to twinkle batch: input tokens ``x[0..n)`` with ``target_tokens`` ``y`` (``y[i]``
-is predicted at position ``i``) become the row ``x + [y[n-1]]`` with labels ``[-100] + y``
-(twinkle's labels are aligned with the inputs and shifted by the model). The losses are
-``twinkle.server.losses.TinkerLoss``. The optimizer step applies Tinker's gradient: that of the
-summed loss of every ``forward_backward`` since the last step (no division by a token count).
-``loss_fn_config={"twinkle_reduction": "token_mean"}`` (what ``twinkle_client`` sends) asks
-for the local API's instead: the mean over the window's counted tokens (weight or advantage
-not 0)."""
+It checks each request's inputs (datums, loss, AdamW parameters) and hands every operation to a
+``twinkle.server.core.ModelCore``, whole: with ``--mode local`` the core is in this process; with
+``--mode ray`` it lives on the device group ``model`` of the single controller and the same calls
+run on its ranks (``twinkle.server.ray_groups``). Calls come one at a time from the queue's worker
+thread; each names its adapter, so tenants never see each other's weights or optimizer state.
+
+Sampling runs on the model itself (``ModelCore.sample``, with the checkpoint loaded into a slot
+for the request), or, with a sampler group (``--mode ray``, ``--sampler-ranks`` > 0), on that
+group's own copy of the base model (``sample_checkpoint``): the checkpoint's LoRA weights are
+sent there first unless it holds them already, as ``CheckpointEngineManager`` sends a trainer's."""
 
 import math
 from pathlib import Path
@@ -19,75 +18,36 @@ from typing import Any
 import numpy as np
 import torch
 
-from twinkle.model import MultiLoraTransformersModel
+from twinkle.checkpoint.layout import MARKER
+from twinkle.server.config import ServerConfig
+from twinkle.server.core import LOSS_INPUTS, ModelCore
 from twinkle.server.errors import BadRequest
-from twinkle.server.losses import TinkerLoss
 from twinkle.server.wire import Datum, check_datum
-
-IGNORE = -100
-LOSS_INPUTS = {
-    "cross_entropy": ("target_tokens", "weights"),
-    "importance_sampling": ("target_tokens", "logprobs", "advantages"),
-    "ppo": ("target_tokens", "logprobs", "advantages"),
-}
-LORA_ALPHA = 32  # Tinker's LoRA alpha
-REDUCTION_KEY = "twinkle_reduction"  # a loss_fn_config key of this server's own
-REDUCTIONS = ("sum", "token_mean")
-
-
-def lora_config(rank: int) -> Any:
-    from peft import LoraConfig
-
-    return LoraConfig(r=rank, lora_alpha=LORA_ALPHA, lora_dropout=0.0, target_modules="all-linear")
-
-
-def datum_batch(data: list[Datum], loss_fn: str, pad_id: int) -> tuple[dict, dict]:
-    """(batch of tensors, the loss's extra inputs) of Tinker datums: row ``x + [y[-1]]``,
-    labels ``[-100] + y``, each per-token input aligned with the labels."""
-    width = max(d.tokens.size for d in data) + 1
-    shape = (len(data), width)
-    batch = {
-        "input_ids": torch.full(shape, pad_id, dtype=torch.long),
-        "labels": torch.full(shape, IGNORE, dtype=torch.long),
-        "attention_mask": torch.zeros(shape, dtype=torch.long),
-        "position_ids": torch.zeros(shape, dtype=torch.long),
-    }
-    sources = {"tinker_weights": "weights"} if loss_fn == "cross_entropy" else {}
-    sources = sources or {"old_logps": "logprobs", "advantages": "advantages"}
-    extras = {k: torch.zeros(shape, dtype=torch.float32) for k in sources}
-    for b, d in enumerate(data):
-        n = d.tokens.size + 1
-        targets = torch.from_numpy(d.inputs["target_tokens"].astype(np.int64))
-        batch["input_ids"][b, :n] = torch.cat([torch.from_numpy(d.tokens), targets[-1:]])
-        batch["labels"][b, 1:n] = targets
-        batch["attention_mask"][b, :n] = 1
-        batch["position_ids"][b, :n] = torch.arange(n)
-        for name, src in sources.items():
-            extras[name][b, 1:n] = torch.from_numpy(d.inputs[src].astype(np.float32))
-    return batch, extras
 
 
 class Engine:
-    """The shared model and the per-adapter operations (adapter names are the run ids)."""
+    """``core``: a ``ModelCore`` or its proxy on the model group; ``sampler``: the proxy of a
+    ``ray_groups.SamplerCore`` on the sampler group, or None (sampling runs on the model)."""
 
-    def __init__(self, model_id: str | None, max_loras: int, max_r: int):
-        self.model = MultiLoraTransformersModel(model_id, max_loras=max_loras, max_r=max_r)
-        self.tokenizer = self.model.tokenizer
-        self.vocab = int(self.model.model.get_input_embeddings().weight.shape[0])
-        pad = self.tokenizer.pad_token_id
-        self.pad_id = int(pad if pad is not None else 0)
-        self.optim_params: dict[str, dict[str, float]] = {}
-        self.window_reduction: dict[str, str] = {}  # adapter -> its open window's reduction
-        self.sampler: Any = None  # a TorchSampler on this model, made at the first sample
+    def __init__(self, core: Any, sampler: Any = None):
+        self.core, self.sampler = core, sampler
+        self.vocab, self.pad_id = int(core.vocab), int(core.pad_id)
+        # the sampler group's adapter of each LoRA rank -> the checkpoint it holds (folder, mtime)
+        self.held: dict[str, tuple[str, int]] = {}
+
+    @property
+    def has_sampler(self) -> bool:
+        return self.sampler is not None
 
     # ---------------------------------------------------------------- adapters
     def add(self, name: str, rank: int) -> None:
-        self.model.add_adapter_to_model(name, lora_config(rank))
+        self.core.add(name, rank)
 
     def remove(self, name: str) -> None:
-        """Free the adapter's slot (its last AdamW settings are kept for a reload)."""
-        if name in self.model.optimizer_group:
-            self.model.remove_adapter(name)
+        self.core.remove(name)
+
+    def free_slots(self) -> int:
+        return self.core.free_slots()
 
     # ---------------------------------------------------------------- training
     def forward_backward(
@@ -99,43 +59,11 @@ class Engine:
             raise BadRequest(f"loss_fn {loss_fn!r} is not supported; use one of {', '.join(LOSS_INPUTS)}")
         for i, d in enumerate(data):
             check_datum(d, i, self.vocab, LOSS_INPUTS[loss_fn])
-        if not forward_only:
-            self._open_window(name, config)
-        loss = TinkerLoss(loss_fn, config)
-        self.model.set_loss(loss, adapter_name=name)
-        batch, extras = datum_batch(data, loss_fn, self.pad_id)
-        if forward_only:
-            self.model.forward_only(batch, adapter_name=name, **extras)
-        else:
-            self.model.forward_backward(batch, adapter_name=name, **extras)
-        sizes = [d.tokens.size for d in data]
-        logps = torch.split(loss.last_logps, sizes)
-        per_token = torch.split(loss.last_per_token, sizes)
-        outputs = [
-            {"logprobs": lp.numpy(), "elementwise_loss": pt.numpy()}
-            for lp, pt in zip(logps, per_token, strict=True)
-        ]
-        return outputs, {"loss:sum": float(loss.last_per_token.sum())}
-
-    def _open_window(self, name: str, config: dict[str, Any]) -> None:
-        """Record the reduction the adapter's open window is accumulated with (one per window)."""
-        reduction = config.get(REDUCTION_KEY, "sum")
-        if reduction not in REDUCTIONS:
-            raise BadRequest(
-                f"loss_fn_config[{REDUCTION_KEY!r}] must be one of {', '.join(REDUCTIONS)}, got {reduction!r}"
-            )
-        open_ = self.window_reduction.get(name)
-        if open_ is not None and open_ != reduction and self.model.optimizer_group[name].window_batches:
-            raise BadRequest(
-                f"this run's gradients since the last optim_step were accumulated with {REDUCTION_KEY}="
-                f"{open_!r}, not {reduction!r}; call optim_step first or send the same reduction"
-            )
-        self.window_reduction[name] = reduction
+        return self.core.run_datums(name, data, loss_fn, config, forward_only)
 
     def optim_step(self, name: str, adam: dict[str, float]) -> dict[str, float]:
-        """AdamW on the window's gradients: their sum (Tinker's), or their mean over the counted
-        tokens when the window asked for ``token_mean``. A window of only zero weights still steps
-        (a zero gradient; Adam's moments move the weights as on Tinker)."""
+        """AdamW with the request's ``adam_params`` (``learning_rate``, ``beta1``, ``beta2``,
+        ``eps``, ``weight_decay``, ``grad_clip_norm``; Tinker's defaults)."""
         params = {
             "lr": float(adam.get("learning_rate", 1e-4)),
             "betas": (float(adam.get("beta1", 0.9)), float(adam.get("beta2", 0.95))),
@@ -147,78 +75,51 @@ class Engine:
             raise BadRequest(
                 f"adam_params: {', '.join(bad) or 'learning_rate'} must be a finite non-negative number"
             )
-        group = self.model.optimizer_group[name]
-        self.optim_params[name] = params
-        if group.optimizer is None:
-            self.model.set_optimizer("AdamW", adapter_name=name, **params)
-        else:
-            for g in group.optimizer.param_groups:
-                g.update(params)
-        if self.window_reduction.pop(name, "sum") == "sum" and group.window_batches:
-            group.window_tokens = 1  # the model divides the summed gradients by this count
-        clip = float(adam.get("grad_clip_norm", 0.0) or 0.0)
-        norm = self.model.clip_grad_norm(clip, adapter_name=name)
-        stepped = self.model.step(adapter_name=name)
-        self.model.zero_grad(adapter_name=name)
-        return {"grad_norm": float(norm), "stepped": float(stepped)}
+        return self.core.optim_step(name, params, float(adam.get("grad_clip_norm", 0.0) or 0.0))
 
     # ---------------------------------------------------------------- checkpoints
     def save(self, name: str, folder: Path, optimizer: bool) -> None:
-        self.model.save(
-            folder.name, output_dir=str(folder.parent), adapter_name=name, save_optimizer=optimizer
-        )
+        self.core.save(name, folder, optimizer)
 
     def load(self, name: str, folder: Path, optimizer: bool) -> None:
-        """The adapter's weights from ``folder``; with ``optimizer``, its AdamW state too (an
-        optimizer is made first when the adapter has none; the next ``optim_step`` sets its
-        hyperparameters)."""
-        if optimizer and self.model.optimizer_group[name].optimizer is None:
-            self.model.set_optimizer("AdamW", adapter_name=name, **self.optim_params.get(name, {"lr": 1e-4}))
-        self.model.resume_from_checkpoint(str(folder), resume_only_model=not optimizer, adapter_name=name)
+        self.core.load(name, folder, optimizer)
 
     def adapter_state(self, name: str) -> dict[str, torch.Tensor]:
-        return self.model.slots.export(name)
+        return self.core.adapter_state(name)
 
     # ---------------------------------------------------------------- sampling
-    @torch.no_grad()
-    def _logits(self, name: str, ids: list[int]) -> torch.Tensor:
-        """Next-token logits (fp32, one row per position) of ``ids`` under adapter ``name``."""
-        m = self.model
-        m._activate(name)
-        m.model.eval()
-        m._in_train_mode = False
-        out = m.model(input_ids=torch.tensor([ids], device=m.device))
-        return out.logits[0].float().cpu()
-
     def next_token_logps(self, name: str, ids: list[int]) -> torch.Tensor:
         """Row ``i``: log p(next token | ids[:i + 1]) over the vocabulary (fp32, temperature 1)."""
-        return torch.log_softmax(self._logits(name, ids), dim=-1)
-
-    def prompt_logprobs(self, name: str, ids: list[int]) -> list[float]:
-        """log p(ids[i] | ids[:i]) for i >= 1, NaN for the first token."""
-        logps = self.next_token_logps(name, ids)[:-1]
-        picked = logps.gather(1, torch.tensor(ids[1:])[:, None]).squeeze(1)
-        return [math.nan, *picked.tolist()]
+        return self.core.next_token_logps(name, ids)
 
     def sample(self, name: str, prompt: list[int], params: dict[str, Any], n: int, seed: int) -> list[tuple]:
-        """``n`` completions under adapter ``name`` by ``twinkle.sampler.TorchSampler``, sharing
-        this model's modules: (tokens, their log-probs at temperature 1, "stop"|"length")."""
-        from twinkle.sampler import SamplingParams, TorchSampler
+        """``n`` completions under adapter ``name`` of the model itself: (tokens, their log-probs
+        at temperature 1, "stop"|"length")."""
+        return self.core.sample(name, prompt, params, n, seed)
 
-        if self.sampler is None:
-            self.sampler = TorchSampler(self.model)
-        stop = params.get("stop") or None  # Tinker's [] (no stop at all): the EOS tokens still stop
-        sp = SamplingParams(
-            max_tokens=int(params.get("max_tokens") or 16),
-            temperature=float(params.get("temperature", 1.0)),
-            top_p=float(params.get("top_p", 1.0)),
-            top_k=int(params.get("top_k", -1)),
-            num_samples=n,
-            seed=seed,
-            stop=stop,
-        )
-        (response,) = self.sampler.sample({"input_ids": list(prompt)}, sp, adapter_name=name)
-        return [
-            (list(seq.tokens), [float(entry[0][1]) for entry in seq.logprobs], seq.stop_reason)
-            for seq in response.sequences
-        ]
+    def sample_checkpoint(
+        self, folder: Path | None, rank: int, prompt: list[int], params: dict[str, Any], n: int, seed: int
+    ) -> list[tuple]:
+        """``n`` completions on the sampler group, from the adapter saved in ``folder`` (rank
+        ``rank``), or from the base model (``folder`` None)."""
+        from twinkle.server.ray_groups import folder_payload
+
+        name = ""
+        if folder is not None:
+            name = f"r{rank}"  # one adapter per LoRA rank on the sampler's copy, rewritten in place
+            stamp = (str(folder), (folder / MARKER).stat().st_mtime_ns)
+            if self.held.get(name) != stamp:
+                self.held.pop(name, None)
+                payload = self.core.run_on_ranks(folder_payload, folder, keep=True).first()
+                self.sampler.hold(name, payload)
+                self.held[name] = stamp
+        return list(self.sampler.keep_on_ranks("sample", name, prompt, params, n, seed).gather())
+
+
+def build_engine(config: ServerConfig) -> Engine:
+    """The model in this process (``--mode local``), or on the Ray groups (``--mode ray``)."""
+    if config.mode == "ray":
+        from twinkle.server.ray_groups import start_groups
+
+        return Engine(*start_groups(config))
+    return Engine(ModelCore(config.model_id, config.max_loras, config.max_r))

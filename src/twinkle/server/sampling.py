@@ -166,19 +166,26 @@ def _score_prompt(s: Server, name: str, prompt: list[int], want: Scoring) -> tup
 def _sample(
     s: Server, found: Any, prompt: list[int], params: dict, n: int, want: Scoring, seed: int
 ) -> bytes:
-    """Sample from a saved adapter, or from the base model, through an adapter lent a slot for
-    the call (without saved weights its LoRA B is zero: exactly the base model); when every slot
-    is taken, the least recently used training run is parked for it (``Server.make_room``)."""
+    """Sample from a saved adapter, or from the base model. On the model: through an adapter lent
+    a slot for the call (without saved weights its LoRA B is zero: exactly the base model); when
+    every slot is taken, the least recently used training run is parked for it
+    (``Server.make_room``). With a sampler group the completions come from there, and the model
+    lends a slot only when the request scores the prompt or the samples' top-k."""
     run, _, folder = found if found is not None else (None, None, None)
-    name = f"smp-{new_id()}"
-    s.make_room()
-    s.engine.add(name, run.rank if run is not None else 1)
+    rank = run.rank if run is not None else 1
+    scores = want.prompt or want.topk_prompt or want.target is not None or want.topk_sample
+    name = f"smp-{new_id()}" if scores or not s.engine.has_sampler else None
+    if name is not None:
+        s.make_room()
+        s.engine.add(name, rank)
     try:
-        if folder is not None:
+        if name is not None and folder is not None:
             s.engine.load(name, folder, optimizer=False)
         prompt_lp, extras = _score_prompt(s, name, prompt, want)
         if int(params.get("max_tokens") or 0) == 0:
             seqs = [([], [], "length")] * n
+        elif s.engine.has_sampler:
+            seqs = s.engine.sample_checkpoint(folder, rank, prompt, params, n, seed)
         else:
             seqs = s.engine.sample(name, prompt, params, n, seed)
         if want.topk_sample:
@@ -190,4 +197,5 @@ def _sample(
             ]
         return encode_sample_response(seqs, prompt_lp, extras)
     finally:
-        s.engine.remove(name)
+        if name is not None:
+            s.engine.remove(name)

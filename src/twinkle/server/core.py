@@ -1,0 +1,243 @@
+"""``ModelCore``: the server's model, one ``MultiLoraTransformersModel`` holding every tenant's
+adapter, and each Tinker operation on it as one whole call that takes plain inputs (names,
+token arrays, dicts, paths) and returns plain outputs (numpy arrays, dicts, floats).
+
+It lives where the model lives: in the server's process (``--mode local``), or on every rank of
+the device group ``model`` (``--mode ray``, built with ``remote_group='model'``;
+``twinkle.runtime.remote``), where the driver's call runs on each rank and returns rank 0's value.
+Nothing is read from it after a call, so both ways behave the same. Its method names stay clear of
+those ``twinkle.runtime.remote`` reduces on its own (``forward``, ``forward_only``,
+``forward_backward``): a pass over datums is ``run_datums``.
+
+Tinker ``Datum`` to twinkle batch: input tokens ``x[0..n)`` with ``target_tokens`` ``y`` (``y[i]``
+is predicted at position ``i``) become the row ``x + [y[n-1]]`` with labels ``[-100] + y``
+(twinkle's labels are aligned with the inputs and shifted by the model). The losses are
+``twinkle.server.losses.TinkerLoss``. The optimizer step applies Tinker's gradient: that of the
+summed loss of every ``run_datums`` since the last step (no division by a token count).
+``loss_fn_config={"twinkle_reduction": "token_mean"}`` (what ``twinkle_client`` sends) asks
+for the local API's instead: the mean over the window's counted tokens (weight or advantage
+not 0).
+
+On a group of N ranks (FSDP2) each rank runs its contiguous share of the datums
+(``DeviceMesh.get_slice``); the per-datum outputs are gathered back in order on every rank, and
+the step's gradient is the one a single process computes (``optim_step``)."""
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from twinkle.model import MultiLoraTransformersModel
+from twinkle.runtime.remote import remote_class  # remote_group= hook
+from twinkle.server.losses import TinkerLoss
+from twinkle.server.wire import Datum
+from twinkle.utils.errors import UserError
+
+IGNORE = -100
+LOSS_INPUTS = {
+    "cross_entropy": ("target_tokens", "weights"),
+    "importance_sampling": ("target_tokens", "logprobs", "advantages"),
+    "ppo": ("target_tokens", "logprobs", "advantages"),
+}
+LORA_ALPHA = 32  # Tinker's LoRA alpha
+REDUCTION_KEY = "twinkle_reduction"  # a loss_fn_config key of this server's own
+REDUCTIONS = ("sum", "token_mean")
+
+
+def lora_config(rank: int) -> Any:
+    from peft import LoraConfig
+
+    return LoraConfig(r=rank, lora_alpha=LORA_ALPHA, lora_dropout=0.0, target_modules="all-linear")
+
+
+def datum_batch(data: list[Datum], loss_fn: str, pad_id: int) -> tuple[dict, dict]:
+    """(batch of tensors, the loss's extra inputs) of Tinker datums: row ``x + [y[-1]]``,
+    labels ``[-100] + y``, each per-token input aligned with the labels. No datums: a batch of
+    no rows (the model runs one unlabelled pad token for it)."""
+    width = max((d.tokens.size for d in data), default=0) + 1
+    shape = (len(data), width)
+    batch = {
+        "input_ids": torch.full(shape, pad_id, dtype=torch.long),
+        "labels": torch.full(shape, IGNORE, dtype=torch.long),
+        "attention_mask": torch.zeros(shape, dtype=torch.long),
+        "position_ids": torch.zeros(shape, dtype=torch.long),
+    }
+    sources = {"tinker_weights": "weights"} if loss_fn == "cross_entropy" else {}
+    sources = sources or {"old_logps": "logprobs", "advantages": "advantages"}
+    extras = {k: torch.zeros(shape, dtype=torch.float32) for k in sources}
+    for b, d in enumerate(data):
+        n = d.tokens.size + 1
+        targets = torch.from_numpy(d.inputs["target_tokens"].astype(np.int64))
+        batch["input_ids"][b, :n] = torch.cat([torch.tensor(d.tokens, dtype=torch.long), targets[-1:]])
+        batch["labels"][b, 1:n] = targets
+        batch["attention_mask"][b, :n] = 1
+        batch["position_ids"][b, :n] = torch.arange(n)
+        for name, src in sources.items():
+            extras[name][b, 1:n] = torch.from_numpy(d.inputs[src].astype(np.float32))
+    return batch, extras
+
+
+def gather_in_order(mine: Any) -> list[Any]:
+    """Every rank's ``mine``, in rank order (``[mine]`` in one process)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [mine]
+    parts: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, mine)
+    return parts
+
+
+@remote_class  # remote_group=: built on a device group's ranks (twinkle.runtime.remote)
+class ModelCore:
+    """The shared model and the per-adapter operations (adapter names are the run ids)."""
+
+    def __init__(self, model_id: str | None, max_loras: int, max_r: int):
+        self.model = MultiLoraTransformersModel(model_id, max_loras=max_loras, max_r=max_r)
+        self.vocab = int(self.model.model.get_input_embeddings().weight.shape[0])
+        pad = self.model.tokenizer.pad_token_id
+        self.pad_id = int(pad if pad is not None else 0)
+        self.optim_params: dict[str, dict[str, float]] = {}
+        self.window_reduction: dict[str, str] = {}  # adapter -> its open window's reduction
+        self.sampler: Any = None  # a TorchSampler on this model, made at the first sample
+
+    # ---------------------------------------------------------------- adapters
+    def add(self, name: str, rank: int) -> None:
+        self.model.add_adapter_to_model(name, lora_config(rank))
+
+    def remove(self, name: str) -> None:
+        """Free the adapter's slot (its last AdamW settings are kept for a reload)."""
+        if name in self.model.optimizer_group:
+            self.model.remove_adapter(name)
+
+    def free_slots(self) -> int:
+        return len(self.model.slots.free())
+
+    # ---------------------------------------------------------------- training
+    def run_datums(
+        self, name: str, data: list[Datum], loss_fn: str, config: dict[str, Any], forward_only: bool
+    ) -> tuple[list[dict[str, np.ndarray]], dict[str, float]]:
+        """One pass (with backward unless ``forward_only``) over this rank's share of ``data``;
+        per datum (all of them, in order) its targets' ``logprobs`` and ``elementwise_loss``, and
+        the ``loss:sum`` metric. The request was checked already (``Engine.forward_backward``)."""
+        if not forward_only:
+            self._open_window(name, config)
+        mesh = self.model.runtime.mesh
+        mine = data[mesh.get_slice(len(data))] if self.model.runtime.is_distributed else data
+        loss = TinkerLoss(loss_fn, config)
+        self.model.set_loss(loss, adapter_name=name)
+        batch, extras = datum_batch(mine, loss_fn, self.pad_id)
+        if forward_only:
+            self.model.forward_only(batch, adapter_name=name, **extras)
+        else:
+            self.model.forward_backward(batch, adapter_name=name, **extras)
+        sizes = [d.tokens.size for d in mine]
+        logps = torch.split(loss.last_logps, sizes)
+        per_token = torch.split(loss.last_per_token, sizes)
+        outputs = [
+            {"logprobs": lp.numpy(), "elementwise_loss": pt.numpy()}
+            for lp, pt in zip(logps, per_token, strict=True)
+        ]
+        parts = gather_in_order((outputs, float(loss.last_per_token.sum())))
+        return [o for part, _ in parts for o in part], {"loss:sum": sum(s for _, s in parts)}
+
+    def _open_window(self, name: str, config: dict[str, Any]) -> None:
+        """Record the reduction the adapter's open window is accumulated with (one per window)."""
+        reduction = config.get(REDUCTION_KEY, "sum")
+        if reduction not in REDUCTIONS:
+            raise UserError(
+                f"loss_fn_config[{REDUCTION_KEY!r}] must be one of {', '.join(REDUCTIONS)}, got {reduction!r}"
+            )
+        open_ = self.window_reduction.get(name)
+        if open_ is not None and open_ != reduction and self.model.optimizer_group[name].window_batches:
+            raise UserError(
+                f"this run's gradients since the last optim_step were accumulated with {REDUCTION_KEY}="
+                f"{open_!r}, not {reduction!r}; call optim_step first or send the same reduction"
+            )
+        self.window_reduction[name] = reduction
+
+    def optim_step(self, name: str, params: dict[str, Any], clip: float) -> dict[str, float]:
+        """AdamW (``params``: its ``lr``, ``betas``, ``eps``, ``weight_decay``) on the window's
+        gradients, their norm clipped to ``clip`` (0: not clipped): their sum (Tinker's), or
+        their mean over the counted tokens when the window asked for ``token_mean``. A window of
+        only zero weights still steps (a zero gradient; Adam's moments move the weights as on
+        Tinker).
+
+        The model divides the gradients by the window's token count summed over the ranks (and
+        multiplies them by the number of ranks, as FSDP2 averaged them): for the sum, the count
+        is 1 on rank 0 and 0 elsewhere."""
+        group = self.model.optimizer_group[name]
+        self.optim_params[name] = params
+        if group.optimizer is None:
+            self.model.set_optimizer("AdamW", adapter_name=name, **params)
+        else:
+            for g in group.optimizer.param_groups:
+                g.update(params)
+        if self.window_reduction.pop(name, "sum") == "sum" and group.window_batches:
+            group.window_tokens = int(self.model.runtime.rank == 0)
+        norm = self.model.clip_grad_norm(clip, adapter_name=name)
+        stepped = self.model.step(adapter_name=name)
+        self.model.zero_grad(adapter_name=name)
+        return {"grad_norm": float(norm), "stepped": float(stepped)}
+
+    # ---------------------------------------------------------------- checkpoints
+    def save(self, name: str, folder: Path, optimizer: bool) -> None:
+        self.model.save(
+            folder.name, output_dir=str(folder.parent), adapter_name=name, save_optimizer=optimizer
+        )
+
+    def load(self, name: str, folder: Path, optimizer: bool) -> None:
+        """The adapter's weights from ``folder``; with ``optimizer``, its AdamW state too (an
+        optimizer is made first when the adapter has none; the next ``optim_step`` sets its
+        hyperparameters)."""
+        if optimizer and self.model.optimizer_group[name].optimizer is None:
+            self.model.set_optimizer("AdamW", adapter_name=name, **self.optim_params.get(name, {"lr": 1e-4}))
+        self.model.resume_from_checkpoint(str(folder), resume_only_model=not optimizer, adapter_name=name)
+
+    def adapter_state(self, name: str) -> dict[str, torch.Tensor]:
+        return self.model.slots.export(name)
+
+    # ---------------------------------------------------------------- sampling on this model
+    @torch.no_grad()
+    def next_token_logps(self, name: str, ids: list[int]) -> torch.Tensor:
+        """Row ``i``: log p(next token | ids[:i + 1]) over the vocabulary under adapter ``name``
+        (fp32, temperature 1). Under FSDP2 every rank runs the same forward."""
+        m = self.model
+        m._activate(name)
+        m.model.eval()
+        m._in_train_mode = False
+        out = m.model(input_ids=torch.tensor([ids], device=m.device))
+        return torch.log_softmax(out.logits[0].float().cpu(), dim=-1)
+
+    def sample(self, name: str, prompt: list[int], params: dict[str, Any], n: int, seed: int) -> list[tuple]:
+        """``n`` completions under adapter ``name`` by ``twinkle.sampler.TorchSampler``, sharing
+        this model's modules: (tokens, their log-probs at temperature 1, "stop"|"length")."""
+        from twinkle.sampler import TorchSampler
+
+        if self.sampler is None:
+            self.sampler = TorchSampler(self.model)
+        return run_sampler(self.sampler, name, prompt, params, n, seed)
+
+
+def run_sampler(
+    sampler: Any, name: str, prompt: list[int], params: dict[str, Any], n: int, seed: int
+) -> list[tuple]:
+    """``n`` completions of ``prompt`` by a ``TorchSampler`` under adapter ``name`` ('' : the
+    sampler's default): (tokens, their log-probs at temperature 1, "stop"|"length")."""
+    from twinkle.sampler import SamplingParams
+
+    stop = params.get("stop") or None  # Tinker's [] (no stop at all): the EOS tokens still stop
+    sp = SamplingParams(
+        max_tokens=int(params.get("max_tokens") or 16),
+        temperature=float(params.get("temperature", 1.0)),
+        top_p=float(params.get("top_p", 1.0)),
+        top_k=int(params.get("top_k", -1)),
+        num_samples=n,
+        seed=seed,
+        stop=stop,
+    )
+    (response,) = sampler.sample({"input_ids": list(prompt)}, sp, adapter_name=name)
+    return [
+        (list(seq.tokens), [float(entry[0][1]) for entry in seq.logprobs], seq.stop_reason)
+        for seq in response.sequences
+    ]
