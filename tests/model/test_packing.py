@@ -39,6 +39,30 @@ def test_packed_equals_padded(make_model, dataset, monkeypatch, share_prefix, ch
     _assert_same_loss_and_grads((loss_packed, grads_packed), (loss_padded, grads_padded), batch)
 
 
+def test_a_scored_shared_prefix_runs_once_and_is_scored_for_every_sample(make_model, dataset):
+    """Every position labelled (as a Tinker datum is): the shared prefix still runs once, and
+    its positions are scored for each sample, in the padded batch's row-major order: the loss,
+    the gradients and each label's log-probability equal the padded batch's."""
+    batch = next(iter(DataLoader(dataset, batch_size=4)))
+    labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, IGNORE)
+    batch["labels"] = labels.clone()
+    batch["labels"][:, 0] = IGNORE
+    packed = pack(batch)
+    assert packed["twinkle_segments"].prefix >= packing.MIN_SHARED_PREFIX and packed["gather"] is not None
+    assert packed["gather"].numel() == int(
+        (packing.shifted_targets(batch["labels"], batch["attention_mask"]) != IGNORE).sum()
+    )
+    results = [_loss_and_grads(make_model, batch, padding_free=free) for free in (True, False)]
+    _assert_same_loss_and_grads(*results, batch)
+    logps = []
+    for free in (True, False):
+        model = make_model(init_lora_weights=False)
+        model.padding_free = free
+        logps.append(model.forward_only(inputs=batch)["logps"])
+    sums = tiny_batch_sums(batch["input_ids"])
+    torch.testing.assert_close(logps[0], logps[1], **chain_tolerances(sums, logps[1]))
+
+
 def _assert_same_loss_and_grads(actual, expected, batch):
     """fp32 with other matmul shapes: the same terms summed in other orders, within the
     first-order bound of the tiny model's chain of sums over this batch (tolerances.py: ~2e-4

@@ -64,13 +64,14 @@ def full_weight(weight: torch.Tensor) -> torch.Tensor:
 
 def _model_inputs(
     lm: Any, batch: dict[str, Any], padding_free: bool, share_prefix: bool = True
-) -> tuple[dict[str, Any], torch.Tensor]:
-    """The forward's keyword arguments and each position's target (``IGNORE_INDEX`` where none)."""
+) -> tuple[dict[str, Any], torch.Tensor, torch.Tensor | None]:
+    """The forward's keyword arguments, each position's target (``IGNORE_INDEX`` where none) and
+    the packed row's ``gather`` (``twinkle.model.packing``; None: the targeted positions in order)."""
     packed = pack(batch, share_prefix) if padding_free and can_pack(lm) else None
     if packed is not None:
-        return packed, packed.pop("targets")
+        return packed, packed.pop("targets"), packed.pop("gather")
     inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids")}
-    return inputs, shifted_targets(batch["labels"], batch["attention_mask"])
+    return inputs, shifted_targets(batch["labels"], batch["attention_mask"]), None
 
 
 def _extras(loss: Loss, batch: Mapping[str, Any]) -> None:
@@ -152,8 +153,9 @@ def rows_view(
     cannot run apart from the model; ``extra_inputs`` at the same rows. Those are read from the
     padded batch, packed or not: a packed row holds the supervised positions in the padded batch's
     row-major order (``supervised_samples``)."""
-    inputs, targets_2d = _model_inputs(lm, batch, padding_free, share_prefix)
-    mask = targets_2d != IGNORE_INDEX
+    inputs, targets_2d, gather = _model_inputs(lm, batch, padding_free, share_prefix)
+    # the scored positions in the padded batch's row-major order (a scored shared prefix repeats)
+    mask = targets_2d != IGNORE_INDEX if gather is None else (0, gather)
     targets = targets_2d[mask]
     padded = shifted_targets(batch["labels"], batch["attention_mask"]) if extra_inputs else targets_2d
     extras = {k: _rows_of(batch.get(k), padded)[padded != IGNORE_INDEX] for k in extra_inputs}

@@ -6,8 +6,11 @@ border. Three things are left out of the row because no loss depends on them:
 - padding;
 - each sample's tail after its last position with a target (causal attention: later tokens
   influence nothing that is scored);
-- all but one copy of a prefix every sample shares (system prompt, chat markup) when no target
-  lies inside it: the row holds it once and every sample attends to it.
+- all but one copy of a prefix every sample shares (system prompt, chat markup): the row holds
+  it once and every sample attends to it. Where the prefix holds targets too (the same in every
+  sample: a Tinker datum scores every position), its positions are scored once in the row and
+  ``gather`` lists, for each scored position of the padded batch in row-major order, where it
+  lies in the row, so a loss still sees every sample's targets.
 
 ``twinkle.kernel.attention.packed`` runs attention per sample, so the loss and gradients equal those of
 the padded batch up to summation order."""
@@ -57,8 +60,9 @@ def _common_prefix(rows: list[torch.Tensor]) -> int:
 
 
 def pack(batch: dict[str, torch.Tensor], share_prefix: bool = True) -> dict[str, Any] | None:
-    """``(B, L)`` right-padded -> model inputs for one row, with ``targets (1, T)``; None when the
-    batch has no target or is not right-padded samples starting at position 0."""
+    """``(B, L)`` right-padded -> model inputs for one row, with ``targets (1, T)`` and ``gather``
+    (None unless the shared prefix holds targets, see the module docstring); None when the batch
+    has no target or is not right-padded samples starting at position 0."""
     mask = batch["attention_mask"].bool()
     lengths = mask.sum(1)
     positions = batch["position_ids"]
@@ -75,9 +79,10 @@ def pack(batch: dict[str, torch.Tensor], share_prefix: bool = True) -> dict[str,
     ids = batch["input_ids"]
     shared = 0
     if share_prefix and len(rows) > 1:
-        first_target = int(scored[rows].int().argmax(1).min())
         shared = min(
-            _common_prefix([ids[i, : keep[i]] for i in rows]), first_target, min(keep[i] for i in rows) - 1
+            _common_prefix([ids[i, : keep[i]] for i in rows]),
+            _common_prefix([targets[i, : keep[i]] for i in rows]),
+            min(keep[i] for i in rows) - 1,
         )
         if shared < MIN_SHARED_PREFIX:
             shared = 0
@@ -90,6 +95,16 @@ def pack(batch: dict[str, torch.Tensor], share_prefix: bool = True) -> dict[str,
         spans.append((start, start + n - shared))
         start += n - shared
     input_ids, position_ids, row_targets = (torch.cat(column)[None] for column in zip(*pieces, strict=True))
+    gather = None
+    if shared and bool(scored[rows[0], :shared].any()):
+        gather = torch.cat(
+            [
+                torch.cat([arange[:shared], arange[shared : keep[i]] + (begin - shared)])[
+                    scored[i, : keep[i]]
+                ]
+                for i, (begin, _) in zip(rows, spans, strict=True)
+            ]
+        )
     return {
         "input_ids": input_ids,
         "position_ids": position_ids,
@@ -97,4 +112,5 @@ def pack(batch: dict[str, torch.Tensor], share_prefix: bool = True) -> dict[str,
         "attention_mask": torch.ones_like(input_ids),
         "targets": row_targets,
         "twinkle_segments": Segments(tuple(spans), shared),
+        "gather": gather,
     }

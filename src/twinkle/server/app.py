@@ -36,7 +36,10 @@ class Server:
 
     def __init__(self, config: ServerConfig, engine: Engine | None = None):
         self.config = config
-        self.engine = engine or build_engine(config)
+        self.queue = Queue()
+        if engine is None and config.mode == "local":  # the model computes on the queue's worker only
+            engine = self.queue.call(lambda: build_engine(config))
+        self.engine = engine or build_engine(config)  # --mode ray: Ray starts on the main thread
         self.base_model = config.model_id or "bundled:SmolLM2-135M-Instruct"
         self.tenants = {key: Tenant(tenant_id(key), limits) for key, limits in config.keys.items()}
         for t in self.tenants.values():
@@ -48,7 +51,6 @@ class Server:
 
             reporter = Reporter()
         self.registry = Registry(config.output_dir, reporter)
-        self.queue = Queue()
         self.clients = self.registry.clients  # an SDK client's id (its session_id) -> tenant id
         self.samplers = self.registry.samplers  # sampler id -> (tenant, checkpoint path or None)
         if config.idle_timeout > 0:

@@ -282,6 +282,29 @@ class Queue:
             self.cond.notify()
         return request_id
 
+    def call(self, fn: Any) -> Any:
+        """``fn()`` run on the worker thread, its result returned (its exception raised) here.
+        The server builds its model this way: torch computing on a second thread after the first
+        one has run parallel regions is about 25% slower on 2 cores (each thread keeps its own
+        OpenMP team), so every pass over the model runs on the worker."""
+        done, out = threading.Event(), {}
+
+        def job() -> None:
+            try:
+                out["value"] = fn()
+            except BaseException as exc:  # noqa: BLE001 (raised again in the caller's thread)
+                out["error"] = exc
+            finally:
+                done.set()
+
+        with self.cond:
+            self.pending.setdefault("", collections.deque()).append((None, job))
+            self.cond.notify()
+        done.wait()
+        if "error" in out:
+            raise out["error"]
+        return out["value"]
+
     def cancel(self, tenant: str, request_id: str) -> bool:
         """Drop a request that has not started (its future fails as cancelled); False when it
         started or finished already."""
@@ -326,6 +349,9 @@ class Queue:
 
         while (job := self._next()) is not None:
             request_id, fn = job
+            if request_id is None:  # ``call``: the job reports its own outcome
+                fn()
+                continue
             fut = self.futures[request_id]
             start = time.perf_counter()
             try:
