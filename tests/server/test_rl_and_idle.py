@@ -76,6 +76,28 @@ def test_uncounted_tokens_are_scored_without_a_graph_and_change_nothing(kind, mo
     assert not split_grad[~counted].any() and out.num_tokens == int(counted.sum())
 
 
+def test_rows_at_one_packed_position_are_scored_once_with_the_same_logps(monkeypatch):
+    """A scored shared prefix repeats rows (``LossView.positions``): the uncounted ones are
+    scored once per position and copied back, equal to scoring every row."""
+    import twinkle.server.losses as losses
+
+    monkeypatch.setattr(losses, "CHUNK", 2)
+    torch.manual_seed(1)
+    positions = torch.tensor([0, 1, 2, 3, 0, 1, 4, 5, 0, 1, 6])
+    hidden, weight = torch.randn(7, 8)[positions], torch.randn(16, 8)
+    targets = torch.randint(0, 16, (7,))[positions]
+    weights = torch.tensor([0, 0, 1, 1, 0, 0, 0, 1, 0, 0, 1], dtype=torch.float32)
+    runs = []
+    for pos in (positions, None):
+        loss = TinkerLoss("cross_entropy", {})
+        view = LossView(targets=targets, hidden=hidden, weight=weight, extras={"tinker_weights": weights})
+        view.positions = pos
+        loss.compute(view)
+        runs.append(loss.last_logps)
+    assert torch.equal(runs[0][positions == 0], runs[0][positions == 0][:1].expand(3))
+    assert torch.allclose(runs[0], runs[1], atol=1e-5, rtol=0)
+
+
 def test_an_importance_sampling_step_at_ratio_one_is_the_weighted_cross_entropy_step(
     server, tiny_model_dir, tmp_path
 ):

@@ -52,6 +52,9 @@ class LossView:
     extras: dict[str, torch.Tensor] = field(default_factory=dict)
     batch: Mapping[str, Any] = field(default_factory=dict)
     samples: torch.Tensor | None = None
+    # rows only: each row's position in the packed row when a scored shared prefix repeats some
+    # (rows at one position hold the same hidden state and target); None otherwise
+    positions: torch.Tensor | None = None
 
 
 class Loss:

@@ -174,6 +174,7 @@ def rows_view(
         bias=None if bias is None else full_weight(bias),
         extras=extras,
         batch=batch,
+        positions=gather,
     )
 
 

@@ -74,7 +74,7 @@ class TinkerLoss(HeadLoss):
 
 
 def _rows(view: LossView, rows: torch.Tensor) -> LossView:
-    """The view restricted to ``rows`` (a boolean mask over its tokens)."""
+    """The view restricted to ``rows`` (a boolean mask over its tokens, or their indices)."""
     if view.hidden is not None:
         return LossView(
             targets=view.targets[rows], hidden=view.hidden[rows], weight=view.weight, bias=view.bias
@@ -84,12 +84,16 @@ def _rows(view: LossView, rows: torch.Tensor) -> LossView:
 
 @torch.no_grad()
 def _logps_without_graph(view: LossView, rows: torch.Tensor) -> torch.Tensor:
-    """Log-probabilities of the targets of ``rows``, ``CHUNK`` tokens at a time, no graph kept."""
-    index = rows.nonzero().squeeze(1)
-    parts = [
-        token_logps(_rows(_detached(view), index[i : i + CHUNK]))[1] for i in range(0, index.numel(), CHUNK)
-    ]
-    return torch.cat(parts) if parts else torch.zeros(0, device=view.targets.device)
+    """Log-probabilities of the targets of ``rows``, ``CHUNK`` tokens at a time, no graph kept;
+    rows at one packed position (a scored shared prefix, ``LossView.positions``) scored once."""
+    index, inverse = rows.nonzero().squeeze(1), None
+    if view.positions is not None and index.numel():
+        unique, inverse = torch.unique(view.positions[index], return_inverse=True)
+        index = torch.empty_like(unique).scatter_(0, inverse, index)  # a row at each position
+    view = _detached(view)
+    parts = [token_logps(_rows(view, index[i : i + CHUNK]))[1] for i in range(0, index.numel(), CHUNK)]
+    logps = torch.cat(parts) if parts else torch.zeros(0, device=view.targets.device)
+    return logps if inverse is None else logps[inverse]
 
 
 def _detached(view: LossView) -> LossView:
