@@ -26,6 +26,7 @@ import torch
 
 from twinkle.data_format.sampling import SamplingParams
 from twinkle.sampler.choose import choose, token_logprobs
+from twinkle.sampler.lean_step import LeanCache, lean_step
 from twinkle.sampler.stops import Stops
 
 
@@ -65,6 +66,8 @@ class Decoder:
         self.device = next(lm.parameters()).device
         self.cache_kw = cache_keyword(lm)
         self.alternatives = max(0, (params.logprobs or 1) - 1)
+        # decoding steps written out (``twinkle.sampler.lean_step``) where they reproduce lm's
+        self.lean = lean_step(lm) if lockstep is None else None
 
     def run(self, prompts: list[list[int]], budgets: list[int]) -> list[list[RowOutput]]:
         """Generate ``params.num_samples`` sequences for each prompt; ``budgets[i]``: the most
@@ -76,6 +79,8 @@ class Decoder:
             self._idle()
             return []
         logits, state = self._prefill(prompts)
+        if self.lean is not None:
+            state.lean, state.cache = LeanCache.of(state.cache), None
         alive = list(range(len(rows)))
         while True:
             keep = self._step(logits, alive, rows, budget)
@@ -116,6 +121,9 @@ class Decoder:
             positions = state.next_positions[:, None]
             state.extend()
         mask = state.mask if state.padded else None
+        if state.lean is not None:
+            state.next_positions = positions[:, -1] + 1
+            return self.lean(ids, positions, state.lean, mask)
         out = self.lm(
             input_ids=ids,
             attention_mask=mask,
@@ -183,6 +191,7 @@ class CacheState:
         self.mask = mask
         self.padded = padded
         self.next_positions = torch.zeros(mask.shape[0], dtype=torch.long, device=mask.device)
+        self.lean: LeanCache | None = None  # replaces ``cache`` after the prefill where it applies
 
     def extend(self) -> None:
         """One more position for every row (the token about to run)."""
@@ -192,7 +201,10 @@ class CacheState:
 
     def select(self, keep: list[int]) -> None:
         index = torch.tensor(keep, device=self.mask.device)
-        self.cache.batch_select_indices(index)
+        if self.lean is not None:
+            self.lean.select(index)
+        else:
+            self.cache.batch_select_indices(index)
         self.mask = self.mask[index]
         self.next_positions = self.next_positions[index]
         if self.padded and bool(self.mask.all()):

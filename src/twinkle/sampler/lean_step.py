@@ -1,0 +1,142 @@
+"""A decoding step of a Llama-family model written out layer by layer, without the model's forward.
+
+One new token per row is a small amount of arithmetic: at batch 1 SmolLM2-135M's step reads its
+513 MiB of weights once, which takes about 15 ms on 2 cores, while the model's own forward spends
+about as long again in Python around them (keyword plumbing, mask building, a cache appended to
+by concatenation). ``LeanStep`` calls the same modules' ``forward`` methods in the same order
+(norms, projections, the model's own rotary embedding and ``apply_rotary_pos_emb``), attends with
+``scaled_dot_product_attention`` over a cache written in place (``LeanCache``), and returns the
+last position's logits: the same operations, so the same numbers up to the attention kernel's
+summation order.
+
+It applies to models whose decoder it reproduces exactly (``LEAN_TYPES``: a causal self-attention
+with rotary embeddings, an MLP of gate, up and down projections, RMS norms) with every linear layer
+a plain ``nn.Linear`` and no module hooks; anything else (PEFT LoRA layers, FSDP-sharded modules,
+sliding windows, another family) decodes through the model's forward (``lean_step`` returns
+None). The prompt's prefill always runs the model's forward."""
+
+import sys
+from typing import Any
+
+import torch
+from torch import nn
+
+LEAN_TYPES = ("llama", "mistral", "qwen2")
+GROW = 64  # cache positions added at a time (one copy of the cache per 64 steps)
+
+
+class LeanCache:
+    """Keys and values of each layer, ``(rows, kv_heads, capacity, head_dim)``, the first
+    ``length`` positions filled; made from the prefill's ``DynamicCache``."""
+
+    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor]):
+        self.keys, self.values = keys, values
+        self.length = keys[0].shape[2]
+        self._grow()
+
+    @classmethod
+    def of(cls, cache: Any) -> "LeanCache":
+        return cls([layer.keys for layer in cache.layers], [layer.values for layer in cache.layers])
+
+    def _grow(self) -> None:
+        def grown(t: torch.Tensor) -> torch.Tensor:
+            return torch.cat([t, t.new_zeros(*t.shape[:2], GROW, t.shape[3])], dim=2)
+
+        self.keys = [grown(t) for t in self.keys]
+        self.values = [grown(t) for t in self.values]
+
+    def write(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store the new position's ``(rows, kv_heads, 1, head_dim)`` key and value; the layer's
+        keys and values so far."""
+        keys, values = self.keys[layer], self.values[layer]
+        keys[:, :, self.length : self.length + 1] = key
+        values[:, :, self.length : self.length + 1] = value
+        return keys[:, :, : self.length + 1], values[:, :, : self.length + 1]
+
+    def advance(self) -> None:
+        self.length += 1
+        if self.length == self.keys[0].shape[2]:
+            self._grow()
+
+    def select(self, index: torch.Tensor) -> None:
+        self.keys = [t.index_select(0, index) for t in self.keys]
+        self.values = [t.index_select(0, index) for t in self.values]
+
+
+class LeanStep:
+    """The decoding step of ``lm`` (see the module docstring)."""
+
+    def __init__(self, lm: Any):
+        self.lm, self.inner = lm, lm.model
+        self.layers = list(self.inner.layers)
+        self.rope = sys.modules[type(self.layers[0].self_attn).__module__].apply_rotary_pos_emb
+        attn = self.layers[0].self_attn
+        self.head_dim, self.scaling = attn.head_dim, attn.scaling
+
+    @torch.no_grad()
+    def __call__(
+        self, ids: torch.Tensor, positions: torch.Tensor, cache: LeanCache, mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        """``ids``/``positions`` ``(rows, 1)``; ``mask`` ``(rows, cached + 1)`` (1: attend) or None.
+        The new position's fp32 logits ``(rows, vocab)``."""
+        rows = ids.shape[0]
+        hidden = self.inner.embed_tokens.forward(ids)
+        cos, sin = self.inner.rotary_emb.forward(hidden, positions)
+        attn_mask = None if mask is None else mask[:, None, None, :].bool()
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            x = layer.input_layernorm.forward(hidden)
+            q = attn.q_proj.forward(x).view(rows, 1, -1, self.head_dim).transpose(1, 2)
+            k = attn.k_proj.forward(x).view(rows, 1, -1, self.head_dim).transpose(1, 2)
+            v = attn.v_proj.forward(x).view(rows, 1, -1, self.head_dim).transpose(1, 2)
+            q, k = self.rope(q, k, cos, sin)
+            keys, values = cache.write(i, k, v)
+            out = torch.nn.functional.scaled_dot_product_attention(
+                q, keys, values, attn_mask=attn_mask, scale=self.scaling, enable_gqa=True
+            )
+            hidden = hidden + attn.o_proj.forward(out.transpose(1, 2).reshape(rows, 1, -1))
+            x = layer.post_attention_layernorm.forward(hidden)
+            mlp = layer.mlp
+            x = mlp.act_fn(mlp.gate_proj.forward(x)) * mlp.up_proj.forward(x)
+            hidden = hidden + mlp.down_proj.forward(x)
+        cache.advance()
+        hidden = self.inner.norm.forward(hidden)
+        return self.lm.lm_head.forward(hidden)[:, -1].float()
+
+
+def lean_step(lm: Any) -> LeanStep | None:
+    """A ``LeanStep`` for ``lm`` when it reproduces ``lm``'s decoding step, else None."""
+    cfg = getattr(lm, "config", None)
+    inner = getattr(lm, "model", None)
+    if cfg is None or getattr(cfg, "model_type", None) not in LEAN_TYPES or inner is None:
+        return None
+    if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True):
+        return None
+    if not hasattr(inner, "layers") or not hasattr(inner, "rotary_emb") or not hasattr(lm, "lm_head"):
+        return None
+    for module in lm.modules():
+        if module._forward_hooks or module._forward_pre_hooks:
+            return None
+        if isinstance(module, nn.Linear) and (
+            type(module) is not nn.Linear or hasattr(module.weight, "full_tensor")
+        ):
+            return None
+        if any(p.device.type != "cpu" for p in module.parameters(recurse=False)):
+            return None
+    for layer in inner.layers:
+        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        names = ("q_proj", "k_proj", "v_proj", "o_proj")
+        if (
+            attn is None
+            or mlp is None
+            or not all(isinstance(getattr(attn, n, None), nn.Linear) for n in names)
+        ):
+            return None
+        if any(hasattr(attn, n) for n in ("q_norm", "k_norm")):  # qwen3-style norms: not reproduced
+            return None
+        if not all(
+            isinstance(getattr(mlp, n, None), nn.Linear) for n in ("gate_proj", "up_proj", "down_proj")
+        ):
+            return None
+    module = sys.modules.get(type(inner.layers[0].self_attn).__module__)
+    return LeanStep(lm) if hasattr(module, "apply_rotary_pos_emb") else None
