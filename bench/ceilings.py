@@ -8,6 +8,9 @@ workload's time, the work counted from the model and the benchmarks' own batches
   and the head once, so tokens/s is at most the bandwidth of a matrix-vector product (the op
   decoding runs, timed on a 512 MiB fp32 matrix) over the bytes of those weights. The KV cache
   and activations add a few MiB and are left out (the ceiling is generous).
+- A decoding step's products alone (1, 8 and 32 rows): the model's linear layers and head in
+  turn, through torch's faster library for the shape: what any decoder built on torch's
+  products spends before attention, norms and sampling.
 - Decoding 32 rows at once: at most the matmul peak over the FLOPs per token (every linear and
   the head, 2 per multiply-add; attention left out).
 - A forward pass (the mixed-adapter batch of ``bench/multi_lora.py``, the DPO reference pass):
@@ -26,6 +29,7 @@ import platform
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import harness  # noqa: F401  (puts bench/harness on sys.path)
 import torch
@@ -47,6 +51,32 @@ def gemv_bandwidth_gbs(threads: int, rounds: int = 5) -> float:
             torch.nn.functional.linear(x, weight)
         best = min(best, (time.perf_counter() - start) / 8)
     return weight.numel() * 4 / best / 1e9
+
+
+def decode_gemm_seconds(lm: Any, rows: int, threads: int, rounds: int = 3) -> float:
+    """Seconds a decoding step of ``rows`` rows spends in its products alone: every decoder
+    linear and the head of ``lm`` applied to ``rows`` vectors in turn (weights streamed from
+    memory, as decoding does), the faster of torch's two libraries (MKL, oneDNN with packed
+    weights), best of ``rounds``."""
+    from twinkle.kernel import cpu_gemm
+
+    torch.set_num_threads(threads)
+    weights = [m.weight.detach() for m in lm.modules() if isinstance(m, torch.nn.Linear)]
+    inputs = {w.shape[1]: torch.randn(rows, w.shape[1]) for w in weights}
+    libraries = {
+        "mkl": lambda x, w: torch.nn.functional.linear(x, w),
+        "onednn": lambda x, w: cpu_gemm.linear(x, w, None),
+    }
+    best = float("inf")
+    with torch.no_grad():
+        for product in libraries.values():
+            for r in range(rounds + 1):
+                start = time.perf_counter()
+                for w in weights:
+                    product(inputs[w.shape[1]], w)
+                if r:  # the first round packs oneDNN's copies
+                    best = min(best, time.perf_counter() - start)
+    return best
 
 
 def model_counts(model_id: str | None) -> dict[str, int]:
@@ -132,6 +162,10 @@ def main() -> None:
 
     from multi_lora import batches
 
+    from twinkle.model import TransformersModel
+
+    lm = TransformersModel(model_id=model_id, dtype=torch.float32).model
+    gemm = {rows: decode_gemm_seconds(lm, rows, opts.threads) for rows in (1, 8, 32)}
     weight_bytes = 4 * (c["linear"] + c["vocab"] * c["hidden"])
     b1 = bandwidth * 1e9 / weight_bytes
     b32 = peak * 1e9 / (2.0 * (c["linear"] + c["vocab"] * c["hidden"]))
@@ -161,6 +195,11 @@ def main() -> None:
         "",
         "| workload | ceiling | measured | target |",
         "| --- | --- | --- | --- |",
+        *[
+            f"| decode step of {rows} row(s), its products alone (torch's libraries) | "
+            f"{rows / gemm[rows]:.1f} tokens/s ({gemm[rows] * 1e3:.1f} ms) | | |"
+            for rows in gemm
+        ],
         f"| greedy decode, 1 row (tokens/s) | {b1:.1f} | HF {m('hf_b1')}, Twinkle {m('ours_b1')} | 1.5x HF |",
         f"| greedy decode, 32 rows (tokens/s) | {b32:.0f} | HF {m('hf_b32')}, Twinkle {m('ours_b32')} | 1.5x HF |",
         f"| mixed-adapter forward, 8 rows (s) | >= {mixed / peak / 1e9:.3f} | {m('mixed_s')} | "
