@@ -59,11 +59,3 @@ def test_key_file_with_limits(tmp_path):
         parse_args(["--api-keys", str(keys)])
     with pytest.raises(UserError, match="cannot read it"):
         parse_args(["--api-keys", str(tmp_path / "missing")])
-
-
-def test_report_to_takes_tensorboard_only(monkeypatch):
-    monkeypatch.setenv("TWINKLE_API_KEYS", "tml-a")
-    assert parse_args(["--report-to", "tensorboard"]).report_to == ("tensorboard",)
-    assert parse_args([]).report_to == ()
-    with pytest.raises(UserError, match="reports to tensorboard only"):
-        parse_args(["--report-to", "wandb"])

@@ -59,9 +59,15 @@ class TensorBoardSink:
 
 
 class WandbSink:
-    """A wandb run in ``<output_dir>``; offline (synced later with ``wandb sync``) without a key."""
+    """A wandb run in ``<output_dir>``; offline (synced later with ``wandb sync``) without a key.
 
-    def __init__(self, output_dir: Path, config: dict[str, Any]):
+    ``name`` names the run. ``one_of_many``: the process holds other wandb runs at the same time
+    (``twinkle server``, one per training run), so this init makes a run of its own beside them
+    (``reinit="create_new"``) and does not capture the console, which belongs to no single run."""
+
+    def __init__(
+        self, output_dir: Path, config: dict[str, Any], name: str | None = None, one_of_many: bool = False
+    ):
         import wandb
 
         online = bool(os.environ.get("WANDB_API_KEY")) and os.environ.get("WANDB_MODE") != "offline"
@@ -70,6 +76,8 @@ class WandbSink:
             dir=str(output_dir),
             config=config,
             mode="online" if online else "offline",
+            name=name,
+            settings=wandb.Settings(reinit="create_new", console="off") if one_of_many else None,
         )
 
     def log(self, kind: str, step: int, numbers: dict[str, float]) -> None:
@@ -80,7 +88,8 @@ class WandbSink:
 
 
 class SwanlabSink:
-    """A swanlab experiment logged under ``<output_dir>/swanlab``; offline without a key."""
+    """A swanlab experiment logged under ``<output_dir>/swanlab``; offline without a key. swanlab
+    holds one experiment per process at a time."""
 
     def __init__(self, output_dir: Path, config: dict[str, Any]):
         import swanlab

@@ -8,6 +8,7 @@ is a 4xx with ``{"detail": "<one line>"}``; a failure inside a queued step fails
 only (its future holds the error)."""
 
 import asyncio
+import contextlib
 import hmac
 import json
 import math
@@ -45,12 +46,12 @@ class Server:
         for t in self.tenants.values():
             t.tokens = t.limits.rate * 4
         config.output_dir.mkdir(parents=True, exist_ok=True)
-        reporter = None
-        if "tensorboard" in config.report_to:
+        self.reporter = None
+        if config.report_to:
             from twinkle.server.report import Reporter
 
-            reporter = Reporter()
-        self.registry = Registry(config.output_dir, reporter)
+            self.reporter = Reporter(config.report_to, config.output_dir)
+        self.registry = Registry(config.output_dir, self.reporter)
         self.clients = self.registry.clients  # an SDK client's id (its session_id) -> tenant id
         self.samplers = self.registry.samplers  # sampler id -> (tenant, checkpoint path or None)
         if config.idle_timeout > 0:
@@ -178,7 +179,14 @@ def create_app(config: ServerConfig, engine: Engine | None = None) -> FastAPI:
     from twinkle.server import routes
 
     server = Server(config, engine)
-    app = FastAPI(title="twinkle server")
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> Any:
+        yield
+        if server.reporter is not None:  # the libraries' last records reach their files
+            server.reporter.close()
+
+    app = FastAPI(title="twinkle server", lifespan=lifespan)
     app.state.server = server
 
     @app.exception_handler(ServerError)

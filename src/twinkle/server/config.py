@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-from twinkle.server.report import parse_server_report_to
+from twinkle.metric.sinks import parse_report_to
 from twinkle.server.state import Limits
 from twinkle.utils.errors import UserError
 
@@ -32,7 +32,7 @@ class ServerConfig:
     output_dir: Path = Path("output/server")
     idle_timeout: float = 1800.0  # seconds without a request before a run is parked (0: never)
     keys: dict[str, Limits] = field(default_factory=dict)
-    report_to: tuple[str, ...] = ()  # ("tensorboard",): per-run event files besides metrics.jsonl
+    report_to: tuple[str, ...] = ()  # tensorboard, wandb, swanlab: besides metrics.jsonl (server.report)
     mode: str = "local"  # "ray": the model and the sampler on Ray device groups (ray_groups)
     model_ranks: int = 1  # ray: ranks of the model's group (FSDP2 over them)
     sampler_ranks: int = 1  # ray: ranks of the sampler's group; 0: sample on the model's group
@@ -120,8 +120,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--report-to",
         default="none",
-        help="tensorboard: each run's metrics also as TensorBoard scalars under its folder "
-        "(<output-dir>/<key hash>/<run>/tensorboard); default none (metrics.jsonl only)",
+        help="comma list of tensorboard, wandb, swanlab: each run's metrics also there; tensorboard "
+        "and wandb in the run's folder (<output-dir>/<key hash>/<run>/tensorboard, .../wandb: one wandb "
+        "run per training run), swanlab in one experiment for the server (<output-dir>/swanlab, "
+        "each run's metrics under '<run id>/'); wandb and swanlab offline without an API key; "
+        "default none (metrics.jsonl only)",
     )
     p.add_argument(
         "--mode",
@@ -184,7 +187,7 @@ def parse_args(argv: list[str]) -> ServerConfig:
         output_dir=Path(args.output_dir),
         idle_timeout=args.idle_timeout,
         keys=load_keys(args.api_keys, defaults),
-        report_to=parse_server_report_to(args.report_to),
+        report_to=parse_report_to(args.report_to),
         **ray,
     )
 

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from twinkle.model import MultiLoraTransformersModel
 from twinkle.runtime.remote import remote_class  # remote_group= hook
 from twinkle.server.losses import TinkerLoss
+from twinkle.server.scoring import Scoring, score_rows, topk
 from twinkle.server.wire import Datum
 from twinkle.utils.errors import UserError
 
@@ -208,6 +209,21 @@ class ModelCore:
         m._in_train_mode = False
         out = m.model(input_ids=torch.tensor([ids], device=m.device))
         return torch.log_softmax(out.logits[0].float().cpu(), dim=-1)
+
+    def score_prompt(self, name: str, prompt: list[int], want: Scoring) -> dict[str, Any]:
+        """What ``want`` asks of the prompt under adapter ``name``, from one forward pass
+        (``twinkle.server.scoring.score_rows``): numpy arrays only."""
+        return score_rows(self.next_token_logps(name, prompt)[:-1], prompt, want)
+
+    def topk_of_completions(
+        self, name: str, prompt: list[int], completions: list[list[int]], k: int
+    ) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Per completion, the ``k`` most likely tokens (ids, log-probs) at each of its positions,
+        from a forward pass over prompt + completion."""
+        return [
+            topk(self.next_token_logps(name, prompt + tokens)[len(prompt) - 1 : -1], k)
+            for tokens in completions
+        ]
 
     def sample(self, name: str, prompt: list[int], params: dict[str, Any], n: int, seed: int) -> list[tuple]:
         """``n`` completions under adapter ``name`` by ``twinkle.sampler.TorchSampler``, sharing

@@ -22,6 +22,7 @@ from twinkle.checkpoint.layout import MARKER
 from twinkle.server.config import ServerConfig
 from twinkle.server.core import LOSS_INPUTS, ModelCore
 from twinkle.server.errors import BadRequest
+from twinkle.server.scoring import Scoring
 from twinkle.server.wire import Datum, check_datum
 
 
@@ -88,9 +89,15 @@ class Engine:
         return self.core.adapter_state(name)
 
     # ---------------------------------------------------------------- sampling
-    def next_token_logps(self, name: str, ids: list[int]) -> torch.Tensor:
-        """Row ``i``: log p(next token | ids[:i + 1]) over the vocabulary (fp32, temperature 1)."""
-        return self.core.next_token_logps(name, ids)
+    def score_prompt(self, name: str, prompt: list[int], want: Scoring) -> dict[str, Any]:
+        """What ``want`` asks of the prompt under adapter ``name`` (``ModelCore.score_prompt``)."""
+        return self.core.score_prompt(name, prompt, want)
+
+    def topk_of_completions(
+        self, name: str, prompt: list[int], completions: list[list[int]], k: int
+    ) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Per completion, the top ``k`` (ids, log-probs) at each of its positions."""
+        return self.core.topk_of_completions(name, prompt, completions, k)
 
     def sample(self, name: str, prompt: list[int], params: dict[str, Any], n: int, seed: int) -> list[tuple]:
         """``n`` completions under adapter ``name`` of the model itself: (tokens, their log-probs

@@ -1,35 +1,24 @@
 """The sampling routes: a sampler on saved weights (or the base model), ``asample``
 (``sample`` and ``compute_logprobs`` of the SDK) with the prompt's log-probs, their top-k, the
-log-probs of chosen prompt tokens (``target_prompt_logprobs``) and the sampled tokens' top-k.
+log-probs of chosen prompt tokens (``target_prompt_logprobs``, dense or sparse CSR), draws of
+alternative prompt tokens (``prompt_alt_tokens_k``) and the sampled tokens' top-k.
 
 Every log-prob is the model's at temperature 1, from one forward pass over the prompt (and one
-over prompt + completion per sequence for ``topk_sample_logprobs``)."""
+over prompt + completion per sequence for ``topk_sample_logprobs``); the request's temperature
+only shapes the completions and the alternative tokens' draws (``twinkle.server.scoring``)."""
 
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import torch
 from fastapi import FastAPI, Request
 
 from twinkle.server.app import Server, body, field, future, new_id
 from twinkle.server.errors import BadRequest, NotFound
 from twinkle.server.runs import check_base
+from twinkle.server.scoring import Scoring
 from twinkle.server.wire import encode_sample_response
 
-MAX_TOPK = 1024
-SENTINEL = (0, -99999.0)  # the SDK's empty top-k entry (tinker.types.topk_logprobs.MASK_LOGPROB)
-
-
-@dataclass
-class Scoring:
-    """What a sample request asks to score besides the completions."""
-
-    prompt: bool = False  # include_prompt_logprobs
-    last_n: int | None = None  # prompt_logprobs_last_n: only the last n prompt tokens
-    topk_prompt: int = 0
-    topk_sample: int = 0
-    target: np.ndarray | None = None  # int64 (len(prompt) - 1, K); -1 asks for nothing
+MAX_TOPK = 1024  # the widest top-k, and the most alternative tokens drawn per prompt position
 
 
 def add_sampling_routes(app: FastAPI, s: Server) -> None:
@@ -68,9 +57,12 @@ def add_sampling_routes(app: FastAPI, s: Server) -> None:
         max_tokens = field(params, "max_tokens", int, default=16)
         if not 0 <= max_tokens <= 4096:
             raise BadRequest(f"sampling_params.max_tokens must be 0..4096, got {max_tokens}")
-        field(params, "temperature", (int, float), default=1.0)
+        temperature = field(params, "temperature", (int, float), default=1.0)
+        if temperature < 0:
+            raise BadRequest(f"sampling_params.temperature must be 0 (greedy) or more, got {temperature}")
         seed = field(params, "seed", int, default=0)
         scoring = _scoring(data, len(prompt), s.engine.vocab)
+        scoring.temperature, scoring.seed = float(temperature), seed
         rid = s.queue.submit(tenant.id, lambda: _sample(s, folder, prompt, params, n, scoring, seed))
         return {**future(rid), "sample_sequence_ids": [f"{rid}-{i}" for i in range(n)]}
 
@@ -92,8 +84,6 @@ def _prompt_tokens(prompt: dict, vocab: int) -> list[int]:
 
 def _scoring(data: dict, length: int, vocab: int) -> Scoring:
     """The request's scoring fields, checked; the ones this server lacks are a 400 naming them."""
-    if field(data, "prompt_alt_tokens_k", int, default=0):
-        raise BadRequest("prompt_alt_tokens_k is not supported by twinkle server; send 0")
     if field(data, "record_stability_info", bool, default=False):
         raise BadRequest("record_stability_info is not supported by twinkle server; leave it unset")
     out = Scoring(prompt=bool(field(data, "prompt_logprobs", bool, default=False)))
@@ -102,6 +92,11 @@ def _scoring(data: dict, length: int, vocab: int) -> Scoring:
     for name in ("topk_prompt", "topk_sample"):
         if not 0 <= getattr(out, name) <= min(MAX_TOPK, vocab):
             raise BadRequest(f"{name}_logprobs must be 0..{min(MAX_TOPK, vocab)}, got {getattr(out, name)}")
+    out.alt_k = field(data, "prompt_alt_tokens_k", int, default=0)
+    if not 0 <= out.alt_k <= MAX_TOPK:
+        raise BadRequest(
+            f"prompt_alt_tokens_k must be 0..{MAX_TOPK} (draws per prompt position), got {out.alt_k}"
+        )
     out.last_n = field(data, "prompt_logprobs_last_n", int, default=None)
     if out.last_n is not None and not (out.prompt and 1 <= out.last_n <= length - 1):
         raise BadRequest(
@@ -110,57 +105,71 @@ def _scoring(data: dict, length: int, vocab: int) -> Scoring:
         )
     target = field(data, "target_prompt_logprobs", dict, default=None)
     if target is not None:
-        out.target = _target(target, length, vocab)
+        _target(out, target, length, vocab)
     return out
 
 
-def _target(target: dict, length: int, vocab: int) -> np.ndarray:
-    if target.get("sparse_crow_indices") is not None:
-        raise BadRequest("target_prompt_logprobs: sparse tensors are not supported; send a dense one")
+def _target(out: Scoring, target: dict, length: int, vocab: int) -> None:
+    """``target_prompt_logprobs`` (int64 ids, shape ``[length - 1, K]``, dense or sparse CSR) as
+    the cells to score, in the order the response lists their log-probs."""
     values = field(target, "data", list, required=True)
     shape = field(target, "shape", list, default=None)
-    if target.get("dtype") != "int64" or not all(isinstance(v, int) for v in values):
+    if target.get("dtype") != "int64" or not all(_is_int(v) for v in values):
         raise BadRequest("target_prompt_logprobs must be an int64 tensor of token ids")
-    if shape is None or len(shape) != 2 or shape[0] != length - 1 or shape[0] * shape[1] != len(values):
+    if (
+        shape is None
+        or len(shape) != 2
+        or not all(_is_int(n) and n >= 0 for n in shape)
+        or shape[0] != length - 1
+    ):
         raise BadRequest(
-            f"target_prompt_logprobs must have shape [{length - 1}, K] (the prompt's length - 1), "
-            f"got {shape} with {len(values)} values"
+            f"target_prompt_logprobs must have shape [{length - 1}, K] (the prompt's length - 1), got {shape}"
         )
-    ids = np.asarray(values, dtype=np.int64).reshape(shape)
+    ids = np.asarray(values, dtype=np.int64)
     if ((ids < -1) | (ids >= vocab)).any():
         raise BadRequest(f"target_prompt_logprobs: ids must be -1 (nothing) or in [0, {vocab})")
-    return ids
+    crow = field(target, "sparse_crow_indices", list, default=None)
+    col = field(target, "sparse_col_indices", list, default=None)
+    if crow is None and col is None:
+        if shape[0] * shape[1] != ids.size:
+            raise BadRequest(f"target_prompt_logprobs: shape {shape} does not hold {ids.size} values")
+        rows = np.repeat(np.arange(shape[0], dtype=np.int64), shape[1])
+    else:
+        rows = _csr_rows(crow, col, shape, ids.size)
+        out.target_csr = (crow, col)
+    out.target_rows, out.target_ids, out.target_shape = rows, ids, (shape[0], shape[1])
 
 
-def _topk(rows: torch.Tensor, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """The ``k`` most likely tokens of each row: (ids, log-probs), each (rows, k)."""
-    logps, ids = rows.topk(k, dim=-1)
-    return ids.numpy(), logps.numpy()
+def _csr_rows(crow: list | None, col: list | None, shape: list[int], nnz: int) -> np.ndarray:
+    """The row of each listed cell of a sparse CSR tensor, its layout checked (torch's invariants:
+    row pointers from 0 to the number of values, sorted distinct columns within a row)."""
+    where = "target_prompt_logprobs (sparse CSR)"
+    if crow is None or col is None:
+        raise BadRequest(f"{where}: send both sparse_crow_indices and sparse_col_indices")
+    if not all(_is_int(v) for v in crow + col):
+        raise BadRequest(f"{where}: the indices must be integers")
+    pointers, columns = np.asarray(crow, dtype=np.int64), np.asarray(col, dtype=np.int64)
+    if (
+        pointers.size != shape[0] + 1
+        or pointers[0] != 0
+        or pointers[-1] != nnz
+        or (np.diff(pointers) < 0).any()
+    ):
+        raise BadRequest(
+            f"{where}: sparse_crow_indices must be {shape[0] + 1} non-decreasing row pointers from 0 to "
+            f"the {nnz} values"
+        )
+    rows = np.repeat(np.arange(shape[0], dtype=np.int64), np.diff(pointers))
+    if columns.size != nnz or ((columns < 0) | (columns >= shape[1])).any():
+        raise BadRequest(f"{where}: sparse_col_indices must be {nnz} columns in [0, {shape[1]})")
+    if ((np.diff(columns) <= 0) & (np.diff(rows) == 0)).any():
+        raise BadRequest(f"{where}: the columns of a row must be sorted and distinct")
+    return rows
 
 
-def _score_prompt(s: Server, name: str, prompt: list[int], want: Scoring) -> tuple[Any, dict]:
-    """(prompt log-probs or None, the response's prompt extras)."""
-    if not (want.prompt or want.topk_prompt or want.target is not None):
-        return None, {}
-    rows = s.engine.next_token_logps(name, prompt)[:-1]  # row i predicts prompt[i + 1]
-    first = 1 if want.last_n is None else len(prompt) - want.last_n  # the first scored position
-    extras: dict[str, Any] = {}
-    logprobs = None
-    if want.prompt:
-        picked = rows.gather(1, torch.tensor(prompt[1:])[:, None]).squeeze(1).numpy()
-        logprobs = np.full(len(prompt), np.nan, dtype=np.float32)
-        logprobs[first:] = picked[first - 1 :]
-    if want.topk_prompt:
-        ids = np.full((len(prompt), want.topk_prompt), SENTINEL[0], dtype=np.int32)
-        logps = np.full((len(prompt), want.topk_prompt), SENTINEL[1], dtype=np.float32)
-        top_ids, top_logps = _topk(rows[first - 1 :], want.topk_prompt)
-        ids[first:], logps[first:] = top_ids, top_logps
-        extras["topk_prompt"] = (ids, logps)
-    if want.target is not None:
-        asked = torch.from_numpy(want.target)
-        picked = rows.gather(1, asked.clamp(min=0))
-        extras["target"] = torch.where(asked >= 0, picked, torch.zeros(())).numpy()
-    return (None if logprobs is None else logprobs.tolist()), extras
+def _is_int(value: Any) -> bool:
+    """An integer that numpy's int64 holds (JSON integers have no bound)."""
+    return isinstance(value, int) and not isinstance(value, bool) and -(2**62) < value < 2**62
 
 
 def _sample(
@@ -173,29 +182,29 @@ def _sample(
     lends a slot only when the request scores the prompt or the samples' top-k."""
     run, _, folder = found if found is not None else (None, None, None)
     rank = run.rank if run is not None else 1
-    scores = want.prompt or want.topk_prompt or want.target is not None or want.topk_sample
-    name = f"smp-{new_id()}" if scores or not s.engine.has_sampler else None
+    on_model = want.of_prompt or want.topk_sample or not s.engine.has_sampler
+    name = f"smp-{new_id()}" if on_model else None
     if name is not None:
         s.make_room()
         s.engine.add(name, rank)
     try:
         if name is not None and folder is not None:
             s.engine.load(name, folder, optimizer=False)
-        prompt_lp, extras = _score_prompt(s, name, prompt, want)
+        scores = s.engine.score_prompt(name, prompt, want) if want.of_prompt else {}
         if int(params.get("max_tokens") or 0) == 0:
             seqs = [([], [], "length")] * n
         elif s.engine.has_sampler:
             seqs = s.engine.sample_checkpoint(folder, rank, prompt, params, n, seed)
         else:
             seqs = s.engine.sample(name, prompt, params, n, seed)
+        extras = {k: v for k, v in scores.items() if k in ("topk_prompt", "alt")}
+        if "target" in scores:
+            extras["target"] = (scores["target"], want.target_shape, want.target_csr)
         if want.topk_sample:
-            extras["topk_samples"] = [
-                _topk(
-                    s.engine.next_token_logps(name, prompt + tokens)[len(prompt) - 1 : -1], want.topk_sample
-                )
-                for tokens, _, _ in seqs
-            ]
-        return encode_sample_response(seqs, prompt_lp, extras)
+            extras["topk_samples"] = s.engine.topk_of_completions(
+                name, prompt, [tokens for tokens, _, _ in seqs], want.topk_sample
+            )
+        return encode_sample_response(seqs, scores.get("prompt"), extras)
     finally:
         if name is not None:
             s.engine.remove(name)

@@ -84,7 +84,7 @@ class Registry:
 
     def __init__(self, root: Path, reporter: Any = None):
         self.root = root
-        self.reporter = reporter  # twinkle.server.report.Reporter with --report-to tensorboard
+        self.reporter = reporter  # twinkle.server.report.Reporter with --report-to
         self.runs: dict[str, Run] = {}
         self.clients: dict[str, str] = {}  # an SDK client's id (its session_id) -> tenant id
         self.samplers: dict[str, tuple[str, str | None]] = {}  # sampler id -> (tenant, path)

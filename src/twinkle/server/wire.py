@@ -153,16 +153,27 @@ def _topk(msg: Any, topk: tuple[np.ndarray, np.ndarray]) -> None:
     msg.logprobs = np.ascontiguousarray(logps, dtype=np.float32).tobytes()
 
 
+def _dense(msg: Any, values: np.ndarray, dtype: Any) -> None:
+    """Fill a ``Tensor`` message with a dense array of the proto ``dtype`` (float32 or int64)."""
+    pb = _pb()
+    array = np.ascontiguousarray(values, dtype=np.float32 if dtype == pb.DTYPE_FLOAT32 else np.int64)
+    msg.dtype = dtype
+    msg.shape.extend(array.shape)
+    msg.dense = array.tobytes()
+
+
 def encode_sample_response(
     sequences: list[tuple[list[int], list[float], str]],
-    prompt_logprobs: list[float] | None,
+    prompt_logprobs: Any,
     extras: dict[str, Any] | None = None,
 ) -> bytes:
     """A ``SampleResponse`` message: (tokens, log-probs, "stop"|"length") per sequence, and the
     prompt's log-probs (NaN where not scored: the first token, which has none, and those before
     ``prompt_logprobs_last_n``). ``extras``: ``topk_prompt`` (ids, log-probs) of shape
-    (prompt length, k); ``topk_samples``, one such pair per sequence; ``target`` the float32
-    log-probs of ``target_prompt_logprobs``, shape (prompt length - 1, K)."""
+    (prompt length, k); ``topk_samples``, one such pair per sequence; ``target`` (the float32
+    log-probs of ``target_prompt_logprobs``' cells, its shape, its (crow, col) when it was sparse
+    CSR: the response keeps the request's layout); ``alt`` (int64 ids, float32 log-probs) of
+    ``prompt_alt_tokens``, each of shape (prompt length - 1, k)."""
     pb = _pb()
     extras = extras or {}
     out = pb.SampleResponse()
@@ -178,8 +189,18 @@ def encode_sample_response(
     if "topk_prompt" in extras:
         _topk(out.topk_prompt_logprobs, extras["topk_prompt"])
     if "target" in extras:
-        target = np.ascontiguousarray(extras["target"], dtype=np.float32)
-        out.target_prompt_logprobs.dtype = pb.DTYPE_FLOAT32
-        out.target_prompt_logprobs.shape.extend(target.shape)
-        out.target_prompt_logprobs.dense = target.tobytes()
+        values, shape, csr = extras["target"]
+        if csr is None:
+            _dense(out.target_prompt_logprobs, np.reshape(values, shape), pb.DTYPE_FLOAT32)
+        else:
+            msg = out.target_prompt_logprobs
+            msg.dtype = pb.DTYPE_FLOAT32
+            msg.shape.extend(shape)
+            msg.sparse_csr.values = np.ascontiguousarray(values, dtype=np.float32).tobytes()
+            msg.sparse_csr.crow_indices = np.asarray(csr[0], dtype=np.int64).tobytes()
+            msg.sparse_csr.col_indices = np.asarray(csr[1], dtype=np.int64).tobytes()
+    if "alt" in extras:
+        ids, logps = extras["alt"]
+        _dense(out.prompt_alt_tokens.tokens, ids, pb.DTYPE_INT64)
+        _dense(out.prompt_alt_tokens.logprobs, logps, pb.DTYPE_FLOAT32)
     return out.SerializeToString()
