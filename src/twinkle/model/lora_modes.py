@@ -44,7 +44,7 @@ def adapters_off(model: Any) -> Iterator[None]:
     for layer in layers:
         layer._disable_adapters = True
         if plain:
-            layer.forward = _segmented_forward(layer, [], {})  # an instance attribute, removed below
+            layer.forward = _segmented_forward(layer, [])  # an instance attribute, removed below
     try:
         yield
     finally:
@@ -101,53 +101,26 @@ def token_runs(batch: dict[str, torch.Tensor], names: Sequence[str]) -> list[tup
     return runs
 
 
-def _segmented_forward(layer: Any, runs: list[tuple[int, int, str]], masks: dict) -> Any:
+def _segmented_forward(layer: Any, runs: list[tuple[int, int, str]]) -> Any:
     """``layer`` (a PEFT ``lora.Linear``, eval mode: no dropout) on a packed row: the base product
-    for every token plus, per token, its run's adapter product. The adapters' A and scaled B are
-    stacked, so the branch is two products for the whole row whatever the number of runs: every
-    adapter's rank-r input is computed for every token (a few percent of the base product at
-    rank 8) and a 0/1 mask keeps each token's own adapter's columns."""
+    for every token, then each run's adapter product on the run's tokens only: one adapter's
+    rank-r work per token whatever the number of adapters, and no per-token mask to build."""
     base = layer.base_layer
-    names = list(dict.fromkeys(name for _, _, name in runs))
 
     def forward(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
         out = linear(flat, base.weight, base.bias)
-        if names:
+        for start, end, name in runs:
             # read at the call: under FSDP2 the layer holds its gathered weights only in its forward
-            lora_a = torch.cat([layer.lora_A[n].weight for n in names])  # (sum of ranks, in)
-            lora_b = torch.cat([layer.lora_B[n].weight * layer.scaling[n] for n in names], dim=1)
-            widths = tuple(layer.lora_A[n].weight.shape[0] for n in names)
-            mask = _run_mask(masks, runs, names, widths, flat.shape[0], lora_a)
-            low = (flat.to(lora_a.dtype) @ lora_a.t()).mul_(mask)
+            lora_a, lora_b = layer.lora_A[name].weight, layer.lora_B[name].weight
+            low = flat[start:end].to(lora_a.dtype) @ lora_a.t()
             if lora_a.dtype == out.dtype:
-                out.addmm_(low, lora_b.t())
+                out[start:end].addmm_(low, lora_b.t(), alpha=layer.scaling[name])
             else:  # an adapter wider than the base: its product rounded once, as PEFT does
-                out += torch.mm(low, lora_b.t()).to(out.dtype)
+                out[start:end] += (torch.mm(low, lora_b.t()) * layer.scaling[name]).to(out.dtype)
         return out.view(*x.shape[:-1], out.shape[-1])
 
     return forward
-
-
-def _run_mask(
-    masks: dict,
-    runs: list[tuple[int, int, str]],
-    names: list[str],
-    widths: tuple,
-    tokens: int,
-    like: torch.Tensor,
-) -> torch.Tensor:
-    """``(tokens, sum of widths)``: 1 where a token's run uses the adapter of that column block
-    (built once per pass and layout, shared by the layers)."""
-    key = (widths, tokens, like.dtype, like.device)
-    if key not in masks:
-        mask = torch.zeros(tokens, sum(widths), dtype=like.dtype, device=like.device)
-        offsets = dict(zip(names, [sum(widths[:i]) for i in range(len(widths))], strict=True))
-        width = dict(zip(names, widths, strict=True))
-        for start, end, name in runs:
-            mask[start:end, offsets[name] : offsets[name] + width[name]] = 1
-        masks[key] = mask
-    return masks[key]
 
 
 def can_segment(layers: list[Any]) -> bool:
@@ -171,9 +144,8 @@ def adapter_per_span(layers: list[Any], runs: list[tuple[int, int, str]]) -> Ite
     """The LoRA ``layers`` (``lora_layers``) compute a packed row as ``runs`` (``token_runs``)
     say; their active adapters are emptied meanwhile, so no fused node takes the call."""
     saved = [layer._active_adapter for layer in layers]
-    masks: dict = {}
     for layer in layers:
-        layer.forward = _segmented_forward(layer, runs, masks)  # an instance attribute, removed below
+        layer.forward = _segmented_forward(layer, runs)  # an instance attribute, removed below
         layer._active_adapter = []
     try:
         yield

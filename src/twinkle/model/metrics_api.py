@@ -130,7 +130,7 @@ class MetricsAPI:
                 return loss_and_logps(self.model, batch, loss_fn)
         with adapter_per_span(layers, runs):
             out, view = loss_and_view(self.model, batch, loss_fn, padding_free=True, share_prefix=False)
-        return out, label_logps(out, view, batch, lazy=False)
+        return out, label_logps(out, view, batch, lazy=not self.runtime.is_distributed)
 
     def calculate_loss(self) -> float:
         """Record the last ``forward_only`` batch in the eval metrics; return its mean token loss."""
