@@ -79,11 +79,8 @@ def decode_gemm_seconds(lm: Any, rows: int, threads: int, rounds: int = 3) -> fl
     return best
 
 
-def model_counts(model_id: str | None) -> dict[str, int]:
-    """Decoder linear weights, head size, layers and attention width of the (bundled) model."""
-    from twinkle.model import TransformersModel
-
-    lm = TransformersModel(model_id=model_id, dtype=torch.float32).model
+def model_counts(lm: Any) -> dict[str, int]:
+    """Decoder linear weights, head size, layers and attention width of ``lm`` (a causal LM)."""
     linear = sum(
         m.weight.numel()
         for n, m in lm.named_modules()
@@ -94,6 +91,11 @@ def model_counts(model_id: str | None) -> dict[str, int]:
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     return {
         "linear": linear,
+        "lora_r8": sum(
+            8 * (m.in_features + m.out_features)
+            for n, m in lm.named_modules()
+            if isinstance(m, torch.nn.Linear) and "lm_head" not in n
+        ),
         "vocab": vocab,
         "hidden": hidden,
         "layers": cfg.num_hidden_layers,
@@ -130,18 +132,6 @@ def policy_flops(c: dict[str, int], positions: int, head: int, pairs: int, lora:
     )
 
 
-def lora_params(c: dict[str, int], model_id: str | None, r: int) -> int:
-    """LoRA A and B weights at rank ``r`` on every linear layer of the decoder."""
-    from twinkle.model import TransformersModel
-
-    lm = TransformersModel(model_id=model_id, dtype=torch.float32).model
-    return sum(
-        r * (m.in_features + m.out_features)
-        for n, m in lm.named_modules()
-        if isinstance(m, torch.nn.Linear) and "lm_head" not in n
-    )
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--threads", type=int, default=2)
@@ -155,16 +145,16 @@ def main() -> None:
     )
     opts = p.parse_args()
     measured = {k: float(v) for k, v in (item.split("=") for item in opts.measured.split(",") if item)}
+    from twinkle.model import TransformersModel
+
     model_id = model_path("smollm2", Path("."), seed=0)  # None: the bundled weights
-    c = model_counts(model_id)
+    lm = TransformersModel(model_id=model_id, dtype=torch.float32).model
+    c = model_counts(lm)
     peak = matmul_peak_gflops(opts.threads)["gflops"]
     bandwidth = gemv_bandwidth_gbs(opts.threads)
 
     from multi_lora import batches
 
-    from twinkle.model import TransformersModel
-
-    lm = TransformersModel(model_id=model_id, dtype=torch.float32).model
     gemm = {rows: decode_gemm_seconds(lm, rows, opts.threads) for rows in (1, 8, 32)}
     weight_bytes = 4 * (c["linear"] + c["vocab"] * c["hidden"])
     b1 = bandwidth * 1e9 / weight_bytes
@@ -175,9 +165,7 @@ def main() -> None:
         forward_flops(c, *packed_work({k: v[2 * i : 2 * i + 2] for k, v in rows.items()})) for i in range(4)
     )
     dpo = _dpo_batch(model_id)
-    ref_over_policy = forward_flops(c, *packed_work(dpo)) / policy_flops(
-        c, *packed_work(dpo), lora_params(c, model_id, 8)
-    )
+    ref_over_policy = forward_flops(c, *packed_work(dpo)) / policy_flops(c, *packed_work(dpo), c["lora_r8"])
 
     def m(name: str) -> str:
         return f"{measured[name]:g}" if name in measured else "-"
