@@ -1,6 +1,10 @@
 """The Tinker routes: client registration and configuration, training runs and their checkpoints (sampling
 is ``twinkle.server.sampling``, the REST listing ``twinkle.server.rest``). Model work is queued
-(``Server.queue``) and answered with a future."""
+(``Server.queue``) and answered with a future.
+
+Route and JSON names are the SDK's wire protocol, kept as it sends them; where it says
+``session`` (``create_session``, ``session_id``, ``/sessions``) it means an SDK client, which this
+server calls a client."""
 
 import time
 from datetime import UTC, datetime
@@ -56,7 +60,7 @@ def add_routes(app: FastAPI, s: Server) -> None:
         return {}
 
     @app.post(f"{v1}/create_session")
-    async def create_session(request: Request) -> dict:
+    async def register_client(request: Request) -> dict:
         tenant = s.auth(request)
         await body(request)
         client_id = new_id()
@@ -221,7 +225,7 @@ def add_routes(app: FastAPI, s: Server) -> None:
         s.queue.cancel(tenant.id, field(await body(request), "request_id", str, required=True))
         return {}
 
-    @app.get(f"{v1}/sessions")  # the SDK's route and JSON names for its clients
+    @app.get(f"{v1}/sessions")  # the SDK's wire names for its clients (module docstring)
     async def list_clients(request: Request, limit: int = 20, offset: int = 0) -> dict:
         tenant = s.auth(request)
         mine = [c for c, t in s.clients.items() if t == tenant.id]

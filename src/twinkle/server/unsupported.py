@@ -3,8 +3,8 @@ message naming the route, so a script learns at once what is missing.
 
 Not 501: the SDK retries any 5xx answer for up to 5 minutes before raising it (its
 ``execute_with_retries``, which ``x-should-retry: false`` does not stop), while a 404 raises at
-the first answer. The routes the SDK calls on its own (JWT exchange, ``join_sampling_session``,
-``retrieve_futures``, server-side custom losses) are turned off by the server's
+the first answer. The routes the SDK calls on its own (JWT exchange, joining another client's
+sampler, ``retrieve_futures``, server-side custom losses) are turned off by the server's
 ``client/config``, so only a script's explicit call reaches one of these."""
 
 from fastapi import FastAPI, Request
@@ -21,7 +21,7 @@ ROUTES = [
     (["GET"], "/billing/usage/checkpoints/current", "billing"),
     (["POST"], "/copy_weights", "copy_weights"),
     (["POST"], "/create_custom_loss", "server-side custom losses"),
-    (["POST"], "/join_sampling_session", "join_sampling_session"),
+    (["POST"], "/join_sampling_session", "joining another client's sampler"),
     (["POST"], "/retrieve_futures", "the batched futures poller"),
     (["POST"], "/save_weights_external", "save_weights_external"),
     (["POST"], "/sessions/search", "searching clients"),
