@@ -90,13 +90,6 @@ def _logps_without_graph(view: LossView, rows: torch.Tensor) -> torch.Tensor:
     if view.positions is not None and index.numel():
         unique, inverse = torch.unique(view.positions[index], return_inverse=True)
         index = torch.empty_like(unique).scatter_(0, inverse, index)  # a row at each position
-    view = _detached(view)
     parts = [token_logps(_rows(view, index[i : i + CHUNK]))[1] for i in range(0, index.numel(), CHUNK)]
     logps = torch.cat(parts) if parts else torch.zeros(0, device=view.targets.device)
     return logps if inverse is None else logps[inverse]
-
-
-def _detached(view: LossView) -> LossView:
-    if view.hidden is not None:
-        return LossView(targets=view.targets, hidden=view.hidden.detach(), weight=view.weight, bias=view.bias)
-    return LossView(targets=view.targets, logits=view.logits.detach())
