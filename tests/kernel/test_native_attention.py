@@ -39,14 +39,33 @@ def _row(prefix: int, lengths: list[int], heads=(6, 2), dim=16, seed=0):
     return Segments(tuple(spans), prefix), leaves
 
 
+def _grouped_row(groups: list[tuple[int, list[int]]], heads=(6, 2), dim=16, seed=0):
+    """A row of blocks: each group's prefix once, then its samples."""
+    spans, blocks, start = [], [], 0
+    for prefix, lengths in groups:
+        blocks.append((start, prefix, len(lengths)))
+        start += prefix
+        for n in lengths:
+            spans.append((start, start + n))
+            start += n
+    torch.manual_seed(seed)
+    leaves = [
+        torch.randn(1, start, h, dim).transpose(1, 2).requires_grad_() for h in (heads[0], heads[1], heads[1])
+    ]
+    return Segments(tuple(spans), 0, tuple(blocks)), leaves
+
+
 def _masked(query, key, value, segments: Segments):
-    """The row as one masked SDPA call: a query sees the prefix and its own sample's past."""
+    """The row as one masked SDPA call: a query sees its prefix and its own sample's past."""
     t = segments.length
-    owner = torch.full((t,), -1)
-    for i, (start, end) in enumerate(segments.spans):
-        owner[start:end] = i
+    seen = torch.zeros(t, t, dtype=torch.bool)
+    for start, n in segments.prefixes():
+        seen[start : start + n, start : start + n] = True
+    for (start, end), (first, n) in zip(segments.spans, segments.contexts(), strict=True):
+        seen[start:end, start:end] = True
+        seen[start:end, first : first + n] = True
     pos = torch.arange(t)
-    allowed = (pos[None, :] <= pos[:, None]) & ((owner[None, :] == owner[:, None]) | (owner[None, :] == -1))
+    allowed = (pos[None, :] <= pos[:, None]) & seen
     rep = query.shape[1] // key.shape[1]
     out = F.scaled_dot_product_attention(
         query, key.repeat_interleave(rep, 1), value.repeat_interleave(rep, 1), attn_mask=allowed
@@ -96,9 +115,40 @@ def test_equals_the_masked_row(prefix, lengths, heads, dim, monkeypatch):
     segments, leaves = _row(prefix, lengths, heads, dim)
     calls = _native_runs(monkeypatch)
     got = _results(lambda *x: segment_attention(*x, segments), leaves)
-    assert calls == [segments.spans]
+    assert calls == [segments]
     expected = _results(lambda *x: _masked(*x, segments), leaves)
     _assert_same_results(got, expected, leaves)
+
+
+GROUPS = [
+    [(14, [58, 31]), (9, [42]), (0, [7]), (20, [1, 12, 5])],  # prefixes of their own; a group without
+    [(0, [5, 6]), (3, [130, 2])],  # a first group without a prefix; past one block of queries
+]
+
+
+@pytest.mark.parametrize("groups", GROUPS)
+@pytest.mark.parametrize("native", ["on", "off"])
+def test_a_row_of_groups_equals_the_masked_row(groups, native, monkeypatch):
+    """Each group's samples see their own prefix only: in one kernel call, or block by block
+    through the other backends where the kernel is off."""
+    set_switches({"TWINKLE_NATIVE_ATTENTION": native})
+    segments, leaves = _grouped_row(groups, (9, 3), 64)
+    calls = _native_runs(monkeypatch)
+    got = _results(lambda *x: segment_attention(*x, segments), leaves)
+    assert len(calls) == (1 if native == "on" else 0)
+    _assert_same_results(got, _results(lambda *x: _masked(*x, segments), leaves), leaves)
+
+
+def test_a_group_sees_nothing_of_another_groups_prefix():
+    """Changing group 0's prefix keys moves group 0's outputs only."""
+    segments, leaves = _grouped_row([(6, [4, 3]), (5, [4])], (6, 2), 16)
+    before = segment_attention(*leaves, segments).detach()
+    key = leaves[1].detach().clone()
+    key[:, :, :6] += 1.0
+    after = segment_attention(leaves[0], key, leaves[2], segments).detach()
+    second = segments.blocks[1][0]
+    assert torch.equal(after[:, second:], before[:, second:])
+    assert not torch.allclose(after[:, 6:13], before[:, 6:13])
 
 
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="an x86 compiler flag")

@@ -17,7 +17,7 @@ from twinkle.loss.cross_entropy import target_logps
 from twinkle.model import MultiLoraTransformersModel, TransformersModel
 from twinkle.model.forward import causal_lm_of
 from twinkle.model.lora_modes import BASE_ROW, token_runs
-from twinkle.model.packing import shifted_targets
+from twinkle.model.packing import pack, shifted_targets
 from twinkle.template.base import IGNORE_INDEX
 from twinkle.utils.errors import UserError
 
@@ -198,13 +198,9 @@ def test_disable_lora_gives_the_base_model(tiny_model_dir, batches, interleaved)
     assert float((single.last_outputs["logps"] - expected).abs().max()) > 100 * float(bound.max())
 
 
-def test_mixed_adapter_batch_equals_each_row_alone(dataset, interleaved):
-    """Rows of a, b and the base model in one pass give each row's log-probs as computed alone
-    through its adapter. A row alone runs the same operations on the same values; only the batched
-    products may block their sums differently, a few fp32 roundings of values below 10, hence 1e-6."""
-    model, _ = interleaved
-    batch = next(iter(DataLoader(dataset, batch_size=4)))
-    names = ["a", "b", None, "a"]
+def _assert_each_row_alone(model, batch, names) -> torch.Tensor:
+    """The mixed pass's log-probs of each row equal the row's own pass through its adapter (1e-6:
+    see the test below); returns the mixed log-probs."""
     model.forward_only(batch, adapter_names=names)
     mixed = model.last_outputs["logps"]
     lm = causal_lm_of(model.model)
@@ -219,7 +215,31 @@ def test_mixed_adapter_batch_equals_each_row_alone(dataset, interleaved):
                 inputs = {k: one[k] for k in ("input_ids", "attention_mask", "position_ids") if k in one}
                 alone = label_logps(lm(**inputs).logits, one)
         torch.testing.assert_close(mixed[row : row + 1], alone, atol=1e-6, rtol=0)
+    return mixed
+
+
+def test_mixed_adapter_batch_equals_each_row_alone(dataset, interleaved):
+    """Rows of a, b and the base model in one pass give each row's log-probs as computed alone
+    through its adapter. A row alone runs the same operations on the same values; only the batched
+    products may block their sums differently, a few fp32 roundings of values below 10, hence 1e-6."""
+    model, _ = interleaved
+    batch = next(iter(DataLoader(dataset, batch_size=4)))
+    mixed = _assert_each_row_alone(model, batch, ["a", "b", None, "a"])
     assert not torch.equal(mixed[0], mixed[2])  # the adapters change the rows they run on
+
+
+def test_consecutive_rows_of_one_adapter_hold_their_prefix_once(dataset, interleaved):
+    """Rows of one adapter next to each other share their prefix (the chat markup every row starts
+    with), held once per adapter: fewer tokens in the row, each row's log-probs as alone."""
+    model, _ = interleaved
+    batch = next(iter(DataLoader(dataset, batch_size=6)))
+    names = ["a", "a", "b", "b", None, None]
+    segments = pack(batch, share_prefix=names)["twinkle_segments"]
+    assert len(segments.blocks) == 3 and all(n > 0 for _, n, _ in segments.blocks)
+    assert segments.length < pack(batch, share_prefix=False)["twinkle_segments"].length
+    runs = token_runs(batch, ["a", "a", "b", "b", BASE_ROW, BASE_ROW])
+    assert [(start, name) for start, _, name in runs] == [(0, "a"), (segments.blocks[1][0], "b")]
+    _assert_each_row_alone(model, batch, names)
 
 
 def test_mixed_adapter_batch_runs_packed(dataset, interleaved):

@@ -109,6 +109,44 @@ def test_pack_layout_shares_the_prefix_and_drops_unscored_tails():
     assert packed["attention_mask"].tolist() == [[1] * 7]
 
 
+def test_pack_with_keys_holds_each_groups_prefix_before_its_samples():
+    x = IGNORE
+    batch = _batch(
+        [
+            ([1, 2, 3, 4, 5, 6], [x, x, x, x, x, 6]),
+            ([1, 2, 3, 4, 5, 8, 9], [x, x, x, x, x, 8, 9]),
+            ([1, 2, 3, 4, 5, 7], [x, x, x, x, x, 7]),  # the same prefix, another key: not shared
+            ([1, 2, 3, 4, 5, 9], [x, x, x, x, x, 9]),
+            ([3, 3, 2], [x, 3, 2]),  # a key of its own: no prefix
+        ]
+    )
+    packed = pack(batch, share_prefix=["a", "a", "b", "b", "c"])
+    # a: prefix [1..4] (position 4 predicts a target), then 5 | 5 8; b: the same; c: whole
+    assert packed["twinkle_segments"] == Segments(
+        spans=((4, 5), (5, 7), (11, 12), (12, 13), (13, 15)),
+        prefix=0,
+        blocks=((0, 4, 2), (7, 4, 2), (13, 0, 1)),
+    )
+    assert packed["input_ids"].tolist() == [[1, 2, 3, 4, 5, 5, 8, 1, 2, 3, 4, 5, 5, 3, 3]]
+    assert packed["position_ids"].tolist() == [[0, 1, 2, 3, 4, 4, 5, 0, 1, 2, 3, 4, 4, 0, 1]]
+    assert packed["targets"].tolist() == [[x, x, x, x, 6, 8, 9, x, x, x, x, 7, 9, 3, 2]]
+    assert packed["gather"] is None
+    one_key = pack(batch, share_prefix=["a"] * 5)  # one group: the row's prefix, as share_prefix=True
+    assert one_key["twinkle_segments"] == pack(batch)["twinkle_segments"]
+
+
+def test_pack_with_keys_gathers_targets_of_each_groups_prefix():
+    x = IGNORE
+    rows = [[1, 2, 3, 4, 5, 6, last] for last in (7, 8, 9)]
+    batch = _batch([(ids, [x, *ids[1:]]) for ids in rows])  # every position scored
+    packed = pack(batch, share_prefix=["a", "a", "b"])
+    assert packed["twinkle_segments"].blocks == ((0, 5, 2), (7, 0, 1))
+    # each row's scored positions in row-major order: a's prefix twice, b's whole row once
+    assert packed["gather"].tolist() == [0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 4, 6, *range(7, 13)]
+    targets = packed["targets"][0, packed["gather"]].tolist()
+    assert targets == [2, 3, 4, 5, 6, 7, 2, 3, 4, 5, 6, 8, 2, 3, 4, 5, 6, 9]
+
+
 def test_pack_makes_every_tensor_on_the_batch_device():
     # On a GPU the batch is on the device while a factory call without device= lands on the CPU.
     # Here the batch is on the CPU and the default device is meta: any such call would fail.

@@ -10,7 +10,7 @@ callable that is not a ``twinkle.loss.HeadLoss``) gets the real logits instead
 (``positions_view``)."""
 
 import contextlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -63,7 +63,7 @@ def full_weight(weight: torch.Tensor) -> torch.Tensor:
 
 
 def _model_inputs(
-    lm: Any, batch: dict[str, Any], padding_free: bool, share_prefix: bool = True
+    lm: Any, batch: dict[str, Any], padding_free: bool, share_prefix: bool | Sequence[str] = True
 ) -> tuple[dict[str, Any], torch.Tensor, torch.Tensor | None]:
     """The forward's keyword arguments, each position's target (``IGNORE_INDEX`` where none) and
     the packed row's ``gather`` (``twinkle.model.packing``; None: the targeted positions in order)."""
@@ -101,11 +101,11 @@ def loss_and_view(
     batch: dict[str, torch.Tensor],
     loss_fn: Any,
     padding_free: bool = True,
-    share_prefix: bool = True,
+    share_prefix: bool | Sequence[str] = True,
 ) -> tuple[LossOutput, LossView]:
     """``compute_loss`` and the view it computed the loss from (``twinkle.model.outputs`` reads
-    the labels' log-probabilities from it). ``share_prefix=False`` packs every sample whole (a
-    prefix is not shared when the samples run through different adapters)."""
+    the labels' log-probabilities from it). ``share_prefix``: as ``packing.pack`` takes it (the
+    rows' adapter names, where they run through different adapters)."""
     lm = causal_lm_of(model)
     loss = as_loss(loss_fn)
     _extras(loss, batch)
@@ -147,7 +147,7 @@ def rows_view(
     batch: dict[str, Any],
     padding_free: bool,
     extra_inputs: tuple[str, ...],
-    share_prefix: bool = True,
+    share_prefix: bool | Sequence[str] = True,
 ) -> LossView:
     """The supervised rows: their hidden states and the head, or their logits where the head
     cannot run apart from the model; ``extra_inputs`` at the same rows. Those are read from the

@@ -6,9 +6,10 @@ Both modes set PEFT's per-layer flags directly and put them back after the pass:
 ``disable_adapter()`` / ``set_adapter`` also switch the adapters' ``requires_grad``, which would
 change what the optimizer and FSDP2 see. The fused LoRA nodes stand aside for a mixed batch, as
 they take one adapter only. A mixed batch runs packed where the plain evaluation would
-(``adapter_per_span``): the samples end to end in one row, each LoRA layer computing the frozen
-product once for every token and each adapter's rank-r product on its own samples' tokens only
-(segmented LoRA, as S-LoRA and Punica serve many adapters). A batch that cannot be packed (a model
+(``adapter_per_span``): the samples end to end in one row (the consecutive samples of one adapter
+after their shared prefix, held once), each LoRA layer computing the frozen product once for every
+token and each adapter's rank-r product on its own samples' tokens only (segmented LoRA, as S-LoRA
+and Punica serve many adapters). A batch that cannot be packed (a model
 family without packed attention, a padding-aware model) or LoRA layers other than plain linear
 ones run PEFT's mixed-batch forward (``adapter_per_row``: ``adapter_names=`` on each LoRA layer,
 the rows of each adapter gathered and computed together). With the adapters off, the plain LoRA
@@ -23,7 +24,7 @@ import torch
 from twinkle.kernel.cpu_gemm import linear
 from twinkle.model.forward import loss_and_view
 from twinkle.model.outputs import label_logps
-from twinkle.model.packing import pack, scored_lengths, shifted_targets
+from twinkle.model.packing import pack, row_groups, scored_lengths, shifted_targets
 
 BASE_ROW = "__base__"  # PEFT's name for a row without adapter in a mixed batch
 
@@ -78,10 +79,11 @@ def adapter_per_row(model: Any, names: Sequence[str]) -> Iterator[None]:
 
 
 def token_runs(batch: dict[str, torch.Tensor], names: Sequence[str]) -> list[tuple[int, int, str]] | None:
-    """``(start, end, adapter)`` of the packed row's tokens that each adapter computes (samples of
-    one adapter next to each other merge into one run; ``BASE_ROW`` samples get none), for the
-    row ``pack(batch, share_prefix=False)`` builds; None when the batch does not pack."""
-    packed = pack(batch, share_prefix=False)
+    """``(start, end, adapter)`` of the packed row's tokens that each adapter computes, for the
+    row ``pack(batch, share_prefix=names)`` builds: each run of consecutive samples of one adapter,
+    their shared prefix included, is one run (``BASE_ROW`` samples get none); None when the batch
+    does not pack."""
+    packed = pack(batch, share_prefix=names)
     if packed is None:
         return None
     kept = [
@@ -89,15 +91,14 @@ def token_runs(batch: dict[str, torch.Tensor], names: Sequence[str]) -> list[tup
         for i, n in enumerate(scored_lengths(shifted_targets(batch["labels"], batch["attention_mask"])))
         if n
     ]
+    spans = packed["twinkle_segments"].spans
     runs: list[tuple[int, int, str]] = []
-    for row, (start, end) in zip(kept, packed["twinkle_segments"].spans, strict=True):
-        name = names[row]
-        if name == BASE_ROW:
-            continue
-        if runs and runs[-1][2] == name and runs[-1][1] == start:
-            runs[-1] = (runs[-1][0], end, name)
-        else:
-            runs.append((start, end, name))
+    first, start = 0, 0
+    for group in row_groups(kept, names):  # laid out one after the other, each prefix first
+        end = spans[first + len(group) - 1][1]
+        if names[group[0]] != BASE_ROW:
+            runs.append((start, end, names[group[0]]))
+        first, start = first + len(group), end
     return runs
 
 

@@ -129,7 +129,7 @@ class MetricsAPI:
             with adapter_per_row(self.model, names):
                 return loss_and_logps(self.model, batch, loss_fn)
         with adapter_per_span(layers, runs):
-            out, view = loss_and_view(self.model, batch, loss_fn, padding_free=True, share_prefix=False)
+            out, view = loss_and_view(self.model, batch, loss_fn, padding_free=True, share_prefix=names)
         return out, label_logps(out, view, batch, lazy=not self.runtime.is_distributed)
 
     def calculate_loss(self) -> float:

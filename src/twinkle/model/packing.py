@@ -7,7 +7,8 @@ border. Three things are left out of the row because no loss depends on them:
 - each sample's tail after its last position with a target (causal attention: later tokens
   influence nothing that is scored);
 - all but one copy of a prefix every sample shares (system prompt, chat markup): the row holds
-  it once and every sample attends to it. Where the prefix holds targets too (the same in every
+  it once and every sample attends to it. Where the rows run through different adapters, each
+  run of rows through one adapter holds its own prefix once, before its samples. Where the prefix holds targets too (the same in every
   sample: a Tinker datum scores every position), its positions are scored once in the row and
   ``gather`` lists, for each scored position of the padded batch in row-major order, where it
   lies in the row, so a loss still sees every sample's targets.
@@ -15,6 +16,7 @@ border. Three things are left out of the row because no loss depends on them:
 ``twinkle.kernel.attention.packed`` runs attention per sample, so the loss and gradients equal those of
 the padded batch up to summation order."""
 
+from collections.abc import Hashable, Sequence
 from typing import Any
 
 import torch
@@ -59,10 +61,45 @@ def _common_prefix(rows: list[torch.Tensor]) -> int:
     return int(same.int().cumprod(0).sum())
 
 
-def pack(batch: dict[str, torch.Tensor], share_prefix: bool = True) -> dict[str, Any] | None:
+def row_groups(rows: list[int], share_prefix: bool | Sequence[Hashable]) -> list[list[int]]:
+    """The kept rows in groups that may share a prefix: all of them (True), none (False), or each
+    run of consecutive rows with equal keys (one key per batch row)."""
+    if share_prefix is True:
+        return [rows]
+    if share_prefix is False:
+        return [[i] for i in rows]
+    groups: list[list[int]] = []
+    for i in rows:
+        if groups and share_prefix[groups[-1][-1]] == share_prefix[i]:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
+def _shared(ids: torch.Tensor, targets: torch.Tensor, keep: list[int], group: list[int]) -> int:
+    """The prefix ``group``'s rows hold once: the tokens and targets they all start with, short of
+    each row's last kept token; 0 below ``MIN_SHARED_PREFIX`` or for one row."""
+    if len(group) < 2:
+        return 0
+    shared = min(
+        _common_prefix([ids[i, : keep[i]] for i in group]),
+        _common_prefix([targets[i, : keep[i]] for i in group]),
+        min(keep[i] for i in group) - 1,
+    )
+    return shared if shared >= MIN_SHARED_PREFIX else 0
+
+
+def pack(
+    batch: dict[str, torch.Tensor], share_prefix: bool | Sequence[Hashable] = True
+) -> dict[str, Any] | None:
     """``(B, L)`` right-padded -> model inputs for one row, with ``targets (1, T)`` and ``gather``
-    (None unless the shared prefix holds targets, see the module docstring); None when the batch
-    has no target or is not right-padded samples starting at position 0."""
+    (None unless a shared prefix holds targets, see the module docstring); None when the batch
+    has no target or is not right-padded samples starting at position 0.
+
+    ``share_prefix``: True holds a prefix every sample shares once; a sequence of one key per row
+    (the adapter each row runs through) holds the prefix of each run of consecutive rows with
+    equal keys once, before them; False shares nothing."""
     mask = batch["attention_mask"].bool()
     lengths = mask.sum(1)
     positions = batch["position_ids"]
@@ -77,40 +114,40 @@ def pack(batch: dict[str, torch.Tensor], share_prefix: bool = True) -> dict[str,
     if not rows:
         return None
     ids = batch["input_ids"]
-    shared = 0
-    if share_prefix and len(rows) > 1:
-        shared = min(
-            _common_prefix([ids[i, : keep[i]] for i in rows]),
-            _common_prefix([targets[i, : keep[i]] for i in rows]),
-            min(keep[i] for i in rows) - 1,
-        )
-        if shared < MIN_SHARED_PREFIX:
-            shared = 0
-    # (ids, positions, targets) of the shared prefix, then of each sample's own part
-    pieces = [(ids[rows[0], :shared], arange[:shared], targets[rows[0], :shared])]
-    spans, start = [], shared
-    for i in rows:
-        n = keep[i]
-        pieces.append((ids[i, shared:n], arange[shared:n], targets[i, shared:n]))
-        spans.append((start, start + n - shared))
-        start += n - shared
+    groups = row_groups(rows, share_prefix)
+    # (ids, positions, targets) of each group's prefix, then of each of its samples' own part
+    pieces, spans, blocks, owned, start = [], [], [], [], 0
+    for group in groups:
+        shared = _shared(ids, targets, keep, group)
+        blocks.append((start, shared, len(group)))
+        pieces.append((ids[group[0], :shared], arange[:shared], targets[group[0], :shared]))
+        begin, start = start, start + shared
+        for i in group:
+            n = keep[i]
+            pieces.append((ids[i, shared:n], arange[shared:n], targets[i, shared:n]))
+            spans.append((start, start + n - shared))
+            owned.append((i, begin, shared, start))
+            start += n - shared
     input_ids, position_ids, row_targets = (torch.cat(column)[None] for column in zip(*pieces, strict=True))
     gather = None
-    if shared and bool(scored[rows[0], :shared].any()):
+    if any(shared and bool(scored[i, :shared].any()) for i, _, shared, _ in owned):
         gather = torch.cat(
             [
-                torch.cat([arange[:shared], arange[shared : keep[i]] + (begin - shared)])[
+                torch.cat([arange[:shared] + begin, arange[shared : keep[i]] + (own - shared)])[
                     scored[i, : keep[i]]
                 ]
-                for i, (begin, _) in zip(rows, spans, strict=True)
+                for i, begin, shared, own in owned
             ]
         )
+    one_prefix = len(groups) == 1 or not any(n for _, n, _ in blocks)
     return {
         "input_ids": input_ids,
         "position_ids": position_ids,
         # all ones: Hugging Face's masking then builds no mask; attention follows the segments
         "attention_mask": torch.ones_like(input_ids),
         "targets": row_targets,
-        "twinkle_segments": Segments(tuple(spans), shared),
+        "twinkle_segments": Segments(
+            tuple(spans), blocks[0][1] if one_prefix else 0, () if one_prefix else tuple(blocks)
+        ),
         "gather": gather,
     }

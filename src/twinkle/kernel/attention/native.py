@@ -46,8 +46,8 @@ _PTR, _INT, _FLOAT = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 
 def _load() -> ctypes.CDLL:
     lib = native_build.load_library(SOURCE, FLAGS, COMPILER)
-    lib.twinkle_attention_forward.argtypes = [_PTR] * 5 + [_INT] * 5 + [_FLOAT, _PTR, _INT, _INT]
-    lib.twinkle_attention_backward.argtypes = [_PTR] * 10 + [_INT] * 5 + [_FLOAT, _PTR, _INT, _INT]
+    lib.twinkle_attention_forward.argtypes = [_PTR] * 5 + [_INT] * 4 + [_FLOAT, _PTR, _INT, _INT]
+    lib.twinkle_attention_backward.argtypes = [_PTR] * 10 + [_INT] * 4 + [_FLOAT, _PTR, _INT, _INT]
     lib.twinkle_attention_lanes.restype = _INT
     return lib
 
@@ -94,47 +94,50 @@ def lanes() -> int:
 
 
 @lru_cache(maxsize=256)  # every layer of a step asks for the same row's plan
-def tasks(spans: tuple, prefix: int, heads: int, kv_heads: int) -> tuple[torch.Tensor, int]:
-    """The kernel's tasks, ``(first head, heads, start, queries, prefix keys seen, slot row)``
-    each, longest first, and the rows of key gradients they keep. A task is a segment (the
-    prefix's own queries, or a sample) with the query heads of one key/value head, or with one
-    query head where that gives too few tasks to share out. The split depends on the row alone,
-    not on the thread count, so neither do the results."""
+def tasks(segments: Any, heads: int, kv_heads: int) -> tuple[torch.Tensor, int]:
+    """The kernel's tasks, ``(first head, heads, start, queries, prefix keys seen, first prefix
+    key, slot row)`` each, longest first, and the rows of key gradients they keep. A task is a
+    segment (a prefix's own queries, or a sample) with the query heads of one key/value head, or
+    with one query head where that gives too few tasks to share out. The split depends on the row
+    alone, not on the thread count, so neither do the results."""
     group = heads // kv_heads
-    segments = ([(0, prefix, 0)] if prefix else []) + [(s, e - s, prefix) for s, e in spans]
-    split = len(segments) * kv_heads < MIN_TASKS
+    pieces = [(s, n, 0, 0) for s, n in segments.prefixes()] + [
+        (s, e - s, seen, first)
+        for (s, e), (first, seen) in zip(segments.spans, segments.contexts(), strict=True)
+    ]
+    split = len(pieces) * kv_heads < MIN_TASKS
     per = [(h, 1) for h in range(heads)] if split else [(g * group, group) for g in range(kv_heads)]
-    items = [[h, n_heads, s, n, seen, 0] for h, n_heads in per for s, n, seen in segments]
+    items = [[h, n_heads, s, n, seen, first, 0] for h, n_heads in per for s, n, seen, first in pieces]
     items.sort(key=lambda t: -t[1] * t[3] * (t[4] + t[3] / 2))
     row = 0
     for item in items:
-        item[5] = row
+        item[6] = row
         row += item[3] + item[4]
     return torch.tensor(items, dtype=torch.int32), row
 
 
 class NativeSegmentAttention(torch.autograd.Function):
-    """``apply(query (1, H, T, D), key, value (1, KV, T, D), spans, prefix, scale)`` ->
+    """``apply(query (1, H, T, D), key, value (1, KV, T, D), segments, scale)`` ->
     ``(1, T, H, D)``."""
 
     @staticmethod
-    def forward(ctx: Any, query, key, value, spans, prefix, scale):
+    def forward(ctx: Any, query, key, value, segments, scale):
         lib = library()
         q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))  # (T, heads, D)
         length, heads, dim = q.shape
         kv_heads = k.shape[1]
         threads = torch.get_num_threads()
-        plan, rows = tasks(spans, prefix, heads, kv_heads)
+        plan, rows = tasks(segments, heads, kv_heads)
         out = torch.empty_like(q)
         lse = torch.empty(heads, length)
         failed = lib.twinkle_attention_forward(
             q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),
-            length, heads, kv_heads, dim, prefix, scale, plan.data_ptr(), len(plan), threads,
+            length, heads, kv_heads, dim, scale, plan.data_ptr(), len(plan), threads,
         )  # fmt: skip
         if failed:
             raise MemoryError("native attention: no memory for the kernel's scratch")
         ctx.save_for_backward(q, k, v, out, lse, plan)
-        ctx.lib, ctx.rows, ctx.prefix, ctx.scale = lib, rows, prefix, scale  # the same library back
+        ctx.lib, ctx.rows, ctx.scale = lib, rows, scale  # the same library back
         return out[None]
 
     @staticmethod
@@ -148,13 +151,14 @@ class NativeSegmentAttention(torch.autograd.Function):
         failed = ctx.lib.twinkle_attention_backward(
             q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(), grad.data_ptr(),
             grad_q.data_ptr(), grad_k.data_ptr(), grad_v.data_ptr(), slots.data_ptr(),
-            length, heads, k.shape[1], dim, ctx.prefix, ctx.scale, plan.data_ptr(), len(plan), threads,
+            length, heads, k.shape[1], dim, ctx.scale, plan.data_ptr(), len(plan), threads,
         )  # fmt: skip
         if failed:
             raise MemoryError("native attention: no memory for the kernel's scratch")
-        return (*(t.transpose(0, 1)[None] for t in (grad_q, grad_k, grad_v)), None, None, None)
+        return (*(t.transpose(0, 1)[None] for t in (grad_q, grad_k, grad_v)), None, None)
 
 
-def native_attention(query, key, value, spans: tuple, prefix: int, scale: float | None) -> torch.Tensor:
+def native_attention(query, key, value, segments: Any, scale: float | None) -> torch.Tensor:
+    """``segments``: the row's ``packed.Segments``."""
     scale = query.shape[-1] ** -0.5 if scale is None else float(scale)
-    return NativeSegmentAttention.apply(query, key, value, spans, prefix, scale)
+    return NativeSegmentAttention.apply(query, key, value, segments, scale)

@@ -2,10 +2,12 @@
 
 A packed batch is one row holding every sample end to end (see ``twinkle.model.packing``).
 ``Segments`` says where each sample lies; a sample sees only its own earlier tokens and, where
-the samples share a prefix held once at the start of the row, the prefix. ``segment_attention``
+samples share a prefix held once in the row (at its start, or before each group of samples), the
+prefix. ``segment_attention``
 walks the op's chain (``DEFAULT_CALL_CHAINS``): the C kernel (``native``), the flash calls with
 a pooled backward (``pooled``), batched products (``batched``), SDPA per sample (``sdpa``); each
-backend takes the rows it is built for and the last takes every row.
+backend takes the rows it is built for and the last takes every row (a row of groups block by
+block, each through the chain again).
 
 The function is registered with Hugging Face's attention interface under a name derived from
 the model's own implementation; without ``twinkle_segments`` in the call it is exactly that
@@ -30,14 +32,43 @@ _CPU_UPCAST = (torch.bfloat16, torch.float16)
 @dataclass(frozen=True)
 class Segments:
     """Samples in a packed row: ``spans[i] = (start, end)`` of sample ``i``'s own tokens; the
-    first ``prefix`` tokens of the row, if any, are a prefix every sample continues."""
+    first ``prefix`` tokens of the row, if any, are a prefix every sample continues. Or, where
+    groups of samples each continue a prefix of their own, ``blocks``: the row as consecutive
+    ``(start, prefix, samples)``, a prefix of ``prefix`` tokens at ``start`` then the next
+    ``samples`` spans, each continuing it (``prefix`` is then 0)."""
 
     spans: tuple[tuple[int, int], ...]
     prefix: int = 0
+    blocks: tuple[tuple[int, int, int], ...] = ()
 
     @property
     def length(self) -> int:
         return self.spans[-1][1] if self.spans else self.prefix
+
+    def prefixes(self) -> list[tuple[int, int]]:
+        """``(start, length)`` of each prefix the row holds."""
+        if not self.blocks:
+            return [(0, self.prefix)] if self.prefix else []
+        return [(start, n) for start, n, _ in self.blocks if n]
+
+    def contexts(self) -> list[tuple[int, int]]:
+        """``(start, length)`` of the prefix each sample continues (length 0: none)."""
+        if not self.blocks:
+            return [(0, self.prefix)] * len(self.spans)
+        return [(start, n) for start, n, samples in self.blocks for _ in range(samples)]
+
+    def parts(self) -> list[tuple[int, int, "Segments"]]:
+        """The row as independent parts ``(start, end, segments)``, positions within a part
+        counted from its start: each block, or the whole row."""
+        if not self.blocks:
+            return [(0, self.length, self)]
+        parts, first = [], 0
+        for start, n, samples in self.blocks:
+            own = self.spans[first : first + samples]
+            first += samples
+            end = own[-1][1]
+            parts.append((start, end, Segments(tuple((a - start, b - start) for a, b in own), n)))
+        return parts
 
 
 @dataclass(frozen=True)
@@ -61,10 +92,12 @@ def _native(row: Row) -> torch.Tensor | None:
     q, k, segments = row.query, row.key, row.segments
     if not native.usable(q, k, segments.spans, row.dropout, row.window):
         return None
-    return native.native_attention(q, k, row.value, segments.spans, segments.prefix, row.scaling)
+    return native.native_attention(q, k, row.value, segments, row.scaling)
 
 
 def _pooled(row: Row) -> torch.Tensor | None:
+    if row.segments.blocks:
+        return None
     work = batched.flash_pairs(row.lengths, row.segments.prefix)
     if row.window is not None or row.dropout or not pooled.usable(row.query, work):
         return None
@@ -73,7 +106,7 @@ def _pooled(row: Row) -> torch.Tensor | None:
 
 
 def _batched(row: Row) -> torch.Tensor | None:
-    if not batched.usable(row.query, row.key, row.segments, row.dropout, row.window):
+    if row.segments.blocks or not batched.usable(row.query, row.key, row.segments, row.dropout, row.window):
         return None
     plan = batched.plan_for(row.segments, row.query, row.key)
     return (
@@ -82,6 +115,20 @@ def _batched(row: Row) -> torch.Tensor | None:
 
 
 def _sdpa(row: Row) -> torch.Tensor:
+    if row.segments.blocks:  # each block a row of its own, through the whole chain
+        return torch.cat(
+            [
+                segment_attention(
+                    *(t[:, :, start:end] for t in (row.query, row.key, row.value)),
+                    part,
+                    row.dropout,
+                    row.scaling,
+                    row.window,
+                )
+                for start, end, part in row.segments.parts()
+            ],
+            dim=1,
+        )
     calls = sdpa.sample_calls(row.query, row.key, row.value, row.lengths, row.segments.prefix)
     return _joined(sdpa.per_sample(calls, row.window, row.dropout, row.scaling))
 

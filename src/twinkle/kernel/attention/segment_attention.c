@@ -1,10 +1,11 @@
 /* Causal attention of a packed row's short samples, forward and backward, fp32, on the CPU.
 
-   A row holds `prefix` tokens every sample continues, then the samples end to end. A query of
-   a sample sees the prefix and its own sample up to itself; a prefix query sees the prefix up
-   to itself. Tensors are token-major: q and out (T, H, D), k and v (T, KV, D), all contiguous;
-   lse (H, T). The caller lists the tasks: a segment (the prefix's own queries, or one sample)
-   with some query heads of one key/value head. Threads (OpenMP, the pool torch already runs)
+   A row holds samples end to end, each after a prefix it continues: the row's first tokens,
+   or a prefix held once before a group of samples. A query of a sample sees its prefix and its
+   own sample up to itself; a prefix query sees the prefix up to itself. Tensors are
+   token-major: q and out (T, H, D), k and v (T, KV, D), all contiguous; lse (H, T). The
+   caller lists the tasks: a segment (a prefix's own queries, or one sample) with some query
+   heads of one key/value head. Threads (OpenMP, the pool torch already runs)
    take tasks longest first; a task's products go tile by tile (MR x NR, GCC's generic vectors)
    over blocks of QB queries, with the softmax over exactly the keys each query sees. In the
    backward each task writes its keys' gradients to its own rows of `slots`, and `reduce` adds
@@ -22,14 +23,15 @@ typedef struct {
     int heads;  /* query heads, all of one key/value head */
     int start;  /* first query's position */
     int count;  /* queries */
-    int seen;   /* prefix keys the queries see before their own (0 for the prefix's task) */
+    int seen;   /* prefix keys the queries see before their own (0 for a prefix's own task) */
+    int from;   /* position of the first of those prefix keys */
     int slot;   /* backward: the first row of this task's key gradients in `slots` */
 } Task;
 
 typedef struct {
     const float *q, *k, *v, *out, *grad_out, *lse_in;
     float *o, *lse, *grad_q, *grad_k, *grad_v, *slots;
-    int T, H, KV, D, prefix;
+    int T, H, KV, D;
     float scale;
     const Task *tasks;
     int n_tasks;
@@ -52,8 +54,10 @@ static inline float exp_neg(float x) {
     return p * two_n;
 }
 
-/* position of a task's key j: the prefix's first `seen`, then the task's own */
-static inline int key_position(const Task *t, int j) { return j < t->seen ? j : t->start + j - t->seen; }
+/* position of a task's key j: its prefix's `seen` keys, then the task's own */
+static inline int key_position(const Task *t, int j) {
+    return j < t->seen ? t->from + j : t->start + j - t->seen;
+}
 
 #ifdef __AVX512F__
 #define LANES 16 /* floats in a vector: GCC's generic vectors, lowered to whatever the CPU has */
@@ -304,10 +308,10 @@ static void reduce(Job *job, int threads) {
 int twinkle_attention_lanes(void) { return LANES; }
 
 int twinkle_attention_forward(const float *q, const float *k, const float *v, float *out, float *lse,
-                              int T, int H, int KV, int D, int prefix, float scale, const int *tasks,
+                              int T, int H, int KV, int D, float scale, const int *tasks,
                               int n_tasks, int threads) {
     Job job = {.q = q, .k = k, .v = v, .o = out, .lse = lse, .T = T, .H = H, .KV = KV, .D = D,
-               .prefix = prefix, .scale = scale, .tasks = (const Task *)tasks, .n_tasks = n_tasks};
+               .scale = scale, .tasks = (const Task *)tasks, .n_tasks = n_tasks};
     return run(&job, threads);
 }
 
@@ -315,10 +319,10 @@ int twinkle_attention_forward(const float *q, const float *k, const float *v, fl
 int twinkle_attention_backward(const float *q, const float *k, const float *v, const float *out,
                                const float *lse, const float *grad_out, float *grad_q, float *grad_k,
                                float *grad_v, float *slots, int T, int H, int KV, int D,
-                               int prefix, float scale, const int *tasks, int n_tasks, int threads) {
+                               float scale, const int *tasks, int n_tasks, int threads) {
     Job job = {.q = q, .k = k, .v = v, .out = out, .lse_in = lse, .grad_out = grad_out,
                .grad_q = grad_q, .grad_k = grad_k, .grad_v = grad_v, .slots = slots,
-               .T = T, .H = H, .KV = KV, .D = D, .prefix = prefix, .scale = scale,
+               .T = T, .H = H, .KV = KV, .D = D, .scale = scale,
                .tasks = (const Task *)tasks, .n_tasks = n_tasks};
     if (run(&job, threads)) return -1;
     reduce(&job, threads);
