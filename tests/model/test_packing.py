@@ -131,8 +131,24 @@ def test_pack_with_keys_holds_each_groups_prefix_before_its_samples():
     assert packed["position_ids"].tolist() == [[0, 1, 2, 3, 4, 4, 5, 0, 1, 2, 3, 4, 4, 0, 1]]
     assert packed["targets"].tolist() == [[x, x, x, x, 6, 8, 9, x, x, x, x, 7, 9, 3, 2]]
     assert packed["gather"] is None
-    one_key = pack(batch, share_prefix=["a"] * 5)  # one group: the row's prefix, as share_prefix=True
-    assert one_key["twinkle_segments"] == pack(batch)["twinkle_segments"]
+    one_key = pack(batch, share_prefix=["a"] * 5)  # one group: what all five share, nothing
+    assert one_key["twinkle_segments"] == pack(batch, share_prefix=False)["twinkle_segments"]
+    # by default the four rows that start alike hold their prefix once, the fifth goes whole
+    assert pack(batch)["twinkle_segments"] == Segments(
+        spans=((4, 5), (5, 7), (7, 8), (8, 9), (9, 11)), prefix=0, blocks=((0, 4, 4), (9, 0, 1))
+    )
+
+
+def test_pack_keeps_one_prefix_for_all_rows_unless_runs_of_rows_leave_out_more():
+    x = IGNORE
+    system = [1, 2, 3, 4]
+    pair = [([*system, 5, 6, 7, 8, 9, r], [x] * 9 + [r]) for r in (10, 11)]  # one prompt, two replies
+    other = [([*system, 7, 7, 7, 7, 7, r], [x] * 9 + [r]) for r in (12, 13)]
+    blocks = pack(_batch(pair + other))["twinkle_segments"].blocks
+    assert blocks == ((0, 8, 2), (10, 8, 2))  # each prompt once: 16 tokens left out, not 12
+    alike = [([*system, 5 + i, 6, 7, 8, 9, 10], [x] * 9 + [10]) for i in range(4)]  # only the system
+    segments = pack(_batch(alike))["twinkle_segments"]
+    assert segments.prefix == 4 and segments.blocks == ()
 
 
 def test_pack_with_keys_gathers_targets_of_each_groups_prefix():

@@ -7,8 +7,9 @@ border. Three things are left out of the row because no loss depends on them:
 - each sample's tail after its last position with a target (causal attention: later tokens
   influence nothing that is scored);
 - all but one copy of a prefix every sample shares (system prompt, chat markup): the row holds
-  it once and every sample attends to it. Where the rows run through different adapters, each
-  run of rows through one adapter holds its own prefix once, before its samples. Where the prefix holds targets too (the same in every
+  it once and every sample attends to it. Where consecutive samples share a longer prefix (the
+  two sides of a preference pair, the completions of one prompt), or run through different
+  adapters, each such group holds its own prefix once, before its samples. Where the prefix holds targets too (the same in every
   sample: a Tinker datum scores every position), its positions are scored once in the row and
   ``gather`` lists, for each scored position of the padded batch in row-major order, where it
   lies in the row, so a loss still sees every sample's targets.
@@ -61,16 +62,11 @@ def _common_prefix(rows: list[torch.Tensor]) -> int:
     return int(same.int().cumprod(0).sum())
 
 
-def row_groups(rows: list[int], share_prefix: bool | Sequence[Hashable]) -> list[list[int]]:
-    """The kept rows in groups that may share a prefix: all of them (True), none (False), or each
-    run of consecutive rows with equal keys (one key per batch row)."""
-    if share_prefix is True:
-        return [rows]
-    if share_prefix is False:
-        return [[i] for i in rows]
+def row_groups(rows: list[int], keys: Sequence[Hashable]) -> list[list[int]]:
+    """The kept rows in runs of consecutive rows with equal keys (one key per batch row)."""
     groups: list[list[int]] = []
     for i in rows:
-        if groups and share_prefix[groups[-1][-1]] == share_prefix[i]:
+        if groups and keys[groups[-1][-1]] == keys[i]:
             groups[-1].append(i)
         else:
             groups.append([i])
@@ -90,6 +86,44 @@ def _shared(ids: torch.Tensor, targets: torch.Tensor, keep: list[int], group: li
     return shared if shared >= MIN_SHARED_PREFIX else 0
 
 
+def _prefix_groups(
+    ids: torch.Tensor, targets: torch.Tensor, keep: list[int], rows: list[int]
+) -> list[list[int]]:
+    """The kept rows cut into runs of consecutive rows, each holding the prefix its rows share
+    once, cut where that leaves the most tokens out of the row: one run of every row where all
+    share just the system prompt and chat markup, a run per pair or per prompt where consecutive
+    rows share a longer one (a preference pair's prompt, a prompt's sampled completions). Exact,
+    by dynamic programming over the cut points: quadratic in the rows, linear in their length."""
+    n = len(rows)
+    # common[a][b - a - 1]: tokens and targets row a shares with each later row b, up to each one's
+    # last kept token but one (a shared prefix leaves every sample a token of its own)
+    common: list[list[int]] = []
+    for a in range(n):
+        later = rows[a + 1 :]
+        if not later:
+            common.append([])
+            continue
+        same = (ids[later] == ids[rows[a]]) & (targets[later] == targets[rows[a]])
+        run = same.int().cumprod(1).sum(1).tolist()
+        common.append([min(r, keep[rows[a]] - 1, keep[b] - 1) for r, b in zip(run, later, strict=True)])
+    best, cut = [0] * (n + 1), [0] * (n + 1)  # best[j]: most tokens left out of rows[:j]
+    for j in range(1, n + 1):
+        best[j], cut[j] = best[j - 1], j - 1
+    for a in range(n):
+        shared = None
+        for b in range(a + 1, n):  # the run rows[a..b]
+            shared = common[a][b - a - 1] if shared is None else min(shared, common[a][b - a - 1])
+            if shared < MIN_SHARED_PREFIX:
+                break
+            if best[a] + (b - a) * shared > best[b + 1]:
+                best[b + 1], cut[b + 1] = best[a] + (b - a) * shared, a
+    groups, j = [], n
+    while j:
+        groups.append(rows[cut[j] : j])
+        j = cut[j]
+    return groups[::-1]
+
+
 def pack(
     batch: dict[str, torch.Tensor], share_prefix: bool | Sequence[Hashable] = True
 ) -> dict[str, Any] | None:
@@ -97,9 +131,10 @@ def pack(
     (None unless a shared prefix holds targets, see the module docstring); None when the batch
     has no target or is not right-padded samples starting at position 0.
 
-    ``share_prefix``: True holds a prefix every sample shares once; a sequence of one key per row
-    (the adapter each row runs through) holds the prefix of each run of consecutive rows with
-    equal keys once, before them; False shares nothing."""
+    ``share_prefix``: True holds the prefix every sample shares once, or where that leaves out
+    more tokens, the prefix of each run of consecutive rows that start alike (``_prefix_groups``);
+    a sequence of one key per row (the adapter each row runs through) holds the prefix of each run
+    of consecutive rows with equal keys once, before them; False shares nothing."""
     mask = batch["attention_mask"].bool()
     lengths = mask.sum(1)
     positions = batch["position_ids"]
@@ -114,7 +149,12 @@ def pack(
     if not rows:
         return None
     ids = batch["input_ids"]
-    groups = row_groups(rows, share_prefix)
+    if share_prefix is True:
+        groups = _prefix_groups(ids, targets, keep, rows)
+    elif share_prefix is False:
+        groups = [[i] for i in rows]
+    else:
+        groups = row_groups(rows, share_prefix)
     # (ids, positions, targets) of each group's prefix, then of each of its samples' own part
     pieces, spans, blocks, owned, start = [], [], [], [], 0
     for group in groups:
