@@ -352,6 +352,38 @@ def test_off_never_measures_and_takes_torch(monkeypatch, onednn_calls):
     monkeypatch.setattr(gemm, "_measure", lambda *a: pytest.fail("measured with TWINKLE_ONEDNN=off"))
     w = torch.randn(16, 8)
     assert gemm.faster_here("linear", w) is False and gemm.faster_here("times_weight", w) is False
+    assert gemm.faster_here("gemv", w) is False and gemm.faster_here("gemv8", w) is False
     assert gemm.pack_frozen([w]) == 0
     assert torch.equal(gemm.linear(torch.ones(3, 8), w), torch.ones(3, 8) @ w.t())
     assert _rows(onednn_calls) == []
+
+
+@needs_onednn
+@pytest.mark.parametrize("slower", ["onednn", "torch"])
+def test_a_decoding_steps_few_rows_take_the_library_measured_faster_even_when_on(slowed, slower):
+    """ "gemv" is measured in the default ``on`` as well (at 1 row, over copies past the caches),
+    kept in the machine's file like the other choices; ``few_rows`` follows the choice."""
+    slow, measured = slowed
+    set_switches({"TWINKLE_ONEDNN": "on"})
+    slow(slower)
+    w = torch.randn(64, 48)
+    choice = gemm.faster_here("gemv", w)
+    assert choice == (slower == "torch") and measured == [("gemv", (64, 48))]
+    assert gemm._read_routes(gemm._routes_file()) == {("gemv", 64, 48): choice}
+    assert gemm.faster_here("linear", w) is True and measured == [("gemv", (64, 48))]  # on: not measured
+    x = torch.randn(1, 48)
+    for onednn in (True, False):
+        assert_matmul(gemm.few_rows(x, w, None, onednn), x, w.t(), what="linear")
+
+
+@needs_onednn
+def test_few_rows_goes_where_it_is_told(onednn_calls):
+    x, w, bias = torch.randn(2, 48), torch.randn(64, 48), torch.randn(64)
+    gemm.few_rows(x, w, bias, False)
+    assert _rows(onednn_calls) == []
+    out = gemm.few_rows(x, w, bias, True)
+    assert _rows(onednn_calls) == [(2, 48)]
+    assert_matmul(out, x, w.t(), bias, "linear")
+    with torch.enable_grad():  # a product autograd records is never oneDNN's
+        gemm.few_rows(x, w.requires_grad_(), bias, True)
+    assert _rows(onednn_calls) == [(2, 48)]

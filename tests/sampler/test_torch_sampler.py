@@ -272,3 +272,24 @@ def test_colocated_prompts_use_the_trainer_template(make_model):
     sampler.set_template("Template")
     plain = sampler.sample(PROMPTS[0], SamplingParams(max_tokens=1, seed=0))[0].prompt_token_ids
     assert "You are Twinkle." not in model.tokenizer.decode(plain)
+
+
+@pytest.mark.parametrize("onednn", [True, False])
+def test_decoding_products_on_either_library_give_the_trainers_logprobs(sharp_dir, monkeypatch, onednn):
+    """A decoding step's few rows go to the library measured faster for each weight shape
+    (``cpu_gemm.faster_here("gemv", ...)``); either gives the training forward's log-probs."""
+    from twinkle.kernel import cpu_gemm
+
+    real_choice, real_onednn, rows = cpu_gemm.faster_here, cpu_gemm._onednn, []
+    monkeypatch.setattr(
+        cpu_gemm, "faster_here", lambda p, w: onednn if p in cpu_gemm.FEW_ROWS else real_choice(p, w)
+    )
+    monkeypatch.setattr(cpu_gemm, "_onednn", lambda x, w, b: rows.append(x.shape[0]) or real_onednn(x, w, b))
+    sampler = TorchSampler(str(sharp_dir))
+    params = SamplingParams(max_tokens=8, temperature=0.7, top_p=0.8, top_k=20, seed=3, num_samples=2)
+    for response in sampler.sample(PROMPTS, params):
+        for seq in response.sequences:
+            expected = trainer_logps(sampler.lm, seq.new_input_feature, len(seq.tokens))
+            torch.testing.assert_close(sampled_logps(seq), expected, rtol=0, atol=1e-4)
+    few = [n for n in rows if n <= 8]
+    assert bool(few) == (onednn and cpu_gemm.onednn_enabled())

@@ -1,5 +1,6 @@
 """Call op ``cpu_gemm``: a frozen weight's two fp32 CPU products, ``linear(x, w, bias)``
-(``x @ w.T + bias``, the forward) and ``times_weight(g, w)`` (``g @ w``, the input gradient).
+(``x @ w.T + bias``, the forward) and ``times_weight(g, w)`` (``g @ w``, the input gradient), and
+a decoding step's product of a few rows, ``few_rows(x, w, bias, onednn)``.
 
 oneDNN, which torch ships beside MKL, runs most of these products faster from the same dense
 weight, but the two libraries sum in different orders (~1e-6 relative), so the library a product
@@ -50,6 +51,9 @@ CALIBRATION_REPEATS = 5  # timed calls per library, after one warm-up each
 # which builds no kernel per new row count and needs no packed copy (measured choices flipped
 # between processes on shapes within a few percent)
 ONEDNN_MARGIN = 0.95
+FEW_ROWS = {"gemv": 1, "gemv8": 8}  # a decoding step's products, timed at 1 and 8 rows
+GEMV_BYTES = 64 << 20  # "gemv" is timed over copies of the weight this large in all: past the caches
+GEMV_COPIES = 32
 # (product, out, in) -> whether oneDNN was faster here; product is "linear" or "times_weight"
 _faster: dict[tuple[str, int, int], bool] = {}
 # once read: "file", this machine's file of measured choices, and "machine", what keys it
@@ -130,17 +134,31 @@ def _onednn(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torc
 
 
 def _torch_product(a: torch.Tensor, w: torch.Tensor, product: str) -> torch.Tensor:
-    return a @ w.t() if product == "linear" else a @ w
+    return a @ w if product == "times_weight" else a @ w.t()
 
 
 def _onednn_product(
     a: torch.Tensor, w: torch.Tensor, product: str, bias: torch.Tensor | None = None
 ) -> torch.Tensor | None:
-    """``product`` on oneDNN, from ``w``'s packed copy where it has one; None if oneDNN failed."""
+    """``product`` on oneDNN, from ``w``'s packed copy where it has one (``gemv``: the dense
+    weight); None if oneDNN failed."""
+    if product in FEW_ROWS:
+        return _onednn(a, w, bias)
     if product == "linear":
         packed = _packed and registry.enabled(OP, "packed")
         return _onednn(a, _packed_weight(w) if packed else w, bias)
     return _onednn(a, w.t(), None)
+
+
+def few_rows(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, onednn: bool) -> torch.Tensor:
+    """``x @ w.T + bias`` for a decoding step's few rows: on oneDNN's dense product where
+    ``onednn`` (``faster_here("gemv", w)`` or "gemv8", asked once per layer) and the operands are
+    eligible, else torch's."""
+    if onednn and _eligible(x, w, bias):
+        out = _onednn(x, w, bias)
+        if out is not None:
+            return out
+    return torch.nn.functional.linear(x, w, bias)
 
 
 def _seconds(fn: Callable[[], object]) -> float:
@@ -150,28 +168,33 @@ def _seconds(fn: Callable[[], object]) -> float:
 
 
 def _measure(product: str, w: torch.Tensor) -> bool:
-    """Whether oneDNN computes ``product`` ("linear": ``x @ w.T``; "times_weight": ``g @ w``)
-    faster than torch here, at ``CALIBRATION_ROWS`` rows: both alternating, medians compared,
-    oneDNN's needing to be ``ONEDNN_MARGIN`` of torch's or less."""
-    cols = w.shape[1] if product == "linear" else w.shape[0]
+    """Whether oneDNN computes ``product`` ("linear": ``x @ w.T``; "times_weight": ``g @ w``;
+    "gemv", "gemv8": ``x @ w.T`` for 1 or 8 rows) faster than torch here, at ``CALIBRATION_ROWS``
+    rows (or those few, over copies of ``w`` that outgrow the caches, as decoding streams weights):
+    both alternating, medians compared, oneDNN's needing to be ``ONEDNN_MARGIN`` of torch's or less."""
+    cols = w.shape[0] if product == "times_weight" else w.shape[1]
+    rows = FEW_ROWS.get(product, CALIBRATION_ROWS)
     # fixed values: no draw from the random number generators a training run relies on
-    a = torch.linspace(-1.0, 1.0, CALIBRATION_ROWS * cols, dtype=w.dtype).view(CALIBRATION_ROWS, cols)
+    a = torch.linspace(-1.0, 1.0, rows * cols, dtype=w.dtype).view(rows, cols)
+    copies = [w]
+    if product in FEW_ROWS:
+        copies += [w.clone() for _ in range(min(GEMV_COPIES, GEMV_BYTES // max(w.nbytes, 1)))]
     if _onednn_product(a, w, product) is None:  # warm-up (oneDNN builds its kernel); failed: off
         return False
     _torch_product(a, w, product)
     ours: list[float] = []
     theirs: list[float] = []
     for _ in range(CALIBRATION_REPEATS):
-        ours.append(_seconds(lambda: _onednn_product(a, w, product)))
-        theirs.append(_seconds(lambda: _torch_product(a, w, product)))
+        ours.append(_seconds(lambda: [_onednn_product(a, c, product) for c in copies]))
+        theirs.append(_seconds(lambda: [_torch_product(a, c, product) for c in copies]))
     faster = statistics.median(ours) < ONEDNN_MARGIN * statistics.median(theirs)
     get_logger().debug(
         "gemm: %s %s %s: oneDNN %.0f us, torch %.0f us",
         product,
         tuple(w.shape),
         "oneDNN" if faster else "torch",
-        statistics.median(ours) * 1e6,
-        statistics.median(theirs) * 1e6,
+        statistics.median(ours) * 1e6 / len(copies),
+        statistics.median(theirs) * 1e6 / len(copies),
     )
     return faster
 
@@ -250,9 +273,12 @@ def faster_here(product: str, w: torch.Tensor) -> bool:
     """Whether ``product`` with weights of ``w``'s shape goes to oneDNN: always with
     ``TWINKLE_ONEDNN=on`` (the default), never with ``off``; in ``auto``, as measured
     (``_measure``) once per machine and shape and kept in ``<cache>/gemm/``, so every run that
-    reads that file computes the same sums."""
+    reads that file computes the same sums. "gemv" and "gemv8", a decoding step's products of a
+    few rows, are measured so in ``on`` too: neither library wins it on every CPU (on a 2-core Zen 2 oneDNN's
+    dense product of one row by 1536 x 576 weights takes half of MKL's time; elsewhere MKL beat
+    oneDNN's packed copies 2x), and it only changes a sampler's sums (about 1e-6)."""
     mode = _mode()
-    if mode != "auto":
+    if mode == "off" or (mode == "on" and product not in FEW_ROWS):
         return mode == "on"
     key = (product, *w.shape)
     choice = _faster.get(key)

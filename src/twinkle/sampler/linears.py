@@ -5,11 +5,13 @@ oneDNN-packed copies of them (design notes 23 and 24); its LoRA layers do so ins
 nodes. A sampler's plain ``nn.Linear`` layers (the output head, the base layers of a model the
 sampler owns) would otherwise run torch's default library. ``route`` gives each of them a
 forward that calls ``cpu_gemm.linear`` (which falls back to torch for anything ineligible: not
-fp32, not CPU, a sharded weight), except for decoding steps of at most ``GEMV_ROWS`` rows;
-``pack`` keeps packed copies of a sampler-owned model's frozen weights. The library changes
-summation order only (about 1e-6 relative)."""
+fp32, not CPU, a sharded weight), except for decoding steps of at most ``GEMV_ROWS`` rows, which
+take ``cpu_gemm.few_rows``: oneDNN's dense product or torch's, as measured once per machine and
+weight shape at 1 and at 8 rows (``faster_here("gemv", ...)``); ``pack`` keeps packed copies of a sampler-owned
+model's frozen weights. The library changes summation order only (about 1e-6 relative)."""
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from typing import Any
 
@@ -18,16 +20,17 @@ from torch import nn
 
 from twinkle.kernel import cpu_gemm
 
-# A decoding step of a few rows is a matrix-vector product: torch's default library runs it
-# about twice as fast as oneDNN's packed GEMM at 1-2 rows, which wins from 16 rows up.
+# A decoding step of a few rows is a matrix-vector product, which oneDNN's packed GEMM (the
+# winner from 16 rows up) runs about half as fast as the dense products at 1-2 rows.
 GEMV_ROWS = 8
 
 
-def _forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+def _forward(module: nn.Linear, onednn: tuple[bool, bool], x: torch.Tensor) -> torch.Tensor:
     flat = x.reshape(-1, x.shape[-1])
-    if flat.shape[0] <= GEMV_ROWS:
-        return torch.nn.functional.linear(x, module.weight, module.bias)
-    out = cpu_gemm.linear(flat, module.weight, module.bias)
+    if flat.shape[0] <= GEMV_ROWS:  # the choice measured at 1 row, or at GEMV_ROWS
+        out = cpu_gemm.few_rows(flat, module.weight, module.bias, onednn[flat.shape[0] > 2])
+    else:
+        out = cpu_gemm.linear(flat, module.weight, module.bias)
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
@@ -39,7 +42,12 @@ def plain_linears(lm: Any) -> list[nn.Linear]:
 
 def route(linears: list[nn.Linear]) -> None:
     for module in linears:
-        module.forward = _forward.__get__(module)
+        w = module.weight
+        plain = (
+            type(w) in (torch.Tensor, nn.Parameter) and w.dtype == torch.float32 and w.device.type == "cpu"
+        )
+        onednn = tuple(plain and cpu_gemm.faster_here(product, w) for product in ("gemv", "gemv8"))
+        module.forward = functools.partial(_forward, module, onednn)
 
 
 def unroute(linears: list[nn.Linear]) -> None:
