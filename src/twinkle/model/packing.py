@@ -9,10 +9,10 @@ border. Three things are left out of the row because no loss depends on them:
 - all but one copy of a prefix every sample shares (system prompt, chat markup): the row holds
   it once and every sample attends to it. Where consecutive samples share a longer prefix (the
   two sides of a preference pair, the completions of one prompt), or run through different
-  adapters, each such group holds its own prefix once, before its samples. Where the prefix holds targets too (the same in every
-  sample: a Tinker datum scores every position), its positions are scored once in the row and
-  ``gather`` lists, for each scored position of the padded batch in row-major order, where it
-  lies in the row, so a loss still sees every sample's targets.
+  adapters, each such group holds its own prefix once, before its samples. Where a prefix holds
+  targets too (the same in every sample: a Tinker datum scores every position), its positions
+  are scored once in the row and ``gather`` lists, for each scored position of the padded batch
+  in row-major order, where it lies in the row, so a loss still sees every sample's targets.
 
 ``twinkle.kernel.attention.packed`` runs attention per sample, so the loss and gradients equal those of
 the padded batch up to summation order."""

@@ -7,8 +7,9 @@ sampler owns) would otherwise run torch's default library. ``route`` gives each 
 forward that calls ``cpu_gemm.linear`` (which falls back to torch for anything ineligible: not
 fp32, not CPU, a sharded weight), except for decoding steps of at most ``GEMV_ROWS`` rows, which
 take ``cpu_gemm.few_rows``: oneDNN's dense product or torch's, as measured once per machine and
-weight shape at 1 and at 8 rows (``faster_here("gemv", ...)``); ``pack`` keeps packed copies of a sampler-owned
-model's frozen weights. The library changes summation order only (about 1e-6 relative)."""
+weight shape at 1 and at 8 rows (``faster_here("gemv", ...)``); ``pack`` keeps packed copies of
+a sampler-owned model's frozen weights. The library changes summation order only (about 1e-6
+relative)."""
 
 import contextlib
 import functools
