@@ -6,6 +6,8 @@ Public names: ``kernelize``, ``KernelChoice``, ``DEFAULT_KERNEL_CONFIG``, ``DEFA
 See ``README.md`` beside this file."""
 
 from twinkle.kernel import backends as _backends  # noqa: F401  (registers the module ops)
+from twinkle.kernel import decode_step as _decode_step  # noqa: F401  (registers decode_step)
+from twinkle.kernel import gemv as _gemv  # noqa: F401  (registers decode_gemv)
 from twinkle.kernel import muon as _muon  # noqa: F401  (registers muon_step)
 from twinkle.kernel.attention import packed as _packed  # noqa: F401  (registers packed_attention)
 from twinkle.kernel.config import DEFAULT_CALL_CHAINS, DEFAULT_KERNEL_CONFIG

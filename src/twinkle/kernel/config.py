@@ -42,6 +42,12 @@ DEFAULT_CALL_CHAINS: dict[str, tuple[str, ...]] = {
     "lora_qkv": ("fused", "modules"),
     # the frozen weights' fp32 CPU products: oneDNN (packed copies first) where it is faster
     "cpu_gemm": ("packed", "onednn", "torch"),
+    # a decoding step's products of a few rows: the C kernel that streams the weights once, else
+    # the library ``cpu_gemm`` measured faster for the shape
+    "decode_gemv": ("native", "torch"),
+    # a decoding step's norms, rotation, cache write, attention and gate: the C kernel, else the
+    # model's own modules one by one
+    "decode_step": ("native", "torch"),
     # torch.optim.Muon's step: one batched Newton-Schulz iteration per matrix shape, else torch's
     "muon_step": ("batched", "torch"),
     # LoRA dropout's masks inside the LoRA nodes: the C kernel (fp32 CPU), else the same hash as

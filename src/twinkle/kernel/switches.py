@@ -87,6 +87,24 @@ SWITCHES: dict[str, Switch] = {
             "packed rows' attention from the C kernel compiled on first use (CPU, fp32)",
         ),
         Switch(
+            "TWINKLE_NATIVE_GEMV",
+            "decode_gemv",
+            "native",
+            "on",
+            ("on", "off"),
+            "a sampler's decoding products of at most 8 rows from the C kernel compiled on first use "
+            "(CPU, fp32; off: oneDNN or MKL as measured per weight shape)",
+        ),
+        Switch(
+            "TWINKLE_NATIVE_DECODE",
+            "decode_step",
+            "native",
+            "on",
+            ("on", "off"),
+            "a sampler's decoding step between its products (norms, rotation, cache, attention, gate) "
+            "from the C kernel compiled on first use (CPU, fp32; off: the model's modules one by one)",
+        ),
+        Switch(
             "TWINKLE_POOLED_ATTENTION",
             "packed_attention",
             "pooled",

@@ -21,7 +21,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from twinkle.kernel import decode_step
+
 LEAN_TYPES = ("llama", "mistral", "qwen2")
+SILU = ("SiLU", "SiLUActivation")  # torch's module, transformers' ("silu")
 GROW = 64  # cache positions added at a time (one copy of the cache per 64 steps)
 
 
@@ -72,6 +75,7 @@ class LeanStep:
         self.rope = sys.modules[type(self.layers[0].self_attn).__module__].apply_rotary_pos_emb
         attn = self.layers[0].self_attn
         self.head_dim, self.scaling = attn.head_dim, attn.scaling
+        self.native = _native_fits(lm, self.layers, self.head_dim)
 
     @torch.no_grad()
     def __call__(
@@ -79,6 +83,8 @@ class LeanStep:
     ) -> torch.Tensor:
         """``ids``/``positions`` ``(rows, 1)``; ``mask`` ``(rows, cached + 1)`` (1: attend) or None.
         The new position's fp32 logits ``(rows, vocab)``."""
+        if self.native and decode_step.enabled():
+            return self._native(ids, positions, cache, mask)
         rows = ids.shape[0]
         hidden = self.inner.embed_tokens.forward(ids)
         cos, sin = self.inner.rotary_emb.forward(hidden, positions)
@@ -102,6 +108,55 @@ class LeanStep:
         cache.advance()
         hidden = self.inner.norm.forward(hidden)
         return self.lm.lm_head.forward(hidden)[:, -1].float()
+
+    def _native(
+        self, ids: torch.Tensor, positions: torch.Tensor, cache: LeanCache, mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        """The same step with the work between the products in ``kernel/decode_step.c``: each
+        layer's residual add and norm, rotation, cache write and attention, and gate."""
+        rows = ids.shape[0]
+        hidden = self.inner.embed_tokens.forward(ids)
+        cos, sin = (
+            t.reshape(rows, -1).contiguous() for t in self.inner.rotary_emb.forward(hidden, positions)
+        )
+        hidden = hidden.reshape(rows, -1).clone()
+        keep = None if mask is None else mask.to(torch.int64).contiguous()
+        x = torch.empty_like(hidden)
+        added = None
+        for i, layer in enumerate(self.layers):
+            attn, mlp, norm = layer.self_attn, layer.mlp, layer.input_layernorm
+            decode_step.add_rms_norm(hidden, added, norm.weight, norm.variance_epsilon, x)
+            q, k, v = (p.forward(x).contiguous() for p in (attn.q_proj, attn.k_proj, attn.v_proj))
+            out = decode_step.attention(
+                q, k, v, cos, sin, cache.keys[i], cache.values[i], cache.length, keep, self.scaling
+            )
+            norm = layer.post_attention_layernorm
+            decode_step.add_rms_norm(hidden, attn.o_proj.forward(out), norm.weight, norm.variance_epsilon, x)
+            gate = decode_step.silu_mul(
+                mlp.gate_proj.forward(x).contiguous(), mlp.up_proj.forward(x).contiguous()
+            )
+            added = mlp.down_proj.forward(gate).contiguous()
+        cache.advance()
+        norm = self.inner.norm
+        decode_step.add_rms_norm(hidden, added, norm.weight, norm.variance_epsilon, x)
+        return self.lm.lm_head.forward(x).float()
+
+
+def _native_fits(lm: Any, layers: list[Any], head_dim: int) -> bool:
+    """Whether ``kernel/decode_step.c`` computes ``lm``'s layers: fp32 weights, RMS norms that
+    scale by their weight, SiLU gates, an even head dimension."""
+    norms = [lm.model.norm] + [
+        n for layer in layers for n in (layer.input_layernorm, layer.post_attention_layernorm)
+    ]
+    return (
+        head_dim % 2 == 0
+        and all(p.dtype == torch.float32 for p in lm.parameters())
+        and all(
+            isinstance(getattr(n, "variance_epsilon", None), float) and n.weight.is_contiguous()
+            for n in norms
+        )
+        and all(type(layer.mlp.act_fn).__name__ in SILU for layer in layers)
+    )
 
 
 def lean_step(lm: Any) -> LeanStep | None:

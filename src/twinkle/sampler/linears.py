@@ -1,4 +1,4 @@
-"""A sampler's frozen linear layers compute through ``twinkle.kernel.cpu_gemm``, as training does.
+"""A sampler's frozen linear layers compute through ``twinkle.kernel``, as training does.
 
 Training sends the products of frozen fp32 CPU weights to oneDNN by a fixed rule and keeps
 oneDNN-packed copies of them (design notes 23 and 24); its LoRA layers do so inside their fused
@@ -6,10 +6,11 @@ nodes. A sampler's plain ``nn.Linear`` layers (the output head, the base layers 
 sampler owns) would otherwise run torch's default library. ``route`` gives each of them a
 forward that calls ``cpu_gemm.linear`` (which falls back to torch for anything ineligible: not
 fp32, not CPU, a sharded weight), except for decoding steps of at most ``GEMV_ROWS`` rows, which
-take ``cpu_gemm.few_rows``: oneDNN's dense product or torch's, as measured once per machine and
-weight shape at 1 and at 8 rows (``faster_here("gemv", ...)``); ``pack`` keeps packed copies of
-a sampler-owned model's frozen weights. The library changes summation order only (about 1e-6
-relative)."""
+take call op ``decode_gemv``: a C kernel that streams each weight once, else oneDNN's dense
+product or torch's, as measured once per machine and weight shape at 1 and at 8 rows
+(``faster_here("gemv", ...)``, asked only when the kernel does not take the call); ``pack``
+keeps packed copies of a sampler-owned model's frozen weights. Each changes summation order only
+(about 1e-6 relative)."""
 
 import contextlib
 import functools
@@ -19,20 +20,30 @@ from typing import Any
 import torch
 from torch import nn
 
-from twinkle.kernel import cpu_gemm
+from twinkle.kernel import cpu_gemm, gemv
 
 # A decoding step of a few rows is a matrix-vector product, which oneDNN's packed GEMM (the
 # winner from 16 rows up) runs about half as fast as the dense products at 1-2 rows.
-GEMV_ROWS = 8
+GEMV_ROWS = gemv.MAX_ROWS
 
 
-def _forward(module: nn.Linear, onednn: tuple[bool, bool], x: torch.Tensor) -> torch.Tensor:
+def _forward(module: nn.Linear, onednn: dict[str, bool], x: torch.Tensor) -> torch.Tensor:
     flat = x.reshape(-1, x.shape[-1])
-    if flat.shape[0] <= GEMV_ROWS:  # the choice measured at 1 row, or at GEMV_ROWS
-        out = cpu_gemm.few_rows(flat, module.weight, module.bias, onednn[flat.shape[0] > 2])
+    w, bias = module.weight, module.bias
+    if flat.shape[0] > GEMV_ROWS:
+        out = cpu_gemm.linear(flat, w, bias)
     else:
-        out = cpu_gemm.linear(flat, module.weight, module.bias)
+        out = gemv.native(flat, w, bias)
+        if out is None:  # the library measured faster at 1 row, or at GEMV_ROWS, asked once per layer
+            product = "gemv8" if flat.shape[0] > 2 else "gemv"
+            if product not in onednn:
+                onednn[product] = _plain(w) and cpu_gemm.faster_here(product, w)
+            out = cpu_gemm.few_rows(flat, w, bias, onednn[product])
     return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+def _plain(w: torch.Tensor) -> bool:
+    return type(w) in (torch.Tensor, nn.Parameter) and w.dtype == torch.float32 and w.device.type == "cpu"
 
 
 def plain_linears(lm: Any) -> list[nn.Linear]:
@@ -43,12 +54,7 @@ def plain_linears(lm: Any) -> list[nn.Linear]:
 
 def route(linears: list[nn.Linear]) -> None:
     for module in linears:
-        w = module.weight
-        plain = (
-            type(w) in (torch.Tensor, nn.Parameter) and w.dtype == torch.float32 and w.device.type == "cpu"
-        )
-        onednn = tuple(plain and cpu_gemm.faster_here(product, w) for product in ("gemv", "gemv8"))
-        module.forward = functools.partial(_forward, module, onednn)
+        module.forward = functools.partial(_forward, module, {})
 
 
 def unroute(linears: list[nn.Linear]) -> None:

@@ -1,0 +1,112 @@
+"""Call op ``decode_gemv``: ``x @ w.T + bias`` for a decoding step's few rows (at most
+``MAX_ROWS``) by a frozen fp32 CPU weight.
+
+A product of one row reads each weight once and does two flops per weight, so its time is the
+time the weights take to stream from memory. Neither library torch ships runs it at that rate on
+every CPU: on a 2-core EPYC Zen 2, MKL streams a 1536 x 576 weight at about 10 GB/s and oneDNN's
+dense product at 10-20 GB/s, against about 25 GB/s for ``gemv.c``, which gives each thread a run
+of weight rows and multiplies each row, once read, by every row of ``x`` (backend ``native``,
+built at first use like the attention kernel). Each output is one thread's sum in a fixed order,
+so the results do not depend on the thread count; they differ from the libraries' by summation
+order (about 1e-6 relative), which moves a sampler's log-probs, not a training loss: training
+never calls this op.
+
+The chain is ``native`` -> ``torch``, where ``torch`` is ``cpu_gemm.few_rows``: oneDNN's dense
+product or MKL's, as measured for the weight's shape on this machine. ``TWINKLE_NATIVE_GEMV=off``
+or a machine without a C compiler takes ``torch``."""
+
+import ctypes
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from twinkle.kernel import cpu_gemm, native_build, registry
+from twinkle.utils.logger import get_logger
+
+SOURCE = Path(__file__).with_name("gemv.c")
+OP = "decode_gemv"
+MAX_ROWS = 8  # the kernel's limit; from 16 rows on, oneDNN's blocked products are as fast
+_state: dict[str, Any] = {}
+
+
+def _load() -> ctypes.CDLL:
+    lib = native_build.load_library(SOURCE)
+    P, INT, LONG = ctypes.c_void_p, ctypes.c_int, ctypes.c_long
+    lib.twinkle_gemv_f32.argtypes = [P, P, P, P, INT, LONG, LONG, INT]
+    lib.twinkle_gemv_f32.restype = INT
+    lib.twinkle_gemv_max_rows.restype = INT
+    if lib.twinkle_gemv_max_rows() != MAX_ROWS:
+        raise RuntimeError("the built gemv kernel takes another number of rows than gemv.py")
+    return lib
+
+
+def library() -> ctypes.CDLL | None:
+    """The compiled kernel, built at the process's first call; None when it cannot be had (one
+    warning says why)."""
+    if "lib" not in _state:
+        try:
+            _state["lib"] = _load()
+        except (OSError, RuntimeError, AttributeError, subprocess.SubprocessError) as error:
+            get_logger().warning("native decoding products not available, using torch's: %s", error)
+            _state["lib"] = None
+    return _state["lib"]
+
+
+registry.register_call(OP, "native", lambda: library() is not None, "a C compiler (cc) and a writable cache")
+registry.register_call(OP, "torch", lambda: True, "nothing", plain=True)
+
+
+def _dense(t: torch.Tensor) -> bool:
+    return (
+        type(t) in (torch.Tensor, torch.nn.Parameter)
+        and t.dtype == torch.float32
+        and t.device.type == "cpu"
+        and t.is_contiguous()
+    )
+
+
+def takes(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
+    """Whether ``native`` computes this product: 2-D fp32 CPU operands, dense, at most
+    ``MAX_ROWS`` rows, nothing for autograd to record, and the kernel built here."""
+    return (
+        x.dim() == 2
+        and w.dim() == 2
+        and 1 <= x.shape[0] <= MAX_ROWS
+        and x.shape[1] == w.shape[1]
+        and _dense(x)
+        and _dense(w)
+        and (bias is None or (_dense(bias) and bias.shape == (w.shape[0],)))
+        and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))
+        and registry.enabled(OP, "native")
+    )
+
+
+def native(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
+    """Backend ``native``: the kernel's product, or None where it does not take the call."""
+    if not takes(x, w, bias):
+        return None
+    out = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype)
+    library().twinkle_gemv_f32(
+        x.data_ptr(), w.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(),
+        x.shape[0], x.shape[1], w.shape[0], torch.get_num_threads(),
+    )  # fmt: skip
+    return out
+
+
+def _library_product(
+    x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, onednn: bool
+) -> torch.Tensor:
+    return cpu_gemm.few_rows(x, w, bias, onednn)
+
+
+_RUNNERS = {"native": lambda x, w, bias, onednn: native(x, w, bias), "torch": _library_product}
+
+
+def few_rows(
+    x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, onednn: bool = False
+) -> torch.Tensor:
+    """``x @ w.T + bias`` for 2-D ``x`` of at most a few rows: the kernel where it takes the call,
+    else ``cpu_gemm.few_rows`` with ``onednn`` (``cpu_gemm.faster_here("gemv", w)``)."""
+    return registry.dispatch(OP, _RUNNERS, x, w, bias, onednn)
