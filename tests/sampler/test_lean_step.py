@@ -9,6 +9,7 @@ from peft import LoraConfig, get_peft_model
 
 import twinkle.sampler.decode as decode
 from twinkle.data_format import SamplingParams
+from twinkle.kernel import decode_step, switched
 from twinkle.sampler import TorchSampler
 from twinkle.sampler.lean_step import lean_step
 
@@ -60,11 +61,22 @@ def _recording(cls, used):
     return Recording
 
 
+@pytest.mark.parametrize("native", ["on", "off"])
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_lean_steps_give_the_forward_tokens_and_logprobs(
-    family, temperature, tiny_model_dir, tmp_path, monkeypatch
+    family, temperature, native, tiny_model_dir, tmp_path, monkeypatch
 ):
+    """With the C kernel between the products (``native``) and with the model's modules."""
+    calls = []
+    real = decode_step.attention
+    monkeypatch.setattr(decode_step, "attention", lambda *a: calls.append(1) or real(*a))
+    with switched({"TWINKLE_NATIVE_DECODE": native}):
+        _lean_equals_plain(family, temperature, tiny_model_dir, tmp_path, monkeypatch)
+    assert bool(calls) == (native == "on" and decode_step.library() is not None)
+
+
+def _lean_equals_plain(family, temperature, tiny_model_dir, tmp_path, monkeypatch):
     folder = tiny_model_dir if family == "llama" else _qwen2_dir(tiny_model_dir, tmp_path / "qwen2")
     sampler = TorchSampler(str(folder))
     assert lean_step(sampler.lm) is not None
@@ -83,7 +95,7 @@ def test_lean_steps_give_the_forward_tokens_and_logprobs(
     lengths = [len(s.tokens) for s in lean]
     assert min(lengths) <= 6 and max(lengths) == 70
     for a, b in zip(lean, plain, strict=True):
-        # the same fp32 operations; SDPA's kernel may sum in another order (~1e-6)
+        # the same fp32 operations, summed in another order by SDPA's kernel or the C kernel (~1e-6)
         got = torch.tensor([[v for _, v in entry] for entry in a.logprobs])
         want = torch.tensor([[v for _, v in entry] for entry in b.logprobs])
         torch.testing.assert_close(got, want, atol=1e-5, rtol=0)

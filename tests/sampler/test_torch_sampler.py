@@ -276,8 +276,30 @@ def test_colocated_prompts_use_the_trainer_template(make_model):
 
 @pytest.mark.parametrize("onednn", [True, False])
 def test_decoding_products_on_either_library_give_the_trainers_logprobs(sharp_dir, monkeypatch, onednn):
-    """A decoding step's few rows go to the library measured faster for each weight shape
-    (``cpu_gemm.faster_here("gemv", ...)``); either gives the training forward's log-probs."""
+    """Without the C kernel (``TWINKLE_NATIVE_GEMV=off``), a decoding step's few rows go to the
+    library measured faster for each weight shape (``cpu_gemm.faster_here("gemv", ...)``); either
+    gives the training forward's log-probs."""
+    from twinkle.kernel import switched
+
+    with switched({"TWINKLE_NATIVE_GEMV": "off"}):
+        _libraries_give_the_trainers_logprobs(sharp_dir, monkeypatch, onednn)
+
+
+def test_decoding_products_on_the_c_kernel_give_the_trainers_logprobs(sharp_dir, monkeypatch):
+    from twinkle.kernel import gemv
+
+    real, rows = gemv.native, []
+    monkeypatch.setattr(gemv, "native", lambda x, w, b=None: rows.append(x.shape[0]) or real(x, w, b))
+    sampler = TorchSampler(str(sharp_dir))
+    params = SamplingParams(max_tokens=8, temperature=0.7, top_p=0.8, top_k=20, seed=3, num_samples=2)
+    for response in sampler.sample(PROMPTS, params):
+        for seq in response.sequences:
+            expected = trainer_logps(sampler.lm, seq.new_input_feature, len(seq.tokens))
+            torch.testing.assert_close(sampled_logps(seq), expected, rtol=0, atol=1e-4)
+    assert rows and max(rows) <= gemv.MAX_ROWS
+
+
+def _libraries_give_the_trainers_logprobs(sharp_dir, monkeypatch, onednn):
     from twinkle.kernel import cpu_gemm
 
     real_choice, real_onednn, rows = cpu_gemm.faster_here, cpu_gemm._onednn, []
