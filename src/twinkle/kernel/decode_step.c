@@ -11,7 +11,29 @@
  * Every sum runs in a fixed order on one thread, so no result depends on the thread count. */
 #include <math.h>
 #include <omp.h>
+#include <stdint.h>
 #include <stdlib.h>
+
+/* e^x for x in [-87, 88] (clamped there) within 2 ulp: 2^n e^r with n = round(x / ln 2),
+ * r = x - n ln 2 (ln 2 in two parts) and Cephes' degree-7 polynomial for e^r. Written out
+ * because libm's expf is a call per element, which keeps the loops around it scalar. */
+static inline float exp_clamped(float x) {
+    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x); /* (fminf, rintf: the loops stay scalar) */
+    float n = floorf(x * 1.44269504088896341f + 0.5f);
+    float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    float e = p * r * r + r + 1.0f;
+    union {
+        int32_t bits;
+        float value;
+    } scale = {((int32_t)n + 127) << 23};
+    return e * scale.value;
+}
 
 /* HF's LlamaRMSNorm in fp32: x * (mean(x^2) + eps)^-1/2, times the weight */
 void twinkle_add_rms_norm(float *hidden, const float *add, const float *weight, float eps, float *out,
@@ -27,12 +49,19 @@ void twinkle_add_rms_norm(float *hidden, const float *add, const float *weight, 
     }
 }
 
-void twinkle_silu_mul(float *gate, const float *up, long n, int threads) {
-#pragma omp parallel for num_threads(threads) schedule(static) if (n >= 16384)
-    for (long i = 0; i < n; i++) {
+static void silu_mul(float *restrict gate, const float *restrict up, long from, long to) {
+    for (long i = from; i < to; i++) {
         float g = gate[i];
-        gate[i] = g / (1.f + expf(-g)) * up[i];
+        gate[i] = g / (1.f + exp_clamped(-g)) * up[i];
     }
+}
+
+#define SILU_CHUNK 8192L /* elements per thread's share, so small gates stay on one thread */
+
+void twinkle_silu_mul(float *gate, const float *up, long n, int threads) {
+    long chunks = (n + SILU_CHUNK - 1) / SILU_CHUNK;
+#pragma omp parallel for num_threads(threads) schedule(static) if (chunks > 1)
+    for (long c = 0; c < chunks; c++) silu_mul(gate, up, c * SILU_CHUNK, c + 1 < chunks ? (c + 1) * SILU_CHUNK : n);
 }
 
 /* HF's apply_rotary_pos_emb for one head: x * cos + rotate_half(x) * sin, rotate_half(x) being
@@ -79,23 +108,23 @@ int twinkle_decode_attention(const float *q, const float *k, const float *v, con
                     rotate(q + ((long)r * heads + h) * dim, c, s, dim, query);
                     float top = -INFINITY;
                     for (long p = 0; p < seen; p++) {
-                        if (m && !m[p]) {
-                            scores[p] = -INFINITY;
-                            continue;
-                        }
                         const float *kp = kc + p * dim;
                         float dot = 0.f;
                         for (int i = 0; i < dim; i++) dot += query[i] * kp[i];
                         scores[p] = dot * scale;
-                        if (scores[p] > top) top = scores[p];
+                        if ((!m || m[p]) && scores[p] > top) top = scores[p];
                     }
                     float total = 0.f;
+#pragma omp simd reduction(+ : total)
+                    for (long p = 0; p < seen; p++) {
+                        float e = (!m || m[p]) ? exp_clamped(scores[p] - top) : 0.f;
+                        scores[p] = e;
+                        total += e;
+                    }
                     for (int i = 0; i < dim; i++) acc[i] = 0.f;
                     for (long p = 0; p < seen; p++) {
-                        if (scores[p] == -INFINITY) continue;
-                        float e = expf(scores[p] - top);
-                        total += e;
                         const float *vp = vc + p * dim;
+                        float e = scores[p];
                         for (int i = 0; i < dim; i++) acc[i] += e * vp[i];
                     }
                     float *o = out + ((long)r * heads + h) * dim;

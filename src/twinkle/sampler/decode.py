@@ -10,6 +10,9 @@ row), and draws from one ``torch.Generator`` seeded per call. It also does less 
 - the prompts are left-padded once (position ids count from each row's first real token, the
   attention mask hides the pads) and each prompt is run once even when ``num_samples > 1``: its
   cache rows are repeated afterwards;
+- the prompts' common prefix (a chat template's system turn, say) runs once, in a row of its own,
+  and its cache is repeated for every prompt before the rest of each prompt runs: the pads then
+  sit between the prefix and the rest, hidden by the mask as before;
 - only the last position's logits are computed (``logits_to_keep=1``);
 - a row that stops leaves the batch (its cache rows are dropped), so later steps run only the
   rows still generating, and a batch without pads passes no attention mask at all.
@@ -98,14 +101,27 @@ class Decoder:
 
     # ------------------------------------------------------------------ steps
     def _prefill(self, prompts: list[list[int]]) -> tuple[torch.Tensor, "CacheState"]:
-        width = max(len(p) for p in prompts)
+        shared = 0 if self.lockstep is not None else shared_prefix(prompts)
+        rests = [p[shared:] for p in prompts]
+        width = max(len(p) for p in rests)
         ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
         mask = torch.zeros((len(prompts), width), dtype=torch.long)
-        for i, p in enumerate(prompts):
+        for i, p in enumerate(rests):
             ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
             mask[i, width - len(p) :] = 1
-        state = CacheState(self.lm.config, mask.to(self.device), any(len(p) < width for p in prompts))
-        positions = (state.mask.cumsum(-1) - 1).clamp(min=0)
+        padded = any(len(p) < width for p in rests)
+        mask = mask.to(self.device)
+        if shared:
+            state = CacheState(
+                self.lm.config, torch.ones((1, shared), dtype=torch.long, device=self.device), False
+            )
+            head = torch.tensor([prompts[0][:shared]], device=self.device)
+            self._forward(head, state, torch.arange(shared, device=self.device)[None])
+            state.repeat(len(prompts))
+            state.mask, state.padded = torch.cat([state.mask, mask], dim=1), padded
+        else:
+            state = CacheState(self.lm.config, mask, padded)
+        positions = shared + (mask.cumsum(-1) - 1).clamp(min=0)
         logits = self._forward(ids.to(self.device), state, positions)
         n = self.params.num_samples
         if n > 1:
@@ -175,6 +191,22 @@ class Decoder:
             self.lm(input_ids=pad, use_cache=False, logits_to_keep=1)
             if not self.lockstep(False):
                 return
+
+
+SHARED_MIN = 16  # prompt tokens a shared prefix must save to run apart (about one extra forward's cost)
+
+
+def shared_prefix(prompts: list[list[int]]) -> int:
+    """The tokens all ``prompts`` start with, where running them once saves at least
+    ``SHARED_MIN`` tokens; each prompt keeps at least one token of its own (its last position's
+    logits start the decoding). 0: no prefix run apart."""
+    if len(prompts) < 2:
+        return 0
+    shortest = min(len(p) for p in prompts)
+    shared = 0
+    while shared < shortest - 1 and all(p[shared] == prompts[0][shared] for p in prompts):
+        shared += 1
+    return shared if shared * (len(prompts) - 1) >= SHARED_MIN else 0
 
 
 class CacheState:
