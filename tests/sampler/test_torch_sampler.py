@@ -315,3 +315,32 @@ def _libraries_give_the_trainers_logprobs(sharp_dir, monkeypatch, onednn):
             torch.testing.assert_close(sampled_logps(seq), expected, rtol=0, atol=1e-4)
     few = [n for n in rows if n <= 8]
     assert bool(few) == (onednn and cpu_gemm.onednn_enabled())
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_shared_prompt_prefix_runs_once_and_changes_no_sample(sharp, monkeypatch, temperature):
+    """Prompts that start alike have their common prefix prefilled once, in a row of its own, and
+    its cache repeated (the pads then sit between prefix and rest): the same tokens and log-probs
+    as the padded batch that runs every prompt whole."""
+    import twinkle.sampler.decode as decode
+
+    prefix = [5, 17, 99, 3, 41, 8, 250, 12, 9, 14, 300, 7]
+    prompts = [{"input_ids": prefix + tail} for tail in ([2], [60, 61, 62, 63], [4, 8])]
+    assert decode.shared_prefix([p["input_ids"] for p in prompts]) == len(prefix)
+    widths = []
+    real = decode.Decoder._forward
+    monkeypatch.setattr(
+        decode.Decoder,
+        "_forward",
+        lambda self, ids, *a: widths.append(tuple(ids.shape)) or real(self, ids, *a),
+    )
+    params = SamplingParams(max_tokens=12, temperature=temperature, num_samples=2, seed=5)
+    shared = [s for r in sharp.sample(prompts, params) for s in r.sequences]
+    assert widths[:2] == [(1, len(prefix)), (3, 4)]  # the prefix once, then each prompt's rest
+    monkeypatch.setattr(decode, "SHARED_MIN", 10**9)
+    widths.clear()
+    whole = [s for r in sharp.sample(prompts, params) for s in r.sequences]
+    assert widths[0] == (3, len(prefix) + 4)
+    assert [s.tokens for s in shared] == [s.tokens for s in whole]
+    for a, b in zip(shared, whole, strict=True):
+        torch.testing.assert_close(sampled_logps(a), sampled_logps(b), rtol=0, atol=1e-5)

@@ -12,8 +12,8 @@ Two ways to build it:
   ``twinkle.checkpoint_engine.CheckpointEngineManager.sync_weights``.
 
 The generation loop is ``twinkle.sampler.decode``; ``sample`` returns one ``SampleResponse``
-per prompt. There is no prefix cache kept between calls, so ``reset_prefix_cache`` has nothing
-to drop."""
+per prompt. Within a call the prompts' common prefix is prefilled once; no cache is kept between
+calls, so ``reset_prefix_cache`` has nothing to drop."""
 
 import contextlib
 from collections.abc import Iterator, Mapping, Sequence
@@ -108,7 +108,8 @@ class TorchSampler:
 
     def reset_prefix_cache(self) -> None:
         """Nothing to drop: the sampler keeps no KV cache between ``sample`` calls (each call
-        runs its prompts once, sharing a prompt's cache among its ``num_samples``)."""
+        runs its prompts' common prefix once and each prompt once, sharing a prompt's cache among
+        its ``num_samples``)."""
 
     def _template(self, adapter_name: str = "") -> Template:
         """``set_template``'s; else, colocated, the template the trainer's adapter encodes its
