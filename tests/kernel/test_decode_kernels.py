@@ -120,3 +120,18 @@ def test_decode_attention_equals_rotation_then_sdpa(masked):
         assert torch.equal(kc[:, :, length + 1 :], before[:, :, length + 1 :])
     torch.testing.assert_close(outs[0].double(), want, rtol=0, atol=1e-5)
     assert torch.equal(outs[0], outs[1])
+
+
+def test_a_decoding_kernel_that_cannot_be_built_is_none_with_one_warning(monkeypatch, caplog):
+    """Without a compiler the kernel's loader gives None (its backend is then unavailable and
+    the chain goes on to ``torch``), with one warning that says why."""
+    import logging
+
+    from twinkle.kernel import native_build
+
+    monkeypatch.setattr(native_build.shutil, "which", lambda name: None)
+    library = native_build.lazy(gemv._load, "native decoding products")
+    with caplog.at_level(logging.WARNING, logger="twinkle"):
+        assert library() is None and library() is None
+    warnings = [r.getMessage() for r in caplog.records if "native decoding products" in r.getMessage()]
+    assert len(warnings) == 1 and "no C compiler" in warnings[0]

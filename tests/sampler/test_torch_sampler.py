@@ -290,13 +290,16 @@ def test_decoding_products_on_the_c_kernel_give_the_trainers_logprobs(sharp_dir,
 
     real, rows = gemv.native, []
     monkeypatch.setattr(gemv, "native", lambda x, w, b=None: rows.append(x.shape[0]) or real(x, w, b))
-    sampler = TorchSampler(str(sharp_dir))
+    _samples_give_the_trainers_logprobs(TorchSampler(str(sharp_dir)))
+    assert rows and max(rows) <= gemv.MAX_ROWS
+
+
+def _samples_give_the_trainers_logprobs(sampler):
     params = SamplingParams(max_tokens=8, temperature=0.7, top_p=0.8, top_k=20, seed=3, num_samples=2)
     for response in sampler.sample(PROMPTS, params):
         for seq in response.sequences:
             expected = trainer_logps(sampler.lm, seq.new_input_feature, len(seq.tokens))
             torch.testing.assert_close(sampled_logps(seq), expected, rtol=0, atol=1e-4)
-    assert rows and max(rows) <= gemv.MAX_ROWS
 
 
 def _libraries_give_the_trainers_logprobs(sharp_dir, monkeypatch, onednn):
@@ -307,12 +310,7 @@ def _libraries_give_the_trainers_logprobs(sharp_dir, monkeypatch, onednn):
         cpu_gemm, "faster_here", lambda p, w: onednn if p in cpu_gemm.FEW_ROWS else real_choice(p, w)
     )
     monkeypatch.setattr(cpu_gemm, "_onednn", lambda x, w, b: rows.append(x.shape[0]) or real_onednn(x, w, b))
-    sampler = TorchSampler(str(sharp_dir))
-    params = SamplingParams(max_tokens=8, temperature=0.7, top_p=0.8, top_k=20, seed=3, num_samples=2)
-    for response in sampler.sample(PROMPTS, params):
-        for seq in response.sequences:
-            expected = trainer_logps(sampler.lm, seq.new_input_feature, len(seq.tokens))
-            torch.testing.assert_close(sampled_logps(seq), expected, rtol=0, atol=1e-4)
+    _samples_give_the_trainers_logprobs(TorchSampler(str(sharp_dir)))
     few = [n for n in rows if n <= 8]
     assert bool(few) == (onednn and cpu_gemm.onednn_enabled())
 

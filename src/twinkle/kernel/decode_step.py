@@ -10,18 +10,14 @@ modules, called one by one); ``TWINKLE_NATIVE_DECODE=off`` or a machine without 
 takes ``torch``."""
 
 import ctypes
-import subprocess
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from twinkle.kernel import native_build, registry
-from twinkle.utils.logger import get_logger
 
 SOURCE = Path(__file__).with_name("decode_step.c")
 OP = "decode_step"
-_state: dict[str, Any] = {}
 
 
 def _load() -> ctypes.CDLL:
@@ -34,16 +30,8 @@ def _load() -> ctypes.CDLL:
     return lib
 
 
-def library() -> ctypes.CDLL | None:
-    """The compiled kernel, built at the process's first call; None when it cannot be had (one
-    warning says why)."""
-    if "lib" not in _state:
-        try:
-            _state["lib"] = _load()
-        except (OSError, RuntimeError, AttributeError, subprocess.SubprocessError) as error:
-            get_logger().warning("native decoding step not available, using torch ops: %s", error)
-            _state["lib"] = None
-    return _state["lib"]
+# the compiled kernel, built at the process's first call; None when it cannot be had
+library = native_build.lazy(_load, "native decoding step (using torch ops)")
 
 
 registry.register_call(OP, "native", lambda: library() is not None, "a C compiler (cc) and a writable cache")

@@ -16,19 +16,15 @@ product or MKL's, as measured for the weight's shape on this machine. ``TWINKLE_
 or a machine without a C compiler takes ``torch``."""
 
 import ctypes
-import subprocess
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from twinkle.kernel import cpu_gemm, native_build, registry
-from twinkle.utils.logger import get_logger
 
 SOURCE = Path(__file__).with_name("gemv.c")
 OP = "decode_gemv"
 MAX_ROWS = 8  # the kernel's limit; from 16 rows on, oneDNN's blocked products are as fast
-_state: dict[str, Any] = {}
 
 
 def _load() -> ctypes.CDLL:
@@ -42,16 +38,8 @@ def _load() -> ctypes.CDLL:
     return lib
 
 
-def library() -> ctypes.CDLL | None:
-    """The compiled kernel, built at the process's first call; None when it cannot be had (one
-    warning says why)."""
-    if "lib" not in _state:
-        try:
-            _state["lib"] = _load()
-        except (OSError, RuntimeError, AttributeError, subprocess.SubprocessError) as error:
-            get_logger().warning("native decoding products not available, using torch's: %s", error)
-            _state["lib"] = None
-    return _state["lib"]
+# the compiled kernel, built at the process's first call; None when it cannot be had
+library = native_build.lazy(_load, "native decoding products (using torch's)")
 
 
 registry.register_call(OP, "native", lambda: library() is not None, "a C compiler (cc) and a writable cache")

@@ -14,6 +14,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 from twinkle.utils.fileio import file_lock
@@ -78,3 +79,23 @@ def load_library(source: Path, flags: list[str] = OPENMP_FLAGS, compiler: str = 
         except OSError:  # a damaged file: build it again once
             compile_library(source, flags, path, found)
             return ctypes.CDLL(str(path))
+
+
+def lazy(load: Callable[[], ctypes.CDLL], what: str) -> Callable[[], ctypes.CDLL | None]:
+    """A function that returns ``load()``'s library, built at its first call; None (with one
+    warning naming ``what`` and why) where it cannot be had: no compiler, a failed build, a
+    build lacking a symbol."""
+    state: dict[str, ctypes.CDLL | None] = {}
+
+    def library() -> ctypes.CDLL | None:
+        if "lib" not in state:
+            try:
+                state["lib"] = load()
+            except (OSError, RuntimeError, AttributeError, subprocess.SubprocessError) as error:
+                from twinkle.utils.logger import get_logger
+
+                get_logger().warning("%s not available: %s", what, error)
+                state["lib"] = None
+        return state["lib"]
+
+    return library
