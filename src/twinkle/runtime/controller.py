@@ -16,6 +16,7 @@ run is started again from its newest complete checkpoint instead, up to K times
 removed, and a local cluster stopped."""
 
 import atexit
+import contextlib
 import dataclasses
 import os
 import sys
@@ -289,6 +290,10 @@ def _install_one_line_hook() -> None:
 
     def hook(kind: Any, exc: BaseException, tb: Any) -> None:
         if isinstance(exc, UserError):
+            controller = active()
+            if controller is not None:  # Ray forwards the workers' output until it stops: stop it first
+                with contextlib.suppress(Exception):
+                    controller.shutdown()
             print(f"error: {' '.join(str(exc).split())}", file=sys.stderr)
         else:
             previous(kind, exc, tb)
