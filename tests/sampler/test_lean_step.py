@@ -41,12 +41,12 @@ def _qwen2_dir(tiny_model_dir, out):
     return out
 
 
-def _samples(sampler, params, monkeypatch, lean: bool):
+def _samples(sampler, params, monkeypatch, lean: bool, **kwargs):
     real = lean_step
     monkeypatch.setattr(decode, "lean_step", real if lean else lambda lm: None)
     used = []
     monkeypatch.setattr(decode, "LeanCache", _recording(decode.LeanCache, used))
-    out = sampler.sample(PROMPTS, params)
+    out = sampler.sample(PROMPTS, params, **kwargs)
     assert bool(used) == lean  # the step that ran is the one asked for
     return [seq for response in out for seq in response.sequences]
 
@@ -101,13 +101,43 @@ def _lean_equals_plain(family, temperature, tiny_model_dir, tmp_path, monkeypatc
         torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
 
 
-def test_lean_steps_step_aside_for_lora_layers_and_other_families(tiny_model_dir):
+@pytest.mark.parametrize("native", ["on", "off"])
+def test_lean_steps_with_a_lora_adapter_give_the_forward_tokens_and_logprobs(
+    native, tiny_model_dir, tmp_path, monkeypatch
+):
+    """A LoRA adapter on attention and MLP projections: each plain-LoRA call as its base
+    layer plus its rank-r products (``project``), the same tokens and log-probs as the model's
+    forward through PEFT's layers, and not those of the base model."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    lm = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    config = LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"]
+    )
+    peft = get_peft_model(lm, LoraConfig(**{**config.to_dict(), "init_lora_weights": False}))
+    peft.save_pretrained(tmp_path / "adapter")
+    sampler = TorchSampler(str(tiny_model_dir))
+    params = SamplingParams(max_tokens=20, temperature=1.0, num_samples=2, seed=4, logprobs=1)
+    with switched({"TWINKLE_NATIVE_DECODE": native}):
+        lean = _samples(sampler, params, monkeypatch, lean=True, adapter_path=str(tmp_path / "adapter"))
+        plain = _samples(sampler, params, monkeypatch, lean=False, adapter_path=str(tmp_path / "adapter"))
+        base = _samples(sampler, params, monkeypatch, lean=True)
+    assert [s.tokens for s in lean] == [s.tokens for s in plain]
+    for a, b in zip(lean, plain, strict=True):
+        got, want = (torch.tensor([e[0][1] for e in seq.logprobs]) for seq in (a, b))
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    first = torch.tensor([seq.logprobs[0][0][1] for seq in lean])
+    assert not torch.allclose(first, torch.tensor([seq.logprobs[0][0][1] for seq in base]), atol=1e-3)
+
+
+def test_lean_steps_take_lora_layers_and_step_aside_for_hooks_and_other_families(tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
     lm = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     assert lean_step(lm) is not None
     peft = get_peft_model(lm, LoraConfig(r=2, target_modules=["q_proj"]))
-    assert lean_step(peft.get_base_model()) is None  # a LoRA layer runs its own forward
+    assert lean_step(peft.get_base_model()) is not None  # a LoRA layer over a plain linear layer
     lm = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     lm.config.model_type = "gemma"
     assert lean_step(lm) is None

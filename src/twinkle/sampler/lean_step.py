@@ -13,18 +13,21 @@ cache write, attention, gate) runs there instead, three calls a layer in place o
 torch ops: the same arithmetic in another summation order (about 1e-6 relative).
 
 It applies to models whose decoder it reproduces exactly (``LEAN_TYPES``: a causal self-attention
-with rotary embeddings, an MLP of gate, up and down projections, RMS norms) with every linear layer
-a plain ``nn.Linear`` and no module hooks; anything else (PEFT LoRA layers, FSDP-sharded modules,
-sliding windows, another family) decodes through the model's forward (``lean_step`` returns
-None). The prompt's prefill always runs the model's forward."""
+with rotary embeddings, an MLP of gate, up and down projections, RMS norms) with every projection
+a plain ``nn.Linear`` or a PEFT LoRA layer over one (``project``: a plain-LoRA call as its three
+linear layers, any other as the layer's own forward) and no module hooks; anything else
+(FSDP-sharded modules, sliding windows, another family) decodes through the model's forward
+(``lean_step`` returns None). The prompt's prefill always runs the model's forward."""
 
 import sys
 from typing import Any
 
 import torch
+from peft.tuners.lora import LoraLayer
 from torch import nn
 
 from twinkle.kernel import decode_step
+from twinkle.kernel.lora.linear import draw_drop, fusable
 
 LEAN_TYPES = ("llama", "mistral", "qwen2")
 SILU = ("SiLU", "SiLUActivation")  # torch's module, transformers' ("silu")
@@ -95,22 +98,22 @@ class LeanStep:
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             x = layer.input_layernorm.forward(hidden)
-            q = attn.q_proj.forward(x).view(rows, 1, -1, self.head_dim).transpose(1, 2)
-            k = attn.k_proj.forward(x).view(rows, 1, -1, self.head_dim).transpose(1, 2)
-            v = attn.v_proj.forward(x).view(rows, 1, -1, self.head_dim).transpose(1, 2)
+            q = project(attn.q_proj, x).view(rows, 1, -1, self.head_dim).transpose(1, 2)
+            k = project(attn.k_proj, x).view(rows, 1, -1, self.head_dim).transpose(1, 2)
+            v = project(attn.v_proj, x).view(rows, 1, -1, self.head_dim).transpose(1, 2)
             q, k = self.rope(q, k, cos, sin)
             keys, values = cache.write(i, k, v)
             out = torch.nn.functional.scaled_dot_product_attention(
                 q, keys, values, attn_mask=attn_mask, scale=self.scaling, enable_gqa=True
             )
-            hidden = hidden + attn.o_proj.forward(out.transpose(1, 2).reshape(rows, 1, -1))
+            hidden = hidden + project(attn.o_proj, out.transpose(1, 2).reshape(rows, 1, -1))
             x = layer.post_attention_layernorm.forward(hidden)
             mlp = layer.mlp
-            x = mlp.act_fn(mlp.gate_proj.forward(x)) * mlp.up_proj.forward(x)
-            hidden = hidden + mlp.down_proj.forward(x)
+            x = mlp.act_fn(project(mlp.gate_proj, x)) * project(mlp.up_proj, x)
+            hidden = hidden + project(mlp.down_proj, x)
         cache.advance()
         hidden = self.inner.norm.forward(hidden)
-        return self.lm.lm_head.forward(hidden)[:, -1].float()
+        return project(self.lm.lm_head, hidden)[:, -1].float()
 
     def _native(
         self, ids: torch.Tensor, positions: torch.Tensor, cache: LeanCache, mask: torch.Tensor | None
@@ -129,20 +132,42 @@ class LeanStep:
         for i, layer in enumerate(self.layers):
             attn, mlp, norm = layer.self_attn, layer.mlp, layer.input_layernorm
             decode_step.add_rms_norm(hidden, added, norm.weight, norm.variance_epsilon, x)
-            q, k, v = (p.forward(x).contiguous() for p in (attn.q_proj, attn.k_proj, attn.v_proj))
+            q, k, v = (project(p, x).contiguous() for p in (attn.q_proj, attn.k_proj, attn.v_proj))
             out = decode_step.attention(
                 q, k, v, cos, sin, cache.keys[i], cache.values[i], cache.length, keep, self.scaling
             )
             norm = layer.post_attention_layernorm
-            decode_step.add_rms_norm(hidden, attn.o_proj.forward(out), norm.weight, norm.variance_epsilon, x)
+            decode_step.add_rms_norm(hidden, project(attn.o_proj, out), norm.weight, norm.variance_epsilon, x)
             gate = decode_step.silu_mul(
-                mlp.gate_proj.forward(x).contiguous(), mlp.up_proj.forward(x).contiguous()
+                project(mlp.gate_proj, x).contiguous(), project(mlp.up_proj, x).contiguous()
             )
-            added = mlp.down_proj.forward(gate).contiguous()
+            added = project(mlp.down_proj, gate).contiguous()
         cache.advance()
         norm = self.inner.norm
         decode_step.add_rms_norm(hidden, added, norm.weight, norm.variance_epsilon, x)
-        return self.lm.lm_head.forward(x).float()
+        return project(self.lm.lm_head, x).float()
+
+
+def project(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``module``'s output for ``x``. A LoRA layer whose call is plain LoRA (one adapter, no
+    dropout drawn) computes ``base(x) + scaling * B(A(x))`` from its three plain linear layers'
+    own forwards, which a sampler routes to the decoding products (``sampler/linears.py``); the
+    fused LoRA node would take oneDNN's blocked product, built for training's hundreds of rows.
+    Any other module runs its forward."""
+    if isinstance(module, LoraLayer):
+        name = fusable(module, x, (), {})
+        if name is not None and draw_drop(module, name) is None:
+            out = module.base_layer.forward(x)
+            low = module.lora_A[name].forward(x.to(module.lora_A[name].weight.dtype))
+            return out + (module.lora_B[name].forward(low) * module.scaling[name]).to(out.dtype)
+    return module.forward(x)
+
+
+def _linear_or_lora(module: Any) -> bool:
+    """A plain ``nn.Linear``, or a PEFT LoRA layer over one (its forward, or ``project``'s)."""
+    if isinstance(module, LoraLayer):
+        return isinstance(getattr(module, "base_layer", None), nn.Linear)
+    return isinstance(module, nn.Linear)
 
 
 def _native_fits(lm: Any, layers: list[Any], head_dim: int) -> bool:
@@ -184,17 +209,11 @@ def lean_step(lm: Any) -> LeanStep | None:
     for layer in inner.layers:
         attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
         names = ("q_proj", "k_proj", "v_proj", "o_proj")
-        if (
-            attn is None
-            or mlp is None
-            or not all(isinstance(getattr(attn, n, None), nn.Linear) for n in names)
-        ):
+        if attn is None or mlp is None or not all(_linear_or_lora(getattr(attn, n, None)) for n in names):
             return None
         if any(hasattr(attn, n) for n in ("q_norm", "k_norm")):  # qwen3-style norms: not reproduced
             return None
-        if not all(
-            isinstance(getattr(mlp, n, None), nn.Linear) for n in ("gate_proj", "up_proj", "down_proj")
-        ):
+        if not all(_linear_or_lora(getattr(mlp, n, None)) for n in ("gate_proj", "up_proj", "down_proj")):
             return None
     module = sys.modules.get(type(inner.layers[0].self_attn).__module__)
     return LeanStep(lm) if hasattr(module, "apply_rotary_pos_emb") else None
