@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from twinkle.loss.base import HeadLoss
+from twinkle.loss.head import head_logits
 from twinkle.utils.errors import UserError
 
 IGNORE_INDEX = -100
@@ -119,7 +120,7 @@ class CrossEntropyLoss(HeadLoss):
         bias: torch.Tensor | None = None,
     ) -> LossOutput:
         hidden, targets = drop_ignored(hidden, targets, self.ignore_index)
-        return self._loss(F.linear(hidden, weight, bias).float(), targets)
+        return self._loss(head_logits(hidden, weight, bias).float(), targets)
 
     def logits_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> LossOutput:
         return self._loss(*drop_ignored(logits, targets, self.ignore_index))

@@ -45,7 +45,7 @@ def auto_chunk_rows(vocab_size: int, device_type: str = "cpu") -> int:
     return max(1, elements // max(1, vocab_size))
 
 
-def _softmax_(logits: torch.Tensor) -> torch.Tensor:
+def softmax_inplace(logits: torch.Tensor) -> torch.Tensor:
     """Softmax over the last dimension; on the CPU in place of ``logits`` (its kernel reads each
     element before writing it: bit-identical to ``torch.softmax``, no second chunk alive)."""
     if logits.device.type == "cpu":
@@ -72,7 +72,7 @@ class _FusedLinearCE(torch.autograd.Function):
             top = logits.amax(dim=-1)
             target_logit = logits.gather(1, t[:, None]).squeeze(1)
             correct += (target_logit == top).sum()
-            probs = _softmax_(logits)
+            probs = softmax_inplace(logits)
             # the largest probability is exp(top - top) / sum: log-sum-exp = top + log(sum)
             loss_sum += (top - probs.amax(dim=-1).log() - target_logit).sum()
             if need_h or need_w or need_b:

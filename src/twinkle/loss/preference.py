@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from twinkle.loss.base import ROWS, HeadLoss, LossView
 from twinkle.loss.cross_entropy import IGNORE_INDEX, LossOutput, target_logps
+from twinkle.loss.head_logps import head_logps
 from twinkle.utils.errors import UserError
 
 
@@ -63,8 +64,9 @@ def check_non_negative(loss: str, name: str, value: float) -> float:
 
 def row_logps(view: LossView) -> torch.Tensor:
     """Each supervised row's target log-probability, fp32, with the graph to the policy."""
-    logits = view.logits if view.hidden is None else F.linear(view.hidden, view.weight, view.bias)
-    return -F.cross_entropy(logits.float(), view.targets, reduction="none")
+    if view.hidden is not None:
+        return head_logps(view.hidden, view.weight, view.targets, view.bias)
+    return -F.cross_entropy(view.logits.float(), view.targets, reduction="none")
 
 
 def mean_nll(logps_sum: torch.Tensor, length: torch.Tensor) -> torch.Tensor:
