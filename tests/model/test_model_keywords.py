@@ -104,3 +104,18 @@ def test_ddp_refuses_a_mesh_that_shards_the_model(tiny_model_dir, monkeypatch):
         UserError, match=r"strategy='ddp' keeps a whole model on every rank, but the mesh shards it"
     ):
         model.add_adapter_to_model("default", LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+
+
+def test_transformers_hub_kernels_stay_off_so_mode_switches_do_not_re_kernelize(tiny_model_dir, monkeypatch):
+    import transformers
+
+    if not hasattr(transformers.PreTrainedModel, "use_kernels"):
+        pytest.skip("this transformers has no hub kernels to turn off")
+    model = TransformersModel(str(tiny_model_dir))
+    base = model.model.get_base_model() if hasattr(model.model, "get_base_model") else model.model
+    assert base.use_kernels is False
+    calls = []
+    monkeypatch.setattr(type(base), "set_use_kernels", lambda self, *a, **k: calls.append(a), raising=True)
+    model.model.eval()
+    model.model.train()
+    assert calls == []  # a switch of mode leaves the layers as twinkle's kernelize set them

@@ -22,7 +22,7 @@ def load_for_chat(model_id: str | None, adapter: str | None):
     still refuses becomes one line too."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from twinkle.hub import check_adapter_folder, resolve_model
+    from twinkle.hub import check_adapter_folder, pretrained_options, resolve_model
 
     folder = Path(adapter).expanduser() if adapter else None
     if folder is not None:
@@ -33,7 +33,7 @@ def load_for_chat(model_id: str | None, adapter: str | None):
         check_adapter_folder(folder)
     path = resolve_model(model_id)
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, **pretrained_options())
         tokenizer = AutoTokenizer.from_pretrained(str(path))
     except (OSError, ValueError, RuntimeError) as exc:
         reason = " ".join(str(exc).split())[:200] or type(exc).__name__

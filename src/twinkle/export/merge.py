@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from twinkle.export.source import ExportSource
+from twinkle.hub import pretrained_options
 from twinkle.utils.errors import UserError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -41,7 +42,9 @@ def merge_adapter(source: ExportSource, dtype: str) -> Any:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    base = AutoModelForCausalLM.from_pretrained(str(source.base_dir), dtype=torch.float32)
+    base = AutoModelForCausalLM.from_pretrained(
+        str(source.base_dir), dtype=torch.float32, **pretrained_options()
+    )
     try:
         peft_model = PeftModel.from_pretrained(base, str(source.adapter_dir))
     except (ValueError, KeyError, RuntimeError) as exc:

@@ -14,6 +14,8 @@ Public names:
 - ``bundled_gguf_path()``: the GGUF file of the bundled default model.
 - ``ensure_converted(final, build_fn)``: build a cache folder once across processes.
 - ``cache_root()``: ``$TWINKLE_CACHE`` or ``~/.cache/twinkle``.
+- ``pretrained_options()``: the ``from_pretrained`` keywords every model load passes (transformers'
+  own hub kernels off).
 """
 
 from twinkle.hub.cache import ensure_converted
@@ -21,6 +23,7 @@ from twinkle.hub.check_adapter import check_adapter_folder
 from twinkle.hub.check_folder import check_model_folder
 from twinkle.hub.dataset import resolve_dataset
 from twinkle.hub.gguf import bundled_gguf_path
+from twinkle.hub.load_options import pretrained_options
 from twinkle.hub.model import resolve_model
 from twinkle.utils.cache import cache_root
 
@@ -30,6 +33,7 @@ __all__ = [
     "check_adapter_folder",
     "check_model_folder",
     "ensure_converted",
+    "pretrained_options",
     "resolve_dataset",
     "resolve_model",
 ]

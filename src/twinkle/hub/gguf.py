@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from twinkle.hub.cache import ensure_converted
+from twinkle.hub.load_options import pretrained_options
 from twinkle.utils.cache import cache_root
 from twinkle.utils.errors import UserError
 from twinkle.utils.logger import get_logger
@@ -66,7 +67,9 @@ def convert_gguf(gguf_path: Path, dst: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder, name = str(gguf_path.parent), gguf_path.name
-    loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    loaded = AutoModelForCausalLM.from_pretrained(
+        folder, gguf_file=name, dtype=torch.float32, **pretrained_options()
+    )
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     # A GGUF-loaded model refuses save_pretrained; copy its weights into a plain model.
     config = loaded.config

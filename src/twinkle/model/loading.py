@@ -35,10 +35,11 @@ def load_causal_lm(
     attn: str | None = None,
 ) -> tuple[Any, Any, Path]:
     """``model_cls.from_pretrained`` (default ``AutoModelForCausalLM``) on the folder the hub
-    resolves ``model_id`` to, optionally with ``config``; the tokenizer from the same folder."""
+    resolves ``model_id`` to, optionally with ``config``; the tokenizer from the same folder;
+    transformers' own hub kernels off (``twinkle.hub.pretrained_options``)."""
     from transformers import AutoModelForCausalLM
 
-    from twinkle.hub import resolve_model
+    from twinkle.hub import pretrained_options, resolve_model
     from twinkle.template.tokenizer import load_tokenizer
 
     path = resolve_model(model_id)
@@ -52,7 +53,7 @@ def load_causal_lm(
             raise UserError(f"--model-cls {name}: transformers has no such class; e.g. AutoModelForCausalLM")
     if not hasattr(model_cls, "from_pretrained"):
         raise UserError(f"model_cls={model_cls!r} has no from_pretrained(); pass a transformers model class")
-    extra = {} if config is None else {"config": config}
+    extra = pretrained_options() if config is None else {"config": config, **pretrained_options()}
     if attn is not None:  # attn_implementation= (twinkle.model.attention_choice)
         extra["attn_implementation"] = attn
     try:
