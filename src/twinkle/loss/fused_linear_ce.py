@@ -45,6 +45,13 @@ def auto_chunk_rows(vocab_size: int, device_type: str = "cpu") -> int:
     return max(1, elements // max(1, vocab_size))
 
 
+def zero_from(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """An fp32 zero computed from every input: what a head loss of no rows returns, so backward
+    still gives each input a (zero) gradient, like ``CrossEntropyLoss``."""
+    zero = (hidden.sum() * 0 + weight.sum() * 0).float()
+    return zero if bias is None else zero + bias.sum().float() * 0
+
+
 def softmax_inplace(logits: torch.Tensor) -> torch.Tensor:
     """Softmax over the last dimension; on the CPU in place of ``logits`` (its kernel reads each
     element before writing it: bit-identical to ``torch.softmax``, no second chunk alive)."""
@@ -114,10 +121,7 @@ def fused_linear_cross_entropy(
     of rows whose target has the largest logit, without materialising more than ``chunk_rows`` logit rows
     (default: about 128 MiB of fp32 logits on the CPU, 32 MiB elsewhere)."""
     if hidden.shape[0] == 0:
-        zero = (hidden.sum() * 0 + weight.sum() * 0).float()
-        if bias is not None:  # zero gradients for every input, like CrossEntropyLoss
-            zero = zero + bias.sum().float() * 0
-        return zero, torch.zeros((), dtype=torch.long, device=hidden.device)
+        return zero_from(hidden, weight, bias), torch.zeros((), dtype=torch.long, device=hidden.device)
     chunk_rows = chunk_rows or auto_chunk_rows(weight.shape[0], hidden.device.type)
     return _FusedLinearCE.apply(hidden, weight, bias, targets, chunk_rows)
 

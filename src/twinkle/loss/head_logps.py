@@ -11,7 +11,7 @@ import torch
 
 from twinkle.kernel.cpu_gemm import linear, times_weight
 from twinkle.loss.cross_entropy import IGNORE_INDEX
-from twinkle.loss.fused_linear_ce import auto_chunk_rows, softmax_inplace
+from twinkle.loss.fused_linear_ce import auto_chunk_rows, softmax_inplace, zero_from
 
 
 class _HeadLogps(torch.autograd.Function):
@@ -76,9 +76,6 @@ def head_logps(
     (0 where the target is ``IGNORE_INDEX``), differentiable in ``hidden``, ``weight`` and
     ``bias``; at most ``chunk_rows`` rows of logits at a time (default as ``fused_linear_ce``)."""
     if hidden.shape[0] == 0:
-        zero = hidden.sum() * 0 + weight.sum() * 0
-        if bias is not None:
-            zero = zero + bias.sum() * 0
-        return zero.float().expand(0)
+        return zero_from(hidden, weight, bias).expand(0)
     chunk_rows = chunk_rows or auto_chunk_rows(weight.shape[0], hidden.device.type)
     return _HeadLogps.apply(hidden, weight, bias, targets, chunk_rows)[0]

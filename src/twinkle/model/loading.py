@@ -53,7 +53,9 @@ def load_causal_lm(
             raise UserError(f"--model-cls {name}: transformers has no such class; e.g. AutoModelForCausalLM")
     if not hasattr(model_cls, "from_pretrained"):
         raise UserError(f"model_cls={model_cls!r} has no from_pretrained(); pass a transformers model class")
-    extra = pretrained_options() if config is None else {"config": config, **pretrained_options()}
+    extra = pretrained_options()
+    if config is not None:
+        extra["config"] = config
     if attn is not None:  # attn_implementation= (twinkle.model.attention_choice)
         extra["attn_implementation"] = attn
     try:
