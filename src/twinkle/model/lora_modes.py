@@ -25,6 +25,7 @@ from twinkle.kernel.cpu_gemm import linear
 from twinkle.model.forward import loss_and_view
 from twinkle.model.outputs import label_logps
 from twinkle.model.packing import pack, row_groups, scored_lengths, shifted_targets
+from twinkle.utils.modules import modules
 
 BASE_ROW = "__base__"  # PEFT's name for a row without adapter in a mixed batch
 
@@ -32,7 +33,7 @@ BASE_ROW = "__base__"  # PEFT's name for a row without adapter in a mixed batch
 def lora_layers(model: Any) -> list[Any]:
     from peft.tuners.lora import LoraLayer
 
-    return [m for m in model.modules() if isinstance(m, LoraLayer)]
+    return [m for m in modules(model) if isinstance(m, LoraLayer)]
 
 
 @contextlib.contextmanager

@@ -36,6 +36,7 @@ from twinkle.model.outputs import LogpsOnly, ModelOutputs, label_logps, metric_l
 from twinkle.model.packing import shifted_targets
 from twinkle.model.train_state import OptimizerGroup
 from twinkle.utils.errors import UserError
+from twinkle.utils.modules import any_training, set_training
 
 
 class MetricsAPI:
@@ -78,8 +79,8 @@ class MetricsAPI:
         inputs = with_loss_inputs(loss_fn, self._prepare_inputs(group, inputs), extras, required=False)
         group.eval_metrics.start_batch()
         batch = self._to_device(inputs)
-        if any(m.training for m in self.model.modules()):
-            self.model.eval()
+        if any_training(self.model):
+            set_training(self.model, False)
         self._in_train_mode = False
         missing = missing_inputs(loss_fn, batch)
         run_fn = LogpsOnly(loss_fn.name) if missing else loss_fn

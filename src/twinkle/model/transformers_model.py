@@ -37,6 +37,7 @@ from twinkle.runtime.remote import remote_class  # remote_group= hook
 from twinkle.template.base import IGNORE_INDEX
 from twinkle.utils.errors import UserError
 from twinkle.utils.logger import get_logger
+from twinkle.utils.modules import set_training
 
 TASKS = ("causal_lm", "fused_lm_ce")
 logger = get_logger()
@@ -284,10 +285,9 @@ class TransformersModel(InputsAPI, MetricsAPI, Checkpoints):
     def _forward_batch(self, group: OptimizerGroup, loss_fn: Any, inputs: dict) -> dict[str, float]:
         group.train_metrics.start_batch()
         batch = self._to_device(inputs)
-        # train() sets the flag on every module and reading them all walks them too (thousands of
-        # modules with LoRA): set once, and again after an eval()
+        # thousands of modules with LoRA: set their flags once, and again after an eval()
         if not (self._in_train_mode and self.model.training):
-            self.model.train()
+            set_training(self.model, True)
             self._in_train_mode = True
         # positions the layers may run: the padded batch (a packed row is never longer)
         self.checkpointing.decide(batch["input_ids"].numel(), self.device)

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from twinkle.utils.errors import UserError
+from twinkle.utils.modules import modules
 
 PREFIX = "base_model.model."
 KINDS = ("lora_A", "lora_B")
@@ -26,7 +27,7 @@ KINDS = ("lora_A", "lora_B")
 def lora_layers(module: Any) -> list[Any]:
     from peft.tuners.lora import LoraLayer
 
-    return [m for m in module.modules() if isinstance(m, LoraLayer)]
+    return [m for m in modules(module) if isinstance(m, LoraLayer)]
 
 
 @contextlib.contextmanager

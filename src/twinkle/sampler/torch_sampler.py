@@ -35,6 +35,7 @@ from twinkle.sampler.stops import Stops, eos_token_ids
 from twinkle.template import Template, get_template
 from twinkle.template.tokenizer import load_tokenizer
 from twinkle.utils.errors import UserError
+from twinkle.utils.modules import set_training
 
 
 @remote_class  # remote_group=: built on a device group's ranks (twinkle.runtime.remote)
@@ -216,7 +217,7 @@ class TorchSampler:
         """The trainer's adapter ``adapter_name`` (None: its only one) runs, in eval mode."""
         model = self.source
         if model.model.training:  # dropout off; the model's next forward() turns training mode back on
-            model.model.eval()
+            set_training(model.model, False)
             model._in_train_mode = False
         if not model.optimizer_group:
             if adapter_name:

@@ -35,6 +35,7 @@ from twinkle.server.losses import TinkerLoss
 from twinkle.server.scoring import Scoring, score_rows, topk
 from twinkle.server.wire import Datum
 from twinkle.utils.errors import UserError
+from twinkle.utils.modules import set_training
 
 IGNORE = -100
 LOSS_INPUTS = {
@@ -205,7 +206,7 @@ class ModelCore:
         (fp32, temperature 1). Under FSDP2 every rank runs the same forward."""
         m = self.model
         m._activate(name)
-        m.model.eval()
+        set_training(m.model, False)
         m._in_train_mode = False
         out = m.model(input_ids=torch.tensor([ids], device=m.device))
         return torch.log_softmax(out.logits[0].float().cpu(), dim=-1)
