@@ -218,14 +218,25 @@ def _assert_each_row_alone(model, batch, names) -> torch.Tensor:
     return mixed
 
 
-def test_mixed_adapter_batch_equals_each_row_alone(dataset, interleaved):
+@pytest.mark.parametrize("native", ["on", "off"])
+def test_mixed_adapter_batch_equals_each_row_alone(dataset, interleaved, native, monkeypatch):
     """Rows of a, b and the base model in one pass give each row's log-probs as computed alone
     through its adapter. A row alone runs the same operations on the same values; only the batched
-    products may block their sums differently, a few fp32 roundings of values below 10, hence 1e-6."""
+    products may block their sums differently, a few fp32 roundings of values below 10, hence 1e-6.
+    So with the adapters' products in one C call per layer (``lora_segments``) and without."""
+    from twinkle.kernel import switched
+    from twinkle.kernel.lora import segments
+    from twinkle.model import lora_modes
+
+    taken = []
+    real = lora_modes.add_segments
+    monkeypatch.setattr(lora_modes, "add_segments", lambda *args: taken.append(real(*args)) or taken[-1])
     model, _ = interleaved
     batch = next(iter(DataLoader(dataset, batch_size=4)))
-    mixed = _assert_each_row_alone(model, batch, ["a", "b", None, "a"])
+    with switched({"TWINKLE_NATIVE_LORA_SEGMENTS": native}):
+        mixed = _assert_each_row_alone(model, batch, ["a", "b", None, "a"])
     assert not torch.equal(mixed[0], mixed[2])  # the adapters change the rows they run on
+    assert taken and all(taken) == (native == "on" and segments.library() is not None)
 
 
 def test_consecutive_rows_of_one_adapter_hold_their_prefix_once(dataset, interleaved):

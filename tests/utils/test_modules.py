@@ -91,3 +91,11 @@ def test_transformers_model_without_hub_kernels_takes_the_direct_path(monkeypatc
     set_training(model, False)
     assert calls == []  # no recursive walk
     assert not any(m.training for m in model.modules())
+
+
+def test_a_temporary_container_does_not_renew_the_list():
+    model = _model()
+    first = modules(model)
+    nn.ModuleList(list(model.children()))  # what slicing a ModuleList does in a forward
+    model[1:]  # noqa: B018
+    assert modules(model) is first

@@ -13,6 +13,7 @@ from twinkle.kernel.attention import packed as _packed  # noqa: F401  (registers
 from twinkle.kernel.config import DEFAULT_CALL_CHAINS, DEFAULT_KERNEL_CONFIG
 from twinkle.kernel.hub_layers import HubRef, hub
 from twinkle.kernel.kernelize import kernelize
+from twinkle.kernel.lora import segments as _segments  # noqa: F401  (registers lora_segments)
 from twinkle.kernel.registry import (
     BACKENDS,
     KernelChoice,

@@ -53,6 +53,9 @@ DEFAULT_CALL_CHAINS: dict[str, tuple[str, ...]] = {
     # LoRA dropout's masks inside the LoRA nodes: the C kernel (fp32 CPU), else the same hash as
     # torch ops
     "lora_dropout": ("native", "torch"),
+    # a packed row's LoRA products where runs of tokens belong to different adapters (a
+    # mixed-adapter forward_only): every run of a layer in one C call, else two products per run
+    "lora_segments": ("native", "torch"),
 }
 for _op, _chain in DEFAULT_CALL_CHAINS.items():
     define_call_op(_op, _chain)

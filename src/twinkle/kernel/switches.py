@@ -105,6 +105,15 @@ SWITCHES: dict[str, Switch] = {
             "from the C kernel compiled on first use (CPU, fp32; off: the model's modules one by one)",
         ),
         Switch(
+            "TWINKLE_NATIVE_LORA_SEGMENTS",
+            "lora_segments",
+            "native",
+            "on",
+            ("on", "off"),
+            "a mixed-adapter batch's LoRA products, every adapter's run of tokens of a layer in one call "
+            "of the C kernel compiled on first use (CPU, fp32; off: two torch products per run)",
+        ),
+        Switch(
             "TWINKLE_POOLED_ATTENTION",
             "packed_attention",
             "pooled",

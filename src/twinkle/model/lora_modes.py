@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from twinkle.kernel.cpu_gemm import linear
+from twinkle.kernel.lora.segments import add_segments
 from twinkle.model.forward import loss_and_view
 from twinkle.model.outputs import label_logps
 from twinkle.model.packing import pack, row_groups, scored_lengths, shifted_targets
@@ -106,14 +107,21 @@ def token_runs(batch: dict[str, torch.Tensor], names: Sequence[str]) -> list[tup
 def _segmented_forward(layer: Any, runs: list[tuple[int, int, str]]) -> Any:
     """``layer`` (a PEFT ``lora.Linear``, eval mode: no dropout) on a packed row: the base product
     for every token, then each run's adapter product on the run's tokens only: one adapter's
-    rank-r work per token whatever the number of adapters, and no per-token mask to build."""
+    rank-r work per token whatever the number of adapters, and no per-token mask to build. The
+    runs' products go to one call of ``lora_segments``'s C kernel where it takes them (fp32 CPU),
+    else two torch products per run."""
     base = layer.base_layer
 
     def forward(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
         out = linear(flat, base.weight, base.bias)
+        # read at the call: under FSDP2 the layer holds its gathered weights only in its forward
+        weights = [
+            (s, e, layer.lora_A[n].weight, layer.lora_B[n].weight, layer.scaling[n]) for s, e, n in runs
+        ]
+        if weights and add_segments(out, flat.contiguous(), weights):  # every run in one C call
+            return out.view(*x.shape[:-1], out.shape[-1])
         for start, end, name in runs:
-            # read at the call: under FSDP2 the layer holds its gathered weights only in its forward
             lora_a, lora_b = layer.lora_A[name].weight, layer.lora_B[name].weight
             low = flat[start:end].to(lora_a.dtype) @ lora_a.t()
             if lora_a.dtype == out.dtype:

@@ -6,11 +6,13 @@ that sets each module's flag directly.
 buffer and module tables first: 3 ms and 10 ms on a 2-core CPU. A DPO step asks for both a few
 times (the reference pass in eval mode, the policy's in train mode), and so does every evaluation.
 
-``modules(root)`` keeps the list until a module is registered anywhere in the process (torch's
-global registration hook, installed at the first call: a module assigned as an attribute,
-``add_module``, an entry of a ``ModuleList`` or ``ModuleDict``). Removing a module registers
-none, so a list may still hold a removed one until the next registration: harmless for the
-training flags, and code that removes modules and then lists them calls ``forget(root)``.
+``modules(root)`` keeps the list until a module of a kept list gets a child (torch's global
+registration hook, installed at the first call, sees every module assigned as an attribute,
+``add_module``, and every entry of a ``ModuleList`` or ``ModuleDict``). Registrations on other
+modules do not count: Hugging Face's models slice their ``ModuleList`` of layers in every forward,
+which registers each layer in a new, temporary list. Removing a module registers none, so a list
+may still hold a removed one: harmless for the training flags, and code that removes modules and
+then lists them calls ``forget(root)``.
 
 ``set_training(root, mode)`` is ``root.train(mode)`` for a model whose modules keep torch's own
 ``train`` (or transformers' ``PreTrainedModel.train`` without hub kernels, which adds nothing
@@ -21,14 +23,16 @@ from typing import Any
 
 import torch
 
-_registrations = [0]  # modules registered in this process since the hook was installed
+_registrations = [0]  # children registered on modules of kept lists since the hook was installed
 _hook: list[Any] = []
 # root -> (registrations when listed, its modules, the modules whose class overrides train())
 _lists: "weakref.WeakKeyDictionary[torch.nn.Module, tuple[int, list, list]]" = weakref.WeakKeyDictionary()
+_listed_ids: set[int] = set()  # id() of every module in a kept list (a reused id: one needless listing)
 
 
 def _registered(module: torch.nn.Module, name: str, submodule: Any) -> None:
-    _registrations[0] += 1
+    if id(module) in _listed_ids:
+        _registrations[0] += 1
 
 
 def _entry(root: torch.nn.Module) -> tuple[int, list, list]:
@@ -40,6 +44,8 @@ def _entry(root: torch.nn.Module) -> tuple[int, list, list]:
         overriding = [m for m in listed if type(m).train is not torch.nn.Module.train]
         entry = (_registrations[0], listed, overriding)
         _lists[root] = entry
+        _listed_ids.clear()
+        _listed_ids.update(id(m) for kept in list(_lists.values()) for m in kept[1])
     return entry
 
 
