@@ -200,3 +200,29 @@ def _rotation_terms(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> to
     """gamma(3) times |x cos| + |rotate_half(x) sin|, in float64: the rotation's worst fp32 error."""
     x, cos, sin = x.detach().double(), cos[:, None].double(), sin[:, None].double()
     return gamma(3) * ((x * cos).abs() + (_swap_halves(x) * sin).abs())
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_a_pass_without_the_node_rotates_as_it_does_and_equals_the_class_forward(family, monkeypatch):
+    """With the adapters off and no gradient (a reference pass), the node does not run; the
+    layers' products are rotated by ``rotate`` as the node rotates them, and the logits equal
+    the class's own forward within the tiny model's chain of fp32 sums."""
+    layers, node = _pair(family)
+    layers.eval()
+    node.eval()
+    rotated = []
+    real = lora_qkv.rotated_projections
+    monkeypatch.setattr(
+        "twinkle.kernel.backends.torch_ops.rotated_projections",
+        lambda *a: rotated.append(1) or real(*a),
+    )
+    calls = _count_node_calls(monkeypatch)
+    ids = torch.randint(0, 100, (2, 7))
+    with torch.no_grad(), layers.disable_adapter(), node.disable_adapter():
+        expected = layers(input_ids=ids, use_cache=False).logits
+        got = node(input_ids=ids, use_cache=False).logits
+    assert not calls and len(rotated) == TINY_LLAMA_SHAPE["num_hidden_layers"]
+    torch.testing.assert_close(got, expected, **chain_tolerances(tiny_llama_sums(7, 100), expected))
+    with torch.no_grad():  # adapters on: the node, not this path
+        node(input_ids=ids, use_cache=False)
+    assert calls and len(rotated) == TINY_LLAMA_SHAPE["num_hidden_layers"]

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from twinkle.kernel.lora.mlp import lora_mlp
-from twinkle.kernel.lora.qkv import lora_qkv
+from twinkle.kernel.lora.qkv import lora_qkv, rotated_projections
 from twinkle.kernel.module_checks import require_silu, rms_norm_eps
 from twinkle.kernel.registry import register_op
 
@@ -164,6 +164,8 @@ def _lora_attention_forward(
         and implementation in ALL_ATTENTION_FUNCTIONS  # "eager" is each family's own function
     ):
         fused = lora_qkv(self, hidden_states, *position_embeddings)
+        if fused is None:  # no node (adapters off, a mixed-adapter batch): rotated as it does
+            fused = rotated_projections(self, hidden_states, *position_embeddings)
     if fused is None:
         return type(self).forward(self, hidden_states, position_embeddings, attention_mask, cache, **kwargs)
     query, key, value = (t.transpose(1, 2) for t in fused)

@@ -199,15 +199,12 @@ def usable(layers: tuple[Any, ...], x: torch.Tensor) -> list[str] | None:
     return names
 
 
-def _fused(
-    attention: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """Backend ``fused`` of ``lora_qkv``: the projections and rotation as one node, None where
-    it does not apply."""
-    if not registry.enabled(OP, "fused"):
-        return None
-    layers = (attention.q_proj, attention.k_proj, attention.v_proj)
-    head_dim = attention.head_dim
+def _tables(
+    head_dim: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The rotary tables as (batch, tokens, head_dim) for ``x`` of (batch, tokens, hidden), or
+    None where they do not fit the rotation here (another layout or dtype, an odd head_dim, or
+    tables that want a gradient, which neither path gives them)."""
     if x.dim() != 3 or cos.dim() != 3 or cos.shape[1:] != (x.shape[1], head_dim) or sin.shape != cos.shape:
         return None
     if cos.shape[0] != x.shape[0]:  # one table for the whole batch
@@ -216,14 +213,51 @@ def _fused(
         cos, sin = cos.expand(x.shape[0], -1, -1), sin.expand(x.shape[0], -1, -1)
     if cos.dtype != x.dtype or sin.dtype != x.dtype or head_dim % 2:
         return None
-    if cos.requires_grad or sin.requires_grad:  # the node gives the tables no gradient
+    if cos.requires_grad or sin.requires_grad:
         return None
+    return cos, sin
+
+
+def rotated_projections(
+    attention: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """``(rotated q, rotated k, v)`` as ``lora_qkv`` returns them, from the layers' own forward
+    and ``rotate``, without autograd: for a pass the node does not take (adapters off, a
+    mixed-adapter batch), so that it rotates as the node does, in three passes instead of
+    Hugging Face's six. None under grad mode or where the tables do not fit."""
+    if torch.is_grad_enabled():
+        return None
+    head_dim = attention.head_dim
+    tables = _tables(head_dim, x, cos, sin)
+    if tables is None:
+        return None
+    tokens = x.shape[0] * x.shape[1]
+    cos_f, sin_f = (t.reshape(tokens, 1, head_dim) for t in tables)
+    outs = []
+    for i, layer in enumerate((attention.q_proj, attention.k_proj, attention.v_proj)):
+        out = layer(x).reshape(tokens, -1, head_dim)
+        outs.append(rotate(out, cos_f, sin_f) if i < 2 else out)
+    return tuple(o.view(*x.shape[:-1], *o.shape[1:]) for o in outs)
+
+
+def _fused(
+    attention: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """Backend ``fused`` of ``lora_qkv``: the projections and rotation as one node, None where
+    it does not apply."""
+    if not registry.enabled(OP, "fused"):
+        return None
+    layers = (attention.q_proj, attention.k_proj, attention.v_proj)
+    tables = _tables(attention.head_dim, x, cos, sin)
+    if tables is None:
+        return None
+    cos, sin = tables
     names = usable(layers, x)
     if names is None:
         return None
     params, scalings = lora_params(layers, names)
     drops = tuple(draw_drop(layer, name) for layer, name in zip(layers, names, strict=True))
-    return _LoraQKV.apply(x, cos, sin, head_dim, scalings, drops, *params)
+    return _LoraQKV.apply(x, cos, sin, attention.head_dim, scalings, drops, *params)
 
 
 def _modules(attention: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
