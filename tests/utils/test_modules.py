@@ -4,7 +4,7 @@
 import torch
 from torch import nn
 
-from twinkle.utils.modules import any_training, forget, modules, set_training
+from twinkle.utils.modules import _entry, any_training, forget, modules, set_training
 
 
 def _model() -> nn.Module:
@@ -15,15 +15,14 @@ def test_list_equals_a_walk_and_is_kept():
     model = _model()
     first = modules(model)
     assert first == list(model.modules())
-    assert modules(model) is first  # nothing registered since: the same list
+    assert modules(model) == first
 
 
 def test_a_registered_module_anywhere_renews_the_list():
     model = _model()
-    before = modules(model)
+    modules(model)
     model[1].add_module("extra", nn.ReLU())  # deep inside
-    after = modules(model)
-    assert after is not before and after == list(model.modules())
+    assert modules(model) == list(model.modules())
     model[1].extra2 = nn.Tanh()  # an attribute assignment
     assert modules(model) == list(model.modules())
     holder = nn.ModuleDict()
@@ -95,7 +94,21 @@ def test_transformers_model_without_hub_kernels_takes_the_direct_path(monkeypatc
 
 def test_a_temporary_container_does_not_renew_the_list():
     model = _model()
-    first = modules(model)
+    listed = modules(model)
+    kept = _entry(model)
     nn.ModuleList(list(model.children()))  # what slicing a ModuleList does in a forward
     model[1:]  # noqa: B018
-    assert modules(model) is first
+    assert _entry(model) is kept and modules(model) == listed
+
+
+def test_a_kept_list_does_not_keep_its_model_alive():
+    import gc
+    import weakref
+
+    model = _model()
+    set_training(model, False)
+    modules(model)
+    gone = weakref.ref(model)
+    del model
+    gc.collect()
+    assert gone() is None

@@ -25,7 +25,8 @@ import torch
 
 _registrations = [0]  # children registered on modules of kept lists since the hook was installed
 _hook: list[Any] = []
-# root -> (registrations when listed, its modules, the modules whose class overrides train())
+# root -> (registrations when listed, weak references to its modules and to those whose class
+# overrides train()): weak, so that a kept list never keeps a model (or its process groups) alive
 _lists: "weakref.WeakKeyDictionary[torch.nn.Module, tuple[int, list, list]]" = weakref.WeakKeyDictionary()
 _listed_ids: set[int] = set()  # id() of every module in a kept list (a reused id: one needless listing)
 
@@ -35,24 +36,27 @@ def _registered(module: torch.nn.Module, name: str, submodule: Any) -> None:
         _registrations[0] += 1
 
 
+def _alive(refs: list[weakref.ref]) -> list[torch.nn.Module]:
+    return [m for m in (r() for r in refs) if m is not None]
+
+
 def _entry(root: torch.nn.Module) -> tuple[int, list, list]:
     if not _hook:
         _hook.append(torch.nn.modules.module.register_module_module_registration_hook(_registered))
     entry = _lists.get(root)
     if entry is None or entry[0] != _registrations[0]:
         listed = list(root.modules())
-        overriding = [m for m in listed if type(m).train is not torch.nn.Module.train]
-        entry = (_registrations[0], listed, overriding)
+        overriding = [weakref.ref(m) for m in listed if type(m).train is not torch.nn.Module.train]
+        entry = (_registrations[0], [weakref.ref(m) for m in listed], overriding)
         _lists[root] = entry
         _listed_ids.clear()
-        _listed_ids.update(id(m) for kept in list(_lists.values()) for m in kept[1])
+        _listed_ids.update(id(r()) for kept in list(_lists.values()) for r in kept[1])
     return entry
 
 
 def modules(root: torch.nn.Module) -> list[torch.nn.Module]:
-    """``list(root.modules())``, kept between calls while no module is registered (do not
-    modify the list)."""
-    return _entry(root)[1]
+    """``list(root.modules())``, listed again only after a module of it got a child."""
+    return _alive(_entry(root)[1])
 
 
 def forget(root: torch.nn.Module) -> None:
@@ -75,10 +79,10 @@ def _adds_nothing(module: torch.nn.Module) -> bool:
 def set_training(root: torch.nn.Module, mode: bool = True) -> None:
     """``root.train(mode)``: every module's ``training`` flag set to ``mode``."""
     _, listed, overriding = _entry(root)
-    if not all(_adds_nothing(m) for m in overriding):
+    if not all(_adds_nothing(m) for m in _alive(overriding)):
         root.train(mode)
         return
-    for module in listed:
+    for module in _alive(listed):
         if module.training != mode:
             object.__setattr__(module, "training", mode)  # what Module.__setattr__ does for a bool
 
