@@ -8,21 +8,13 @@ fp32 roundings, far above what reordering costs on any SIMD width and far below 
 import pytest
 import torch
 import torch.nn.functional as F
+from thread_counts import on_threads
 
 from twinkle.kernel import decode_step, gemv, switched
 
 pytestmark = pytest.mark.skipif(
     gemv.library() is None or decode_step.library() is None, reason="no C compiler here"
 )
-
-
-def _threads(n, fn):
-    old = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        return fn()
-    finally:
-        torch.set_num_threads(old)
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 8])
@@ -33,8 +25,8 @@ def test_gemv_equals_the_product_on_any_thread_count(rows, n, k, with_bias):
     x, w = torch.randn(rows, k, generator=g), torch.randn(n, k, generator=g)
     bias = torch.randn(n, generator=g) if with_bias else None
     want = x.double() @ w.double().t() + (0 if bias is None else bias.double())
-    one = _threads(1, lambda: gemv.native(x, w, bias))
-    two = _threads(2, lambda: gemv.native(x, w, bias))
+    one = on_threads(1, lambda: gemv.native(x, w, bias))
+    two = on_threads(2, lambda: gemv.native(x, w, bias))
     torch.testing.assert_close(one, want.float(), rtol=0, atol=2e-4)
     assert torch.equal(one, two)  # each output is one thread's sum in a fixed order
 
@@ -109,7 +101,7 @@ def test_decode_attention_equals_rotation_then_sdpa(masked):
     for threads in (1, 2):
         kc, vc = keys.clone(), values.clone()
         outs.append(
-            _threads(
+            on_threads(
                 threads,
                 lambda kc=kc, vc=vc: decode_step.attention(q, k, v, cos, sin, kc, vc, length, mask, 0.25),
             )

@@ -10,21 +10,13 @@ gamma(K + r + 2) * (|base| + |s| sum_j (sum_k |x_k a_jk|) |b_nj|) of exact (High
 
 import pytest
 import torch
+from thread_counts import on_threads
 from tolerances import assert_within, gamma
 
 from twinkle.kernel import registry
 from twinkle.kernel.lora import segments
 
 needs_kernel = pytest.mark.skipif(segments.library() is None, reason="no C compiler here")
-
-
-def _threads(n, fn):
-    old = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        return fn()
-    finally:
-        torch.set_num_threads(old)
 
 
 def _problem(tokens, k, n, spans, seed=0):
@@ -111,9 +103,9 @@ def test_non_contiguous_adapter_weights_are_copied():
 def test_the_same_bits_on_any_thread_count(k, n):
     out, x, runs = _problem(406, k, n, [(0, 101, 8), (101, 203, 16), (203, 306, 1), (306, 406, 5)], seed=3)
     one, two, three = out.clone(), out.clone(), out.clone()
-    assert _threads(1, lambda: segments.add_segments(one, x, runs))
-    assert _threads(2, lambda: segments.add_segments(two, x, runs))
-    assert _threads(3, lambda: segments.add_segments(three, x, runs))
+    assert on_threads(1, lambda: segments.add_segments(one, x, runs))
+    assert on_threads(2, lambda: segments.add_segments(two, x, runs))
+    assert on_threads(3, lambda: segments.add_segments(three, x, runs))
     assert torch.equal(one, two) and torch.equal(one, three)  # one thread's sum in a fixed order
     _check(one, out, x, runs)
 
