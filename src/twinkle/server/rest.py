@@ -82,7 +82,7 @@ def add_rest_routes(app: FastAPI, s: Server, iso: Any) -> None:
         run, _, _ = s.registry.checkpoint(tenant, path)
         return {"base_model": run.base_model, "is_lora": True, "lora_rank": run.rank}
 
-    @app.get(f"{v1}/sessions/{{client_id}}")  # the SDK's wire name for its clients
+    @app.get(f"{v1}/sessions/{{client_id}}")  # the SDK's wire name: one SDK client
     async def client_info(request: Request, client_id: str) -> dict:
         tenant = s.auth(request)
         if s.clients.get(client_id) != tenant.id:

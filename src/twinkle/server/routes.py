@@ -2,9 +2,8 @@
 is ``twinkle.server.sampling``, the REST listing ``twinkle.server.rest``). Model work is queued
 (``Server.queue``) and answered with a future.
 
-Route and JSON names are the SDK's wire protocol, kept as it sends them; where it says
-``session`` (``create_session``, ``session_id``, ``/sessions``) it means an SDK client, which this
-server calls a client."""
+Route and JSON names are the SDK's wire protocol, kept as it sends them: ``create_session``,
+``session_id`` and ``/sessions`` name one SDK client."""
 
 import time
 from datetime import UTC, datetime
@@ -225,7 +224,7 @@ def add_routes(app: FastAPI, s: Server) -> None:
         s.queue.cancel(tenant.id, field(await body(request), "request_id", str, required=True))
         return {}
 
-    @app.get(f"{v1}/sessions")  # the SDK's wire names for its clients (module docstring)
+    @app.get(f"{v1}/sessions")  # the SDK's wire names: its clients (module docstring)
     async def list_clients(request: Request, limit: int = 20, offset: int = 0) -> dict:
         tenant = s.auth(request)
         mine = [c for c, t in s.clients.items() if t == tenant.id]
