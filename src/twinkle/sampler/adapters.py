@@ -18,16 +18,9 @@ from typing import Any
 import torch
 
 from twinkle.utils.errors import UserError
-from twinkle.utils.modules import modules
 
 PREFIX = "base_model.model."
 KINDS = ("lora_A", "lora_B")
-
-
-def lora_layers(module: Any) -> list[Any]:
-    from peft.tuners.lora import LoraLayer
-
-    return [m for m in modules(module) if isinstance(m, LoraLayer)]
 
 
 @contextlib.contextmanager

@@ -26,6 +26,7 @@ from twinkle.data_format.sampling import SampledSequence, SampleResponse, Sampli
 from twinkle.model import MultiLoraTransformersModel, TransformersModel
 from twinkle.model.forward import causal_lm_of
 from twinkle.model.loading import load_causal_lm, resolve_dtype
+from twinkle.model.lora_modes import lora_layers
 from twinkle.runtime import get_runtime
 from twinkle.runtime.remote import remote_class  # remote_group= hook
 from twinkle.sampler import adapters, linears
@@ -208,7 +209,7 @@ class TorchSampler:
             raise UserError(
                 f"unknown adapter {adapter_name!r}; the sampler's adapters: {', '.join(self.adapter_names) or 'none'}"
             )
-        layers = adapters.lora_layers(self._own)
+        layers = lora_layers(self._own)
         with adapters.running_adapter(layers, adapter_name or self.default_adapter):
             yield
 
@@ -229,7 +230,7 @@ class TorchSampler:
             model._activate(group.adapter_name)
             yield
             return
-        layers = adapters.lora_layers(model.model)  # read per call: the model may gain adapters
+        layers = lora_layers(model.model)  # read per call: the model may gain adapters
         with adapters.running_adapter(layers, model._peft_adapter(group.adapter_name)):
             yield
 
