@@ -31,13 +31,14 @@ from typing import Any
 
 import torch
 
+from twinkle.checkpoint.layout import LAST, parse_trainer_state
 from twinkle.metric.curves import draw_curves
 from twinkle.metric.progress import Progress, _clock
 from twinkle.metric.sinks import SINK_FOLDERS, open_sinks
 from twinkle.runtime import RunDefaults
 from twinkle.runtime.output_lock import LOCK_FILE
 from twinkle.utils.errors import UserError
-from twinkle.utils.fileio import open_no_follow, refuse_link_message
+from twinkle.utils.fileio import is_complete, open_no_follow, refuse_link_message
 from twinkle.utils.logger import get_logger
 
 JSONL = "metrics.jsonl"
@@ -83,6 +84,19 @@ def _number(value: Any) -> float | int | None:
     if isinstance(value, bool) or not isinstance(value, int | float):
         return None
     return value if isinstance(value, int) or math.isfinite(value) else None
+
+
+def checkpoint_of(output_dir: Path, step: int) -> Path | None:
+    """The saved checkpoint that holds ``step``'s weights: ``checkpoint-<step>``, else a complete
+    ``last-checkpoint`` saved at that step (a run whose best eval is its last step), else None."""
+    folder = output_dir / f"checkpoint-{step}"
+    if folder.is_dir():
+        return folder
+    last = output_dir / LAST
+    try:
+        return last if is_complete(last) and parse_trainer_state(last)["cur_step"] == step else None
+    except UserError:  # an unreadable trainer state: it names no step
+        return None
 
 
 class RunReport:
@@ -153,8 +167,8 @@ class RunReport:
         parts.append(f"peak memory {peak_memory_mb(self.device):,.0f} MiB")
         if self.best is not None:
             loss, step = self.best
-            folder = self.output_dir / f"checkpoint-{step}"
-            where = str(folder) if folder.is_dir() else "no checkpoint saved at that step"
+            folder = checkpoint_of(self.output_dir, step)
+            where = str(folder) if folder is not None else "no checkpoint saved at that step"
             parts.append(f"best eval loss {loss:.4f} at step {step} ({where})")
         return "run summary: " + ", ".join(parts)
 

@@ -1,0 +1,57 @@
+"""The end-of-run summary names the checkpoint that holds the best eval's weights."""
+
+import json
+
+import pytest
+import torch
+
+from twinkle.metric.report import RunReport
+from twinkle.runtime import RunDefaults
+from twinkle.utils.fileio import COMPLETE_MARKER
+
+NONE = "no checkpoint saved at that step"
+
+
+def summary_after_evals(output_dir) -> str:
+    report = RunReport(RunDefaults(output_dir=str(output_dir), report_to=()), torch.device("cpu"))
+    report.on_metrics({"loss": 1.0}, False, 2)
+    report.on_metrics({"loss": 0.5}, False, 3)  # the best eval is the last step's
+    line = report.summary()
+    report.finish()
+    assert "best eval loss 0.5000 at step 3" in line, line
+    return line
+
+
+def saved(folder, state: str, complete: bool = True) -> None:
+    folder.mkdir(parents=True)
+    (folder / "trainer_state.json").write_text(state)
+    if complete:
+        (folder / COMPLETE_MARKER).write_text("{}")
+
+
+def test_a_checkpoint_of_the_best_step_is_named(tmp_path):
+    (tmp_path / "checkpoint-3").mkdir()
+    assert f"({tmp_path / 'checkpoint-3'})" in summary_after_evals(tmp_path)
+
+
+def test_the_last_checkpoint_is_named_when_it_holds_the_best_step(tmp_path):
+    saved(tmp_path / "last-checkpoint", json.dumps({"cur_step": 3}))
+    assert f"({tmp_path / 'last-checkpoint'})" in summary_after_evals(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("state", "complete"),
+    [
+        (json.dumps({"cur_step": 2}), True),  # saved at another step
+        (json.dumps({"cur_step": 3}), False),  # no completion marker: not a checkpoint Twinkle finished
+        ('{"cur_step": 3', True),  # cut short
+        (json.dumps({"cur_step": "3"}), True),  # not a trainer state Twinkle writes
+    ],
+)
+def test_no_checkpoint_is_named_when_none_holds_the_best_step(tmp_path, state, complete):
+    saved(tmp_path / "last-checkpoint", state, complete)
+    assert f"({NONE})" in summary_after_evals(tmp_path)
+
+
+def test_no_folder_at_all(tmp_path):
+    assert f"({NONE})" in summary_after_evals(tmp_path)
