@@ -76,6 +76,14 @@ def test_metrics_are_recorded_per_adapter(trained):
     assert evals.keys() == {"twinkle", "pip"} and evals["twinkle"] != evals["pip"]
     assert "[twinkle] step 2 of 2" in log and "[pip] step 2 of 2" in log
     assert (out / "curves.png").is_file()
+    summary = [line for line in log.splitlines() if "run summary:" in line]
+    assert len(summary) == 1, log[-3000:]
+    for adapter in RANKS:  # each adapter's best eval, with the folder its save of that step went to
+        best = min(
+            (r for r in records if r["kind"] == "eval" and r["adapter"] == adapter), key=lambda r: r["loss"]
+        )
+        folder = out / adapter / f"checkpoint-{best['step']}"
+        assert f"{adapter} {best['loss']:.4f} at step {best['step']} ({folder})" in summary[0], summary[0]
 
 
 @pytest.mark.slow

@@ -1,4 +1,5 @@
-"""The end-of-run summary names the checkpoint that holds the best eval's weights."""
+"""The end-of-run summary names the checkpoint that holds the best eval's weights: the folder a
+save of that step went to (``on_save``, each adapter its own), else one under the output dir."""
 
 import json
 
@@ -12,8 +13,12 @@ from twinkle.utils.fileio import COMPLETE_MARKER
 NONE = "no checkpoint saved at that step"
 
 
+def new_report(output_dir) -> RunReport:
+    return RunReport(RunDefaults(output_dir=str(output_dir), report_to=()), torch.device("cpu"))
+
+
 def summary_after_evals(output_dir) -> str:
-    report = RunReport(RunDefaults(output_dir=str(output_dir), report_to=()), torch.device("cpu"))
+    report = new_report(output_dir)
     report.on_metrics({"loss": 1.0}, False, 2)
     report.on_metrics({"loss": 0.5}, False, 3)  # the best eval is the last step's
     line = report.summary()
@@ -55,3 +60,34 @@ def test_no_checkpoint_is_named_when_none_holds_the_best_step(tmp_path, state, c
 
 def test_no_folder_at_all(tmp_path):
     assert f"({NONE})" in summary_after_evals(tmp_path)
+
+
+def test_each_adapter_gets_its_best_eval_and_the_folder_it_saved_then(tmp_path):
+    report = new_report(tmp_path)
+    for adapter, losses in {"twinkle": (0.9, 0.7), "pip": (0.4, 0.6)}.items():
+        for step, loss in zip((2, 4), losses, strict=True):
+            report.on_metrics({"loss": loss}, False, step, adapter)
+            folder = tmp_path / adapter / f"checkpoint-{step}"
+            folder.mkdir(parents=True)
+            report.on_save(folder, step, adapter)
+    line = report.summary()
+    report.finish()
+    assert (
+        f"best eval loss twinkle 0.7000 at step 4 ({tmp_path / 'twinkle' / 'checkpoint-4'}) "
+        f"and pip 0.4000 at step 2 ({tmp_path / 'pip' / 'checkpoint-2'})"
+    ) in line, line
+
+
+def test_a_folder_rotated_away_gives_way_to_a_later_save_of_the_step(tmp_path):
+    report = new_report(tmp_path)
+    report.on_metrics({"loss": 0.5}, False, 3)
+    first, last = tmp_path / "a" / "checkpoint-3", tmp_path / "a" / "last-checkpoint"
+    for folder in (first, last):
+        folder.mkdir(parents=True)
+        report.on_save(folder, 3)
+    assert f"({first})" in report.summary()
+    first.rmdir()
+    assert f"({last})" in report.summary()
+    last.rmdir()
+    assert f"({NONE})" in report.summary()
+    report.finish()

@@ -1,8 +1,9 @@
 """A run's record: ``<output_dir>/metrics.jsonl``, ``--report-to`` sinks, progress, the end-of-run
 summary and ``curves.png``.
 
-The model calls two hooks, so a script needs no line of its own: ``on_backward`` after each
-micro-batch (the progress) and ``on_metrics`` from every ``calculate_metric`` (one JSON line
+The model calls three hooks, so a script needs no line of its own: ``on_backward`` after each
+micro-batch (the progress), ``on_save`` after each checkpoint (where the summary finds the best
+eval's weights) and ``on_metrics`` from every ``calculate_metric`` (one JSON line
 per call: ``kind`` train or eval, ``adapter`` (the adapter the numbers are of), ``step``
 (micro-batches, that adapter's ``cur_step``), ``time``
 (Unix seconds), ``elapsed_s``, the metric numbers with lr, grad_norm and tokens_per_second, and
@@ -113,7 +114,8 @@ class RunReport:
         self.first_step_time: float | None = None
         self.steps = 0
         self.train_tokens = 0
-        self.best: tuple[float, int] | None = None  # (eval loss, step)
+        self.best: dict[str, tuple[float, int]] = {}  # adapter -> (lowest eval loss, its step)
+        self.saved: dict[tuple[str, int], list[Path]] = {}  # (adapter, step) -> folders saved then
         self.finished = False
         atexit.register(self.finish)
 
@@ -153,8 +155,31 @@ class RunReport:
         if is_training:
             self.train_tokens += int(numbers.get("tokens", 0))
             self.progress.metrics(numbers)
-        elif "loss" in numbers and (self.best is None or numbers["loss"] < self.best[0]):
-            self.best = (float(numbers["loss"]), cur_step)
+        elif "loss" in numbers and (adapter not in self.best or numbers["loss"] < self.best[adapter][0]):
+            self.best[adapter] = (float(numbers["loss"]), cur_step)
+
+    def on_save(self, folder: str | os.PathLike, cur_step: int, adapter: str = "default") -> None:
+        if not self.finished:
+            self.saved.setdefault((adapter, cur_step), []).append(Path(folder))
+
+    def _checkpoint(self, adapter: str, step: int) -> Path | None:
+        """Where ``adapter``'s weights of ``step`` are: the first folder this run saved them to that
+        is still there (a ``checkpoint-N`` before a ``last-checkpoint``); for the one adapter of a
+        run, also a folder of an earlier process of the run under the output dir."""
+        for folder in self.saved.get((adapter, step), []):
+            if folder.is_dir():
+                return folder
+        return checkpoint_of(self.output_dir, step) if len(self.best) == 1 else None
+
+    def _best_text(self) -> str:
+        """``best eval loss L at step N (folder)``; with several adapters, that of each."""
+        texts = []
+        for adapter, (loss, step) in self.best.items():
+            folder = self._checkpoint(adapter, step)
+            where = str(folder) if folder is not None else "no checkpoint saved at that step"
+            name = "" if len(self.best) == 1 else f"{adapter} "
+            texts.append(f"{name}{loss:.4f} at step {step} ({where})")
+        return "best eval loss " + " and ".join(texts)
 
     def summary(self) -> str:
         wall = time.time() - self.started
@@ -165,11 +190,8 @@ class RunReport:
             f"{self.train_tokens / max(train_s, 1e-9):,.0f} tokens/s",
         ]
         parts.append(f"peak memory {peak_memory_mb(self.device):,.0f} MiB")
-        if self.best is not None:
-            loss, step = self.best
-            folder = checkpoint_of(self.output_dir, step)
-            where = str(folder) if folder is not None else "no checkpoint saved at that step"
-            parts.append(f"best eval loss {loss:.4f} at step {step} ({where})")
+        if self.best:
+            parts.append(self._best_text())
         return "run summary: " + ", ".join(parts)
 
     def finish(self) -> None:
@@ -221,6 +243,12 @@ def on_metrics(runtime: Any, group: Any, metrics: dict[str, Any], is_training: b
     report = current(runtime)
     if report is not None:
         report.on_metrics(metrics, is_training, group.cur_step, group.adapter_name)
+
+
+def on_save(runtime: Any, group: Any, folder: str | os.PathLike) -> None:
+    report = current(runtime)
+    if report is not None:
+        report.on_save(folder, group.cur_step, group.adapter_name)
 
 
 def finish() -> None:

@@ -17,6 +17,7 @@ from twinkle.checkpoint import (
 from twinkle.checkpoint.load import load_adapter_weights, load_state_parts
 from twinkle.checkpoint.save import full_adapter_state
 from twinkle.distributed.collectives import all_reduce_sum
+from twinkle.metric import report
 from twinkle.model.lora import lora_signature
 from twinkle.model.resume import check_resumable, fast_forward_scheduler
 from twinkle.model.step import local_grad, restore_grad
@@ -119,6 +120,7 @@ class Checkpoints:
             export=self._adapter_export(group),
         )
         logger.info(f"saved checkpoint {path}")
+        report.on_save(self.runtime, group, path)  # the run summary names it (twinkle.metric.report)
         if save_total_limit is not None and self.runtime.rank == 0:
             for deleted in rotate_checkpoints(out, save_total_limit, keep=keep):
                 logger.info(f"deleted checkpoint {deleted} (save_total_limit={save_total_limit})")
