@@ -84,3 +84,38 @@ def test_dpo_runs_on_multi_lora(tiny_model_dir):
     model.calculate_loss()
     metrics = model.calculate_metric(is_training=False, adapter_name="a")
     assert metrics["pairs"] == 2 and "reward_margin" in metrics
+
+
+class _Clock:
+    """A ``time`` stand-in whose ``perf_counter`` reads ``now``."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+def test_a_training_steps_reference_pass_leaves_the_next_evaluations_clock_alone(make_model, monkeypatch):
+    """Eval tokens/s counts the evaluation's own time: the reference passes of the training steps
+    before it (``forward_only`` too) must not start its clock."""
+    from twinkle.metric import token_metrics
+
+    clock = _Clock()
+    monkeypatch.setattr(token_metrics, "time", clock)
+    model = make_model()
+    model.set_loss(DPOLoss(beta=0.1))
+    batch = pair_batch(model.tokenizer)
+    for _ in range(2):  # training steps, 100 s apart
+        ref = model.forward_only(inputs=batch, disable_lora=True)
+        model.forward_backward(inputs=batch, ref_outputs=ref)
+        model.clip_grad_and_step()
+        clock.now += 100.0
+    ref = model.forward_only(inputs=batch, disable_lora=True)  # the evaluation: 2 s
+    clock.now += 1.0
+    model.forward_only(inputs=batch, ref_outputs=ref)
+    model.calculate_loss()
+    clock.now += 1.0
+    metrics = model.calculate_metric(is_training=False)
+    assert metrics["tokens"] == int(batch["attention_mask"].sum())
+    assert metrics["tokens_per_second"] == metrics["tokens"] / 2.0, metrics

@@ -25,6 +25,13 @@ class TokenMetrics:
         if self.started is None:
             self.started = time.perf_counter()
 
+    def restart_if_empty(self) -> None:
+        """Nothing recorded since the clock started: start it again at the next batch. Training
+        calls it on the evaluation window, so a reference pass of a training step (DPO's
+        ``forward_only``) does not start the next evaluation's clock."""
+        if self.batches == 0:
+            self.started = None
+
     def update(self, loss_sum: float, tokens: int, correct: int, input_tokens: int, samples: int) -> None:
         self.loss_sum += loss_sum
         self.tokens += tokens
@@ -34,7 +41,8 @@ class TokenMetrics:
         self.batches += 1
 
     def compute(self) -> dict[str, float]:
-        elapsed = max(time.perf_counter() - (self.started or time.perf_counter()), 1e-9)
+        now = time.perf_counter()
+        elapsed = max(now - (now if self.started is None else self.started), 1e-9)
         loss_sum, tokens, correct, input_tokens, samples = all_reduce_sum(
             [self.loss_sum, self.tokens, self.correct, self.input_tokens, self.samples]
         )

@@ -284,6 +284,7 @@ class TransformersModel(InputsAPI, MetricsAPI, Checkpoints):
 
     def _forward_batch(self, group: OptimizerGroup, loss_fn: Any, inputs: dict) -> dict[str, float]:
         group.train_metrics.start_batch()
+        group.eval_metrics.restart_if_empty()
         batch = self._to_device(inputs)
         # thousands of modules with LoRA: set their flags once, and again after an eval()
         if not (self._in_train_mode and self.model.training):
