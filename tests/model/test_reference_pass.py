@@ -119,3 +119,31 @@ def test_a_training_steps_reference_pass_leaves_the_next_evaluations_clock_alone
     metrics = model.calculate_metric(is_training=False)
     assert metrics["tokens"] == int(batch["attention_mask"].sum())
     assert metrics["tokens_per_second"] == metrics["tokens"] / 2.0, metrics
+
+
+def test_a_training_window_counts_its_steps_reference_passes(make_model, monkeypatch):
+    """Train tokens/s runs from the first step's reference pass: a DPO step is both passes."""
+    from twinkle.metric import token_metrics
+
+    clock = _Clock()
+    monkeypatch.setattr(token_metrics, "time", clock)
+    model = make_model()
+    model.set_loss(DPOLoss(beta=0.1))
+    batch = pair_batch(model.tokenizer)
+    ref = model.forward_only(inputs=batch, disable_lora=True)
+    clock.now += 1.0  # the reference pass
+    model.forward_backward(inputs=batch, ref_outputs=ref)
+    model.clip_grad_and_step()
+    clock.now += 2.0  # the policy's forward, backward and step
+    metrics = model.calculate_metric(is_training=True)
+    assert metrics["tokens_per_second"] == metrics["tokens"] / 3.0, metrics
+    # an evaluation between two windows starts neither: the next window is its step's alone
+    ref = model.forward_only(inputs=batch, disable_lora=True)
+    model.forward_only(inputs=batch, ref_outputs=ref)
+    model.calculate_loss()
+    model.calculate_metric(is_training=False)
+    clock.now += 50.0
+    ref = model.forward_only(inputs=batch, disable_lora=True)
+    model.forward_backward(inputs=batch, ref_outputs=ref)
+    clock.now += 4.0
+    assert model.calculate_metric(is_training=True)["tokens_per_second"] == metrics["tokens"] / 4.0

@@ -78,11 +78,15 @@ class MetricsAPI:
         extras = keyword_inputs(loss_fn, ref_outputs, loss_inputs)
         inputs = with_loss_inputs(loss_fn, self._prepare_inputs(group, inputs), extras, required=False)
         group.eval_metrics.start_batch()
+        missing = missing_inputs(loss_fn, inputs)
+        if missing:  # a reference pass: its time belongs to the training step it precedes
+            group.train_metrics.start_batch()
+        else:  # an evaluation: it starts no training window
+            group.train_metrics.restart_if_empty()
         batch = self._to_device(inputs)
         if any_training(self.model):
             set_training(self.model, False)
         self._in_train_mode = False
-        missing = missing_inputs(loss_fn, batch)
         run_fn = LogpsOnly(loss_fn.name) if missing else loss_fn
         if adapter_names is not None:
             out, logps = self._mixed_pass(disable_lora, adapter_names, batch, run_fn)
