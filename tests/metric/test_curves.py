@@ -43,16 +43,19 @@ def test_dpo_scores_are_read_by_kind():
     assert scores["eval reward_accuracy"] == ([0, 5, 10], [0.0, 0.4, 0.8])
 
 
-def test_grpo_rewards_keep_their_own_names_and_skip_what_is_not_finite():
+def test_rl_rewards_keep_their_own_names_and_skip_what_is_not_finite():
+    """CompletionRewardMetric's mean rewards (not their std, nor the completion length) and the
+    GRPO cookbook's held-out accuracy."""
     records = [
-        {"kind": "train", "step": 1, "loss": 0.0, "train/total_reward": 0.2, "eval/greedy_accuracy": 0.1},
-        {"kind": "train", "step": 2, "loss": 0.0, "train/total_reward": math.nan},
+        {"kind": "train", "step": 1, "loss": 0.0, "train/total_reward": 0.2, "train/total_reward_std": 0.4,
+         "train/completion_length": 30.0, "eval/greedy_accuracy": 0.1},
+        {"kind": "train", "step": 2, "loss": 0.0, "train/total_reward": math.nan, "train/format_reward": 0.5},
         {"kind": "train", "step": 3, "loss": 0.0, "train/total_reward": 1.4, "eval/greedy_accuracy": 0.6},
-    ]
-    scores = score_series(records)
-    assert scores == {
+    ]  # fmt: skip
+    assert score_series(records) == {
         "train/total_reward": ([1, 3], [0.2, 1.4]),
         "eval/greedy_accuracy": ([1, 3], [0.1, 0.6]),
+        "train/format_reward": ([2], [0.5]),
     }
 
 

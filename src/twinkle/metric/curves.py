@@ -16,9 +16,19 @@ from twinkle.utils.errors import UserError
 from twinkle.utils.fileio import refuse_link_message, umask_mode
 
 LINES = (("train", "loss"), ("eval", "loss"), ("train", "lr"))
-# What a preference or RL run is judged by (DPOMetric; the GRPO cookbook's rewards), in a panel of
-# their own when a record holds one: a GRPO loss sits near 0 whatever the policy learns.
-SCORES = ("reward_margin", "reward_accuracy", "train/total_reward", "eval/greedy_accuracy")
+PREFERENCE_SCORES = ("reward_margin", "reward_accuracy")  # DPOMetric's
+
+
+def is_score(name: str) -> bool:
+    """What a preference or RL run is judged by, drawn in a panel of its own (a GRPO loss sits
+    near 0 whatever the policy learns): ``DPOMetric``'s margin and accuracy,
+    ``CompletionRewardMetric``'s mean rewards (``train/<name>_reward``) and held-out accuracies
+    (``eval/<name>accuracy``, as the GRPO cookbook's ``eval/greedy_accuracy``)."""
+    return (
+        name in PREFERENCE_SCORES
+        or (name.startswith("train/") and name.endswith("_reward"))
+        or (name.startswith("eval/") and name.endswith("accuracy"))
+    )
 
 
 def read_records(path: Path) -> list[dict]:
@@ -47,10 +57,11 @@ def _series(
 
 
 def score_series(records: list[dict], adapter: str | None = None) -> dict[str, tuple[list[int], list[float]]]:
-    """Each score of ``SCORES`` the records hold, by label: ``<kind> <name>`` (``train
+    """Each score (``is_score``) the records hold, by label: ``<kind> <name>`` (``train
     reward_margin``), or the name alone where it already says its kind (``eval/greedy_accuracy``)."""
     found = {}
-    for name in SCORES:
+    names = dict.fromkeys(n for r in records for n in r if is_score(n))  # first seen first
+    for name in sorted(names, key=lambda n: n not in PREFERENCE_SCORES):
         for kind in ("train", "eval"):
             steps, values = _series(records, kind, name, adapter)
             if steps:
@@ -59,7 +70,7 @@ def score_series(records: list[dict], adapter: str | None = None) -> dict[str, t
 
 
 def draw_curves(jsonl: Path, png: Path) -> Path | None:
-    """Write ``png`` from ``jsonl``: losses on the top panel, the scores (``SCORES``, where there
+    """Write ``png`` from ``jsonl``: losses on the top panel, the scores (``is_score``, where there
     are any) below them, the learning rate at the bottom, sharing the step axis. Returns the
     picture, or None when there is nothing to draw."""
     records = read_records(jsonl) if jsonl.is_file() else []
