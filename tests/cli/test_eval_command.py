@@ -40,3 +40,18 @@ def test_eval_refuses_a_folder_without_an_adapter(tmp_path, capsys):
     assert main(["eval", "--adapter", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and "holds no adapter" in err and "\n" not in err
+
+
+def test_a_dpo_checkpoint_of_your_own_pairs_needs_the_held_out_count(make_model, tmp_path, capsys):
+    """A checkpoint trained with DPOLoss is evaluated on held-out pairs; of a set of your own, those
+    are its first --eval-samples pairs, so without the run's count (no run_args.json) it is one
+    line that says what to pass, before any model loads."""
+    from twinkle.loss import DPOLoss
+
+    model = make_model()
+    model.set_loss(DPOLoss(beta=0.1))
+    checkpoint = model.save("checkpoint-1", output_dir=str(tmp_path / "out"))
+    assert json.loads((checkpoint / "trainer_state.json").read_text())["loss"] == "DPOLoss"
+    assert main(["eval", "--adapter", str(checkpoint), "--dataset-id", str(tmp_path / "mine.jsonl")]) == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]  # after the model's loading bar
+    assert line.startswith("error: ") and "held no pair" in line and "--eval-samples N" in line, line

@@ -16,6 +16,7 @@ that times the mean summed |log-probs| of both sides. Two processes vs one: ``ru
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -112,6 +113,26 @@ def test_the_adapter_loads_in_peft_and_chat(trained, tiny_model_dir, capsys):
     argv = ["chat", "--adapter", str(folder), "--model-id", str(tiny_model_dir), "--prompt", "Who are you?"]
     assert twinkle_main([*argv, "--max-new-tokens", "4"]) == 0
     assert "> Who are you?" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_twinkle_eval_of_the_checkpoint_gives_the_runs_final_eval(trained, capsys):
+    """The checkpoint says it was trained with DPOLoss, so ``twinkle eval`` evaluates the run's
+    held-out pairs (its 4, its beta and sft_weight) with the base model as the reference: the
+    run's final eval record to the 4 printed decimals (the two kernels' rounding is within
+    ``step0_margin_bound``, far below them)."""
+    out, _ = trained
+    folder = out / "last-checkpoint"
+    assert json.loads((folder / "trainer_state.json").read_text())["loss"] == "DPOLoss"
+    assert twinkle_main(["eval", "--adapter", str(folder)]) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    found = re.fullmatch(r"eval loss (\S+), reward accuracy (\S+), reward margin (\S+) \((\d+) pairs\)", line)
+    assert found, line
+    final = [r for r in records(out) if r["kind"] == "eval"][-1]
+    assert int(found[4]) == final["pairs"] == PAIRS
+    slack = 5e-5 + step0_margin_bound(final)
+    for printed, key in zip(found.groups()[:3], ("loss", "reward_accuracy", "reward_margin"), strict=True):
+        assert abs(float(printed) - final[key]) <= slack, (key, printed, final[key])
 
 
 @pytest.mark.slow

@@ -3,7 +3,7 @@
 <name>/
   adapter_config.json, adapter_model.safetensors   the LoRA adapter, PEFT format (full tensors)
   tokenizer files                                   so the folder is usable on its own
-  trainer_state.json                                counters, data position, mesh, base model
+  trainer_state.json                                counters, data position, mesh, base model, loss class
   scheduler.pt                                      LR schedule position
   optimizer.pt                                      optimizer state (the same on every rank)
   rank_state_rank{r}.pt                             RNG states, open-window gradients and token count of rank r
@@ -61,7 +61,7 @@ _COUNTS = (
 )
 _POSITIVE = ("world_size", "gradient_accumulation_steps")
 _FLOATS = ("last_grad_norm", "last_lr")
-_TEXTS = ("adapter_name", "model_path", "base_model", "base_dtype")
+_TEXTS = ("adapter_name", "model_path", "base_model", "base_dtype", "loss")
 RESUME_FIELDS = (*ONLY_MODEL_FIELDS, *_POSITIVE, *_COUNTS[2:6], *_FLOATS)
 _CHECKPOINT_NAME = re.compile(r"checkpoint-\d+")
 

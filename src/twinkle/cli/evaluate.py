@@ -1,6 +1,8 @@
 """``twinkle eval --adapter CKPT [--dataset-id ID] [--eval-samples N]``: the eval loss and
 token accuracy of a checkpoint, computed as the training script's ``evaluate`` does
 (``forward_only`` + ``calculate_loss`` per batch, then ``calculate_metric(is_training=False)``).
+A checkpoint trained with ``DPOLoss`` is evaluated on held-out preference pairs instead: its DPO
+loss, reward accuracy and reward margin (``twinkle.cli.evaluate_pairs``).
 
 The rows go through the training pipeline: the self-cognition preprocessor and the template
 with its max length and truncation. Their settings, and the base model, come from the run that
@@ -13,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from twinkle.checkpoint.layout import TRAINER_STATE, parse_trainer_state
+from twinkle.cli.evaluate_pairs import LOSS_SETTINGS, PREFERENCE_LOSSES, evaluate_pairs
 from twinkle.cli.identity_check import add_identity_check_args, run_identity_check
 from twinkle.utils.errors import UserError
 
@@ -24,7 +27,12 @@ def add_eval_parser(sub: Any) -> None:
     p.add_argument("--adapter", required=True, help="a checkpoint folder written by model.save(...)")
     p.add_argument("--model-id", help="base model (default: the one the checkpoint was trained on)")
     p.add_argument("--dataset-id", help="dataset path or id (default: the training run's, else bundled)")
-    p.add_argument("--eval-samples", type=int, help=f"rows to evaluate (default: {DEFAULT_SAMPLES})")
+    p.add_argument(
+        "--eval-samples",
+        type=int,
+        help=f"rows to evaluate (default: {DEFAULT_SAMPLES}); pairs for a DPO checkpoint (default: the "
+        "run's held-out pairs)",
+    )
     p.add_argument("--batch-size", type=int, help="rows per batch (default: the training run's, else 4)")
     p.add_argument("--template-cls", help="template class (default: the training run's)")
     p.add_argument("--max-length", type=int, help="maximum tokens per row (default: the training run's)")
@@ -35,11 +43,12 @@ def add_eval_parser(sub: Any) -> None:
 
 # The settings ``twinkle eval`` takes from a run's ``run_args.json``, by group, with their types.
 _USED = {
-    "dataset": {"dataset_id": str},
+    "dataset": {"dataset_id": str, "split": str},
     "template": {"template_cls": str, "max_length": int, "truncation_strategy": str},
     "model": {"model_id": str},
     "training": {"eval_samples": int, "batch_size": int},
     "extra": {"model_name": str, "model_author": str},
+    "loss": {"beta": float, "loss_type": str, "sft_weight": float, "label_smoothing": float},
 }
 _RUN_ARGS_FIX = "restore it, or remove it and give the settings as flags (twinkle eval --help)"
 
@@ -69,7 +78,8 @@ def read_run_args(path: Path) -> dict[str, Any]:
             raise UserError(f"{path}: {group!r} is {_kind(values)}, not an object; {_RUN_ARGS_FIX}")
         for name, kind in fields.items():
             value = values.get(name)
-            if value is not None and (not isinstance(value, kind) or isinstance(value, bool)):
+            accepted = (int, float) if kind is float else kind  # JSON writes 1.0 as 1 too
+            if value is not None and (not isinstance(value, accepted) or isinstance(value, bool)):
                 raise UserError(
                     f"{path}: {group}.{name} is {_kind(value)}, not {kind.__name__}; {_RUN_ARGS_FIX}"
                 )
@@ -114,6 +124,9 @@ def run_eval(args: argparse.Namespace) -> int:
 
     if args.identity_check:
         return run_identity_check(args, folder, pick)
+    trained_with = parse_trainer_state(folder).get("loss") if (folder / TRAINER_STATE).is_file() else None
+    if trained_with in PREFERENCE_LOSSES:
+        return _eval_pairs(args, folder, saved, pick)
     samples = pick("eval_samples", DEFAULT_SAMPLES)
     if samples < 1:
         raise UserError(f"--eval-samples must be at least 1, got {samples}")
@@ -169,3 +182,29 @@ def evaluate_checkpoint(
         model.forward_only(inputs=batch)
         model.calculate_loss()
     return model.calculate_metric(is_training=False)
+
+
+def _eval_pairs(args: argparse.Namespace, folder: Path, saved: dict[str, Any], pick: Any) -> int:
+    pairs = args.eval_samples if args.eval_samples is not None else saved.get("eval_samples")
+    if pairs is not None and pairs < 1:
+        raise UserError(f"--eval-samples must be at least 1, got {pairs}")
+    metrics = evaluate_pairs(
+        folder,
+        model_id=pick("model_id", None),
+        dataset_id=pick("dataset_id", None),
+        split=saved.get("split"),
+        pairs=pairs,
+        batch_size=pick("batch_size", 4),
+        template_cls=pick("template_cls", "Template"),
+        max_length=pick("max_length", 1024),
+        truncation_strategy=saved.get("truncation_strategy", "right"),
+        model_name=pick("model_name", "twinkle大模型"),
+        model_author=pick("model_author", "ModelScope社区"),
+        loss_settings={k: saved[k] for k in LOSS_SETTINGS if k in saved},
+    )
+    print(
+        f"eval loss {metrics['loss']:.4f}, reward accuracy {metrics['reward_accuracy']:.4f}, "
+        f"reward margin {metrics['reward_margin']:.4f} ({metrics['pairs']} pairs)",
+        flush=True,
+    )
+    return 0

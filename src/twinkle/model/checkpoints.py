@@ -42,6 +42,8 @@ class Checkpoints:
             "base_model": self.model_id or "bundled:SmolLM2-135M-Instruct",
             "base_dtype": str(next(p.dtype for p in self.model.parameters() if not p.requires_grad)),
             "lora": lora_signature(self._lora_config(group)),
+            # what the adapter was trained with: ``twinkle eval`` evaluates a DPO one on pairs
+            **({"loss": type(group.loss_fn).__name__} if group.loss_fn is not None else {}),
         }
 
     # What a model whose adapters live in slots (``twinkle.model.multi_lora``) replaces: the
