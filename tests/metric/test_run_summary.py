@@ -2,6 +2,7 @@
 save of that step went to (``on_save``, each adapter its own), else one under the output dir."""
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -68,7 +69,7 @@ def test_each_adapter_gets_its_best_eval_and_the_folder_it_saved_then(tmp_path):
         for step, loss in zip((2, 4), losses, strict=True):
             report.on_metrics({"loss": loss}, False, step, adapter)
             folder = tmp_path / adapter / f"checkpoint-{step}"
-            folder.mkdir(parents=True)
+            saved(folder, json.dumps({"cur_step": step}))
             report.on_save(folder, step, adapter)
     line = report.summary()
     report.finish()
@@ -78,16 +79,17 @@ def test_each_adapter_gets_its_best_eval_and_the_folder_it_saved_then(tmp_path):
     ) in line, line
 
 
-def test_a_folder_rotated_away_gives_way_to_a_later_save_of_the_step(tmp_path):
+def test_a_folder_rotated_away_or_saved_again_later_is_not_named(tmp_path):
     report = new_report(tmp_path)
     report.on_metrics({"loss": 0.5}, False, 3)
     first, last = tmp_path / "a" / "checkpoint-3", tmp_path / "a" / "last-checkpoint"
     for folder in (first, last):
-        folder.mkdir(parents=True)
+        saved(folder, json.dumps({"cur_step": 3}))
         report.on_save(folder, 3)
     assert f"({first})" in report.summary()
-    first.rmdir()
+    shutil.rmtree(first)
     assert f"({last})" in report.summary()
-    last.rmdir()
+    (last / "trainer_state.json").write_text(json.dumps({"cur_step": 5}))  # saved again, later
+    report.on_save(last, 5)
     assert f"({NONE})" in report.summary()
     report.finish()

@@ -87,17 +87,23 @@ def _number(value: Any) -> float | int | None:
     return value if isinstance(value, int) or math.isfinite(value) else None
 
 
+def holds_step(folder: Path, step: int) -> bool:
+    """``folder`` is a complete checkpoint saved at ``step`` (a later save under its name, as
+    ``last-checkpoint`` gets, holds other weights)."""
+    try:
+        return is_complete(folder) and parse_trainer_state(folder)["cur_step"] == step
+    except UserError:  # an unreadable trainer state: it names no step
+        return False
+
+
 def checkpoint_of(output_dir: Path, step: int) -> Path | None:
-    """The saved checkpoint that holds ``step``'s weights: ``checkpoint-<step>``, else a complete
-    ``last-checkpoint`` saved at that step (a run whose best eval is its last step), else None."""
+    """The saved checkpoint under ``output_dir`` that holds ``step``'s weights: ``checkpoint-<step>``,
+    else ``last-checkpoint`` saved at that step (a run whose best eval is its last step), else None."""
     folder = output_dir / f"checkpoint-{step}"
     if folder.is_dir():
         return folder
     last = output_dir / LAST
-    try:
-        return last if is_complete(last) and parse_trainer_state(last)["cur_step"] == step else None
-    except UserError:  # an unreadable trainer state: it names no step
-        return None
+    return last if holds_step(last, step) else None
 
 
 class RunReport:
@@ -164,10 +170,10 @@ class RunReport:
 
     def _checkpoint(self, adapter: str, step: int) -> Path | None:
         """Where ``adapter``'s weights of ``step`` are: the first folder this run saved them to that
-        is still there (a ``checkpoint-N`` before a ``last-checkpoint``); for the one adapter of a
-        run, also a folder of an earlier process of the run under the output dir."""
+        still holds them (a ``checkpoint-N`` before a ``last-checkpoint``); for the one adapter of
+        a run, also a folder of an earlier process of the run under the output dir."""
         for folder in self.saved.get((adapter, step), []):
-            if folder.is_dir():
+            if holds_step(folder, step):
                 return folder
         return checkpoint_of(self.output_dir, step) if len(self.best) == 1 else None
 
