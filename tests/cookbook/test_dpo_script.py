@@ -133,6 +133,9 @@ def test_twinkle_eval_of_the_checkpoint_gives_the_runs_final_eval(trained, capsy
     slack = 5e-5 + step0_margin_bound(final)
     for printed, key in zip(found.groups()[:3], ("loss", "reward_accuracy", "reward_margin"), strict=True):
         assert abs(float(printed) - final[key]) <= slack, (key, printed, final[key])
+    # more pairs than the bundled eval split holds: each of its 30 once, none counted twice
+    assert twinkle_main(["eval", "--adapter", str(folder), "--eval-samples", "1000"]) == 0
+    assert capsys.readouterr().out.strip().splitlines()[-1].endswith("(30 pairs)")
 
 
 @pytest.mark.slow

@@ -44,15 +44,18 @@ def evaluate_pairs(
     # built first: settings a hand edit broke stop here, before any model loads
     loss = DPOLoss(**{k: v for k, v in loss_settings.items() if k in LOSS_SETTINGS})
     if (dataset_id or BUNDLED) == BUNDLED:
-        meta = DatasetMeta(BUNDLED, split="eval", data_slice=None if pairs is None else range(pairs))
+        dataset_id, split = BUNDLED, "eval"
         processor: Any = SelfCognitionDPOProcessor(model_name, model_author)
     elif pairs is None:
         raise UserError(
             f"the run held no pair of {dataset_id} out; pass --eval-samples N to evaluate its first N pairs"
         )
     else:
-        meta = DatasetMeta(dataset_id, split=split or "train", data_slice=range(pairs))
+        split = split or "train"
         processor = PreferenceProcessor()
+    if pairs is not None:  # never more than the set holds: a pair counted twice would weigh double
+        pairs = min(pairs, len(Dataset(dataset_meta=DatasetMeta(dataset_id, split=split))))
+    meta = DatasetMeta(dataset_id, split=split, data_slice=None if pairs is None else range(pairs))
     dataset = Dataset(dataset_meta=meta)
     dataset.set_template(
         template_cls, model_id=model_id, max_length=max_length, truncation_strategy=truncation_strategy
