@@ -55,3 +55,13 @@ def test_a_dpo_checkpoint_of_your_own_pairs_needs_the_held_out_count(make_model,
     assert main(["eval", "--adapter", str(checkpoint), "--dataset-id", str(tmp_path / "mine.jsonl")]) == 2
     line = capsys.readouterr().err.strip().splitlines()[-1]  # after the model's loading bar
     assert line.startswith("error: ") and "held no pair" in line and "--eval-samples N" in line, line
+
+
+def test_more_samples_than_the_set_holds_counts_each_row_once(tiny_model_dir, make_model, tmp_path, capsys):
+    from twinkle.dataset import Dataset, DatasetMeta
+
+    checkpoint = make_model().save("checkpoint-1", output_dir=str(tmp_path / "out"))
+    rows = len(Dataset(dataset_meta=DatasetMeta(None)))  # the bundled set
+    argv = ["eval", "--adapter", str(checkpoint), "--model-id", str(tiny_model_dir), "--max-length", "64"]
+    assert main([*argv, "--eval-samples", str(rows + 50), "--batch-size", "32"]) == 0
+    assert f"({rows} samples," in capsys.readouterr().out.strip().splitlines()[-1]

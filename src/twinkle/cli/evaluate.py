@@ -172,6 +172,8 @@ def evaluate_checkpoint(
     model = TransformersModel(model_id=model_id)
     model.add_adapter_to_model("default", LoraConfig.from_pretrained(str(folder)))
     model.load(str(folder), adapter_name="default")
+    # never more rows than the set holds: a row counted twice would weigh double
+    samples = min(samples, len(Dataset(dataset_meta=DatasetMeta(dataset_id))))
     dataset = Dataset(dataset_meta=DatasetMeta(dataset_id, data_slice=range(samples)))
     dataset.set_template(
         template_cls, model_id=model_id, max_length=max_length, truncation_strategy=truncation_strategy
