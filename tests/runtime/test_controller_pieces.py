@@ -129,3 +129,26 @@ def test_a_script_given_with_dash_c_cannot_be_run_again(monkeypatch):
     monkeypatch.setattr(sys, "argv", ["-c"])
     with pytest.raises(UserError, match="run it from a file"):
         controller_restarts.supervise(RunDefaults(max_restarts=1))
+
+
+def _raise(exc: Exception):
+    def fn():
+        raise exc
+
+    return fn
+
+
+def test_a_worker_keeps_a_traceback_for_its_own_error_but_not_for_a_dead_peers(capsys):
+    """Ray streams a worker's log to the driver's terminal, where the driver reports a dead rank in
+    one line: the ranks left, cut off in a collective, add no traceback after it."""
+    from twinkle.runtime.actors import _guard
+
+    gone = RuntimeError(
+        "[gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:49838: Connection reset by peer"
+    )
+    assert _guard(_raise(gone))[0] == "error"
+    assert "Traceback" not in capsys.readouterr().err
+    kind, line = _guard(_raise(RuntimeError("shape mismatch")))
+    assert (kind, line) == ("error", "RuntimeError: shape mismatch")
+    assert "Traceback" in capsys.readouterr().err
+    assert _guard(_raise(UserError("bad\n flag"))) == ("user", "bad flag")

@@ -13,6 +13,7 @@ import traceback
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from twinkle.distributed.collectives import peer_lost
 from twinkle.metric.sinks import parse_report_to
 from twinkle.runtime import RunDefaults, hand_over
 from twinkle.utils.errors import INTERRUPTED, UserError
@@ -128,17 +129,6 @@ def run_defaults_of(args: Args) -> RunDefaults:
     )
 
 
-_PEER_LOST = ("Connection closed by peer", "Connection reset by peer")
-
-
-def _peer_lost(exc: BaseException) -> bool:
-    """A collective that failed because another rank of the job died (gloo's transport error, or
-    torch's ``DistBackendError``)."""
-    return type(exc).__name__ == "DistBackendError" or (
-        isinstance(exc, RuntimeError) and any(s in str(exc) for s in _PEER_LOST)
-    )
-
-
 def _one_line_user_errors(kind, exc, tb):  # noqa: ANN001 - the sys.excepthook signature
     """A script run from the command line reports a ``UserError`` as one line (``--debug`` shows
     the traceback), and so is a collective cut off by the death of another rank: that rank's own
@@ -146,7 +136,7 @@ def _one_line_user_errors(kind, exc, tb):  # noqa: ANN001 - the sys.excepthook s
     its traceback. Ctrl-C (``KeyboardInterrupt``) is one line too, and the process then ends by
     SIGINT as Python does (exit status 130 in a shell). The run's summary is logged first, so the
     ``error:`` line is the last one."""
-    if isinstance(exc, UserError | KeyboardInterrupt) or _peer_lost(exc):
+    if isinstance(exc, UserError | KeyboardInterrupt) or peer_lost(exc):
         from twinkle.metric import report
 
         report.finish()
@@ -154,7 +144,7 @@ def _one_line_user_errors(kind, exc, tb):  # noqa: ANN001 - the sys.excepthook s
         print(f"error: {INTERRUPTED}", file=sys.stderr)
     elif isinstance(exc, UserError):
         print(f"error: {' '.join(str(exc).split())}", file=sys.stderr)
-    elif _peer_lost(exc):
+    elif peer_lost(exc):
         first = " ".join(str(exc).split("\n")[0].split())[:200]
         print(
             f"error: another rank of this job stopped during a collective ({first}); relaunch with "

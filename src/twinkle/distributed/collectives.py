@@ -3,6 +3,16 @@
 import torch
 import torch.distributed as dist
 
+_PEER_LOST = ("Connection closed by peer", "Connection reset by peer")
+
+
+def peer_lost(exc: BaseException) -> bool:
+    """A collective that failed because another rank of the job died (gloo's transport error, or
+    torch's ``DistBackendError``): that rank's death is the report, not this rank's traceback."""
+    return type(exc).__name__ == "DistBackendError" or (
+        isinstance(exc, RuntimeError) and any(s in str(exc) for s in _PEER_LOST)
+    )
+
 
 def is_distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1

@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from twinkle.distributed.collectives import peer_lost
 from twinkle.runtime.ray_cluster import free_port_here
 from twinkle.utils.errors import UserError
 
@@ -216,11 +217,14 @@ def _portable(value: Any) -> Any:
 
 def _guard(fn: Any) -> tuple[str, Any]:
     """``("ok", value)``; ``("user", line)`` for a ``UserError``; ``("error", line)`` for any other
-    exception, whose traceback goes to this worker's log."""
+    exception, whose traceback goes to this worker's log, which Ray also streams to the driver's
+    terminal. Not for a collective cut off by another rank's death (``peer_lost``): the driver
+    reports that death in one line, and the traceback of every rank left would arrive after it."""
     try:
         return "ok", fn()
     except UserError as exc:
         return "user", " ".join(str(exc).split())
     except Exception as exc:  # noqa: BLE001 - reported to the driver, which raises it there
-        traceback.print_exc()
+        if not peer_lost(exc):  # a rank's death is the driver's one line; this would bury it
+            traceback.print_exc()
         return "error", f"{type(exc).__name__}: {' '.join(str(exc).split())}"
