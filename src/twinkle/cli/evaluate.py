@@ -124,30 +124,41 @@ def run_eval(args: argparse.Namespace) -> int:
 
     if args.identity_check:
         return run_identity_check(args, folder, pick)
+    pipeline = {  # the rows' way into the model, as the run had it
+        "model_id": pick("model_id", None),
+        "dataset_id": pick("dataset_id", None),
+        "batch_size": pick("batch_size", 4),
+        "template_cls": pick("template_cls", "Template"),
+        "max_length": pick("max_length", 1024),
+        "truncation_strategy": saved.get("truncation_strategy", "right"),
+        "model_name": pick("model_name", "twinkle大模型"),
+        "model_author": pick("model_author", "ModelScope社区"),
+    }
     trained_with = parse_trainer_state(folder).get("loss") if (folder / TRAINER_STATE).is_file() else None
     if trained_with in PREFERENCE_LOSSES:
-        return _eval_pairs(args, folder, saved, pick)
+        return _eval_pairs(args, folder, saved, pipeline)
     samples = pick("eval_samples", DEFAULT_SAMPLES)
     if samples < 1:
         raise UserError(f"--eval-samples must be at least 1, got {samples}")
-    metrics = evaluate_checkpoint(
-        folder,
-        model_id=pick("model_id", None),
-        dataset_id=pick("dataset_id", None),
-        samples=samples,
-        batch_size=pick("batch_size", 4),
-        template_cls=pick("template_cls", "Template"),
-        max_length=pick("max_length", 1024),
-        truncation_strategy=saved.get("truncation_strategy", "right"),
-        model_name=pick("model_name", "twinkle大模型"),
-        model_author=pick("model_author", "ModelScope社区"),
-    )
+    metrics = evaluate_checkpoint(folder, samples=samples, **pipeline)
     print(
         f"eval loss {metrics['loss']:.4f}, accuracy {metrics['accuracy']:.4f} "
         f"({metrics['samples']} samples, {metrics['supervised_tokens']} supervised tokens)",
         flush=True,
     )
     return 0
+
+
+def checkpoint_model(folder: Path, model_id: str | None) -> Any:
+    """A ``TransformersModel`` of ``model_id`` with ``folder``'s adapter loaded as ``default``."""
+    from peft import LoraConfig
+
+    from twinkle.model import TransformersModel
+
+    model = TransformersModel(model_id=model_id)
+    model.add_adapter_to_model("default", LoraConfig.from_pretrained(str(folder)))
+    model.load(str(folder), adapter_name="default")
+    return model
 
 
 def evaluate_checkpoint(
@@ -162,16 +173,11 @@ def evaluate_checkpoint(
     model_name: str,
     model_author: str,
 ) -> dict[str, float]:
-    from peft import LoraConfig
-
     from twinkle.dataloader import DataLoader
     from twinkle.dataset import Dataset, DatasetMeta
-    from twinkle.model import TransformersModel
     from twinkle.preprocessor import SelfCognitionProcessor
 
-    model = TransformersModel(model_id=model_id)
-    model.add_adapter_to_model("default", LoraConfig.from_pretrained(str(folder)))
-    model.load(str(folder), adapter_name="default")
+    model = checkpoint_model(folder, model_id)
     # never more rows than the set holds: a row counted twice would weigh double
     samples = min(samples, len(Dataset(dataset_meta=DatasetMeta(dataset_id))))
     dataset = Dataset(dataset_meta=DatasetMeta(dataset_id, data_slice=range(samples)))
@@ -186,23 +192,18 @@ def evaluate_checkpoint(
     return model.calculate_metric(is_training=False)
 
 
-def _eval_pairs(args: argparse.Namespace, folder: Path, saved: dict[str, Any], pick: Any) -> int:
+def _eval_pairs(
+    args: argparse.Namespace, folder: Path, saved: dict[str, Any], pipeline: dict[str, Any]
+) -> int:
     pairs = args.eval_samples if args.eval_samples is not None else saved.get("eval_samples")
     if pairs is not None and pairs < 1:
         raise UserError(f"--eval-samples must be at least 1, got {pairs}")
     metrics = evaluate_pairs(
         folder,
-        model_id=pick("model_id", None),
-        dataset_id=pick("dataset_id", None),
         split=saved.get("split"),
         pairs=pairs,
-        batch_size=pick("batch_size", 4),
-        template_cls=pick("template_cls", "Template"),
-        max_length=pick("max_length", 1024),
-        truncation_strategy=saved.get("truncation_strategy", "right"),
-        model_name=pick("model_name", "twinkle大模型"),
-        model_author=pick("model_author", "ModelScope社区"),
         loss_settings={k: saved[k] for k in LOSS_SETTINGS if k in saved},
+        **pipeline,
     )
     print(
         f"eval loss {metrics['loss']:.4f}, reward accuracy {metrics['reward_accuracy']:.4f}, "

@@ -32,13 +32,11 @@ def evaluate_pairs(
 ) -> dict[str, float]:
     """The eval loss and ``DPOMetric`` numbers of ``pairs`` held-out pairs (None: the bundled
     ``eval`` split whole) of ``dataset_id`` (None: the bundled set)."""
-    from peft import LoraConfig
-
+    from twinkle.cli.evaluate import checkpoint_model
     from twinkle.dataloader import DataLoader
     from twinkle.dataset import Dataset, DatasetMeta
     from twinkle.loss import DPOLoss
     from twinkle.metric import DPOMetric
-    from twinkle.model import TransformersModel
     from twinkle.preprocessor import PreferenceProcessor, SelfCognitionDPOProcessor
 
     # built first: settings a hand edit broke stop here, before any model loads
@@ -62,9 +60,7 @@ def evaluate_pairs(
     )
     dataset.map(processor)
     dataset.encode()
-    model = TransformersModel(model_id=model_id)
-    model.add_adapter_to_model("default", LoraConfig.from_pretrained(str(folder)))
-    model.load(str(folder), adapter_name="default")
+    model = checkpoint_model(folder, model_id)
     model.set_loss(loss)
     model.add_metric(DPOMetric, beta=loss.beta)
     for batch in DataLoader(dataset=dataset, batch_size=batch_size):
