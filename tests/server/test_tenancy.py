@@ -208,7 +208,7 @@ def test_an_exception_in_a_step_fails_that_request_only(server, tiny_model_dir):
 
 
 def test_the_queue_takes_tenants_in_turn():
-    from twinkle.server.state import Queue
+    from twinkle.server.queue import Queue
 
     queue, ran, gate, running = Queue(), [], threading.Event(), threading.Event()
     queue.submit("a", lambda: (running.set(), gate.wait()))  # holds the worker while the rest queue up

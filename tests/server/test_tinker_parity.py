@@ -146,7 +146,7 @@ def test_an_unimplemented_route_is_a_404_naming_it(server):
 
 
 def test_a_queued_request_can_be_cancelled():
-    from twinkle.server.state import Queue
+    from twinkle.server.queue import Queue
 
     queue, gate, running = Queue(), threading.Event(), threading.Event()
     queue.submit("a", lambda: (running.set(), gate.wait()))  # holds the worker

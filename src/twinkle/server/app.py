@@ -25,7 +25,8 @@ from fastapi.responses import JSONResponse, Response
 from twinkle.server.config import ServerConfig
 from twinkle.server.engine import Engine, build_engine
 from twinkle.server.errors import BadRequest, NotFound, ServerError, Unauthorized
-from twinkle.server.state import Queue, Registry, Tenant, tenant_id
+from twinkle.server.queue import Queue
+from twinkle.server.state import Registry, Tenant, tenant_id
 
 PROTO = "application/x-protobuf"
 MAX_JSON_BYTES = 64 << 20
@@ -92,6 +93,7 @@ class Server:
                 f"every adapter slot (--max-loras {self.config.max_loras}) is in use and none can be "
                 "freed; retry shortly, or start the server with a higher --max-loras",
                 status=503,
+                retry_after=1.0,
             )
         self.park(min(live, key=lambda r: r.last_request), force=True)
 
@@ -191,7 +193,7 @@ def create_app(config: ServerConfig, engine: Engine | None = None) -> FastAPI:
 
     @app.exception_handler(ServerError)
     async def _refused(request: Request, exc: ServerError) -> JSONResponse:
-        return JSONResponse({"detail": exc.message}, status_code=exc.status)
+        return JSONResponse({"detail": exc.message}, status_code=exc.status, headers=exc.headers)
 
     routes.add_routes(app, server)
 
