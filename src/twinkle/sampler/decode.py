@@ -21,7 +21,7 @@ Under FSDP (a sampler sharing a sharded model) every rank must run the same forw
 agree each step on whether any of them still generates (``lockstep``), and a rank with nothing
 left runs a one-token pass without cache until all are done."""
 
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -75,6 +75,14 @@ class Decoder:
     def run(self, prompts: list[list[int]], budgets: list[int]) -> list[list[RowOutput]]:
         """Generate ``params.num_samples`` sequences for each prompt; ``budgets[i]``: the most
         tokens prompt i's sequences may have. Returns, per prompt, its sequences."""
+        return drain(self.steps(prompts, budgets))
+
+    def steps(
+        self, prompts: list[list[int]], budgets: list[int]
+    ) -> Generator[None, None, list[list[RowOutput]]]:
+        """``run`` as a generator that pauses after the prefill and after each decoding step (its
+        return value is ``run``'s): a caller can run other work on the model between steps, as
+        long as it runs each step under the same adapter and in eval mode."""
         n = self.params.num_samples
         rows = [RowOutput() for _ in range(len(prompts) * n)]
         budget = [b for b in budgets for _ in range(n)]
@@ -86,6 +94,7 @@ class Decoder:
             state.lean, state.cache = LeanCache.of(state.cache), None
         alive = list(range(len(rows)))
         while True:
+            yield
             keep = self._step(logits, alive, rows, budget)
             if not self._continue(bool(keep)):
                 break
@@ -191,6 +200,15 @@ class Decoder:
             self.lm(input_ids=pad, use_cache=False, logits_to_keep=1)
             if not self.lockstep(False):
                 return
+
+
+def drain(steps: Generator[None, None, Any]) -> Any:
+    """Run a generator of steps to its end; its return value."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as end:
+            return end.value
 
 
 SHARED_MIN = 16  # prompt tokens a shared prefix must save to run apart (about one extra forward's cost)

@@ -16,7 +16,8 @@ per prompt. Within a call the prompts' common prefix is prefilled once; no cache
 calls, so ``reset_prefix_cache`` has nothing to drop."""
 
 import contextlib
-from collections.abc import Iterator, Mapping, Sequence
+import time
+from collections.abc import Generator, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +31,7 @@ from twinkle.model.lora_modes import lora_layers
 from twinkle.runtime import get_runtime
 from twinkle.runtime.remote import remote_class  # remote_group= hook
 from twinkle.sampler import adapters, linears
-from twinkle.sampler.decode import Decoder
+from twinkle.sampler.decode import Decoder, drain
 from twinkle.sampler.prompts import Prompt, new_input_feature, prompts_of
 from twinkle.sampler.stops import Stops, eos_token_ids
 from twinkle.template import Template, get_template
@@ -248,15 +249,43 @@ class TorchSampler:
         tokens), or a list of them. ``adapter_name``: the adapter to run ('' : the trainer's only
         adapter when colocated, else the one last synced, else none); ``adapter_path``: a PEFT
         folder to run instead. Returns one ``SampleResponse`` per row, in order."""
+        return drain(
+            self.sample_steps(inputs, sampling_params, adapter_name, adapter_path, slice_seconds=None)
+        )
+
+    def sample_steps(
+        self,
+        inputs: Any,
+        sampling_params: SamplingParams | Mapping[str, Any] | None = None,
+        adapter_name: str = "",
+        adapter_path: str | Path | None = None,
+        slice_seconds: float | None = 0.05,
+    ) -> Generator[None, None, list[SampleResponse]]:
+        """``sample`` in slices: a generator that pauses (``yield``) once it has decoded for
+        ``slice_seconds`` (None: never), outside the adapter and eval mode it runs under, so the
+        caller may train or sample other adapters on the same model between slices; it returns
+        ``sample``'s value. The tokens are those ``sample`` draws, however it is sliced."""
         params = _params(sampling_params)
         prompts = prompts_of(inputs, lambda: self._template(adapter_name), self.tokenizer)
         budgets = self._budgets(prompts, params)
         stops = Stops(self.tokenizer, eos_token_ids(self.lm, self.tokenizer), params)
         seed = params.seed if params.seed is not None else int(torch.empty((), dtype=torch.int64).random_())
         generator = torch.Generator(device=self.device).manual_seed(seed)
-        with self._adapter(adapter_name, adapter_path), self._routed():
-            decoder = Decoder(self.lm, params, stops, _pad_id(self.tokenizer), generator, self._lockstep())
-            outputs = decoder.run([p.ids for p in prompts], budgets)
+        steps = None
+        while True:
+            with torch.no_grad(), self._adapter(adapter_name, adapter_path), self._routed():
+                if steps is None:
+                    pad = _pad_id(self.tokenizer)
+                    decoder = Decoder(self.lm, params, stops, pad, generator, self._lockstep())
+                    steps = decoder.steps([p.ids for p in prompts], budgets)
+                end = None if slice_seconds is None else time.perf_counter() + slice_seconds
+                try:
+                    while end is None or time.perf_counter() < end:
+                        next(steps)
+                except StopIteration as done:
+                    outputs = done.value
+                    break
+            yield
         return [
             SampleResponse(
                 sequences=[self._sequence(prompt, out, stops) for out in outs],

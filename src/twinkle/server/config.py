@@ -19,6 +19,7 @@ from twinkle.server.state import Limits
 from twinkle.utils.errors import UserError
 
 ENV_KEYS = "TWINKLE_API_KEYS"
+ENV_OPERATOR_KEYS = "TWINKLE_OPERATOR_KEYS"
 RAY_FLAGS = ("model_ranks", "sampler_ranks", "ray_address")  # taken by --mode ray only
 
 
@@ -37,6 +38,10 @@ class ServerConfig:
     model_ranks: int = 1  # ray: ranks of the model's group (FSDP2 over them)
     sampler_ranks: int = 1  # ray: ranks of the sampler's group; 0: sample on the model's group
     ray_address: str | None = None  # ray: the cluster to join; None: $RAY_ADDRESS, else a local one
+    max_request_seconds: float = 600.0  # the most one sliced request (sampling) may run
+    future_ttl: float = 3600.0  # seconds a finished request's result is kept if never retrieved
+    max_queued: int = 256  # requests one key may have waiting or running
+    operator_keys: tuple[str, ...] = ()  # keys that may read /metrics (none: /metrics is off)
 
 
 def parse_keys(text: str, where: str, defaults: Limits) -> dict[str, Limits]:
@@ -74,6 +79,26 @@ def load_keys(path: str | None, defaults: Limits) -> dict[str, Limits]:
     if not keys:
         raise UserError(
             f"no API key: pass --api-keys FILE (one key a line) or set {ENV_KEYS}=tml-key1,tml-key2"
+        )
+    return keys
+
+
+def load_operator_keys(path: str | None) -> list[str]:
+    """The operator keys of ``path`` (one a line, ``#`` comments), else of
+    ``$TWINKLE_OPERATOR_KEYS``; none is fine (``/metrics`` is off)."""
+    if path:
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except OSError as exc:
+            raise UserError(f"--operator-keys {path}: cannot read it ({exc.strerror})") from None
+    else:
+        text = os.environ.get(ENV_OPERATOR_KEYS, "").replace(",", "\n")
+    keys = [line.split("#", 1)[0].strip() for line in text.splitlines()]
+    keys = [k for k in keys if k]
+    short = [k for k in keys if len(k) < 16 or any(c.isspace() for c in k)]
+    if short:
+        raise UserError(
+            f"{path or ENV_OPERATOR_KEYS}: an operator key must be at least 16 characters without spaces"
         )
     return keys
 
@@ -153,6 +178,33 @@ def build_parser() -> argparse.ArgumentParser:
         "else a local Ray instance started for the server",
     )
     p.add_argument(
+        "--max-request-seconds",
+        type=float,
+        default=600.0,
+        help="the most seconds one sampling request may run on the model (it runs in slices between "
+        "other requests); past it the request fails (default 600, 0: no limit)",
+    )
+    p.add_argument(
+        "--future-ttl",
+        type=float,
+        default=3600.0,
+        help="seconds a finished request's result is kept when it is never retrieved; a retrieved one "
+        "is kept 60 s after its first retrieval (default 3600)",
+    )
+    p.add_argument(
+        "--max-queued",
+        type=int,
+        default=256,
+        help="requests one key may have waiting or running; more answer 429 with retry-after (default 256)",
+    )
+    p.add_argument(
+        "--operator-keys",
+        default=None,
+        metavar="FILE",
+        help=f"keys that may read GET /metrics (Prometheus text; Authorization: Bearer KEY), one a line; "
+        f"default ${ENV_OPERATOR_KEYS} (comma-separated); without any, /metrics is off",
+    )
+    p.add_argument(
         "--max-adapters", type=int, default=4, help="default live training runs per key (default 4)"
     )
     p.add_argument(
@@ -169,15 +221,27 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse_args(argv: list[str]) -> ServerConfig:
     args = build_parser().parse_args(argv)
-    for name in ("port", "max_loras", "max_r", "max_adapters", "max_datums", "max_tokens"):
+    for name in ("port", "max_loras", "max_r", "max_adapters", "max_datums", "max_tokens", "max_queued"):
         if getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     if args.idle_timeout < 0:
         raise UserError(f"--idle-timeout must be 0 (never) or positive, got {args.idle_timeout}")
     if args.rate <= 0:
         raise UserError(f"--rate must be positive, got {args.rate}")
+    if args.max_request_seconds < 0:
+        raise UserError(
+            f"--max-request-seconds must be 0 (no limit) or positive, got {args.max_request_seconds}"
+        )
+    if args.future_ttl <= 0:
+        raise UserError(f"--future-ttl must be positive, got {args.future_ttl}")
+    keys = load_keys(args.api_keys, Limits(args.max_adapters, args.max_datums, args.max_tokens, args.rate))
+    operators = load_operator_keys(args.operator_keys)
+    both = sorted(set(keys) & set(operators))
+    if both:
+        raise UserError(
+            f"key {both[0][:8]}... is both a tenant's and an operator's; give the operator its own key"
+        )
     ray = _ray_flags(args)
-    defaults = Limits(args.max_adapters, args.max_datums, args.max_tokens, args.rate)
     return ServerConfig(
         model_id=args.model_id,
         host=args.host,
@@ -186,8 +250,12 @@ def parse_args(argv: list[str]) -> ServerConfig:
         max_r=args.max_r,
         output_dir=Path(args.output_dir),
         idle_timeout=args.idle_timeout,
-        keys=load_keys(args.api_keys, defaults),
+        keys=keys,
         report_to=parse_report_to(args.report_to),
+        max_request_seconds=args.max_request_seconds,
+        future_ttl=args.future_ttl,
+        max_queued=args.max_queued,
+        operator_keys=tuple(operators),
         **ray,
     )
 

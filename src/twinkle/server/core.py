@@ -22,6 +22,9 @@ On a group of N ranks (FSDP2) each rank runs its contiguous share of the datums
 (``DeviceMesh.get_slice``); the per-datum outputs are gathered back in order on every rank, and
 the step's gradient is the one a single process computes (``optim_step``)."""
 
+import copy
+import math
+from collections.abc import Generator
 from pathlib import Path
 from typing import Any
 
@@ -102,6 +105,9 @@ class ModelCore:
         self.optim_params: dict[str, dict[str, float]] = {}
         self.window_reduction: dict[str, str] = {}  # adapter -> its open window's reduction
         self.sampler: Any = None  # a TorchSampler on this model, made at the first sample
+        # adapter -> its state before its last optim_step (``_snapshot``), for ``_diverged``
+        self.good: dict[str, tuple] = {}
+        self.context = getattr(self.model.model.config, "max_position_embeddings", None)
 
     # ---------------------------------------------------------------- adapters
     def add(self, name: str, rank: int) -> None:
@@ -109,6 +115,7 @@ class ModelCore:
 
     def remove(self, name: str) -> None:
         """Free the adapter's slot (its last AdamW settings are kept for a reload)."""
+        self.good.pop(name, None)
         if name in self.model.optimizer_group:
             self.model.remove_adapter(name)
 
@@ -141,7 +148,41 @@ class ModelCore:
             for lp, pt in zip(logps, per_token, strict=True)
         ]
         parts = gather_in_order((outputs, float(loss.last_per_token.sum())))
-        return [o for part, _ in parts for o in part], {"loss:sum": sum(s for _, s in parts)}
+        total = sum(s for _, s in parts)
+        if not math.isfinite(total):
+            self._diverged(name, f"the loss is {total}")
+        return [o for part, _ in parts for o in part], {"loss:sum": total}
+
+    def _diverged(self, name: str, what: str) -> None:
+        """A non-finite loss: the window's gradients are dropped and the adapter (weights and AdamW
+        state) goes back to where it was before its last ``optim_step``, the last weights whose
+        loss was finite; ``UserError`` says so."""
+        self.model.zero_grad(adapter_name=name)
+        self.window_reduction.pop(name, None)
+        good = self.good.pop(name, None)
+        if good is None:
+            raise UserError(f"{what} under this run's weights; nothing was changed (check the datums)")
+        self._restore(name, good)
+        raise UserError(
+            f"{what} after the last optim_step (learning_rate {good[2]:g}): the adapter and its AdamW state "
+            "were rolled back to before that step; lower the learning rate"
+        )
+
+    def _snapshot(self, name: str, lr: float) -> tuple:
+        """(adapter weights, AdamW state, learning rate of the coming step): copies."""
+        group = self.model.optimizer_group[name]
+        state = copy.deepcopy(group.optimizer.state_dict()) if group.optimizer is not None else None
+        return self.model.slots.export(name), state, lr
+
+    def _restore(self, name: str, snapshot: tuple) -> None:
+        weights, state, _ = snapshot
+        problems = self.model.slots.load(name, weights)
+        assert not problems, problems  # the adapter's own export, written back
+        group = self.model.optimizer_group[name]
+        if group.optimizer is not None:
+            if state is not None:
+                group.optimizer.load_state_dict(state)
+            group.optimizer.sync_copies()
 
     def _open_window(self, name: str, config: dict[str, Any]) -> None:
         """Record the reduction the adapter's open window is accumulated with (one per window)."""
@@ -177,9 +218,23 @@ class ModelCore:
                 g.update(params)
         if self.window_reduction.pop(name, "sum") == "sum" and group.window_batches:
             group.window_tokens = int(self.model.runtime.rank == 0)
+        before = self._snapshot(name, params["lr"])
         norm = self.model.clip_grad_norm(clip, adapter_name=name)
+        if not math.isfinite(norm):
+            self.model.zero_grad(adapter_name=name)
+            raise UserError(
+                f"the gradient's norm is {norm}: the step was not taken and the gradients since the "
+                "last optim_step were dropped"
+            )
         stepped = self.model.step(adapter_name=name)
         self.model.zero_grad(adapter_name=name)
+        if not all(bool(torch.isfinite(c).all()) for c in group.optimizer.copies):
+            self._restore(name, before)
+            raise UserError(
+                f"optim_step at learning_rate {params['lr']:g} made the adapter's weights non-finite: "
+                "the step was undone; lower the learning rate"
+            )
+        self.good[name] = before
         return {"grad_norm": float(norm), "stepped": float(stepped)}
 
     # ---------------------------------------------------------------- checkpoints
@@ -192,6 +247,7 @@ class ModelCore:
         """The adapter's weights from ``folder``; with ``optimizer``, its AdamW state too (an
         optimizer is made first when the adapter has none; the next ``optim_step`` sets its
         hyperparameters)."""
+        self.good.pop(name, None)  # the loaded state is where a rollback stops
         if optimizer and self.model.optimizer_group[name].optimizer is None:
             self.model.set_optimizer("AdamW", adapter_name=name, **self.optim_params.get(name, {"lr": 1e-4}))
         self.model.resume_from_checkpoint(str(folder), resume_only_model=not optimizer, adapter_name=name)
@@ -235,16 +291,42 @@ class ModelCore:
             self.sampler = TorchSampler(self.model)
         return run_sampler(self.sampler, name, prompt, params, n, seed)
 
+    def sample_steps(
+        self, name: str, prompt: list[int], params: dict[str, Any], n: int, seed: int, slice_seconds: float
+    ) -> Generator[None, None, list[tuple]]:
+        """``sample`` in slices of about ``slice_seconds`` (``TorchSampler.sample_steps``): a
+        generator that pauses between slices and returns ``sample``'s value, the same tokens."""
+        from twinkle.sampler import TorchSampler
+
+        if self.sampler is None:
+            self.sampler = TorchSampler(self.model)
+        steps = self.sampler.sample_steps(
+            {"input_ids": list(prompt)},
+            sampling_params(params, n, seed),
+            adapter_name=name,
+            slice_seconds=slice_seconds,
+        )
+        (response,) = yield from steps
+        return sequences_of(response)
+
 
 def run_sampler(
     sampler: Any, name: str, prompt: list[int], params: dict[str, Any], n: int, seed: int
 ) -> list[tuple]:
     """``n`` completions of ``prompt`` by a ``TorchSampler`` under adapter ``name`` ('' : the
     sampler's default): (tokens, their log-probs at temperature 1, "stop"|"length")."""
+    (response,) = sampler.sample(
+        {"input_ids": list(prompt)}, sampling_params(params, n, seed), adapter_name=name
+    )
+    return sequences_of(response)
+
+
+def sampling_params(params: dict[str, Any], n: int, seed: int) -> Any:
+    """The ``SamplingParams`` of a request's Tinker ``sampling_params``."""
     from twinkle.sampler import SamplingParams
 
     stop = params.get("stop") or None  # Tinker's [] (no stop at all): the EOS tokens still stop
-    sp = SamplingParams(
+    return SamplingParams(
         max_tokens=int(params.get("max_tokens") or 16),
         temperature=float(params.get("temperature", 1.0)),
         top_p=float(params.get("top_p", 1.0)),
@@ -253,7 +335,10 @@ def run_sampler(
         seed=seed,
         stop=stop,
     )
-    (response,) = sampler.sample({"input_ids": list(prompt)}, sp, adapter_name=name)
+
+
+def sequences_of(response: Any) -> list[tuple]:
+    """(tokens, their log-probs at temperature 1, "stop"|"length") of each sampled sequence."""
     return [
         (list(seq.tokens), [float(entry[0][1]) for entry in seq.logprobs], seq.stop_reason)
         for seq in response.sequences

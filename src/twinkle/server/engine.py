@@ -12,6 +12,7 @@ group's own copy of the base model (``sample_checkpoint``): the checkpoint's LoR
 sent there first unless it holds them already, as ``CheckpointEngineManager`` sends a trainer's."""
 
 import math
+from collections.abc import Generator
 from pathlib import Path
 from typing import Any
 
@@ -33,8 +34,13 @@ class Engine:
     def __init__(self, core: Any, sampler: Any = None):
         self.core, self.sampler = core, sampler
         self.vocab, self.pad_id = int(core.vocab), int(core.pad_id)
+        context = core.context
+        self.context: int | None = None if context is None else int(context)  # the model's positions
+        # sampling on the model in this process runs in slices (``ModelCore.sample_steps``)
+        self.sliced = isinstance(core, ModelCore)
         # the sampler group's adapter of each LoRA rank -> the checkpoint it holds (folder, mtime)
         self.held: dict[str, tuple[str, int]] = {}
+        self.in_use: set[str] = set()  # the adapters holding a slot on the model
 
     @property
     def has_sampler(self) -> bool:
@@ -43,9 +49,11 @@ class Engine:
     # ---------------------------------------------------------------- adapters
     def add(self, name: str, rank: int) -> None:
         self.core.add(name, rank)
+        self.in_use.add(name)
 
     def remove(self, name: str) -> None:
         self.core.remove(name)
+        self.in_use.discard(name)
 
     def free_slots(self) -> int:
         return self.core.free_slots()
@@ -103,6 +111,12 @@ class Engine:
         """``n`` completions under adapter ``name`` of the model itself: (tokens, their log-probs
         at temperature 1, "stop"|"length")."""
         return self.core.sample(name, prompt, params, n, seed)
+
+    def sample_steps(
+        self, name: str, prompt: list[int], params: dict[str, Any], n: int, seed: int, slice_seconds: float
+    ) -> Generator[None, None, list[tuple]]:
+        """``sample`` as a generator of slices (``ModelCore.sample_steps``; ``sliced`` only)."""
+        return self.core.sample_steps(name, prompt, params, n, seed, slice_seconds)
 
     def sample_checkpoint(
         self, folder: Path | None, rank: int, prompt: list[int], params: dict[str, Any], n: int, seed: int

@@ -9,9 +9,9 @@ import time
 from datetime import UTC, datetime
 
 from fastapi import FastAPI, Request
-from fastapi.responses import PlainTextResponse
 
 from twinkle.server.app import PROTO, Server, body, field, future, new_id
+from twinkle.server.checks import page
 from twinkle.server.errors import BadRequest, NotFound
 from twinkle.server.runs import check_base, open_run, save, save_options, start_run
 from twinkle.server.wire import (
@@ -40,13 +40,6 @@ def add_routes(app: FastAPI, s: Server) -> None:
     @app.get(f"{v1}/healthz")
     async def healthz() -> dict:
         return {"status": "ok"}
-
-    @app.get("/metrics", response_class=PlainTextResponse)
-    async def metrics() -> str:
-        times = list(s.queue.step_times)
-        mean = sum(times) / len(times) if times else 0.0
-        live = sum(r.live for r in s.registry.runs.values())
-        return f"queue_depth={s.queue.depth()} steps={len(times)} mean_step_s={mean:.4f} live_runs={live}\n"
 
     @app.post(f"{v1}/client/config")
     async def client_config(request: Request) -> dict:
@@ -138,6 +131,7 @@ def add_routes(app: FastAPI, s: Server) -> None:
                 run.adapter, req.data, req.loss_fn, req.loss_config, req.forward_only
             )
             tokens = sum(d.tokens.size for d in req.data)
+            s.metrics.counted(tenant.id, "trained", tokens)
             seconds = round(time.perf_counter() - start, 4)
             op = "forward" if req.forward_only else "forward_backward"
             s.registry.log(
@@ -225,9 +219,10 @@ def add_routes(app: FastAPI, s: Server) -> None:
         return {}
 
     @app.get(f"{v1}/sessions")  # the SDK's wire names: its clients (module docstring)
-    async def list_clients(request: Request, limit: int = 20, offset: int = 0) -> dict:
+    async def list_clients(request: Request) -> dict:
         tenant = s.auth(request)
-        mine = [c for c, t in s.clients.items() if t == tenant.id]
+        limit, offset = page(request.query_params, 20)
+        mine = s.registry.clients_of(tenant.id)
         return {"sessions": mine[offset : offset + limit]}
 
     @app.post(f"{v1}/sessions/{{client_id}}/finish")

@@ -7,6 +7,7 @@ Every log-prob is the model's at temperature 1, from one forward pass over the p
 over prompt + completion per sequence for ``topk_sample_logprobs``); the request's temperature
 only shapes the completions and the alternative tokens' draws (``twinkle.server.scoring``)."""
 
+from collections.abc import Generator
 from typing import Any
 
 import numpy as np
@@ -18,6 +19,7 @@ from twinkle.server.runs import check_base
 from twinkle.server.scoring import Scoring
 from twinkle.server.wire import encode_sample_response
 
+SLICE_SECONDS = 0.05  # decoding between two turns of the queue: another tenant waits at most this
 MAX_TOPK = 1024  # the widest top-k, and the most alternative tokens drawn per prompt position
 
 
@@ -61,10 +63,50 @@ def add_sampling_routes(app: FastAPI, s: Server) -> None:
         if temperature < 0:
             raise BadRequest(f"sampling_params.temperature must be 0 (greedy) or more, got {temperature}")
         seed = field(params, "seed", int, default=0)
+        _sampling_params(params, n, seed)
         scoring = _scoring(data, len(prompt), s.engine.vocab)
         scoring.temperature, scoring.seed = float(temperature), seed
-        rid = s.queue.submit(tenant.id, lambda: _sample(s, folder, prompt, params, n, scoring, seed))
+        _check_cost(s, tenant, len(prompt), n, max_tokens, scoring)
+        rid = s.queue.submit(
+            tenant.id, lambda: _sample(s, tenant, folder, prompt, params, n, scoring, seed), lane="sample"
+        )
         return {**future(rid), "sample_sequence_ids": [f"{rid}-{i}" for i in range(n)]}
+
+
+def _check_cost(s: Server, tenant: Any, length: int, n: int, max_tokens: int, want: Scoring) -> None:
+    """Refuse, before it is queued, a request the model cannot take (a prompt longer than its
+    positions) or that costs more tokens than the key may spend on one request (``max_tokens``):
+    the prompt, ``n`` completions of up to ``max_tokens``, and a pass over prompt + completion per
+    sequence for ``topk_sample_logprobs``."""
+    context = s.engine.context
+    if context is not None and length + (max_tokens > 0) > context:
+        raise BadRequest(
+            f"prompt has {length} tokens; the model takes at most {context} positions"
+            + (" (one left for the first sampled token)" if max_tokens > 0 else "")
+        )
+    cost = length + n * max_tokens + (n * (length + max_tokens) if want.topk_sample else 0)
+    if cost > tenant.limits.max_tokens:
+        raise BadRequest(
+            f"this sample request costs {cost} tokens (prompt {length} + num_samples {n} x max_tokens "
+            f"{max_tokens}{', and their top-k passes' if want.topk_sample else ''}), over this key's "
+            f"max_tokens of {tenant.limits.max_tokens}; ask for fewer samples or tokens",
+            status=413,
+        )
+
+
+def _sampling_params(params: dict, n: int, seed: int) -> None:
+    """``sampling_params``' ``top_p``, ``top_k`` and ``stop`` checked as the sampler reads them:
+    a bad one is a 400 naming it, before the request is queued."""
+    from twinkle.data_format.sampling import SamplingParams
+    from twinkle.utils.errors import UserError
+
+    top_p = field(params, "top_p", (int, float), default=1.0)
+    top_k = field(params, "top_k", int, default=-1)
+    stop = field(params, "stop", (str, list), default=None)
+    try:
+        SamplingParams(top_p=top_p, top_k=top_k, num_samples=n, seed=seed, stop=stop or None)
+    except UserError as exc:
+        raise BadRequest(f"sampling_params: {exc}") from None
 
 
 def _prompt_tokens(prompt: dict, vocab: int) -> list[int]:
@@ -173,13 +215,16 @@ def _is_int(value: Any) -> bool:
 
 
 def _sample(
-    s: Server, found: Any, prompt: list[int], params: dict, n: int, want: Scoring, seed: int
-) -> bytes:
+    s: Server, tenant: Any, found: Any, prompt: list[int], params: dict, n: int, want: Scoring, seed: int
+) -> Generator[None, None, bytes]:
     """Sample from a saved adapter, or from the base model. On the model: through an adapter lent
     a slot for the call (without saved weights its LoRA B is zero: exactly the base model); when
     every slot is taken, the least recently used training run is parked for it
     (``Server.make_room``). With a sampler group the completions come from there, and the model
-    lends a slot only when the request scores the prompt or the samples' top-k."""
+    lends a slot only when the request scores the prompt or the samples' top-k.
+
+    A generator: sampling on the model in this process runs in slices (``Engine.sample_steps``),
+    and the queue runs other requests between them; the adapter keeps its slot meanwhile."""
     run, _, folder = found if found is not None else (None, None, None)
     rank = run.rank if run is not None else 1
     on_model = want.of_prompt or want.topk_sample or not s.engine.has_sampler
@@ -195,8 +240,11 @@ def _sample(
             seqs = [([], [], "length")] * n
         elif s.engine.has_sampler:
             seqs = s.engine.sample_checkpoint(folder, rank, prompt, params, n, seed)
+        elif s.engine.sliced:
+            seqs = yield from s.engine.sample_steps(name, prompt, params, n, seed, SLICE_SECONDS)
         else:
             seqs = s.engine.sample(name, prompt, params, n, seed)
+        s.metrics.counted(tenant.id, "sampled", sum(len(tokens) for tokens, _, _ in seqs))
         extras = {k: v for k, v in scores.items() if k in ("topk_prompt", "alt")}
         if "target" in scores:
             extras["target"] = (scores["target"], want.target_shape, want.target_csr)
