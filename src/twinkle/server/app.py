@@ -10,8 +10,7 @@ only (its future holds the error)."""
 import asyncio
 import contextlib
 import hmac
-import json
-import math
+import logging
 import shutil
 import threading
 import time
@@ -20,15 +19,29 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException
 
+from twinkle.server.checks import (
+    IDS,
+    Fields,
+    check_float,
+    check_id,
+    check_int,
+    for_client,
+    load_json,
+    one_line,
+)
 from twinkle.server.config import ServerConfig
 from twinkle.server.engine import Engine, build_engine
 from twinkle.server.errors import BadRequest, NotFound, ServerError, Unauthorized
 from twinkle.server.queue import Queue
 from twinkle.server.state import Registry, Tenant, tenant_id
 
+log = logging.getLogger("twinkle.server")
 PROTO = "application/x-protobuf"
+NO_RETRY = {"x-should-retry": "false"}
 MAX_JSON_BYTES = 64 << 20
 
 
@@ -142,34 +155,42 @@ class Server:
         return found
 
 
-async def body(request: Request) -> dict[str, Any]:
+async def body(request: Request) -> Fields:
+    """The request's JSON object (``checks.load_json``: at most ``MAX_JSON_BYTES``, nested at most
+    ``checks.MAX_DEPTH`` deep)."""
     raw = await request.body()
     if len(raw) > MAX_JSON_BYTES:
         raise BadRequest(
             f"request body of {len(raw)} bytes is over the limit of {MAX_JSON_BYTES}", status=413
         )
-    try:
-        data = json.loads(raw or b"{}", parse_constant=lambda c: math.nan)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise BadRequest(f"the request body is not valid JSON ({exc})") from None
-    if not isinstance(data, dict):
-        raise BadRequest(f"the request body must be a JSON object, got {type(data).__name__}")
-    return data
+    return load_json(raw)
 
 
 def field(data: dict, name: str, kind: type | tuple, default: Any = ..., required: bool = False) -> Any:
-    """``data[name]`` checked to be of ``kind`` (a missing one is ``default``)."""
+    """``data[name]`` checked to be of ``kind`` (a missing one is ``default``); a refusal names
+    the field by its path in the body (``sampling_params.seed``). An integer must fit int64 (or
+    the field's range in ``checks.RANGES``), a number be finite, a string named in
+    ``checks.IDS`` be an id (``checks.check_id``); an object comes back as ``checks.Fields``."""
+    where = data.path(name) if isinstance(data, Fields) else name
     if name not in data or data[name] is None:
         if required or default is ...:
-            raise BadRequest(f"field {name!r} is missing")
-        return default
+            raise BadRequest(f"field {where!r} is missing")
+        return Fields(default, where) if isinstance(default, dict) else default
     value = data[name]
     kinds = kind if isinstance(kind, tuple) else (kind,)
     if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
         names = "/".join(k.__name__ for k in kinds)
-        raise BadRequest(f"field {name!r} must be {names}, got {type(value).__name__}")
-    if isinstance(value, float) and not math.isfinite(value):
-        raise BadRequest(f"field {name!r} must be a finite number, got {value}")
+        raise BadRequest(f"field {where!r} must be {names}, got {type(value).__name__}")
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and int in kinds:
+        return check_int(value, where)
+    if isinstance(value, int | float):
+        return check_float(value, where)
+    if isinstance(value, str) and name in IDS:
+        return check_id(value, f"field {where!r}")
+    if isinstance(value, dict) and not isinstance(value, Fields):
+        return Fields(value, where)
     return value
 
 
@@ -191,9 +212,38 @@ def create_app(config: ServerConfig, engine: Engine | None = None) -> FastAPI:
     app = FastAPI(title="twinkle server", lifespan=lifespan)
     app.state.server = server
 
+    root = config.output_dir
+
     @app.exception_handler(ServerError)
     async def _refused(request: Request, exc: ServerError) -> JSONResponse:
-        return JSONResponse({"detail": exc.message}, status_code=exc.status, headers=exc.headers)
+        detail = for_client(exc.message, root)
+        return JSONResponse({"detail": detail}, status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        first = (exc.errors() or [{}])[0]
+        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or "the request"
+        detail = one_line(f"{where}: {first.get('msg', 'invalid')}", 500)
+        return JSONResponse({"detail": detail}, status_code=400, headers=NO_RETRY)
+
+    @app.exception_handler(HTTPException)
+    async def _http(request: Request, exc: HTTPException) -> JSONResponse:
+        route = f"{request.method} {one_line(request.url.path, 200)}"
+        if exc.status_code == 404:
+            detail = f"{route} is not a route of twinkle server (the Tinker API is under /api/v1)"
+        elif exc.status_code == 405:
+            allowed = (exc.headers or {}).get("Allow", "")
+            detail = f"{route}: method not allowed" + (f" (allowed: {allowed})" if allowed else "")
+        else:
+            detail = f"{route}: {one_line(str(exc.detail), 500)}"
+        headers = {**(exc.headers or {}), **NO_RETRY}
+        return JSONResponse({"detail": detail}, status_code=exc.status_code, headers=headers)
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception) -> JSONResponse:
+        log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+        detail = f"internal error: {type(exc).__name__}"
+        return JSONResponse({"detail": detail}, status_code=500, headers=NO_RETRY)
 
     routes.add_routes(app, server)
 
@@ -211,7 +261,8 @@ def create_app(config: ServerConfig, engine: Engine | None = None) -> FastAPI:
             )
         if fut.error is not None:
             message, category = fut.error
-            return {"error": message, "category": "user" if category == "user" else "server"}
+            error = for_client(message, root)
+            return {"error": error, "category": "user" if category == "user" else "server"}
         if isinstance(fut.result, bytes):
             return Response(fut.result, media_type=PROTO)
         return fut.result
