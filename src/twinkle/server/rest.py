@@ -6,6 +6,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 
 from twinkle.server.app import Server, body, field
+from twinkle.server.checks import page as page_of
 from twinkle.server.errors import NotFound
 from twinkle.server.runs import check_ttl
 
@@ -31,8 +32,9 @@ def add_rest_routes(app: FastAPI, s: Server, iso: Any) -> None:
         }
 
     @app.get(f"{v1}/training_runs")
-    async def training_runs(request: Request, limit: int = 20, offset: int = 0) -> dict:
+    async def training_runs(request: Request) -> dict:
         tenant = s.auth(request)
+        limit, offset = page_of(request.query_params, 20)
         mine = sorted((r for r in s.registry.runs.values() if r.tenant == tenant.id), key=lambda r: r.created)
         page = mine[offset : offset + limit]
         return {
@@ -63,8 +65,9 @@ def add_rest_routes(app: FastAPI, s: Server, iso: Any) -> None:
         return {}
 
     @app.get(f"{v1}/checkpoints")
-    async def all_checkpoints(request: Request, limit: int = 100, offset: int = 0) -> dict:
+    async def all_checkpoints(request: Request) -> dict:
         tenant = s.auth(request)
+        limit, offset = page_of(request.query_params, 100)
         out = [
             checkpoint_json(c)
             for r in s.registry.runs.values()

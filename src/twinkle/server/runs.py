@@ -6,6 +6,7 @@ import time
 from typing import Any
 
 from twinkle.server.app import field
+from twinkle.server.checks import check_name
 from twinkle.server.errors import BadRequest, NotFound, TooMany
 
 MAX_TTL = 10 * 365 * 24 * 3600
@@ -60,8 +61,9 @@ def save_options(data: dict) -> dict[str, Any]:
     meta = field(data, "user_metadata", dict, default=None)
     if meta is not None and not all(isinstance(v, str) for v in meta.values()):
         raise BadRequest("user_metadata must map names to strings")
+    name = field(data, "path", str, default=None) or None  # '' is no name: a timestamped one
     return {
-        "name": field(data, "path", str, default=None),
+        "name": None if name is None else check_name(name, "field 'path' (the checkpoint name)"),
         "ttl": check_ttl(field(data, "ttl_seconds", int, default=None)),
         "meta": meta,
         "overwrite": field(data, "overwrite", bool, default=True),
@@ -73,8 +75,7 @@ def save(s: Any, run: Any, kind: str, optimizer: bool, name: str | None = None, 
     ``opts`` (``save_options``): a TTL in seconds, user metadata, and whether an existing
     checkpoint of that name may be replaced (``overwrite``)."""
     name = name or f"{kind.split('_')[0]}-{int(time.time() * 1000)}"
-    if "/" in name or name.startswith(".") or len(name) > 128:
-        raise BadRequest(f"checkpoint name {name!r} must be a plain name (no '/', not starting with '.')")
+    check_name(name, "the checkpoint name")
     folder = s.registry.folder(run) / kind / name
     if folder.exists() and not opts.get("overwrite", True):
         raise BadRequest(

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from twinkle.checkpoint.layout import MARKER
+from twinkle.server.checks import checkpoint_parts
 from twinkle.server.errors import NotFound, TooMany
 
 KINDS = {"weights": "training", "sampler_weights": "sampler"}
@@ -167,11 +168,7 @@ class Registry:
     def checkpoint(self, tenant: Tenant, path: str) -> tuple[Run, str, Path]:
         """(run, kind, folder) of ``tinker://<run>/<kind>/<name>``; ``NotFound`` unless it is this
         tenant's and saved whole (its completion marker is there)."""
-        parts = path[len("tinker://") :].split("/") if path.startswith("tinker://") else []
-        if len(parts) != 3 or parts[1] not in KINDS or not parts[2] or parts[2].startswith("."):
-            raise NotFound(
-                f"{path!r} is not a checkpoint path (tinker://<run>/weights|sampler_weights/<name>)"
-            )
+        parts = checkpoint_parts(path, KINDS)  # NotFound, or BadRequest for a name no save makes
         run = self.runs.get(parts[0])
         if run is not None and run.tenant == tenant.id:
             self.purge_expired(run)
