@@ -35,7 +35,7 @@ def add_rest_routes(app: FastAPI, s: Server, iso: Any) -> None:
     async def training_runs(request: Request) -> dict:
         tenant = s.auth(request)
         limit, offset = page_of(request.query_params, 20)
-        mine = sorted((r for r in s.registry.runs.values() if r.tenant == tenant.id), key=lambda r: r.created)
+        mine = sorted(s.registry.runs_of(tenant.id), key=lambda r: r.created)
         page = mine[offset : offset + limit]
         return {
             "training_runs": [run_json(r) for r in page],
@@ -68,12 +68,7 @@ def add_rest_routes(app: FastAPI, s: Server, iso: Any) -> None:
     async def all_checkpoints(request: Request) -> dict:
         tenant = s.auth(request)
         limit, offset = page_of(request.query_params, 100)
-        out = [
-            checkpoint_json(c)
-            for r in s.registry.runs.values()
-            if r.tenant == tenant.id
-            for c in s.registry.checkpoints(r)
-        ]
+        out = [checkpoint_json(c) for r in s.registry.runs_of(tenant.id) for c in s.registry.checkpoints(r)]
         out.sort(key=lambda c: c["time"], reverse=True)
         page = out[offset : offset + limit]
         return {"checkpoints": page, "cursor": {"offset": offset, "limit": limit, "total_count": len(out)}}
@@ -90,11 +85,8 @@ def add_rest_routes(app: FastAPI, s: Server, iso: Any) -> None:
         tenant = s.auth(request)
         if s.clients.get(client_id) != tenant.id:
             raise NotFound(f"client {client_id!r} is not one of this key's")
-        runs = [r.id for r in s.registry.runs.values() if r.tenant == tenant.id and r.live]
-        return {
-            "training_run_ids": runs,
-            "sampler_ids": [k for k, v in s.samplers.items() if v[0] == tenant.id],
-        }
+        runs = [r.id for r in s.registry.runs_of(tenant.id) if r.live]
+        return {"training_run_ids": runs, "sampler_ids": s.registry.samplers_of(tenant.id)}
 
     @app.get(f"{v1}/samplers/{{sampler_id}}")
     async def sampler(request: Request, sampler_id: str) -> dict:

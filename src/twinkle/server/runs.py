@@ -1,7 +1,6 @@
 """What several routes do with training runs: check the base model and the limits, start a run,
 save one."""
 
-import shutil
 import time
 from typing import Any
 
@@ -28,12 +27,19 @@ def check_base(s: Any, data: dict) -> str:
 
 
 def open_run(s: Any, tenant: Any, rank: int) -> int:
-    """``rank`` if the tenant may open one more run of it; else 429 (its limit) or 400 (rank)."""
-    live = sum(r.live and r.tenant == tenant.id for r in s.registry.runs.values())
-    if live >= tenant.limits.max_adapters:
+    """``rank`` if the tenant may open one more run of it; else 429 (its limit) or 400 (rank).
+
+    The limit counts every run of the key that holds a slot (live) or resumes on its next request
+    (parked: idle, or from before a restart); an unloaded run does not count. The 429 carries
+    ``x-should-retry: false``: the same request fails until the tenant unloads a run."""
+    mine = s.registry.runs_of(tenant.id)
+    live = sum(r.live for r in mine)
+    parked = sum(not r.live and r.parked is not None for r in mine)
+    if live + parked >= tenant.limits.max_adapters:
         raise TooMany(
-            f"this key has {live} live training runs, its limit is {tenant.limits.max_adapters}; "
-            "finish one (unload it) or ask for a higher max_adapters"
+            f"this key has {live} live and {parked} parked training runs, its max_adapters limit is "
+            f"{tenant.limits.max_adapters}; unload one (unload_model: a parked run counts until it is "
+            "unloaded) or ask for a higher max_adapters"
         )
     if not 1 <= rank <= s.config.max_r:
         raise BadRequest(f"lora rank {rank} is out of range; this server takes 1..{s.config.max_r} (--max-r)")
@@ -49,8 +55,7 @@ def start_run(s: Any, tenant: Any, base: str, rank: int, seed: int = 0, run_id: 
     try:
         s.engine.add(run.adapter, rank)
     except Exception:  # no slot for it (or a bad config): the run never existed
-        del s.registry.runs[run.id]
-        shutil.rmtree(s.registry.folder(run), ignore_errors=True)
+        s.registry.discard(run)
         raise
     return run
 

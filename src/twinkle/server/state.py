@@ -1,34 +1,63 @@
-"""Tenants, their training runs and checkpoints, and the queue of their requests.
+"""Tenants, their training runs and checkpoints, and the files that keep them across restarts.
 
 A tenant is an API key; it is known by the key's SHA-256 (``Tenant.id``, the key itself is
 never stored). Its runs and checkpoints live under ``output_dir/<tenant id>/<run id>/``:
 ``run.json`` (base model, LoRA rank), ``weights/<name>`` (``save_state``: adapter and optimizer)
-and ``sampler_weights/<name>`` (adapter only), ``checkpoints.json`` (their TTLs and user metadata). Each save
-is written under a temporary name and renamed into place, so whatever a kill leaves, every
-listed checkpoint is whole. A restart reads the runs back from the folders, each to be loaded
-on its next request from its newest checkpoint (``weights`` first: adapter and AdamW state),
-and the SDK clients' and samplers' ids from ``<tenant id>/clients.jsonl`` and
-``samplers.jsonl``, so a client that outlives the server goes on with the same ids."""
+and ``sampler_weights/<name>`` (adapter only), ``checkpoints.json`` (their TTLs and user
+metadata). Each save is written under a temporary name and renamed into place, so whatever a kill
+leaves, every listed checkpoint is whole; ``run.json`` and ``checkpoints.json`` are written the same
+way (a flushed temporary file renamed over the old one, then the folder flushed), and each line of
+``<tenant id>/clients.jsonl`` and ``samplers.jsonl`` (the SDK clients' and samplers' ids) is
+flushed to disk as it is appended.
 
+A restart reads the runs back from the folders, each to be loaded on its next request from its
+newest checkpoint (``weights`` first: adapter and AdamW state), and the clients' and samplers'
+ids, so a client that outlives the server goes on with the same ids. A record that cannot be read
+(not JSON, not an object, a field of ``PERSISTED`` missing or of the wrong type, an id that is
+not its folder's) is moved under ``output_dir/damaged/`` at the same relative path, with one
+warning naming it, and every other tenant and run comes back: a damaged ``run.json`` takes its
+whole run folder there (the checkpoints with it), a damaged ``checkpoints.json`` goes alone (the
+run's checkpoints then have no TTL and no metadata: none expires), and the unreadable lines of a
+``.jsonl`` go to a file of the same name there while the good lines stay. Nothing is deleted;
+``damaged/`` is never read back.
+
+The registry never follows a symbolic link: a checkpoint folder (or a ``weights`` or
+``sampler_weights`` folder) that is a link is not listed, not loaded, not resumed from and not
+deleted (404). Deleting a checkpoint renames it to a hidden name first, so a failure leaves it
+whole and listed and is an error.
+
+``runs``, ``clients`` and ``samplers`` are changed only under ``Registry.lock``; the routes read
+them through ``runs_of``, ``clients_of`` and ``samplers_of``, which copy them under it."""
+
+import contextlib
 import hashlib
 import json
+import os
 import shutil
+import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from twinkle.checkpoint.layout import MARKER
 from twinkle.server.checks import checkpoint_parts
-from twinkle.server.errors import NotFound, TooMany
+from twinkle.server.errors import NotFound, ServerError, TooMany
+from twinkle.utils.errors import UserError
+from twinkle.utils.fileio import atomic_write_text
+from twinkle.utils.logger import get_logger
 
 KINDS = {"weights": "training", "sampler_weights": "sampler"}
+DAMAGED = "damaged"  # output_dir/damaged: records moved aside at start-up, never read back
+
+logger = get_logger(__name__)
 
 
 @dataclass
 class Limits:
-    max_adapters: int = 4  # live training runs per key
+    max_adapters: int = 4  # training runs per key that hold a slot or can resume (live or parked)
     max_datums: int = 512  # per forward_backward
     max_tokens: int = 65536  # per forward_backward
     rate: float = 50.0  # requests per second, sustained (a bucket of 4 s worth)
@@ -74,54 +103,256 @@ class Run:
 
 
 PERSISTED = ("id", "tenant", "base_model", "rank", "created", "last_request", "adapter")
+TYPES: dict[str, tuple[type, ...]] = {
+    "id": (str,),
+    "tenant": (str,),
+    "base_model": (str,),
+    "rank": (int,),
+    "created": (int, float),
+    "last_request": (int, float),
+    "adapter": (str,),
+}
+
+
+def check_output_dir(root: Path) -> None:
+    """``root`` exists (made if missing) and takes new files; else ``UserError`` in one line."""
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        probe = root / f".twinkle-write-test-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        what = (
+            "is not a folder" if root.exists() and not root.is_dir() else f"is not writable ({exc.strerror})"
+        )
+        raise UserError(f"--output-dir {root} {what}; pass a folder this process can write to") from None
+
+
+def _kind_ok(value: Any, kinds: tuple[type, ...]) -> bool:
+    return isinstance(value, kinds) and not isinstance(value, bool)
+
+
+def _fsync_dir(folder: Path) -> None:
+    """Flush the folder's entries (a rename in it) to disk, where the system allows it."""
+    with contextlib.suppress(OSError):
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _real_dir(path: Path) -> bool:
+    """A folder, not a link to one."""
+    return not path.is_symlink() and path.is_dir()
+
+
+def _parse_json(raw: bytes) -> Any:
+    """The JSON value of ``raw``; ``ValueError`` saying why not."""
+    if not raw.strip():
+        raise ValueError("empty")
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"not JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
+    except UnicodeDecodeError:
+        raise ValueError("not UTF-8 text") from None
+
+
+def _parse_notes(raw: bytes) -> dict[str, dict[str, Any]]:
+    """A ``checkpoints.json``: ``{"<kind>/<name>": {"expires_at": number, "user_metadata": {...}}}``."""
+    notes = _parse_json(raw)
+    if not isinstance(notes, dict):
+        raise ValueError(f"a JSON {type(notes).__name__}, not an object")
+    for key, entry in notes.items():
+        kind, _, name = key.partition("/")
+        if kind not in KINDS or not name or not isinstance(entry, dict):
+            raise ValueError(f"entry {key!r} is not a checkpoint's notes")
+        if "expires_at" in entry and not _kind_ok(entry["expires_at"], (int, float)):
+            raise ValueError(f"entry {key!r}: expires_at is not a number")
+        if "user_metadata" in entry and not isinstance(entry["user_metadata"], dict):
+            raise ValueError(f"entry {key!r}: user_metadata is not an object")
+    return notes
+
+
+def _client_record(record: Any) -> bool:
+    return isinstance(record, dict) and isinstance(record.get("id"), str)
+
+
+def _sampler_record(record: Any) -> bool:
+    return _client_record(record) and "path" in record and isinstance(record["path"], str | None)
 
 
 class Registry:
-    """Runs by id (every tenant's), read back from ``root`` at start."""
+    """Runs by id (every tenant's), the SDK clients' and samplers' owners; read back from ``root``
+    at start."""
 
     def __init__(self, root: Path, reporter: Any = None):
+        check_output_dir(root)
         self.root = root
         self.reporter = reporter  # twinkle.server.report.Reporter with --report-to
+        self.lock = threading.RLock()  # held for every change of the three maps below
         self.runs: dict[str, Run] = {}
         self.clients: dict[str, str] = {}  # an SDK client's id (its session_id) -> tenant id
         self.samplers: dict[str, tuple[str, str | None]] = {}  # sampler id -> (tenant, path)
-        for meta in sorted(root.glob("*/*/run.json")):
-            data = json.loads(meta.read_text())
-            run = Run(**{k: data[k] for k in PERSISTED})
-            self.runs[run.id] = run
+        tenants = [d for d in sorted(root.iterdir()) if d.name != DAMAGED and _real_dir(d)]
+        for tenant in tenants:
+            for folder in sorted(tenant.iterdir()):  # a link is not a run folder of this server's
+                meta = folder / "run.json"
+                if _real_dir(folder) and (meta.exists() or meta.is_symlink()):
+                    self._read_run(folder)
+        for run in list(self.runs.values()):
             self.purge_expired(run)
             run.parked, run.parked_optimizer = self.restore_point(run)
-        for path in sorted(root.glob("*/clients.jsonl")):
-            for line in path.read_text().splitlines():
-                self.clients[json.loads(line)["id"]] = path.parent.name
-        for path in sorted(root.glob("*/samplers.jsonl")):
-            for line in path.read_text().splitlines():
-                data = json.loads(line)
-                self.samplers[data["id"]] = (path.parent.name, data["path"])
+        for tenant in tenants:
+            for record in self._read_lines(tenant / "clients.jsonl", _client_record):
+                self.clients[record["id"]] = tenant.name
+            for record in self._read_lines(tenant / "samplers.jsonl", _sampler_record):
+                self.samplers[record["id"]] = (tenant.name, record["path"])
+
+    # ---------------------------------------------------------------- start-up: reading back
+    def _read_run(self, folder: Path) -> None:
+        """The run of ``folder/run.json``; a damaged one moves the whole folder to ``damaged/``."""
+        meta = folder / "run.json"
+        try:
+            if meta.is_symlink() or not meta.is_file():
+                raise ValueError("not a regular file")
+            data = _parse_json(meta.read_bytes())
+            if not isinstance(data, dict):
+                raise ValueError(f"a JSON {type(data).__name__}, not an object")
+            for key, kinds in TYPES.items():
+                if not _kind_ok(data.get(key), kinds):
+                    raise ValueError(f"field {key!r} is missing or not {'/'.join(k.__name__ for k in kinds)}")
+            if data["id"] != folder.name or data["tenant"] != folder.parent.name:
+                raise ValueError("its id or tenant is not its folder's")
+            if data["id"] in self.runs:
+                raise ValueError(f"run id {data['id']!r} is another tenant's too")
+            if data["rank"] < 1:
+                raise ValueError(f"rank {data['rank']} is not positive")
+        except (OSError, ValueError) as exc:
+            why = exc.strerror if isinstance(exc, OSError) else str(exc)
+            self._quarantine(folder, f"{meta} is damaged ({why})", "its run folder")
+            return
+        run = Run(**{k: data[k] for k in PERSISTED})
+        self.runs[run.id] = run
+
+    def _read_lines(self, path: Path, valid: Callable[[Any], bool]) -> list[dict[str, Any]]:
+        """The records of a ``.jsonl`` that pass ``valid``; the lines that do not go to a file of the
+        same name under ``damaged/`` and the file is rewritten with the rest."""
+        if not path.exists() and not path.is_symlink():
+            return []
+        try:
+            if path.is_symlink() or not path.is_file():
+                raise OSError(0, "not a regular file")
+            raw = path.read_bytes()
+        except OSError as exc:
+            self._quarantine(path, f"{path} is damaged ({exc.strerror})", "it")
+            return []
+        good, bad, records = [], [], []
+        for line in raw.split(b"\n"):
+            if not line.strip():
+                continue
+            try:
+                record = _parse_json(line)
+            except ValueError:
+                record = None
+            if valid(record):
+                good.append(line)
+                records.append(record)
+            else:
+                bad.append(line)
+        if bad:
+            dest = self._damaged_path(path)
+            try:
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                with open(dest, "xb") as f:
+                    f.write(b"\n".join(bad) + b"\n")
+                    f.flush()
+                    os.fsync(f.fileno())
+                atomic_write_text(path, "".join(line.decode() + "\n" for line in good))
+                _fsync_dir(path.parent)
+                where = f"moved to {dest}; its {len(good)} good lines are kept"
+            except OSError as exc:
+                where = f"skipped, the file is left as it is ({exc.strerror})"
+            logger.warning(f"twinkle server: {path} has {len(bad)} damaged line(s); they are {where}")
+        return records
+
+    def _damaged_path(self, path: Path) -> Path:
+        """Where ``path`` (under ``root``) goes in ``damaged/``: the same relative path, with a
+        number added when that name is taken."""
+        damaged = self.root / DAMAGED
+        if damaged.is_symlink():
+            raise OSError(0, f"{damaged} is a symbolic link")
+        dest = damaged / path.relative_to(self.root)
+        n = 1
+        while dest.exists() or dest.is_symlink():
+            dest = dest.with_name(f"{path.name}.{n}")
+            n += 1
+        return dest
+
+    def _quarantine(self, path: Path, what: str, it: str) -> None:
+        """Move ``path`` under ``damaged/`` with one warning (``what``, then where ``it`` went)."""
+        try:
+            dest = self._damaged_path(path)
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            os.rename(path, dest)
+            _fsync_dir(path.parent)
+            where = f"{it} is moved to {dest}"
+        except OSError as exc:
+            where = f"{it} could not be moved to {self.root / DAMAGED} ({exc.strerror}) and is not served"
+        logger.warning(f"twinkle server: {what}; {where}")
 
     def restore_point(self, run: Run) -> tuple[str | None, bool]:
         """Where a run not in memory resumes: its newest ``weights`` checkpoint (with the AdamW
         state), else its newest sampler weights (a fresh AdamW), else nowhere (None)."""
         for kind in KINDS:
-            whole = [m for m in (self.folder(run) / kind).glob(f"[!.]*/{MARKER}") if m.is_file()]
-            if whole:
-                newest = max(whole, key=lambda m: m.stat().st_mtime)
-                return str(newest.parent), kind == "weights"
+            dated = []
+            for folder in self._whole(run, kind):
+                with contextlib.suppress(FileNotFoundError):
+                    dated.append(((folder / MARKER).stat().st_mtime, folder))
+            if dated:
+                return str(max(dated)[1]), kind == "weights"
         return None, True
 
+    # ---------------------------------------------------------------- reading under the lock
+    def runs_of(self, tenant_id: str | None = None) -> list[Run]:
+        """A copy of the tenant's runs (every tenant's with None), safe to iterate."""
+        with self.lock:
+            return [r for r in self.runs.values() if tenant_id is None or r.tenant == tenant_id]
+
+    def clients_of(self, tenant_id: str) -> list[str]:
+        with self.lock:
+            return [c for c, t in self.clients.items() if t == tenant_id]
+
+    def samplers_of(self, tenant_id: str) -> list[str]:
+        with self.lock:
+            return [k for k, (t, _) in self.samplers.items() if t == tenant_id]
+
+    # ---------------------------------------------------------------- changes
     def remember_client(self, tenant: str, client_id: str) -> None:
-        self.clients[client_id] = tenant
-        self._append(self.root / tenant / "clients.jsonl", {"id": client_id})
+        with self.lock:
+            self.clients[client_id] = tenant
+            self._append(self.root / tenant / "clients.jsonl", {"id": client_id})
 
     def remember_sampler(self, tenant: str, sampler_id: str, path: str | None) -> None:
-        self.samplers[sampler_id] = (tenant, path)
-        self._append(self.root / tenant / "samplers.jsonl", {"id": sampler_id, "path": path})
+        with self.lock:
+            self.samplers[sampler_id] = (tenant, path)
+            self._append(self.root / tenant / "samplers.jsonl", {"id": sampler_id, "path": path})
 
     @staticmethod
     def _append(path: Path, record: dict) -> None:
+        """One line, flushed to disk; after a line a kill cut short (no newline at the end) it
+        starts a line of its own."""
         path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(record) + "\n")
+        line = json.dumps(record).encode() + b"\n"
+        with open(path, "ab+") as f:
+            if f.seek(0, os.SEEK_END) > 0:
+                f.seek(-1, os.SEEK_END)
+                if f.read(1) != b"\n":
+                    line = b"\n" + line
+            f.write(line)
+            f.flush()
+            os.fsync(f.fileno())
 
     def folder(self, run: Run) -> Path:
         return self.root / run.tenant / run.id
@@ -134,23 +365,30 @@ class Registry:
         weights on any server."""
         now = time.time()
         stem = f"t{tenant.id[:8]}-s{seed}-"
-        count = sum(r.tenant == tenant.id and r.adapter.startswith(stem) for r in self.runs.values())
-        run = Run(
-            run_id or uuid.uuid4().hex[:16],
-            tenant.id,
-            base_model,
-            rank,
-            now,
-            now,
-            f"{stem}{count}",
-            live=True,
-        )
-        folder = self.folder(run)
-        folder.mkdir(parents=True, exist_ok=True)
-        data = {k: getattr(run, k) for k in PERSISTED}
-        (folder / "run.json").write_text(json.dumps(data))
-        self.runs[run.id] = run
+        with self.lock:
+            count = sum(r.tenant == tenant.id and r.adapter.startswith(stem) for r in self.runs.values())
+            run = Run(
+                run_id or uuid.uuid4().hex[:16],
+                tenant.id,
+                base_model,
+                rank,
+                now,
+                now,
+                f"{stem}{count}",
+                live=True,
+            )
+            folder = self.folder(run)
+            folder.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(folder / "run.json", json.dumps({k: getattr(run, k) for k in PERSISTED}))
+            _fsync_dir(folder)
+            self.runs[run.id] = run
         return run
+
+    def discard(self, run: Run) -> None:
+        """Forget a run that never started (its adapter found no slot) and remove its folder."""
+        with self.lock:
+            self.runs.pop(run.id, None)
+        shutil.rmtree(self.folder(run), ignore_errors=True)
 
     def run_of(self, tenant: Tenant, run_id: str, live: bool = True) -> Run:
         """The tenant's run ``run_id``; another tenant's or an unknown one is ``NotFound``."""
@@ -165,15 +403,32 @@ class Registry:
         run.last_request = time.time()
         return run
 
+    # ---------------------------------------------------------------- checkpoints
+    def _whole(self, run: Run, kind: str) -> list[Path]:
+        """The run's whole checkpoints of ``kind`` (their marker written), by name; hidden names
+        (a save or a delete in progress) and links are not checkpoints."""
+        base = self.folder(run) / kind
+        if not _real_dir(base):
+            return []
+        with contextlib.suppress(FileNotFoundError):
+            return [
+                f
+                for f in sorted(base.iterdir())
+                if not f.name.startswith(".") and _real_dir(f) and (f / MARKER).is_file()
+            ]
+        return []
+
     def checkpoint(self, tenant: Tenant, path: str) -> tuple[Run, str, Path]:
         """(run, kind, folder) of ``tinker://<run>/<kind>/<name>``; ``NotFound`` unless it is this
-        tenant's and saved whole (its completion marker is there)."""
+        tenant's and saved whole (its completion marker is there), and neither it nor its kind's
+        folder is a link."""
         parts = checkpoint_parts(path, KINDS)  # NotFound, or BadRequest for a name no save makes
         run = self.runs.get(parts[0])
-        if run is not None and run.tenant == tenant.id:
-            self.purge_expired(run)
-        folder = self.folder(run) / parts[1] / parts[2] if run else None
-        if run is None or run.tenant != tenant.id or not (folder / MARKER).is_file():
+        if run is None or run.tenant != tenant.id:
+            raise NotFound(f"checkpoint {path!r} does not exist for this key")
+        self.purge_expired(run)
+        folder = self.folder(run) / parts[1] / parts[2]
+        if not (_real_dir(folder.parent) and _real_dir(folder) and (folder / MARKER).is_file()):
             raise NotFound(f"checkpoint {path!r} does not exist for this key")
         return run, parts[1], folder
 
@@ -187,24 +442,34 @@ class Registry:
     # ---------------------------------------------------------------- TTLs and metadata
     def notes(self, run: Run) -> dict[str, dict[str, Any]]:
         """``{"<kind>/<name>": {"expires_at": time, "user_metadata": {...}}}`` of the run's
-        checkpoints that have either (``checkpoints.json`` in the run's folder)."""
+        checkpoints that have either (``checkpoints.json`` in the run's folder); a damaged file is
+        moved to ``damaged/`` and the run has no notes."""
         path = self.folder(run) / "checkpoints.json"
-        return json.loads(path.read_text()) if path.is_file() else {}
+        if not path.exists() and not path.is_symlink():
+            return {}
+        try:
+            if path.is_symlink() or not path.is_file():
+                raise ValueError("not a regular file")
+            return _parse_notes(path.read_bytes())
+        except (OSError, ValueError) as exc:
+            why = exc.strerror if isinstance(exc, OSError) else str(exc)
+            self._quarantine(path, f"{path} is damaged ({why})", "it (the run's checkpoints never expire)")
+            return {}
 
     def annotate(self, run: Run, checkpoint_id: str, **values: Any) -> None:
         """Set the checkpoint's notes (a None value removes that note)."""
-        notes = self.notes(run)
-        entry = {**notes.get(checkpoint_id, {}), **values}
-        entry = {k: v for k, v in entry.items() if v is not None}
-        if entry == notes.get(checkpoint_id, {}):
-            return
-        if entry:
-            notes[checkpoint_id] = entry
-        else:
-            notes.pop(checkpoint_id, None)
-        tmp = self.folder(run) / ".checkpoints.json.tmp"
-        tmp.write_text(json.dumps(notes))
-        tmp.replace(self.folder(run) / "checkpoints.json")
+        with self.lock:
+            notes = self.notes(run)
+            entry = {**notes.get(checkpoint_id, {}), **values}
+            entry = {k: v for k, v in entry.items() if v is not None}
+            if entry == notes.get(checkpoint_id, {}):
+                return
+            if entry:
+                notes[checkpoint_id] = entry
+            else:
+                notes.pop(checkpoint_id, None)
+            atomic_write_text(self.folder(run) / "checkpoints.json", json.dumps(notes))
+            _fsync_dir(self.folder(run))
 
     def set_ttl(self, run: Run, checkpoint_id: str, ttl_seconds: float | None) -> None:
         """The checkpoint expires ``ttl_seconds`` from now (None: never)."""
@@ -213,35 +478,64 @@ class Registry:
         )
 
     def forget(self, run: Run, checkpoint_id: str) -> None:
-        """Delete the checkpoint and its notes."""
-        shutil.rmtree(self.folder(run) / checkpoint_id, ignore_errors=True)
+        """Delete the checkpoint and its notes. A link there is ``NotFound`` (it and what it points
+        to stay); a checkpoint that cannot be taken away is an error and stays whole."""
+        folder = self.folder(run) / checkpoint_id
+        if folder.is_symlink() or folder.parent.is_symlink():
+            raise NotFound(f"checkpoint {checkpoint_id} of run {run.id!r} does not exist")
+        if folder.exists():
+            aside = folder.with_name(f".deleting-{folder.name}-{uuid.uuid4().hex[:8]}")
+            try:
+                os.rename(folder, aside)  # out of every listing at once
+            except OSError as exc:
+                raise ServerError(
+                    f"checkpoint {checkpoint_id} of run {run.id!r} could not be deleted ({exc.strerror}); "
+                    "it is kept",
+                    status=500,
+                ) from None
+            shutil.rmtree(aside, onerror=self._left_over)
         self.annotate(run, checkpoint_id, expires_at=None, user_metadata=None)
+
+    @staticmethod
+    def _left_over(fn: Any, path: str, exc_info: Any) -> None:
+        logger.warning(f"twinkle server: {path} of a deleted checkpoint could not be removed ({exc_info[1]})")
 
     def purge_expired(self, run: Run) -> None:
         """Delete the run's checkpoints whose TTL has passed (checked whenever they are listed or
-        looked up, and at start-up)."""
+        looked up, and at start-up); one that cannot be deleted stays, with a warning."""
         now = time.time()
         for checkpoint_id, entry in self.notes(run).items():
             if entry.get("expires_at", now + 1) <= now:
-                self.forget(run, checkpoint_id)
+                try:
+                    self.forget(run, checkpoint_id)
+                except NotFound:  # a link there: not a checkpoint, its note is stale
+                    self.annotate(run, checkpoint_id, expires_at=None, user_metadata=None)
+                except ServerError as exc:
+                    logger.warning(f"twinkle server: expired {exc.message}")
 
     def checkpoints(self, run: Run) -> list[dict[str, Any]]:
         self.purge_expired(run)
         notes = self.notes(run)
         out = []
         for kind, type_ in KINDS.items():
-            for folder in sorted((self.folder(run) / kind).glob("[!.]*")):
-                if not (folder / MARKER).is_file():  # only whole checkpoints (a save renames it in)
+            for folder in self._whole(run, kind):
+                try:  # a folder deleted meanwhile (a park replaces its older save) is not listed
+                    mtime = folder.stat().st_mtime
+                    size = sum(
+                        f.stat().st_size for f in folder.rglob("*") if f.is_file() and not f.is_symlink()
+                    )
+                except FileNotFoundError:
                     continue
+                note = notes.get(f"{kind}/{folder.name}", {})
                 out.append(
                     {
                         "checkpoint_id": f"{kind}/{folder.name}",
                         "checkpoint_type": type_,
-                        "time": folder.stat().st_mtime,
+                        "time": mtime,
                         "tinker_path": f"tinker://{run.id}/{kind}/{folder.name}",
-                        "size_bytes": sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()),
-                        "expires_at": notes.get(f"{kind}/{folder.name}", {}).get("expires_at"),
-                        "user_metadata": notes.get(f"{kind}/{folder.name}", {}).get("user_metadata"),
+                        "size_bytes": size,
+                        "expires_at": note.get("expires_at"),
+                        "user_metadata": note.get("user_metadata"),
                     }
                 )
         return out
