@@ -37,7 +37,7 @@ from twinkle.server.config import ServerConfig
 from twinkle.server.engine import Engine, build_engine
 from twinkle.server.errors import BadRequest, NotFound, ServerError, Unauthorized
 from twinkle.server.queue import Queue
-from twinkle.server.state import Registry, Tenant, tenant_id
+from twinkle.server.state import Registry, Tenant, check_output_dir, tenant_id
 
 log = logging.getLogger("twinkle.server")
 PROTO = "application/x-protobuf"
@@ -51,6 +51,7 @@ class Server:
 
     def __init__(self, config: ServerConfig, engine: Engine | None = None):
         self.config = config
+        check_output_dir(config.output_dir)  # one error line before the model is built
         self.queue = Queue()
         if engine is None and config.mode == "local":  # the model computes on the queue's worker only
             engine = self.queue.call(lambda: build_engine(config))
@@ -100,7 +101,7 @@ class Server:
         request is the oldest (not ``keep``) is parked; its next request loads it back."""
         if self.engine.free_slots():
             return
-        live = [r for r in self.registry.runs.values() if r.live and r is not keep]
+        live = [r for r in self.registry.runs_of() if r.live and r is not keep]
         if not live:
             raise ServerError(
                 f"every adapter slot (--max-loras {self.config.max_loras}) is in use and none can be "
