@@ -230,3 +230,22 @@ def test_an_unusable_output_dir_is_one_error_line(kind, tiny_model_dir, tmp_path
     err = capsys.readouterr().err
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
     assert err.startswith(f"error: --output-dir {out} is not ") and blocker.read_text() == "not a folder"
+
+
+def test_a_tenant_folder_that_cannot_be_read_keeps_only_its_runs_out(tmp_path, monkeypatch, warnings):
+    root = tmp_path / "srv"
+    registry = Registry(root)
+    registry.new_run(Tenant(TA, Limits()), "base", 4)
+    run_b = registry.new_run(Tenant(TB, Limits()), "base", 4)
+    real_iterdir = Path.iterdir
+
+    def iterdir(self):
+        if self == root / TA:
+            raise PermissionError(13, "Permission denied")
+        return real_iterdir(self)
+
+    monkeypatch.setattr(Path, "iterdir", iterdir)
+    assert set(Registry(root).runs) == {run_b.id}
+    (said,) = warnings()
+    assert str(root / TA) in said and "Permission denied" in said
+    assert (root / TA).is_dir()  # left as it is

@@ -195,9 +195,20 @@ class Registry:
         self.runs: dict[str, Run] = {}
         self.clients: dict[str, str] = {}  # an SDK client's id (its session_id) -> tenant id
         self.samplers: dict[str, tuple[str, str | None]] = {}  # sampler id -> (tenant, path)
-        tenants = [d for d in sorted(root.iterdir()) if d.name != DAMAGED and _real_dir(d)]
-        for tenant in tenants:
-            for folder in sorted(tenant.iterdir()):  # a link is not a run folder of this server's
+        try:
+            tenants = [d for d in sorted(root.iterdir()) if d.name != DAMAGED and _real_dir(d)]
+        except OSError as exc:
+            raise UserError(f"--output-dir {root} cannot be read ({exc.strerror})") from None
+        for tenant in list(tenants):
+            try:
+                folders = sorted(tenant.iterdir())
+            except OSError as exc:  # that tenant only
+                logger.warning(
+                    f"twinkle server: {tenant} cannot be read ({exc.strerror}); its runs are not served"
+                )
+                tenants.remove(tenant)
+                continue
+            for folder in folders:  # a link is not a run folder of this server's
                 meta = folder / "run.json"
                 if _real_dir(folder) and (meta.exists() or meta.is_symlink()):
                     self._read_run(folder)
