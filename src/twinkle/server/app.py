@@ -184,9 +184,9 @@ def field(data: dict, name: str, kind: type | tuple, default: Any = ..., require
         raise BadRequest(f"field {where!r} must be {names}, got {type(value).__name__}")
     if isinstance(value, bool):
         return value
-    if isinstance(value, int) and int in kinds:
+    if isinstance(value, int) and float not in kinds:
         return check_int(value, where)
-    if isinstance(value, int | float):
+    if isinstance(value, int | float):  # a number: an integer too large for a float is not finite
         return check_float(value, where)
     if isinstance(value, str) and name in IDS:
         return check_id(value, f"field {where!r}")
