@@ -136,7 +136,7 @@ def test_twenty_malformed_requests_each_get_a_4xx_and_the_server_keeps_serving(s
         ),
         ("optim_step", b'{"model_id": "%s", "adam_params": {"learning_rate": NaN}}' % mid.encode(), "finite"),
         ("optim_step", b'{"model_id": 7}', "must be str"),
-        ("save_weights", b'{"model_id": "%s", "path": "../escape"}' % mid.encode(), None),
+        ("save_weights", b'{"model_id": "%s", "path": "../escape"}' % mid.encode(), "plain name"),
         (
             "asample",
             b'{"prompt": {"chunks": [{"tokens": [1, -3]}]}, "sampling_params": {}}',
@@ -148,10 +148,6 @@ def test_twenty_malformed_requests_each_get_a_4xx_and_the_server_keeps_serving(s
     codes = []
     for route, raw, expect in json_cases:
         r = httpx.post(f"{url}/{route}", content=raw, headers={**head, "Content-Type": "application/json"})
-        if route == "save_weights":  # a queued request: its future holds the error
-            fut = httpx.post(f"{url}/retrieve_future", json=r.json(), headers=head).json()
-            assert "plain name" in fut["error"], fut
-            continue
         codes.append(r.status_code)
         assert 400 <= r.status_code < 500 and expect in r.json()["detail"], (route, r.status_code, r.text)
     proto_cases = [
