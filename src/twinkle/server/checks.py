@@ -100,7 +100,9 @@ def wrap(data: dict) -> Fields:
         if depth > MAX_DEPTH:
             raise BadRequest(too_deep())
         is_list = isinstance(node, list)
-        for key, value in list(enumerate(node) if is_list else node.items()):
+        if is_list and not {dict, list} & set(map(type, node)):  # a list of scalars (token ids)
+            continue
+        for key, value in enumerate(node) if is_list else node.items():  # values replaced in place only
             if isinstance(value, dict | list):
                 inner = f"{where}[{key}]" if is_list else (f"{where}.{key}" if where else str(key))
                 if isinstance(value, dict):
