@@ -242,7 +242,8 @@ def create_app(config: ServerConfig, engine: Engine | None = None) -> FastAPI:
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception) -> JSONResponse:
-        log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+        # one line here: the server (uvicorn) logs the traceback when the exception comes back up
+        log.error("%s %s failed: %s: %s", request.method, request.url.path, type(exc).__name__, exc)
         detail = f"internal error: {type(exc).__name__}"
         return JSONResponse({"detail": detail}, status_code=500, headers=NO_RETRY)
 

@@ -66,9 +66,9 @@ def save_options(data: dict) -> dict[str, Any]:
     meta = field(data, "user_metadata", dict, default=None)
     if meta is not None and not all(isinstance(v, str) for v in meta.values()):
         raise BadRequest("user_metadata must map names to strings")
-    name = field(data, "path", str, default=None) or None  # '' is no name: a timestamped one
+    name = field(data, "path", str, default=None)
     return {
-        "name": None if name is None else check_name(name, "field 'path' (the checkpoint name)"),
+        "name": check_name(name, "field 'path' (the checkpoint name)") if name else name,
         "ttl": check_ttl(field(data, "ttl_seconds", int, default=None)),
         "meta": meta,
         "overwrite": field(data, "overwrite", bool, default=True),
