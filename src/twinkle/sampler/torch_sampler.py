@@ -280,6 +280,7 @@ class TorchSampler:
                     steps = decoder.steps([p.ids for p in prompts], budgets)
                 end = None if slice_seconds is None else time.perf_counter() + slice_seconds
                 try:
+                    next(steps)  # at least one step a slice
                     while end is None or time.perf_counter() < end:
                         next(steps)
                 except StopIteration as done:

@@ -35,7 +35,7 @@ from twinkle.server.checks import (
 )
 from twinkle.server.config import ServerConfig
 from twinkle.server.engine import Engine, build_engine
-from twinkle.server.errors import BadRequest, NotFound, ServerError, Unauthorized
+from twinkle.server.errors import BadRequest, NotFound, ServerError, TooMany, Unauthorized
 from twinkle.server.queue import Queue
 from twinkle.server.state import Registry, Tenant, check_output_dir, tenant_id
 
@@ -50,9 +50,18 @@ class Server:
     the queue."""
 
     def __init__(self, config: ServerConfig, engine: Engine | None = None):
+        from twinkle.server.metrics import ServerMetrics
+
         self.config = config
         check_output_dir(config.output_dir)  # one error line before the model is built
-        self.queue = Queue()
+        self.queue = Queue(
+            max_seconds=config.max_request_seconds,
+            future_ttl=config.future_ttl,
+            max_queued=config.max_queued,
+            # a paused sample holds an adapter slot: half of them at most, the rest for training
+            max_started=max(1, config.max_loras // 2),
+            on_done=lambda *a: self.metrics.done(*a),
+        )
         if engine is None and config.mode == "local":  # the model computes on the queue's worker only
             engine = self.queue.call(lambda: build_engine(config))
         self.engine = engine or build_engine(config)  # --mode ray: Ray starts on the main thread
@@ -69,6 +78,7 @@ class Server:
         self.registry = Registry(config.output_dir, self.reporter)
         self.clients = self.registry.clients  # an SDK client's id (its session_id) -> tenant id
         self.samplers = self.registry.samplers  # sampler id -> (tenant, checkpoint path or None)
+        self.metrics = ServerMetrics(self)
         if config.idle_timeout > 0:
             threading.Thread(target=self._sweep, name="twinkle-server-idle", daemon=True).start()
 
@@ -132,9 +142,10 @@ class Server:
         while not self.queue.stopped:
             time.sleep(period)
             now = time.time()
-            for run in list(self.registry.runs.values()):
+            for run in self.registry.runs_of():
                 if run.live and now - run.last_request >= self.config.idle_timeout:
-                    self.queue.submit(run.tenant, lambda run=run: self.park(run))
+                    with contextlib.suppress(TooMany):  # its tenant's line is full: parked next time
+                        self.queue.submit(run.tenant, lambda run=run: self.park(run))
 
     def auth(self, request: Request) -> Tenant:
         """The caller's tenant, one request taken from its rate bucket."""
@@ -201,6 +212,7 @@ def future(request_id: str, model_id: str | None = None) -> dict[str, Any]:
 
 def create_app(config: ServerConfig, engine: Engine | None = None) -> FastAPI:
     from twinkle.server import routes
+    from twinkle.server.metrics import add_metrics_routes
 
     server = Server(config, engine)
 
@@ -248,6 +260,7 @@ def create_app(config: ServerConfig, engine: Engine | None = None) -> FastAPI:
         return JSONResponse({"detail": detail}, status_code=500, headers=NO_RETRY)
 
     routes.add_routes(app, server)
+    add_metrics_routes(app, server)
 
     @app.post("/api/v1/retrieve_future")
     async def retrieve_future(request: Request) -> Any:
@@ -261,6 +274,7 @@ def create_app(config: ServerConfig, engine: Engine | None = None) -> FastAPI:
             return JSONResponse(
                 {"type": "try_again", "request_id": data["request_id"], "queue_state": "active"}, 408
             )
+        server.queue.retrieved(fut)
         if fut.error is not None:
             message, category = fut.error
             error = for_client(message, root)

@@ -172,7 +172,8 @@ class ModelCore:
         """(adapter weights, AdamW state, learning rate of the coming step): copies."""
         group = self.model.optimizer_group[name]
         state = copy.deepcopy(group.optimizer.state_dict()) if group.optimizer is not None else None
-        return self.model.slots.export(name), state, lr
+        weights = {k: v.clone() for k, v in self.model.slots.export(name).items()}  # export may give views
+        return weights, state, lr
 
     def _restore(self, name: str, snapshot: tuple) -> None:
         weights, state, _ = snapshot

@@ -73,7 +73,7 @@ class ServerMetrics:
         self.per_tenant: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
 
     def _runs(self) -> tuple[int, int]:
-        runs = list(self.server.registry.runs.values())
+        runs = self.server.registry.runs_of()
         return sum(r.live for r in runs), sum(not r.live and r.parked is not None for r in runs)
 
     def done(self, tenant: str, lane: str, seconds: float, ok: bool) -> None:
@@ -113,11 +113,7 @@ def add_metrics_routes(app: FastAPI, s: Any) -> None:
     @app.get("/api/v1/usage")
     async def usage(request: Request) -> JSONResponse:
         tenant = s.identify(request)
-        mine = (
-            s.registry.runs_of(tenant.id)
-            if hasattr(s.registry, "runs_of")
-            else [r for r in list(s.registry.runs.values()) if r.tenant == tenant.id]
-        )
+        mine = s.registry.runs_of(tenant.id)
         with s.metrics.lock:
             counts = dict(s.metrics.per_tenant.get(tenant.id, {}))
         return JSONResponse(

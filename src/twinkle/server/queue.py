@@ -79,7 +79,7 @@ class Queue:
         self.cond = threading.Condition()
         self.stopped = False
         self.turn = 0  # the lane served last
-        self.swept = time.monotonic()
+        self.swept, self.sweep_every = time.monotonic(), 1.0
         self.step_times: collections.deque = collections.deque(maxlen=100)
         self.worker = threading.Thread(target=self._loop, name="twinkle-server-worker", daemon=True)
         self.worker.start()
@@ -175,8 +175,8 @@ class Queue:
             fut.retrieved = time.monotonic()
 
     def _expire(self, now: float) -> None:
-        """Drop finished futures past their time (under ``cond``; at most once a second)."""
-        if now - self.swept < 1.0:
+        """Drop finished futures past their time (under ``cond``; at most every ``sweep_every`` s)."""
+        if now - self.swept < self.sweep_every:
             return
         self.swept = now
         gone = [
