@@ -14,12 +14,9 @@
 
 from typing import Any
 
-import torch
-
+from twinkle.checkpoint_engine.remote import is_remote, sync_remote
+from twinkle.checkpoint_engine.weights import base_weight, merged_weights
 from twinkle.model import TransformersModel
-from twinkle.model.forward import causal_lm_of
-from twinkle.model.slots import full, lora_scaling
-from twinkle.sampler import adapters
 from twinkle.utils.errors import UserError
 
 
@@ -28,8 +25,6 @@ class CheckpointEngineManager:
     send (None: its only one)."""
 
     def __init__(self, model: Any, sampler: Any, adapter_name: str | None = None, **kwargs: Any):
-        from twinkle.checkpoint_engine.remote import is_remote  # device groups (checkpoint_engine.remote)
-
         self.remote = is_remote(model) and is_remote(sampler)
         if not isinstance(model, TransformersModel) and not self.remote:
             raise UserError(
@@ -53,8 +48,6 @@ class CheckpointEngineManager:
         Returns ``{'mode': 'colocated' | 'lora' | 'merged', 'tensors': n, 'bytes': b}``: what was
         copied (nothing when colocated)."""
         if self.remote:  # trainer and sampler on device groups of their own
-            from twinkle.checkpoint_engine.remote import sync_remote
-
             self.last = sync_remote(
                 self.model, self.sampler, adapter_name or self.adapter_name, merge_and_sync
             )
@@ -78,30 +71,3 @@ class CheckpointEngineManager:
         written += self.sampler.receive_lora(name, config, tensors)
         self.last = {"mode": "lora", "tensors": len(tensors), "bytes": written}
         return self.last
-
-
-def base_weight(model: TransformersModel, key: str) -> torch.Tensor:
-    """The trainer's full base weight of linear layer ``key`` (relative to the causal LM)."""
-    module = causal_lm_of(model.model).get_submodule(key)
-    layer = module.base_layer if hasattr(module, "base_layer") else module
-    return full(layer.weight)
-
-
-@torch.no_grad()
-def merged_weights(
-    model: TransformersModel, tensors: dict[str, torch.Tensor], config: Any
-) -> dict[str, torch.Tensor]:
-    """``W + scaling * B @ A`` for each linear layer the adapter's ``tensors`` cover, in fp32 and
-    cast back to the weight's dtype."""
-    pairs: dict[str, dict[str, torch.Tensor]] = {}
-    for saved, value in tensors.items():
-        key, kind = adapters.split_name(saved)
-        pairs.setdefault(key, {})[kind] = value
-    scaling = lora_scaling(config)
-    out = {}
-    for key, pair in pairs.items():
-        weight = base_weight(model, key)
-        a = pair["lora_A"].to(weight.device, torch.float32)
-        b = pair["lora_B"].to(weight.device, torch.float32)
-        out[key] = (weight.float() + scaling * (b @ a)).to(weight.dtype)
-    return out

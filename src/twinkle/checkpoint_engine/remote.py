@@ -10,7 +10,7 @@ ones."""
 
 from typing import Any
 
-from twinkle.checkpoint_engine.manager import base_weight, merged_weights
+from twinkle.checkpoint_engine.weights import base_weight, merged_weights
 from twinkle.runtime.remote import RemoteObject
 
 
