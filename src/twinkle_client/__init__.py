@@ -15,6 +15,7 @@ After ``init_twinkle_client`` the classes are also importable as ``twinkle_clien
 initialised). Every call goes over the same Tinker routes the official SDK uses (through the
 SDK, which is the ``server`` extra's ``tinker``)."""
 
-from twinkle_client.client import TwinkleClient, current_client, init_twinkle_client
+from twinkle_client.client import TwinkleClient, init_twinkle_client
+from twinkle_client.connection import current_client
 
 __all__ = ["TwinkleClient", "init_twinkle_client", "current_client"]

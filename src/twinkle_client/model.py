@@ -11,7 +11,7 @@ sum. The optimizer is AdamW (the server's); ``set_optimizer`` keeps its settings
 
 from typing import Any
 
-from twinkle_client.client import TwinkleClient, current_client
+from twinkle_client.connection import Connection, current_client
 
 IGNORE = -100
 TOKEN_MEAN = {"twinkle_reduction": "token_mean"}  # the local API's gradient (the engine's key)
@@ -58,7 +58,7 @@ def datums_of(inputs: Any) -> tuple[list[Any], float]:
 class MultiLoraTransformersModel:
     """Adapters trained on the server's base model (``model_id`` None: whatever it serves)."""
 
-    def __init__(self, model_id: str | None = None, client: TwinkleClient | None = None, **kwargs: Any):
+    def __init__(self, model_id: str | None = None, client: Connection | None = None, **kwargs: Any):
         self.client = current_client(client)
         self.model_id = model_id or self.client.base_model
         self.runs: dict[str, Any] = {}  # adapter name -> tinker TrainingClient

@@ -3,11 +3,11 @@
 
 from typing import Any
 
-from twinkle_client.client import TwinkleClient, current_client
+from twinkle_client.connection import Connection, current_client
 
 
 class Sampler:
-    def __init__(self, model_path: str | None = None, client: TwinkleClient | None = None):
+    def __init__(self, model_path: str | None = None, client: Connection | None = None):
         self.client = current_client(client)
         kwargs = {"model_path": model_path} if model_path else {"base_model": self.client.base_model}
         self.sampling = self.client.service.create_sampling_client(**kwargs)
