@@ -46,9 +46,20 @@ def free_port() -> int:
 
 
 class Server:
-    """``twinkle server`` in a child process, serving ``KEYS``."""
+    """``twinkle server`` in a child process, serving ``keys`` (default ``KEYS``). ``flags``: more of
+    its command line (``--max-loras 4``); ``env``: more environment variables
+    (``TWINKLE_OPERATOR_KEYS``); ``log``: a file for its stderr (default a pipe, read when it fails
+    to start; a long run under load should give a file, which never fills up)."""
 
-    def __init__(self, model_id: str | None, out: Path):
+    def __init__(
+        self,
+        model_id: str | None,
+        out: Path,
+        keys: tuple[str, ...] | list[str] = KEYS,
+        flags: tuple[str, ...] | list[str] = (),
+        env: dict[str, str] | None = None,
+        log: Path | None = None,
+    ):
         import httpx
 
         self.port = free_port()
@@ -56,23 +67,37 @@ class Server:
         cmd = [sys.executable, "-m", "twinkle.cli.main", "server", "--port", str(self.port)]
         cmd += ["--output-dir", str(out), "--max-r", "8", "--idle-timeout", "0"]
         cmd += ["--model-id", model_id] if model_id else []
-        env = {**os.environ, "TWINKLE_API_KEYS": ",".join(KEYS), "TINKER_TELEMETRY": "0"}
-        self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        cmd += list(flags)
+        env = {**os.environ, "TWINKLE_API_KEYS": ",".join(keys), "TINKER_TELEMETRY": "0", **(env or {})}
+        self.log = log
+        stderr = subprocess.PIPE if log is None else log.open("wb")
+        self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=stderr)
+        if log is not None:
+            stderr.close()  # the child holds its own copy
         deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and self.proc.poll() is None:
             try:
                 if httpx.get(f"{self.url}/api/v1/healthz").status_code == 200:
                     return
             except httpx.HTTPError:
                 time.sleep(0.2)
         self.proc.kill()
-        raise SystemExit("the server did not start: " + self.proc.stderr.read().decode()[-2000:])
+        self.proc.wait(60)
+        text = self.proc.stderr.read().decode() if log is None else log.read_text(errors="replace")
+        raise SystemExit("the server did not start: " + text[-2000:])
 
-    def peak_rss_mib(self) -> float:
+    def _status(self, field: str) -> float:
+        """A ``/proc/PID/status`` figure of the server in MiB (``VmHWM``, ``VmRSS``)."""
         for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
+            if line.startswith(f"{field}:"):
                 return int(line.split()[1]) / 1024
         return float("nan")
+
+    def peak_rss_mib(self) -> float:
+        return self._status("VmHWM")
+
+    def rss_mib(self) -> float:
+        return self._status("VmRSS")
 
     def stop(self) -> None:
         self.proc.terminate()
