@@ -17,12 +17,13 @@ import os
 import time
 import traceback
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from twinkle.distributed.collectives import peer_lost
 from twinkle.runtime.ray_cluster import free_port_here
+from twinkle.utils import logger
 from twinkle.utils.errors import UserError
 
 KEEP = 8  # values kept per rank: a step's batch and outputs, with room for a few steps' worth
@@ -73,16 +74,18 @@ class GroupWorker:
 
         return (*free_port_here(), os.getpid(), ray.get_runtime_context().get_node_id())
 
-    def setup(self, env: dict[str, str], mesh: Any, seed: int, run: Any, cwd: str) -> tuple[str, Any]:
-        """Become rank ``self.rank`` of the group's process group and initialize the runtime, in
-        the driver's working directory where this node has it (relative paths then name the
-        driver's files, as they would in one process)."""
-        return _guard(lambda: self._setup(env, mesh, seed, run, cwd))
+    def setup(
+        self, env: dict[str, str], mesh: Any, seed: int, run: Any, cwd: str, initialize: Callable[..., Any]
+    ) -> tuple[str, Any]:
+        """Become rank ``self.rank`` of the group's process group and initialize the runtime
+        (``initialize``: the driver's ``twinkle.initialize``, which Ray sends by name), in the
+        driver's working directory where this node has it (relative paths then name the driver's
+        files, as they would in one process)."""
+        return _guard(lambda: self._setup(env, mesh, seed, run, cwd, initialize))
 
-    def _setup(self, env: dict[str, str], mesh: Any, seed: int, run: Any, cwd: str) -> None:
-        from twinkle.runtime.runtime import initialize
-        from twinkle.utils import logger
-
+    def _setup(
+        self, env: dict[str, str], mesh: Any, seed: int, run: Any, cwd: str, initialize: Callable[..., Any]
+    ) -> None:
         if os.path.isdir(cwd):
             os.chdir(cwd)
         os.environ.update(env)

@@ -21,12 +21,14 @@ import dataclasses
 import os
 import sys
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from twinkle.distributed.device_group import DeviceGroup
 from twinkle.distributed.mesh import DeviceMesh
 from twinkle.runtime import controller_restarts
+from twinkle.runtime.actors import GroupWorker
 from twinkle.runtime.ray_cluster import connect, import_ray, local_ranks, passed_environment, place
 from twinkle.utils.errors import UserError
 from twinkle.utils.logger import get_logger
@@ -60,6 +62,7 @@ class Controller:
         self.run: Any = None
         self.seed = 0
         self.default_mesh: DeviceMesh | None = None
+        self.initialize: Callable[..., Any] | None = None  # what each rank calls to set itself up
 
     def group(self, name: str) -> GroupState:
         if name not in self.groups:
@@ -96,8 +99,6 @@ class Controller:
             return
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        from twinkle.runtime.actors import GroupWorker
-
         gpus = 1 if state.kind == "GPU" else 0
         actor = self.ray.remote(num_cpus=1, num_gpus=gpus, max_restarts=0)(GroupWorker)
         state.workers = [
@@ -113,7 +114,7 @@ class Controller:
         locals_ = local_ranks([where[3] for where in state.places])
         run = dataclasses.replace(self.run, lock_output_dir=False)  # the driver holds the lock
         self.wait(state, [
-            w.setup.remote(_env(i, state, locals_[i]), mesh, self.seed, run, os.getcwd())
+            w.setup.remote(_env(i, state, locals_[i]), mesh, self.seed, run, os.getcwd(), self.initialize)
             for i, w in enumerate(state.workers)
         ])  # fmt: skip
         get_logger().info(
@@ -245,8 +246,13 @@ def start(
     run: Any,
     seed: int,
     default_mesh: DeviceMesh | None,
+    initialize: Callable[..., Any],
 ) -> Controller:
-    """Connect, check the groups fit, reserve them; the driver then runs the script."""
+    """Connect, check the groups fit, reserve them; the driver then runs the script.
+
+    ``initialize`` is the runtime's ``initialize``, which each rank's worker calls to set its
+    process up: the runtime starts the controller and hands it over, so neither the controller
+    nor its workers import the runtime module."""
     global _CONTROLLER
     if _CONTROLLER is not None:
         _CONTROLLER.shutdown()
@@ -260,6 +266,7 @@ def start(
     _CONTROLLER = controller
     atexit.register(controller.shutdown)
     controller.run, controller.seed, controller.default_mesh = run, seed, default_mesh
+    controller.initialize = initialize
     check_fit(ray.cluster_resources(), groups)
     for spec in groups:
         kind = _kind(spec)

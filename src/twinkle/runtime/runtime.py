@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from twinkle.distributed.fsdp import release_process_groups
 from twinkle.distributed.mesh import DeviceMesh
-from twinkle.runtime import output_lock, preemption
+from twinkle.runtime import controller, controller_restarts, output_lock, preemption
 from twinkle.runtime.run_config import RunDefaults, take_handed_over
 from twinkle.utils.errors import UserError
 from twinkle.utils.framework import Torch
@@ -120,13 +120,11 @@ def _start_controller(
     mesh: DeviceMesh | None, seed: int | None, run: RunDefaults, hook: Any, how: tuple
 ) -> Runtime:
     """The driver of a single-controller run: a one-process runtime of its own, then the groups."""
-    from twinkle.runtime import controller, controller_restarts
-
     run = controller_restarts.for_attempt(run)  # an attempt's supervisor holds the output lock
     runtime = _start("local", None, seed, None, run, hook)
     runtime.mode = "ray"  # the driver took the output lock above, for the groups' workers too
     groups, nproc_per_node, lazy_collect = how
-    controller.start(groups, nproc_per_node, lazy_collect, run, runtime.seed, mesh)
+    controller.start(groups, nproc_per_node, lazy_collect, run, runtime.seed, mesh, initialize)
     return runtime
 
 
@@ -198,10 +196,8 @@ def shutdown() -> None:
 def get_device_placement() -> str:
     """A readable picture of the mesh: which rank sits where, on which device; under a single
     controller, the device groups, their ranks, processes and devices."""
-    from twinkle.runtime.controller import active
-
-    if active() is not None:
-        return active().placement()
+    if controller.active() is not None:
+        return controller.active().placement()
     rt = get_runtime()
     mesh = rt.mesh
     lines = [f"mode={rt.mode} world_size={rt.world_size} device={rt.device.type} mesh: {mesh.describe()}"]
