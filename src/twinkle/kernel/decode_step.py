@@ -2,11 +2,12 @@
 rotary embedding, cache write, attention, SwiGLU's gate), for ``twinkle.sampler.lean_step``.
 
 With one new position per row these are about forty torch calls a layer that each cost more to
-dispatch than to compute: at batch 1 on SmolLM2-135M about as long as the layer's products.
+dispatch than to compute, together about as long as the layer's products at batch 1.
 ``decode_step.c`` does them in three calls a layer (backend ``native``, built at first use like
 the attention kernel). Its sums run in a fixed order on one thread each, and differ from torch's
 by summation order only (about 1e-6 relative). Chain ``native`` -> ``torch`` (the model's own
-modules, called one by one); ``TWINKLE_NATIVE_DECODE=off`` or a machine without a C compiler
+modules, called one by one), walked once per step by ``LeanStep`` (``registry.dispatch``), whose
+runners call the functions here; ``TWINKLE_NATIVE_DECODE=off`` or a machine without a C compiler
 takes ``torch``."""
 
 import ctypes

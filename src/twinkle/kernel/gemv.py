@@ -3,17 +3,17 @@
 
 A product of one row reads each weight once and does two flops per weight, so its time is the
 time the weights take to stream from memory. Neither library torch ships runs it at that rate on
-every CPU: on a 2-core EPYC Zen 2, MKL streams a 1536 x 576 weight at about 10 GB/s and oneDNN's
-dense product at 10-20 GB/s, against about 25 GB/s for ``gemv.c``, which gives each thread a run
-of weight rows and multiplies each row, once read, by every row of ``x`` (backend ``native``,
-built at first use like the attention kernel). Each output is one thread's sum in a fixed order,
+every CPU (on some, at about half of it); ``gemv.c`` does, as it gives each thread a run of
+weight rows and multiplies each row, once read, by every row of ``x`` (backend ``native``, built
+at first use like the attention kernel). Each output is one thread's sum in a fixed order,
 so the results do not depend on the thread count; they differ from the libraries' by summation
 order (about 1e-6 relative), which moves a sampler's log-probs, not a training loss: training
 never calls this op.
 
 The chain is ``native`` -> ``torch``, where ``torch`` is ``cpu_gemm.few_rows``: oneDNN's dense
-product or MKL's, as measured for the weight's shape on this machine. ``TWINKLE_NATIVE_GEMV=off``
-or a machine without a C compiler takes ``torch``."""
+product or MKL's, as measured for the weight's shape on this machine (``cpu_gemm.faster_here``,
+asked only for calls the kernel does not take). ``TWINKLE_NATIVE_GEMV=off`` or a machine without
+a C compiler takes ``torch``. A sampler's linear layers call ``few_rows`` (``sampler/linears.py``)."""
 
 import ctypes
 from pathlib import Path
@@ -83,18 +83,34 @@ def native(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
     return out
 
 
+def _plain(w: torch.Tensor) -> bool:
+    return (
+        type(w) in (torch.Tensor, torch.nn.Parameter) and w.dtype == torch.float32 and w.device.type == "cpu"
+    )
+
+
 def _library_product(
-    x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, onednn: bool
+    x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, choices: dict[str, bool]
 ) -> torch.Tensor:
+    """Backend ``torch``: ``cpu_gemm.few_rows`` on the library measured faster here for ``w``'s
+    shape at one row ("gemv", for 1-2 rows) or at ``MAX_ROWS`` ("gemv8"), each answer kept in
+    ``choices``."""
+    product = "gemv8" if x.shape[0] > 2 else "gemv"
+    onednn = choices.get(product)
+    if onednn is None:
+        onednn = choices[product] = _plain(w) and cpu_gemm.faster_here(product, w)
     return cpu_gemm.few_rows(x, w, bias, onednn)
 
 
-_RUNNERS = {"native": lambda x, w, bias, onednn: native(x, w, bias), "torch": _library_product}
+_RUNNERS = {"native": lambda x, w, bias, choices: native(x, w, bias), "torch": _library_product}
 
 
 def few_rows(
-    x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, onednn: bool = False
+    x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, choices: dict[str, bool] | None = None
 ) -> torch.Tensor:
-    """``x @ w.T + bias`` for 2-D ``x`` of at most a few rows: the kernel where it takes the call,
-    else ``cpu_gemm.few_rows`` with ``onednn`` (``cpu_gemm.faster_here("gemv", w)``)."""
-    return registry.dispatch(OP, _RUNNERS, x, w, bias, onednn)
+    """``x @ w.T + bias`` for 2-D ``x`` of at most ``MAX_ROWS`` rows, by the first backend of
+    ``decode_gemv``'s chain that takes it: the kernel, else the library measured faster for ``w``
+    (``_library_product``). ``choices``: the caller's record of those measured answers for ``w``
+    (one dict per weight, kept between calls, so each is looked up once per weight); None: a
+    fresh one."""
+    return registry.dispatch(OP, _RUNNERS, x, w, bias, {} if choices is None else choices)

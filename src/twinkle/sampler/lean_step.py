@@ -1,16 +1,17 @@
 """A decoding step of a Llama-family model written out layer by layer, without the model's forward.
 
-One new token per row is a small amount of arithmetic: at batch 1 SmolLM2-135M's step reads its
-513 MiB of weights once, which takes about 20 ms on 2 cores, while the model's own forward spends
-about as long again in Python around them (keyword plumbing, mask building, a cache appended to
-by concatenation). ``LeanStep`` calls the same modules' ``forward`` methods in the same order
+One new token per row is a small amount of arithmetic: at batch 1 a step's time is the time its
+weights take to stream from memory, once each, while the model's own forward spends about as long
+again in Python around the products (keyword plumbing, mask building, a cache appended to by
+concatenation). ``LeanStep`` calls the same modules' ``forward`` methods in the same order
 (norms, projections, the model's own rotary embedding and ``apply_rotary_pos_emb``), attends with
 ``scaled_dot_product_attention`` over a cache written in place (``LeanCache``), and returns the
 last position's logits: the same operations, so the same numbers up to the attention kernel's
-summation order. Where call op ``decode_step`` has its C kernel (fp32 weights, norms that scale
-by their weight, SiLU gates), the work between the products (residual adds and norms, rotation,
-cache write, attention, gate) runs there instead, three calls a layer in place of about forty
-torch ops: the same arithmetic in another summation order (about 1e-6 relative).
+summation order. Each step walks call op ``decode_step``'s chain (``registry.dispatch``): where
+its C kernel takes the model (fp32 weights, norms that scale by their weight, SiLU gates), the
+work between the products (residual adds and norms, rotation, cache write, attention, gate) runs
+there (backend ``native``), three calls a layer in place of about forty torch ops: the same
+arithmetic in another summation order (about 1e-6 relative); else the modules run it (``torch``).
 
 It applies to models whose decoder it reproduces exactly (``LEAN_TYPES``: a causal self-attention
 with rotary embeddings, an MLP of gate, up and down projections, RMS norms) with every projection
@@ -26,7 +27,7 @@ import torch
 from peft.tuners.lora import LoraLayer
 from torch import nn
 
-from twinkle.kernel import decode_step
+from twinkle.kernel import decode_step, registry
 from twinkle.kernel.lora.linear import draw_drop, fusable
 
 LEAN_TYPES = ("llama", "mistral", "qwen2")
@@ -88,9 +89,14 @@ class LeanStep:
         self, ids: torch.Tensor, positions: torch.Tensor, cache: LeanCache, mask: torch.Tensor | None
     ) -> torch.Tensor:
         """``ids``/``positions`` ``(rows, 1)``; ``mask`` ``(rows, cached + 1)`` (1: attend) or None.
-        The new position's fp32 logits ``(rows, vocab)``."""
-        if self.native and decode_step.enabled():
-            return self._native(ids, positions, cache, mask)
+        The new position's fp32 logits ``(rows, vocab)``, by the first backend of call op
+        ``decode_step``'s chain that takes the step."""
+        return registry.dispatch(decode_step.OP, _RUN, self, ids, positions, cache, mask)
+
+    def _modules(
+        self, ids: torch.Tensor, positions: torch.Tensor, cache: LeanCache, mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Backend ``torch``: the step through the model's own modules and SDPA, one by one."""
         rows = ids.shape[0]
         hidden = self.inner.embed_tokens.forward(ids)
         cos, sin = self.inner.rotary_emb.forward(hidden, positions)
@@ -117,9 +123,12 @@ class LeanStep:
 
     def _native(
         self, ids: torch.Tensor, positions: torch.Tensor, cache: LeanCache, mask: torch.Tensor | None
-    ) -> torch.Tensor:
-        """The same step with the work between the products in ``kernel/decode_step.c``: each
-        layer's residual add and norm, rotation, cache write and attention, and gate."""
+    ) -> torch.Tensor | None:
+        """Backend ``native``: the same step with the work between the products in
+        ``kernel/decode_step.c`` (each layer's residual add and norm, rotation, cache write and
+        attention, and gate); None where the kernel does not compute this model or is not usable."""
+        if not (self.native and decode_step.enabled()):
+            return None
         rows = ids.shape[0]
         hidden = self.inner.embed_tokens.forward(ids)
         cos, sin = (
@@ -146,6 +155,9 @@ class LeanStep:
         norm = self.inner.norm
         decode_step.add_rms_norm(hidden, added, norm.weight, norm.variance_epsilon, x)
         return project(self.lm.lm_head, x).float()
+
+
+_RUN = {"native": LeanStep._native, "torch": LeanStep._modules}
 
 
 def project(module: nn.Module, x: torch.Tensor) -> torch.Tensor:

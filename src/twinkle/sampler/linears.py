@@ -32,18 +32,9 @@ def _forward(module: nn.Linear, onednn: dict[str, bool], x: torch.Tensor) -> tor
     w, bias = module.weight, module.bias
     if flat.shape[0] > GEMV_ROWS:
         out = cpu_gemm.linear(flat, w, bias)
-    else:
-        out = gemv.native(flat, w, bias)
-        if out is None:  # the library measured faster at 1 row, or at GEMV_ROWS, asked once per layer
-            product = "gemv8" if flat.shape[0] > 2 else "gemv"
-            if product not in onednn:
-                onednn[product] = _plain(w) and cpu_gemm.faster_here(product, w)
-            out = cpu_gemm.few_rows(flat, w, bias, onednn[product])
+    else:  # the library's measured answers for this layer's weight kept in ``onednn``
+        out = gemv.few_rows(flat, w, bias, onednn)
     return out.reshape(*x.shape[:-1], out.shape[-1])
-
-
-def _plain(w: torch.Tensor) -> bool:
-    return type(w) in (torch.Tensor, nn.Parameter) and w.dtype == torch.float32 and w.device.type == "cpu"
 
 
 def plain_linears(lm: Any) -> list[nn.Linear]:

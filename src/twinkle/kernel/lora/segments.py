@@ -3,18 +3,18 @@ belong to different adapters, all runs of one layer in one call.
 
 For each run ``(start, end, lora_a, lora_b, scale)``, ``add_segments`` adds
 ``scale * (x[start:end] @ lora_a.T) @ lora_b.T`` to ``out[start:end]`` in place. Run by run in
-torch that is two BLAS calls per adapter on about a hundred tokens and a rank of a few rows,
-which the libraries run at a small fraction of the machine's rate (about 30 us a call on a 2-core
-EPYC); ``segments.c`` (backend ``native``, built at first use like the other C kernels) does every
-run in one call, threads over blocks of tokens. Each output is one thread's sum in a fixed order,
-so the result does not depend on the thread count; it differs from torch's by summation order
-(about 1e-6 relative).
+torch that is two BLAS calls per adapter on about a hundred tokens and a rank of a few rows, and
+the libraries' fixed cost per call outweighs that little arithmetic; ``segments.c`` (backend
+``native``, built at first use like the other C kernels) does every run in one call, threads over
+blocks of tokens. Each output is one thread's sum in a fixed order, so the result does not depend
+on the thread count; it differs from torch's by summation order (about 1e-6 relative).
 
-``add_segments`` returns False and leaves ``out`` alone where the kernel does not take the call,
-and the caller runs its own loop (backend ``torch``): no C compiler here, a tensor that is not a
-plain fp32 CPU tensor (a DTensor, say), ``out`` or ``x`` not 2-D and contiguous, shapes that do
-not match, runs outside the row or overlapping, a rank above ``MAX_RANK``, autograd recording
-(grad mode on and an operand that requires grad), or the op's chain without ``native``."""
+``add_segments`` walks the op's chain with ``registry.dispatch``. Backend ``torch`` is the
+caller's own loop (``twinkle.model.lora_modes``): ``add_segments`` returns False and leaves ``out``
+alone where ``native`` does not take the call: no C compiler here, a tensor that is not a plain
+fp32 CPU tensor (a DTensor, say), ``out`` or ``x`` not 2-D and contiguous, shapes that do not
+match, runs outside the row or overlapping, a rank above ``MAX_RANK``, autograd recording (grad
+mode on and an operand that requires grad), or the op's chain without ``native``."""
 
 import ctypes
 from array import array
@@ -67,13 +67,11 @@ def _address(values: array) -> int:
     return values.buffer_info()[0]
 
 
-def add_segments(out: torch.Tensor, x: torch.Tensor, runs: list[Run]) -> bool:
-    """``out[start:end] += scale * (x[start:end] @ lora_a.T) @ lora_b.T`` for every run
-    ``(start, end, lora_a (r, K), lora_b (N, r), scale)`` of ``runs`` (disjoint, in any order),
-    ``out`` (T, N) and ``x`` (T, K) contiguous fp32 CPU tensors; True once done. False, with
-    ``out`` untouched, where the kernel does not take the call (the module's docstring)."""
+def _native(out: torch.Tensor, x: torch.Tensor, runs: list[Run]) -> bool | None:
+    """Backend ``native``: every run in one call of the kernel; True once done, None with ``out``
+    untouched where it does not take the call."""
     if not registry.enabled(OP, "native"):
-        return False
+        return None
     if not (
         _plain_f32(out)
         and _plain_f32(x)
@@ -83,15 +81,15 @@ def add_segments(out: torch.Tensor, x: torch.Tensor, runs: list[Run]) -> bool:
         and x.is_contiguous()
         and out.shape[0] == x.shape[0]
     ):
-        return False
+        return None
     tokens, k = x.shape
     n = out.shape[1]
     grad = torch.is_grad_enabled()
     if grad and (out.requires_grad or x.requires_grad):
-        return False
+        return None
     o0, x0 = out.data_ptr(), x.data_ptr()
     if out.numel() and x.numel() and o0 < x0 + 4 * x.numel() and x0 < o0 + 4 * out.numel():
-        return False  # out would be written while x is read
+        return None  # out would be written while x is read
     starts, ends = array("l"), array("l")
     a_ptrs, b_ptrs = array("L"), array("L")
     ranks, scales = array("i"), array("f")
@@ -100,12 +98,12 @@ def add_segments(out: torch.Tensor, x: torch.Tensor, runs: list[Run]) -> bool:
         if not (
             _plain_f32(lora_a) and _plain_f32(lora_b) and lora_a.dim() == 2 and 0 <= start <= end <= tokens
         ):
-            return False
+            return None
         rank = lora_a.shape[0]
         if not (1 <= rank <= MAX_RANK and lora_a.shape[1] == k and lora_b.shape == (n, rank)):
-            return False
+            return None
         if grad and (lora_a.requires_grad or lora_b.requires_grad):
-            return False
+            return None
         if end == start:
             continue
         if not lora_a.is_contiguous():
@@ -122,7 +120,7 @@ def add_segments(out: torch.Tensor, x: torch.Tensor, runs: list[Run]) -> bool:
         scales.append(scale)
     spans = sorted(zip(starts, ends, strict=True))
     if any(b[0] < a[1] for a, b in pairwise(spans)):  # overlapping runs
-        return False
+        return None
     if not spans:
         return True
     failed = library().twinkle_lora_segments_f32(
@@ -134,3 +132,20 @@ def add_segments(out: torch.Tensor, x: torch.Tensor, runs: list[Run]) -> bool:
     if failed:
         raise RuntimeError(f"LoRA segments: the kernel refused runs segments.py checked ({failed})")
     return True
+
+
+def _caller_loops(out: torch.Tensor, x: torch.Tensor, runs: list[Run]) -> None:
+    """Backend ``torch``: the caller's own loop of two products per run runs instead."""
+    return None
+
+
+_RUN = {"native": _native, "torch": _caller_loops}
+
+
+def add_segments(out: torch.Tensor, x: torch.Tensor, runs: list[Run]) -> bool:
+    """``out[start:end] += scale * (x[start:end] @ lora_a.T) @ lora_b.T`` for every run
+    ``(start, end, lora_a (r, K), lora_b (N, r), scale)`` of ``runs`` (disjoint, in any order),
+    ``out`` (T, N) and ``x`` (T, K) contiguous fp32 CPU tensors, by the first backend of
+    ``lora_segments``'s chain that takes it; True once done. False, with ``out`` untouched, where
+    the chain leaves the call to the caller's loop (backend ``torch``; the module's docstring)."""
+    return registry.dispatch(OP, _RUN, out, x, runs) is not None
