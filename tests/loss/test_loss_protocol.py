@@ -13,13 +13,18 @@ import twinkle.loss.liger_fused_linear_cross_entropy as liger_module
 import twinkle.model.transformers_model as tm
 from twinkle.dataloader import DataLoader
 from twinkle.loss import (
+    LOSSES,
     CrossEntropyLoss,
     FusedLinearCrossEntropyLoss,
+    HeadLoss,
     LigerFusedLinearCrossEntropyLoss,
     Loss,
+    LossView,
     UpstreamLoss,
     as_loss,
 )
+from twinkle.loss.importance_sampling import ImportanceSamplingLoss
+from twinkle.loss.ppo import PPOLoss
 from twinkle.loss.token_weighted_ce import TokenWeightedCrossEntropyLoss
 from twinkle.model.forward import compute_loss
 from twinkle.utils.errors import UserError
@@ -152,7 +157,9 @@ def test_liger_loss_runs_liger_kernel_where_available(monkeypatch):
 
     monkeypatch.setattr(liger_module, "liger_kernel_for", lambda hidden: fake_liger)
     hidden, weight, targets = _rows()
-    out = LigerFusedLinearCrossEntropyLoss(chunk_rows=5).head_loss(hidden, weight, targets)
+    out = LigerFusedLinearCrossEntropyLoss(chunk_rows=5).compute(
+        LossView(targets=targets, hidden=hidden, weight=weight)
+    )
     assert calls == [(IGNORE, "sum")]
     logits = F.linear(hidden, weight).detach()
     assert torch.equal(out.loss_sum, F.cross_entropy(F.linear(hidden, weight), targets, reduction="sum"))
@@ -166,8 +173,9 @@ def test_liger_loss_without_liger_is_twinkles_fused_kernel_bit_for_bit(monkeypat
     monkeypatch.setattr(liger_module, "_liger_function", lambda: None)
     hidden, weight, targets = _rows(1)
     assert liger_module.liger_kernel_for(hidden) is None
-    ours = LigerFusedLinearCrossEntropyLoss(chunk_rows=5).head_loss(hidden, weight, targets)
-    fused = FusedLinearCrossEntropyLoss(chunk_rows=5).head_loss(hidden, weight, targets)
+    view = LossView(targets=targets, hidden=hidden, weight=weight)
+    ours = LigerFusedLinearCrossEntropyLoss(chunk_rows=5).compute(view)
+    fused = FusedLinearCrossEntropyLoss(chunk_rows=5).compute(view)
     assert torch.equal(ours.loss_sum, fused.loss_sum) and torch.equal(ours.num_correct, fused.num_correct)
 
 
@@ -205,3 +213,49 @@ def test_extra_inputs_reach_the_loss_at_its_rows_or_as_they_are():
     del batch["advantages"]
     with pytest.raises(UserError, match=r"the loss upstream needs the batch tensor\(s\) \['advantages'\]"):
         compute_loss(model, batch, upstream)
+
+
+def test_each_loss_implements_one_entry_point():
+    """A ``HeadLoss`` implements ``compute(view)`` (the model's path) and takes upstream's call
+    from ``twinkle.loss.base``; a ``Loss`` of upstream's convention implements ``__call__`` and
+    takes ``compute`` from there."""
+    classes = [*LOSSES.values(), ImportanceSamplingLoss, PPOLoss, TokenWeightedCrossEntropyLoss]
+    for cls in classes:
+        own = {
+            name
+            for klass in cls.__mro__
+            if klass not in (HeadLoss, Loss, object)
+            for name in ("compute", "__call__", "from_outputs", "head_loss", "logits_loss")
+            if name in vars(klass)
+        }
+        assert own == ({"compute"} if issubclass(cls, HeadLoss) else {"__call__"}), cls.__name__
+
+
+def test_upstreams_call_runs_compute_on_the_rows_with_their_extra_inputs():
+    torch.manual_seed(3)
+    labels = torch.randint(0, VOCAB, (3, 6))
+    labels[:, :2] = IGNORE
+    labels[2, 4:] = IGNORE
+    logits = torch.randn(3, 6, VOCAB, requires_grad=True)
+    weights = torch.rand(3, 6) * 2
+    mask = labels != IGNORE
+    per_token = F.cross_entropy(logits[mask], labels[mask], reduction="none")
+    loss = TokenWeightedCrossEntropyLoss()
+    out = loss({"labels": labels, "loss_weights": weights}, {"logits": logits})
+    # the same per-token terms and weights, summed in the same order
+    torch.testing.assert_close(out["loss"], (per_token * weights[mask]).sum(), rtol=1e-6, atol=0)
+    assert out["num_tokens"] == int(mask.sum())
+    per_row = torch.tensor([0.5, 1.0, 2.0])  # one weight per row holds for each of its labels
+    by_row = loss({"labels": labels, "loss_weights": per_row}, {"logits": logits})
+    expected = (per_token * per_row[:, None].expand(3, 6)[mask]).sum()
+    torch.testing.assert_close(by_row["loss"], expected, rtol=1e-6, atol=0)
+    with pytest.raises(UserError, match=r"^TokenWeightedCrossEntropyLoss needs inputs\['loss_weights'\]; "):
+        loss({"labels": labels}, {"logits": logits})
+    with pytest.raises(
+        UserError, match=r"^inputs\['loss_weights'\] has shape \(2,\), but the labels are 3 x 6"
+    ):
+        loss({"labels": labels, "loss_weights": torch.ones(2)}, {"logits": logits})
+    with pytest.raises(UserError, match=r"^TokenWeightedCrossEntropyLoss needs the logits; pass outputs"):
+        loss({"labels": labels, "loss_weights": weights}, {"logps": torch.zeros(3, 6)})
+    with pytest.raises(UserError, match=r"^CrossEntropyLoss needs outputs\['logps'\] or outputs\['logits'\]"):
+        CrossEntropyLoss()({"labels": labels}, {})

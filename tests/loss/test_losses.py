@@ -5,7 +5,13 @@ import torch
 import torch.nn.functional as F
 from tolerances import chain_tolerances, gamma
 
-from twinkle.loss import CrossEntropyLoss, FusedLinearCrossEntropyLoss, build_loss, fused_linear_cross_entropy
+from twinkle.loss import (
+    CrossEntropyLoss,
+    FusedLinearCrossEntropyLoss,
+    LossView,
+    build_loss,
+    fused_linear_cross_entropy,
+)
 from twinkle.loss.fused_linear_ce import auto_chunk_rows
 from twinkle.utils.errors import UserError
 
@@ -43,7 +49,8 @@ def run_fused_fn(hidden, weight, targets, bias, reduction, chunk_rows):
 def run_loss_class(cls):
     def run(hidden, weight, targets, bias, reduction, chunk_rows):
         kwargs = {"chunk_rows": chunk_rows} if cls is FusedLinearCrossEntropyLoss else {}
-        out = cls(reduction=reduction, **kwargs)(hidden, weight, targets, bias)
+        view = LossView(targets=targets, hidden=hidden, weight=weight, bias=bias)
+        out = cls(reduction=reduction, **kwargs).compute(view)
         return out.loss, out.num_correct
 
     return run
@@ -139,7 +146,8 @@ def test_no_supervised_rows(cls, reduction):
     hidden = torch.randn(0, 8, requires_grad=True)
     weight = torch.randn(16, 8, requires_grad=True)
     bias = torch.randn(16, requires_grad=True)
-    out = cls(reduction=reduction)(hidden, weight, torch.zeros(0, dtype=torch.long), bias)
+    view = LossView(targets=torch.zeros(0, dtype=torch.long), hidden=hidden, weight=weight, bias=bias)
+    out = cls(reduction=reduction).compute(view)
     out.loss.backward()
     assert out.loss.item() == 0.0 and out.loss_sum.item() == 0.0
     assert out.num_tokens == 0 and int(out.num_correct) == 0
@@ -151,7 +159,7 @@ def test_no_supervised_rows(cls, reduction):
 def test_loss_sum_is_the_sum_whatever_the_reduction():
     hidden, weight, bias, targets = make_inputs(10, 8, 16, with_bias=False)
     for cls in (CrossEntropyLoss, FusedLinearCrossEntropyLoss):
-        out = cls(reduction="mean")(hidden, weight, targets)
+        out = cls(reduction="mean").compute(LossView(targets=targets, hidden=hidden, weight=weight))
         # the same 10 token losses summed in any order, then divided: 2 gamma(11) relative; a
         # token left out or counted twice is off by about a tenth
         torch.testing.assert_close(out.loss_sum / 10, out.loss, rtol=2 * gamma(11), atol=0)

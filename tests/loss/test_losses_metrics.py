@@ -14,6 +14,7 @@ from twinkle.loss import (
     CrossEntropyLoss,
     FusedLinearCrossEntropyLoss,
     LigerFusedLinearCrossEntropyLoss,
+    LossView,
     MSELoss,
     build_loss,
 )
@@ -104,7 +105,7 @@ def test_ignore_index_and_dft():
     ids=["ce-ignore", "ce-dft", "chunked", "chunked-dft", "liger"],
 )
 def test_the_model_convention_matches_torch(loss):
-    """``loss(hidden, weight, targets)``: hidden states of the supervised rows and the head."""
+    """``loss.compute(view)`` on the model's rows view: hidden states of the supervised rows and the head."""
     g = torch.Generator().manual_seed(2)
     hidden = torch.randn(10, H, generator=g, requires_grad=True)
     weight = torch.randn(V, H, generator=g, requires_grad=True)
@@ -116,7 +117,7 @@ def test_the_model_convention_matches_torch(loss):
         expected = (-(logp.detach().exp()) * logp).sum()
     else:
         expected = F.cross_entropy(logits, targets[keep], reduction="sum")
-    out = loss(hidden, weight, targets)
+    out = loss.compute(LossView(targets=targets, hidden=hidden, weight=weight))
     assert out.num_tokens == int(keep.sum()) and int(out.num_correct) == int(
         (logits.argmax(-1) == targets[keep]).sum()
     )

@@ -25,11 +25,8 @@ class PoisonedLoss(HeadLoss):
             out = dataclasses.replace(out, loss_sum=out.loss_sum * float("nan"))
         return out
 
-    def head_loss(self, *args, **kwargs):
-        return self._poison(self.inner.head_loss(*args, **kwargs))
-
-    def logits_loss(self, *args, **kwargs):
-        return self._poison(self.inner.logits_loss(*args, **kwargs))
+    def compute(self, view):
+        return self._poison(self.inner.compute(view))
 
 
 def _batches(dataset, n: int) -> list[dict]:

@@ -19,16 +19,25 @@ tokens, the token count and the count of correctly predicted tokens for the accu
   (``require_logps``); ``inputs["labels"]`` holds each position's target (already shifted,
   ``-100`` where none), every other batch tensor (extra inputs included) is passed as it is.
 
-A plain callable of upstream's convention is wrapped once into a ``Loss`` (``as_loss``, called
-by ``model.set_loss``). ``HeadLoss`` subclasses can still be called directly either way: a
-tensor first argument is the model's ``head_loss`` convention, a mapping upstream's."""
+A loss implements one entry point, and this module turns it into the other, once for all:
 
-from collections.abc import Callable, Mapping
+- a ``HeadLoss`` implements ``compute(view)``, the model's fast path; called as upstream calls a
+  loss, ``loss(inputs, outputs)``, it runs ``compute`` on the rows view of ``inputs`` and
+  ``outputs`` (``rows_view_of``) and returns ``{"loss", "num_tokens"}`` (``upstream_result``);
+- a ``Loss`` of upstream's convention implements ``__call__(inputs, outputs)``; its
+  ``compute(view)`` hands it the positions view as ``inputs``/``outputs`` and reads the result
+  back into a ``LossOutput`` (``outputs_loss``).
+
+A plain callable of upstream's convention is wrapped once into a ``Loss`` (``as_loss``, called
+by ``model.set_loss``)."""
+
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from twinkle.loss.output import IGNORE_INDEX, LossOutput, top_is_target
 from twinkle.utils.errors import UserError
 
 ROWS = "rows"
@@ -38,7 +47,9 @@ POSITIONS = "positions"
 @dataclass
 class LossView:
     """What the model computed for a loss. For ``rows``: ``targets`` ``(N,)`` and either
-    ``hidden`` ``(N, hidden)`` with ``weight``/``bias``, or ``logits`` ``(N, vocab)`` fp32; and
+    ``hidden`` ``(N, hidden)`` with ``weight``/``bias``, or ``logits`` ``(N, vocab)`` (fp32 from
+    the model), or (called as upstream calls a loss, with ``outputs["logps"]``) only ``logps``
+    ``(N,)``; and
     ``extras`` (name -> ``(N,)``), ``samples`` (``(N,)`` batch rows, None unless required) and
     ``batch``. For ``positions``: ``targets`` ``(B, L)`` (-100 where none), ``logits``
     ``(B, L, vocab)`` fp32, ``logps`` ``(B, L)`` (None unless required) and ``batch``."""
@@ -56,14 +67,21 @@ class LossView:
     # (rows at one position hold the same hidden state and target); None otherwise
     positions: torch.Tensor | None = None
 
+    @property
+    def rows(self) -> int:
+        """The batch's row count, the range of ``samples`` (0 without a batch)."""
+        labels = self.batch.get("labels")
+        return 0 if labels is None else int(labels.shape[0])
+
 
 class Loss:
     """Base of the losses ``model.set_loss`` takes, in upstream's convention (``consumes =
-    "positions"``). ``require_logps``: the model hands the targets' log-probabilities
-    (``outputs["logps"]``); ``require_logits``: it hands the logits too (they are left out
-    otherwise, as they are the largest tensor of the step). ``extra_inputs``: batch keys the loss
-    reads (reference or old log-probs, advantages, pair indices, token weights).
-    ``require_samples``: a ``rows`` loss gets each row's batch row (``LossView.samples``)."""
+    "positions"``): a subclass implements ``__call__(inputs, outputs)``. ``require_logps``: the
+    model hands the targets' log-probabilities (``outputs["logps"]``); ``require_logits``: it
+    hands the logits too (they are left out otherwise, as they are the largest tensor of the
+    step). ``extra_inputs``: batch keys the loss reads (reference or old log-probs, advantages,
+    pair indices, token weights). ``require_samples``: a ``rows`` loss gets each row's batch row
+    (``LossView.samples``)."""
 
     consumes = POSITIONS
     extra_inputs: tuple[str, ...] = ()
@@ -79,10 +97,151 @@ class Loss:
     def __call__(self, inputs: Mapping[str, Any], outputs: Mapping[str, Any], **kwargs: Any) -> Any:
         raise NotImplementedError(f"{type(self).__name__} must implement __call__(inputs, outputs)")
 
-    def compute(self, view: LossView) -> Any:
-        from twinkle.loss.upstream import outputs_loss  # cross_entropy imports this module
-
+    def compute(self, view: LossView) -> LossOutput:
+        """The model's call: ``self(inputs, outputs)`` on the positions view (``outputs_loss``)."""
         return outputs_loss(self, view)
+
+
+class HeadLoss(Loss):
+    """A loss over the supervised rows (``consumes = "rows"``): a subclass implements
+    ``compute(view)``, from the hidden states and the head (``view.hidden``), or from already
+    materialised logits of those rows (``view.logits``: models whose head post-processes its
+    logits, or carries a LoRA). ``reduction`` (``sum`` or ``mean``) decides only the value the
+    loss reports: training always uses the summed loss (``loss_sum``) divided by the supervised
+    tokens of the whole global batch."""
+
+    consumes = ROWS
+    reduction = "sum"
+
+    def compute(self, view: LossView) -> LossOutput:
+        raise NotImplementedError(f"{type(self).__name__} must implement compute(view)")
+
+    def __call__(self, inputs: Mapping[str, Any], outputs: Mapping[str, Any]) -> dict[str, Any]:
+        """Upstream's call (``rows_view_of`` says what ``inputs`` and ``outputs`` may hold):
+        ``{"loss", "num_tokens"}`` as ``upstream_result``."""
+        return upstream_result(self, self.compute(rows_view_of(self, inputs, outputs)))
+
+
+def upstream_result(loss: HeadLoss, out: LossOutput) -> dict[str, Any]:
+    """``out`` in upstream's shape: with ``reduction="sum"`` the summed loss and its count (at
+    least 1); with ``mean`` the mean and ``num_tokens`` 0, upstream's sign of a mean."""
+    if loss.reduction == "sum":
+        return {"loss": out.loss_sum, "num_tokens": max(1, int(out.num_tokens))}
+    return {"loss": out.loss, "num_tokens": 0}
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a parameter FSDP2 shards (a ``DTensor``), else ``tensor``."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+def rows_view_of(loss: Loss, inputs: Mapping[str, Any], outputs: Mapping[str, Any]) -> LossView:
+    """The rows view of upstream's ``inputs``/``outputs``: the positions whose label
+    (``inputs["labels"]``, ``(B, L)``, already shifted) is not -100, in row-major order, each
+    with its sample (``samples``). There the view holds the hidden states and the head when
+    ``outputs["lm_head"]`` holds the head (``outputs["logits"]`` then holds the final hidden
+    states: upstream's fused convention), else the targets' log-probabilities
+    ``outputs["logps"]``, else the logits ``outputs["logits"]``; and each extra input the loss
+    declares, from ``inputs`` (``extra_at_rows``)."""
+    logps, logits, head = outputs.get("logps"), outputs.get("logits"), outputs.get("lm_head")
+    if logps is None and logits is None:
+        raise UserError(f"{loss.name} needs outputs['logps'] or outputs['logits']; pass one of them")
+    given = logps if logps is not None else logits
+    labels = torch.as_tensor(inputs["labels"]).to(given.device)
+    mask = labels != IGNORE_INDEX
+    view = LossView(
+        targets=labels[mask], batch={**inputs, "labels": labels}, samples=mask.nonzero(as_tuple=True)[0]
+    )
+    if head is not None and logits is not None:
+        bias = getattr(head, "bias", None)
+        view.hidden, view.weight = logits[mask], _full(head.weight)
+        view.bias = None if bias is None else _full(bias)
+    elif logps is not None:
+        view.logps = logps[mask]
+    else:
+        view.logits = logits[mask]
+    dtype = logps.dtype if logps is not None else torch.float32
+    view.extras = {
+        name: extra_at_rows(loss, name, inputs.get(name), labels, mask, dtype) for name in loss.extra_inputs
+    }
+    return view
+
+
+def extra_at_rows(
+    loss: Loss, name: str, value: Any, labels: torch.Tensor, mask: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """An extra input's values at the ``mask``ed rows, as ``dtype``: ``value`` per label
+    ``(B, L)``, per row ``(B,)`` or one list per row of the labelled positions' values only."""
+    rows, length = labels.shape
+    if value is None:
+        raise UserError(
+            f"{loss.name} needs inputs[{name!r}]; pass one value per label ({rows}, {length}) or per row ({rows},)"
+        )
+    tensor = torch.as_tensor(align_completion_values(name, value, labels, dtype), dtype=dtype)
+    if tuple(tensor.shape) not in ((rows, length), (rows,)):
+        raise UserError(
+            f"inputs[{name!r}] has shape {tuple(tensor.shape)}, but the labels are {rows} x {length}; pass "
+            f"one value per label ({rows}, {length}) or per row ({rows},)"
+        )
+    tensor = tensor.to(labels.device)
+    return (tensor[:, None].expand(labels.shape) if tensor.dim() == 1 else tensor)[mask]
+
+
+def align_completion_values(
+    name: str, value: Any, labels: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> Any:
+    """``value`` as a ``(B, L)`` tensor aligned with ``labels`` when it is one list per row of
+    only the completion's values (ragged: the sampler's log-probs); anything else unchanged.
+    A row whose list does not have one value per supervised label is a one-line error."""
+    if torch.is_tensor(value) or not isinstance(value, Sequence) or isinstance(value, str):
+        return value
+    if not value or not all(isinstance(row, Sequence | torch.Tensor) for row in value):
+        return value  # per-row scalars: the caller checks their shape
+    rows, length = labels.shape
+    if len(value) == rows and all(len(row) == length for row in value):
+        return value  # already (B, L)
+    if len(value) != rows:
+        raise UserError(f"{name} has {len(value)} rows, but the batch has {rows}; pass one list per row")
+    out = torch.zeros(labels.shape, dtype=dtype)
+    for i, row in enumerate(value):
+        where = (labels[i] != IGNORE_INDEX).nonzero(as_tuple=True)[0].cpu()
+        if len(row) != where.numel():
+            raise UserError(
+                f"{name} row {i} has {len(row)} values, but that row's completion has {where.numel()} "
+                "labelled tokens; pass the sampler's log-probs of that same sequence (one per token)"
+            )
+        out[i, where] = torch.as_tensor(row, dtype=dtype).reshape(-1)
+    return out
+
+
+def outputs_loss(loss_fn: Loss, view: LossView) -> LossOutput:
+    """``loss_fn(inputs, outputs)``: ``inputs`` is the batch with each position's target as
+    ``labels`` (-100 where none); ``outputs`` holds ``logps`` (unless ``loss_fn.require_logps``
+    is False) and ``logits`` (if ``loss_fn.require_logits``), in fp32. A result with a non-zero
+    ``num_tokens`` is a sum over that many tokens; otherwise (a bare scalar, or ``num_tokens``
+    0) it is a mean over the supervised tokens, and its sum is the mean times their count, so
+    training still takes the mean over every supervised token of the global batch."""
+    targets, logits = view.targets, view.logits
+    mask = targets != IGNORE_INDEX
+    outputs: dict[str, Any] = {"logits": logits if loss_fn.require_logits else None}
+    if loss_fn.require_logps:
+        outputs["logps"] = view.logps
+    result = loss_fn({**view.batch, "labels": targets}, outputs)
+    loss = result.get("loss") if isinstance(result, Mapping) else result
+    if not (torch.is_tensor(loss) and loss.numel() == 1):
+        raise UserError(
+            f"the loss {loss_fn.name} returned {type(result).__name__}; "
+            "return a scalar tensor or {'loss': scalar tensor, 'num_tokens': ...}"
+        )
+    loss = loss.reshape(()).float()
+    supervised = int(mask.sum())
+    counted = result.get("num_tokens") if isinstance(result, Mapping) else None
+    if counted is not None and int(counted) != 0:
+        num_tokens, loss_sum = (int(counted) if supervised else 0), loss
+    else:
+        num_tokens, loss_sum = supervised, loss * supervised
+    correct = top_is_target(logits[mask].detach(), targets[mask])
+    return LossOutput(loss=loss, loss_sum=loss_sum, num_tokens=num_tokens, num_correct=correct)
 
 
 class UpstreamLoss(Loss):
@@ -113,39 +272,3 @@ def as_loss(fn: Any) -> Loss:
     if not callable(fn):
         raise UserError(f"the loss {fn!r} is not callable; pass a loss name, class or callable")
     return UpstreamLoss(fn)
-
-
-class HeadLoss(Loss):
-    """A token loss the model computes from hidden states and the head (``head_loss``), or from
-    already materialised logits of the supervised positions (``logits_loss``: models whose head
-    post-processes its logits, or carries a LoRA). ``reduction`` (``sum`` or ``mean``) decides
-    only the value the loss reports: training always uses the summed loss (``loss_sum``)
-    divided by the supervised tokens of the whole global batch."""
-
-    consumes = ROWS
-    reduction = "sum"
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if args and torch.is_tensor(args[0]):
-            return self.head_loss(*args, **kwargs)
-        return self.from_outputs(*args, **kwargs)
-
-    def compute(self, view: LossView) -> Any:
-        if view.hidden is not None:
-            return self.head_loss(view.hidden, view.weight, view.targets, view.bias)
-        return self.logits_loss(view.logits, view.targets)
-
-    def head_loss(
-        self,
-        hidden: torch.Tensor,
-        weight: torch.Tensor,
-        targets: torch.Tensor,
-        bias: torch.Tensor | None = None,
-    ) -> Any:
-        raise NotImplementedError
-
-    def logits_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> Any:
-        raise NotImplementedError
-
-    def from_outputs(self, inputs: Mapping[str, Any], outputs: Mapping[str, Any]) -> dict:
-        raise NotImplementedError

@@ -5,22 +5,21 @@ chunks of ``chunk_size`` rows: the head's logits exist one chunk at a time. With
 the fused kernel does not compute) and on logits it is given, each chunk's softmax runs under
 activation checkpointing, so backward recomputes it instead of keeping every chunk's."""
 
-from collections.abc import Mapping
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from twinkle.loss.base import HeadLoss
+from twinkle.loss.base import HeadLoss, LossView
 from twinkle.loss.cross_entropy import (
     IGNORE_INDEX,
     LossOutput,
-    ce_from_outputs,
     check_reduction,
     dft_loss_sum,
     drop_ignored,
     finish,
+    logps_output,
     top_is_target,
 )
 from twinkle.loss.fused_linear_ce import fused_linear_cross_entropy
@@ -63,12 +62,21 @@ class ChunkedCrossEntropyLoss(HeadLoss):
         self.reduction = check_reduction(reduction)
         self.dft = bool(dft)
 
-    def head_loss(
-        self,
-        hidden: torch.Tensor,
-        weight: torch.Tensor,
-        targets: torch.Tensor,
-        bias: torch.Tensor | None = None,
+    def compute(self, view: LossView) -> LossOutput:
+        if view.hidden is not None:
+            return self._from_head(view.hidden, view.weight, view.bias, view.targets)
+        if view.logits is None:
+            return logps_output(view, self.ignore_index, self.reduction, self.dft)
+        logits, targets = drop_ignored(view.logits, view.targets, self.ignore_index)
+        return self._chunked(
+            lambda a, b: checkpoint(_chunk_loss, logits[a:b], targets[a:b], self.dft, use_reentrant=False),
+            logits,
+            logits,
+            targets,
+        )
+
+    def _from_head(
+        self, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor
     ) -> LossOutput:
         hidden, targets = drop_ignored(hidden, targets, self.ignore_index)
         if not self.dft:
@@ -83,15 +91,6 @@ class ChunkedCrossEntropyLoss(HeadLoss):
             targets,
         )
 
-    def logits_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> LossOutput:
-        logits, targets = drop_ignored(logits, targets, self.ignore_index)
-        return self._chunked(
-            lambda a, b: checkpoint(_chunk_loss, logits[a:b], targets[a:b], self.dft, use_reentrant=False),
-            logits,
-            logits,
-            targets,
-        )
-
     def _chunked(self, run: Any, rows: torch.Tensor, like: torch.Tensor, targets: torch.Tensor) -> LossOutput:
         # an empty chunk list still gives a loss connected to the inputs (zero gradients)
         loss_sum = (rows.sum() * 0 + like.sum() * 0).float()
@@ -101,12 +100,3 @@ class ChunkedCrossEntropyLoss(HeadLoss):
             loss_sum = loss_sum + loss
             correct = correct + right
         return finish(loss_sum, targets.numel(), correct, self.reduction)
-
-    def from_outputs(self, inputs: Mapping[str, Any], outputs: Mapping[str, Any]) -> dict:
-        if outputs.get("logps") is not None or outputs.get("logits") is None:
-            return ce_from_outputs(inputs, outputs, self.ignore_index, self.reduction, self.dft)
-        logits = outputs["logits"]
-        labels = inputs["labels"].reshape(-1).to(logits.device)
-        keep = labels != IGNORE_INDEX
-        out = self.logits_loss(logits.reshape(-1, logits.shape[-1])[keep], labels[keep])
-        return {"loss": out.loss, "num_tokens": max(1, out.num_tokens) if self.reduction == "sum" else 0}

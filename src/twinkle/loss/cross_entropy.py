@@ -6,32 +6,17 @@ supervised (``(N, hidden)``), the head weight (``(vocab, hidden)``) and the targ
 Positions whose label is -100 (prompts, padding) never reach the head: in SFT they are most of
 the tokens, and their logits would be computed only to be thrown away. Called as
 ``loss(inputs, outputs)`` (upstream's convention, see ``twinkle.loss.base``), the same losses
-read ``outputs["logps"]`` or ``outputs["logits"]`` instead."""
-
-from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any
+read those rows of ``outputs["logits"]``, or of ``outputs["logps"]`` (``logps_output``)."""
 
 import torch
 import torch.nn.functional as F
 
-from twinkle.loss.base import HeadLoss
+from twinkle.loss.base import HeadLoss, LossView
 from twinkle.loss.head import head_logits
+from twinkle.loss.output import IGNORE_INDEX, LossOutput, top_is_target
 from twinkle.utils.errors import UserError
 
-IGNORE_INDEX = -100
 REDUCTIONS = ("sum", "mean")
-
-
-@dataclass
-class LossOutput:
-    """``loss`` as the loss function reports it (``reduction``); ``loss_sum`` is always the
-    summed token loss the trainer normalises by the global token count."""
-
-    loss: torch.Tensor
-    loss_sum: torch.Tensor
-    num_tokens: int
-    num_correct: torch.Tensor
 
 
 def check_reduction(reduction: str) -> str:
@@ -43,12 +28,6 @@ def check_reduction(reduction: str) -> str:
 def finish(loss_sum: torch.Tensor, num_tokens: int, num_correct: torch.Tensor, reduction: str) -> LossOutput:
     loss = loss_sum if reduction == "sum" else loss_sum / max(1, num_tokens)
     return LossOutput(loss=loss, loss_sum=loss_sum, num_tokens=num_tokens, num_correct=num_correct)
-
-
-def top_is_target(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """How many rows' target logit is the row's maximum (the accuracy metric's count; a tie at
-    the top counts, where ``argmax`` would pick the first; the fused loss counts the same way)."""
-    return (logits.gather(1, targets[:, None]).squeeze(1) == logits.amax(dim=-1)).sum()
 
 
 def drop_ignored(
@@ -75,28 +54,15 @@ def target_logps(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return logps.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
 
 
-def ce_from_outputs(
-    inputs: Mapping[str, Any], outputs: Mapping[str, Any], ignore_index: int, reduction: str, dft: bool
-) -> dict[str, Any]:
-    """Upstream's convention: ``{"loss", "num_tokens"}`` from ``outputs["logps"]`` (or
-    ``outputs["logits"]``) and the shifted ``inputs["labels"]`` (-100 and ``ignore_index`` are
-    left out). A summed loss reports its token count (at least 1); a mean reports
-    ``num_tokens`` 0, as upstream's losses do."""
-    labels = inputs["labels"]
-    logps = outputs.get("logps")
-    if logps is None:
-        if outputs.get("logits") is None:
-            raise UserError(
-                "a cross-entropy loss needs outputs['logps'] or outputs['logits']; pass one of them"
-            )
-        logps = target_logps(outputs["logits"], labels)
-    mask = (labels != ignore_index) & (labels != IGNORE_INDEX)
+def logps_output(view: LossView, ignore_index: int, reduction: str, dft: bool) -> LossOutput:
+    """The cross-entropy of a view that holds only its rows' target log-probabilities
+    (``view.logps``, upstream's ``outputs["logps"]``): ``-sum(logp)`` (``dft``: each term
+    weighted by its probability, as ``dft_loss_sum``). Without logits no token counts as
+    correct."""
+    logps, targets = drop_ignored(view.logps, view.targets, ignore_index)
     per_token = -(logps.detach().exp()) * logps if dft else -logps
-    total = torch.where(mask, per_token, torch.zeros_like(per_token)).sum()
-    count = mask.sum()
-    if reduction == "sum":
-        return {"loss": total, "num_tokens": count.clamp(min=1)}
-    return {"loss": total / count.clamp(min=1), "num_tokens": 0}
+    correct = torch.zeros((), dtype=torch.long, device=logps.device)
+    return finish(per_token.sum(), targets.numel(), correct, reduction)
 
 
 class CrossEntropyLoss(HeadLoss):
@@ -112,18 +78,13 @@ class CrossEntropyLoss(HeadLoss):
         self.reduction = check_reduction(reduction)
         self.dft = bool(dft)
 
-    def head_loss(
-        self,
-        hidden: torch.Tensor,
-        weight: torch.Tensor,
-        targets: torch.Tensor,
-        bias: torch.Tensor | None = None,
-    ) -> LossOutput:
-        hidden, targets = drop_ignored(hidden, targets, self.ignore_index)
-        return self._loss(head_logits(hidden, weight, bias).float(), targets)
-
-    def logits_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> LossOutput:
-        return self._loss(*drop_ignored(logits, targets, self.ignore_index))
+    def compute(self, view: LossView) -> LossOutput:
+        if view.hidden is not None:
+            hidden, targets = drop_ignored(view.hidden, view.targets, self.ignore_index)
+            return self._loss(head_logits(hidden, view.weight, view.bias).float(), targets)
+        if view.logits is not None:
+            return self._loss(*drop_ignored(view.logits.float(), view.targets, self.ignore_index))
+        return logps_output(view, self.ignore_index, self.reduction, self.dft)
 
     def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> LossOutput:
         if self.dft:
@@ -132,6 +93,3 @@ class CrossEntropyLoss(HeadLoss):
             loss_sum = F.cross_entropy(logits, targets, reduction="sum")
         num_correct = top_is_target(logits.detach(), targets)
         return finish(loss_sum, targets.numel(), num_correct, self.reduction)
-
-    def from_outputs(self, inputs: Mapping[str, Any], outputs: Mapping[str, Any]) -> dict:
-        return ce_from_outputs(inputs, outputs, self.ignore_index, self.reduction, self.dft)

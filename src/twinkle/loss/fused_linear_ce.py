@@ -12,20 +12,17 @@ counts as correct when its target's logit is the row's maximum (a tie at the top
 ``exp(x - max)``, a sum and a division, with the same loss to the last bit: the max's indices
 alone cost about as much as the softmax (``bench/micro/ce_bench.py``)."""
 
-from collections.abc import Mapping
-from typing import Any
-
 import torch
 import torch.nn.functional as F
 
 from twinkle.kernel.cpu_gemm import linear, times_weight
-from twinkle.loss.base import HeadLoss
+from twinkle.loss.base import HeadLoss, LossView
 from twinkle.loss.cross_entropy import (
     IGNORE_INDEX,
     LossOutput,
-    ce_from_outputs,
     check_reduction,
     finish,
+    logps_output,
     top_is_target,
 )
 
@@ -137,37 +134,16 @@ class FusedLinearCrossEntropyLoss(HeadLoss):
         self.reduction = check_reduction(reduction)
         self.chunk_rows = chunk_rows
 
-    def head_loss(
-        self,
-        hidden: torch.Tensor,
-        weight: torch.Tensor,
-        targets: torch.Tensor,
-        bias: torch.Tensor | None = None,
-    ) -> LossOutput:
-        loss_sum, correct = fused_linear_cross_entropy(hidden, weight, targets, bias, self.chunk_rows)
-        return finish(loss_sum, targets.numel(), correct, self.reduction)
-
-    def logits_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> LossOutput:
-        loss_sum = F.cross_entropy(logits, targets, reduction="sum")
-        return finish(loss_sum, targets.numel(), top_is_target(logits.detach(), targets), self.reduction)
-
-    def from_outputs(self, inputs: Mapping[str, Any], outputs: Mapping[str, Any]) -> dict:
-        head = outputs.get("lm_head")
-        if head is None:
-            return ce_from_outputs(inputs, outputs, IGNORE_INDEX, self.reduction, dft=False)
-        return fused_from_outputs(self, inputs["labels"], outputs["logits"], head, IGNORE_INDEX)
-
-
-def fused_from_outputs(
-    loss: HeadLoss, labels: torch.Tensor, hidden: torch.Tensor, head: torch.nn.Module, ignore_index: int
-) -> dict[str, Any]:
-    """Upstream's fused convention: ``hidden`` ``(..., hidden_size)`` and ``labels`` ``(...)``
-    (already shifted) with the head module; ``{"loss", "num_tokens"}`` as ``ce_from_outputs``."""
-    weight = head.weight.full_tensor() if hasattr(head.weight, "full_tensor") else head.weight
-    bias = getattr(head, "bias", None)
-    if bias is not None and hasattr(bias, "full_tensor"):
-        bias = bias.full_tensor()
-    labels = labels.reshape(-1).to(hidden.device)
-    keep = (labels != ignore_index) & (labels != IGNORE_INDEX)
-    out = loss.head_loss(hidden.reshape(-1, hidden.shape[-1])[keep], weight, labels[keep], bias)
-    return {"loss": out.loss, "num_tokens": max(1, out.num_tokens) if loss.reduction == "sum" else 0}
+    def compute(self, view: LossView) -> LossOutput:
+        if view.hidden is not None:
+            loss_sum, correct = fused_linear_cross_entropy(
+                view.hidden, view.weight, view.targets, view.bias, self.chunk_rows
+            )
+            return finish(loss_sum, view.targets.numel(), correct, self.reduction)
+        if view.logits is None:
+            return logps_output(view, IGNORE_INDEX, self.reduction, dft=False)
+        logits = view.logits.float()
+        loss_sum = F.cross_entropy(logits, view.targets, reduction="sum")
+        return finish(
+            loss_sum, view.targets.numel(), top_is_target(logits.detach(), view.targets), self.reduction
+        )

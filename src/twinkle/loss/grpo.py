@@ -31,17 +31,14 @@ clipped tokens for ``CISPOLoss``; clipped completions for ``GSPOLoss``), so the 
 ``clip_fraction`` (``correct_metric``) in place of its token ``accuracy``."""
 
 import math
-from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
 from twinkle.loss.base import ROWS, HeadLoss, LossView
-from twinkle.loss.cross_entropy import IGNORE_INDEX, LossOutput, target_logps
+from twinkle.loss.cross_entropy import LossOutput
 from twinkle.loss.preference import row_logps
 from twinkle.utils.errors import UserError
-
-PER_TOKEN = ("old_logps", "ref_logps")
 
 
 def _check(loss: str, name: str, value: Any, low: float = 0.0, strict: bool = False) -> float:
@@ -52,36 +49,12 @@ def _check(loss: str, name: str, value: Any, low: float = 0.0, strict: bool = Fa
     return float(value)
 
 
-def align_completion_values(
-    name: str, value: Any, labels: torch.Tensor, dtype: torch.dtype = torch.float32
-) -> Any:
-    """``value`` as a ``(B, L)`` tensor aligned with ``labels`` when it is one list per row of
-    only the completion's values (ragged: the sampler's log-probs); anything else unchanged.
-    A row whose list does not have one value per supervised label is a one-line error."""
-    if torch.is_tensor(value) or not isinstance(value, Sequence) or isinstance(value, str):
-        return value
-    if not value or not all(isinstance(row, Sequence | torch.Tensor) for row in value):
-        return value  # per-row scalars: the model checks their shape
-    rows, length = labels.shape
-    if len(value) == rows and all(len(row) == length for row in value):
-        return value  # already (B, L)
-    if len(value) != rows:
-        raise UserError(f"{name} has {len(value)} rows, but the batch has {rows}; pass one list per row")
-    out = torch.zeros(labels.shape, dtype=dtype)
-    for i, row in enumerate(value):
-        where = (labels[i] != IGNORE_INDEX).nonzero(as_tuple=True)[0]
-        if len(row) != where.numel():
-            raise UserError(
-                f"{name} row {i} has {len(row)} values, but that row's completion has {where.numel()} "
-                "labelled tokens; pass the sampler's log-probs of that same sequence (one per token)"
-            )
-        out[i, where] = torch.as_tensor(row, dtype=dtype).reshape(-1)
-    return out
-
-
 class GRPOLoss(HeadLoss):
     """See the module docstring. ``epsilon``: the clip below (``1 - epsilon``) and, unless
-    ``epsilon_high`` is given, above; ``beta``: the KL coefficient (0: no reference needed)."""
+    ``epsilon_high`` is given, above; ``beta``: the KL coefficient (0: no reference needed).
+    Called as upstream calls a loss (``twinkle.loss.base``), ``inputs`` holds ``old_logps``,
+    ``advantages`` and ``ref_logps`` as the step takes them; the result is ``{"loss": summed
+    loss, "num_tokens": its count}``."""
 
     consumes = ROWS
     require_samples = True
@@ -147,14 +120,13 @@ class GRPOLoss(HeadLoss):
     def compute(self, view: LossView) -> LossOutput:
         if view.samples is None:
             raise UserError(f"{self.name} needs each row's sample; run it through model.set_loss")
-        rows = int(view.batch["input_ids"].shape[0]) if view.batch else 0
         extras = view.extras
         return self.from_rows(
             row_logps(view),
             extras["old_logps"],
             extras["advantages"],
             view.samples,
-            rows,
+            view.rows,
             extras.get("ref_logps"),
         )
 
@@ -180,37 +152,6 @@ class GRPOLoss(HeadLoss):
         loss_sum, count = self.sequence_loss(logps, old, adv, ref, samples, rows)
         correct = self.clip_count(logps.detach(), old, adv, samples, rows)
         return LossOutput(loss_sum / max(1, count), loss_sum, count, correct)
-
-    def from_outputs(self, inputs: Mapping[str, Any], outputs: Mapping[str, Any]) -> dict[str, Any]:
-        """Upstream's convention: ``inputs["labels"]`` ``(B, L)`` (-100 where none),
-        ``inputs["old_logps"]``/``["advantages"]``/``["ref_logps"]`` (per label or per row; old
-        log-probs may be ragged, one list per row), ``outputs["logps"]`` aligned with the labels
-        (or ``outputs["logits"]``). Returns ``{"loss": summed loss, "num_tokens": its count}``."""
-        labels = torch.as_tensor(inputs["labels"])
-        logps = outputs.get("logps")
-        if logps is None:
-            if outputs.get("logits") is None:
-                raise UserError(f"{self.name} needs outputs['logps'] or outputs['logits']")
-            logps = target_logps(outputs["logits"], labels)
-        mask = labels != IGNORE_INDEX
-        values = {}
-        for key in self.extra_inputs:
-            if inputs.get(key) is None:
-                raise UserError(f"{self.name} needs inputs[{key!r}]")
-            value = inputs[key]
-            if key in PER_TOKEN:
-                value = align_completion_values(key, value, labels, logps.dtype)
-            value = torch.as_tensor(value, dtype=logps.dtype).to(logps.device)
-            values[key] = (value[:, None].expand(labels.shape) if value.dim() == 1 else value)[mask]
-        out = self.from_rows(
-            logps[mask],
-            values["old_logps"],
-            values["advantages"],
-            mask.nonzero(as_tuple=True)[0],
-            labels.shape[0],
-            values.get("ref_logps"),
-        )
-        return {"loss": out.loss_sum, "num_tokens": out.num_tokens}
 
 
 def _per_row(values: torch.Tensor, samples: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -7,19 +7,21 @@ Tinker SDK's ``importance_sampling`` loss; its gradient is the importance-weight
 gradient. Use it with ``model.set_loss(ImportanceSamplingLoss())`` and
 ``forward_backward(batch, old_logps=..., advantages=...)``."""
 
-from collections.abc import Mapping
-from typing import Any
-
 import torch
 import torch.nn.functional as F
 
 from twinkle.loss.base import HeadLoss, LossView
-from twinkle.loss.cross_entropy import check_reduction, finish, top_is_target
+from twinkle.loss.cross_entropy import LossOutput, check_reduction, finish, top_is_target
 from twinkle.utils.errors import UserError
 
 
-def token_logps(view: LossView) -> tuple[torch.Tensor, torch.Tensor]:
-    """(fp32 logits, log-probability of each target) of the view's supervised rows."""
+def token_logps(view: LossView, loss: str = "this loss") -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp32 logits, log-probability of each target) of the view's supervised rows; a view
+    without logits or hidden states (upstream's ``outputs["logps"]`` alone) is a one-line error."""
+    if view.hidden is None and view.logits is None:
+        raise UserError(
+            f"{loss} needs the logits; pass outputs['logits'] (or the hidden states with outputs['lm_head'])"
+        )
     logits = view.logits
     if view.hidden is not None:
         logits = F.linear(view.hidden, view.weight, view.bias)
@@ -42,14 +44,11 @@ class ImportanceSamplingLoss(HeadLoss):
         """Per-token loss from the probability ratio and the advantages."""
         return -ratio * advantages
 
-    def compute(self, view: LossView) -> Any:
-        logits, logps = token_logps(view)
+    def compute(self, view: LossView) -> LossOutput:
+        logits, logps = token_logps(view, self.name)
         old = view.extras[self.old_key].to(logps.device, torch.float32)
         advantages = view.extras[self.advantages_key].to(logps.device, torch.float32)
         ratio = torch.exp(logps - old)
         loss_sum = self.objective(ratio, advantages).sum()
         correct = top_is_target(logits.detach(), view.targets)
         return finish(loss_sum, view.targets.numel(), correct, self.reduction)
-
-    def from_outputs(self, inputs: Mapping[str, Any], outputs: Mapping[str, Any]) -> dict:
-        raise UserError(f"{type(self).__name__} runs on the model's path only; pass it to model.set_loss")

@@ -15,6 +15,7 @@ from functools import cache
 import torch
 import torch.nn.functional as F
 
+from twinkle.loss.base import LossView
 from twinkle.loss.cross_entropy import IGNORE_INDEX, LossOutput, finish, top_is_target
 from twinkle.loss.fused_linear_ce import FusedLinearCrossEntropyLoss, auto_chunk_rows
 from twinkle.utils.errors import UserError
@@ -89,18 +90,16 @@ class LigerFusedLinearCrossEntropyLoss(FusedLinearCrossEntropyLoss):
                     f"leave it at {default!r}"
                 )
         super().__init__(reduction=reduction, chunk_rows=chunk_rows)
+        self.ignore_index, self.label_smoothing, self.softcap = ignore_index, label_smoothing, softcap
 
-    def head_loss(
-        self,
-        hidden: torch.Tensor,
-        weight: torch.Tensor,
-        targets: torch.Tensor,
-        bias: torch.Tensor | None = None,
-    ) -> LossOutput:
+    def compute(self, view: LossView) -> LossOutput:
+        if view.hidden is None:  # logits or log-probabilities: plain cross-entropy
+            return super().compute(view)
+        hidden, weight, targets, bias = view.hidden, view.weight, view.targets, view.bias
         kernel = liger_kernel_for(hidden) if hidden.shape[0] else None
         if kernel is None:
             _log_choice("twinkle's chunked fused kernel (liger-kernel not installed or not on CUDA)")
-            return super().head_loss(hidden, weight, targets, bias)
+            return super().compute(view)
         _log_choice("liger-kernel's fused linear cross-entropy")
         out = kernel(hidden, weight, targets, bias=bias, ignore_index=IGNORE_INDEX, reduction="sum")
         loss_sum = (out[0] if isinstance(out, tuple) else out).float()

@@ -14,15 +14,13 @@ An NLL term on the chosen row (``CPOLoss``, ``ORPOLoss``, ``DPOLoss(sft_weight=)
 token negative log-likelihood, one value per pair, so it too is a mean over pairs."""
 
 import math
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from twinkle.loss.base import ROWS, HeadLoss, LossView
-from twinkle.loss.cross_entropy import IGNORE_INDEX, LossOutput, target_logps
+from twinkle.loss.cross_entropy import LossOutput
 from twinkle.loss.head_logps import head_logps
 from twinkle.utils.errors import UserError
 
@@ -63,7 +61,11 @@ def check_non_negative(loss: str, name: str, value: float) -> float:
 
 
 def row_logps(view: LossView) -> torch.Tensor:
-    """Each supervised row's target log-probability, fp32, with the graph to the policy."""
+    """Each supervised row's target log-probability, with the graph to the policy: ``view.logps``
+    when the view holds them, else computed in fp32 from the hidden states and the head, or from
+    the logits."""
+    if view.logps is not None:
+        return view.logps
     if view.hidden is not None:
         return head_logps(view.hidden, view.weight, view.targets, view.bias)
     return -F.cross_entropy(view.logits.float(), view.targets, reduction="none")
@@ -83,7 +85,9 @@ class PreferenceLoss(HeadLoss):
     """The pair bookkeeping shared by the preference losses; a subclass implements
     ``pair_losses(pairs) -> (loss per pair, preference logit per pair)`` and declares
     ``extra_inputs = ("ref_logps",)`` when it reads the reference's log-probabilities (per label,
-    ``(B, L)`` aligned with ``labels``: ``model.forward_only(...)["logps"]``)."""
+    ``(B, L)`` aligned with ``labels``: ``model.forward_only(...)["logps"]``). Called as upstream
+    calls a loss (``twinkle.loss.base``), ``outputs["logps"]`` is ``(B, L)`` aligned with
+    ``inputs["labels"]`` and the result is ``{"loss": summed pair loss, "num_tokens": pairs}``."""
 
     consumes = ROWS
     require_samples = True
@@ -95,8 +99,7 @@ class PreferenceLoss(HeadLoss):
     def compute(self, view: LossView) -> PreferenceOutput:
         if view.samples is None:
             raise UserError(f"{self.name} needs each row's sample; run it through model.set_loss")
-        rows = int(view.batch["input_ids"].shape[0]) if view.batch else 0
-        return self.from_rows(row_logps(view), view.samples, rows, view.extras.get("ref_logps"))
+        return self.from_rows(row_logps(view), view.samples, view.rows, view.extras.get("ref_logps"))
 
     def from_rows(
         self, logps: torch.Tensor, samples: torch.Tensor, rows: int, ref: torch.Tensor | None = None
@@ -139,26 +142,6 @@ class PreferenceLoss(HeadLoss):
             ref_sums = torch.zeros_like(sums).index_add(0, samples, ref)
             pairs.ref_chosen, pairs.ref_rejected = ref_sums[0::2], ref_sums[1::2]
         return pairs
-
-    def from_outputs(self, inputs: Mapping[str, Any], outputs: Mapping[str, Any]) -> dict[str, Any]:
-        """Upstream's convention: ``inputs["labels"]`` ``(B, L)`` (-100 where none), ``outputs``
-        with ``logps`` ``(B, L)`` aligned with them (or ``logits``), ``inputs["ref_logps"]``
-        aligned the same way when the loss reads it. Returns ``{"loss": summed pair loss,
-        "num_tokens": pairs}``."""
-        labels = inputs["labels"]
-        logps = outputs.get("logps")
-        if logps is None:
-            if outputs.get("logits") is None:
-                raise UserError(f"{self.name} needs outputs['logps'] or outputs['logits']")
-            logps = target_logps(outputs["logits"], labels)
-        mask = labels != IGNORE_INDEX
-        ref = inputs.get("ref_logps") if "ref_logps" in self.extra_inputs else None
-        if "ref_logps" in self.extra_inputs and ref is None:
-            raise UserError(f"{self.name} needs inputs['ref_logps'] (the reference's log-probs)")
-        out = self.from_rows(
-            logps[mask], mask.nonzero(as_tuple=True)[0], labels.shape[0], None if ref is None else ref[mask]
-        )
-        return {"loss": out.loss_sum, "num_tokens": out.num_tokens}
 
 
 class SimPOLoss(PreferenceLoss):

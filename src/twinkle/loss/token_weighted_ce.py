@@ -5,15 +5,11 @@ The weights come with the batch as ``loss_weights`` (``(batch, seq)`` floats ali
 model hands this loss the weights of the supervised rows (``extra_inputs``, see
 ``twinkle.loss.base``). Use it with ``model.set_loss(TokenWeightedCrossEntropyLoss)``."""
 
-from collections.abc import Mapping
-from typing import Any
-
 import torch
-import torch.nn.functional as F
 
 from twinkle.loss.base import HeadLoss, LossView
 from twinkle.loss.cross_entropy import LossOutput, check_reduction, finish, top_is_target
-from twinkle.utils.errors import UserError
+from twinkle.loss.importance_sampling import token_logps
 
 
 class TokenWeightedCrossEntropyLoss(HeadLoss):
@@ -27,17 +23,8 @@ class TokenWeightedCrossEntropyLoss(HeadLoss):
         self.extra_inputs = (weight_key,)
 
     def compute(self, view: LossView) -> LossOutput:
-        logits = view.logits
-        if view.hidden is not None:
-            logits = F.linear(view.hidden, view.weight, view.bias)
-        logits = logits.float()
+        logits, logps = token_logps(view, self.name)
         weights = view.extras[self.weight_key].to(logits.device, torch.float32)
-        per_token = F.cross_entropy(logits, view.targets, reduction="none")
-        loss_sum = (per_token * weights).sum()
+        loss_sum = (-logps * weights).sum()
         correct = top_is_target(logits.detach(), view.targets)
         return finish(loss_sum, view.targets.numel(), correct, self.reduction)
-
-    def from_outputs(self, inputs: Mapping[str, Any], outputs: Mapping[str, Any]) -> dict:
-        raise UserError(
-            "TokenWeightedCrossEntropyLoss runs on the model's path only; pass it to model.set_loss"
-        )

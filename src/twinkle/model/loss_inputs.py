@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from twinkle.distributed.collectives import all_reduce_max
-from twinkle.loss.grpo import align_completion_values
+from twinkle.loss.base import align_completion_values
 from twinkle.loss.preference import PreferenceLoss
 from twinkle.template.base import IGNORE_INDEX
 from twinkle.utils.errors import UserError
