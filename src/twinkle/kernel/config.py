@@ -2,7 +2,7 @@
 ``DEFAULT_CALL_CHAINS``: call op -> its backends, in the order they are tried.
 
 The ``torch`` backend closes a chain where it measurably beat the original module on CPU
-(``rms_norm``: about 2x), or kept less at the same step time (``swiglu_mlp``: without LoRA one
+(``rms_norm``: about twice as fast), or kept less at the same step time (``swiglu_mlp``: without LoRA one
 activation less per layer; with LoRA on its projections one node; see ``README.md``).
 ``lora_attention`` has only the torch backend: with LoRA on q/k/v, one node for the projections
 and the rotary embedding (design note 22); without, the class's forward."""

@@ -274,9 +274,9 @@ def faster_here(product: str, w: torch.Tensor) -> bool:
     ``TWINKLE_ONEDNN=on`` (the default), never with ``off``; in ``auto``, as measured
     (``_measure``) once per machine and shape and kept in ``<cache>/gemm/``, so every run that
     reads that file computes the same sums. "gemv" and "gemv8", a decoding step's products of a
-    few rows, are measured so in ``on`` too: neither library wins it on every CPU (on a 2-core Zen 2 oneDNN's
-    dense product of one row by 1536 x 576 weights takes half of MKL's time; elsewhere MKL beat
-    oneDNN's packed copies 2x), and it only changes a sampler's sums (about 1e-6)."""
+    few rows, are measured so in ``on`` too: neither library wins it on every CPU (on some,
+    oneDNN's dense product of one row takes about half of MKL's time; on others MKL wins), and it
+    only changes a sampler's sums (about 1e-6)."""
     mode = _mode()
     if mode == "off" or (mode == "on" and product not in FEW_ROWS):
         return mode == "on"

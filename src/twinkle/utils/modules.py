@@ -3,8 +3,7 @@ that sets each module's flag directly.
 
 ``model.modules()`` walks every module (thousands with LoRA on all linears), and ``model.train()``
 sets each flag through ``Module.__setattr__``, which checks the parameter, buffer and module
-tables first: about 10 ms a switch for SmolLM2 with LoRA on a 2-core CPU. A DPO step asks for
-both a few times (the reference pass in eval mode, the policy's in train mode), and so does every
+tables first: a switch pays that for each of those modules. A DPO step asks for both a few times (the reference pass in eval mode, the policy's in train mode), and so does every
 evaluation.
 
 ``modules(root)`` keeps the list until a module of a kept list gets a child (torch's global

@@ -1,8 +1,8 @@
 """A packed row's attention on the CPU from a small C kernel, forward and backward.
 
-torch's CPU flash kernel has a fixed cost per call and splits its backward by key/value head (3
-for SmolLM2, on 2 cores); the batched products of ``batched`` pay for padding and a
-dozen ops a layer. ``segment_attention.c`` runs the whole row in one call each way:
+torch's CPU flash kernel has a fixed cost per call and splits its backward by key/value head,
+and a model's few key/value heads share out unevenly over the threads; the batched products of
+``batched`` pay for padding and a dozen ops a layer. ``segment_attention.c`` runs the whole row in one call each way:
 every (segment, key/value head) is a task of tiled products and a softmax over exactly the keys
 each query sees, on torch's own OpenMP threads (the library links the ``libgomp`` torch has
 loaded, so no second thread pool competes for the cores). Each task keeps its keys' gradients
@@ -11,9 +11,9 @@ count. They equal the flash kernel's up to summation order (~1e-6 relative).
 
 It is first in the ``packed_attention`` chain because it beats the path each row takes without
 it, short rows and long (``bench/micro/attention_bench.py``, forward + backward; design note 15).
-Built for AVX-512 (16-float vectors, tiles of 8 x 16) it runs up to about twice as fast as on
-8-float vectors (AVX2), where a row of one long sample, which splits only by query head, keeps
-the flash calls (``usable``).
+Built for 16-float vectors (tiles of 8 x 16) where the CPU has them, it runs up to about twice
+as fast as on 8-float vectors, where a row of one long sample, which splits only by query head,
+keeps the flash calls (``usable``).
 
 The library is built at first use by ``kernel/native_build.py`` (the system's C compiler,
 ``-O3 -march=native``, cached). Without a compiler, OpenMP or a writable cache it is not used,
@@ -89,7 +89,7 @@ registry.register_call(
 
 
 def lanes() -> int:
-    """Floats in the vectors the built kernel runs (16 with AVX-512, else 8)."""
+    """Floats in the vectors the built kernel runs (16 where the CPU has them, else 8)."""
     return library().twinkle_attention_lanes()
 
 

@@ -1,8 +1,8 @@
 """Causal attention of a packed row's samples on the CPU, backward spread over the cores.
 
 torch's CPU flash kernel splits its backward over the threads by key/value head, and a few
-key/value heads do not share out evenly over the cores (SmolLM2's 3 over 2 cores: its backward
-gains ~1.45x from the second thread, where the forward gains more). Here the forward is the
+key/value heads do not share out evenly over the threads (three heads over two threads, say: its
+backward then gains much less from the second thread than the forward does). Here the forward is the
 kernel's own, once per sample on all threads. The backward runs one single-threaded kernel call per
 (sample, query head) on a pool of one-thread workers, one per thread torch may use, longest first.
 Each call's gradients are whole; a key/value head's gradient is the sum of its query heads' parts,

@@ -16,8 +16,8 @@ would draw: the same distribution, another stream.
 On the CPU in fp32 the nodes never write the masked input out: ``masked_low`` masks each row
 into a scratch row and multiplies it by the adapter's A at once, and ``masked_input_grads``
 computes A's gradient and adds the branch's share of x's gradient in one pass over x. The
-forward keeps the mask as bits (1/32 of the fp32 input) for that pass: hashing again cost
-backward 40% more time. Elsewhere backward recomputes the mask from the seed and nothing is
+forward keeps the mask as bits (1/32 of the fp32 input) for that pass, which reads them faster
+than it could hash the mask again. Elsewhere backward recomputes the mask from the seed and nothing is
 kept."""
 
 import ctypes
