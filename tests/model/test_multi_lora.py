@@ -210,7 +210,7 @@ def _assert_each_row_alone(model, batch, names) -> torch.Tensor:
             model.forward_only(one, adapter_name="a", disable_lora=True)
             alone = model.last_outputs["logps"]
         else:
-            model._activate(name)
+            model.adapters.activate(name)
             with torch.no_grad():
                 inputs = {k: one[k] for k in ("input_ids", "attention_mask", "position_ids") if k in one}
                 alone = label_logps(lm(**inputs).logits, one)
@@ -289,7 +289,7 @@ def test_saved_adapters_load_in_peft(tiny_model_dir, batches, interleaved, tmp_p
         folder = model.save(f"{name}-final", output_dir=str(tmp_path), adapter_name=name)
         config = json.loads((folder / "adapter_config.json").read_text())
         assert config["r"] == SPECS[name]["config"]["r"]
-        model._activate(name)
+        model.adapters.activate(name)
         with torch.no_grad():
             ours = lm(**inputs).logits
         base = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), torch_dtype=torch.float32)

@@ -14,13 +14,13 @@ from twinkle.checkpoint import (
     rotate_checkpoints,
     save_checkpoint,
 )
-from twinkle.checkpoint.load import load_adapter_weights, load_state_parts
-from twinkle.checkpoint.save import full_adapter_state
+from twinkle.checkpoint.load import load_state_parts
 from twinkle.distributed.collectives import all_reduce_sum
+from twinkle.loss.registry import loss_record
 from twinkle.metric import report
 from twinkle.model.lora import lora_signature
 from twinkle.model.resume import check_resumable, fast_forward_scheduler
-from twinkle.model.step import local_grad, restore_grad
+from twinkle.model.step import local_grad
 from twinkle.model.train_state import OptimizerGroup
 from twinkle.runtime import preemption
 from twinkle.utils.errors import UserError
@@ -30,7 +30,8 @@ logger = get_logger()
 
 
 class Checkpoints:
-    """Mixed into ``TransformersModel`` (which provides ``model``, ``runtime``, ``_group``, ...)."""
+    """Mixed into ``TransformersModel`` (which provides ``model``, ``tokenizer``, ``runtime``,
+    ``adapters``, ``_group``, ...); ``save_and_exit`` is what the step calls on a SIGTERM."""
 
     def _trainer_state(self, group: OptimizerGroup, consumed_train_samples: int) -> dict[str, Any]:
         return {
@@ -41,29 +42,10 @@ class Checkpoints:
             "model_path": str(self.model_path),
             "base_model": self.model_id or "bundled:SmolLM2-135M-Instruct",
             "base_dtype": str(next(p.dtype for p in self.model.parameters() if not p.requires_grad)),
-            "lora": lora_signature(self._lora_config(group)),
-            # what the adapter was trained with: ``twinkle eval`` evaluates a DPO one on pairs
-            **({"loss": type(group.loss_fn).__name__} if group.loss_fn is not None else {}),
+            "lora": lora_signature(self.adapters.lora_config(group.adapter_name)),
+            # the loss it was trained with and its arguments: ``twinkle eval`` rebuilds it
+            **(loss_record(group.loss_fn) if group.loss_fn is not None else {}),
         }
-
-    # What a model whose adapters live in slots (``twinkle.model.multi_lora``) replaces: the
-    # adapter's LoRA config, its weights as saved, its parameters and how saved weights load.
-    def _lora_config(self, group: OptimizerGroup) -> Any:
-        return self.model.peft_config[group.adapter_name]
-
-    def _adapter_export(self, group: OptimizerGroup) -> tuple[dict[str, torch.Tensor], Any] | None:
-        return None  # the save writes PEFT's state of the adapter
-
-    def _window_params(self, group: OptimizerGroup) -> Any:
-        return self.model.named_parameters()
-
-    def _restore_window_grads(self, group: OptimizerGroup, grads: dict[str, torch.Tensor]) -> None:
-        params = dict(self.model.named_parameters())
-        for n, g in grads.items():  # names and shapes checked when the file was read
-            restore_grad(params[n], g)
-
-    def _load_weights(self, folder: Path, group: OptimizerGroup) -> None:
-        load_adapter_weights(self.model, folder, group.adapter_name)  # checked against the marker
 
     def save(
         self,
@@ -87,6 +69,7 @@ class Checkpoints:
         deleted, except the newest, the one with the lowest stored metric and those in ``keep``
         (``twinkle.checkpoint.rotate_checkpoints``)."""
         group = self._group(adapter_name)
+        self.adapters.activate(group.adapter_name)  # the saved RNG state is this adapter's stream
         if not isinstance(interval, int) or interval < 1:
             raise UserError(
                 f"save(interval={interval!r}): interval must be a positive integer (1 saves every call)"
@@ -108,7 +91,8 @@ class Checkpoints:
             ) from exc
         grads = {}
         if group.window_batches:  # an open accumulation window: keep its partial gradients
-            grads = {n: local_grad(p) for n, p in self._window_params(group) if p.grad is not None}
+            params = self.adapters.window_params(group.adapter_name)
+            grads = {n: local_grad(p) for n, p in params if p.grad is not None}
         path = save_checkpoint(
             out / name,
             model=self.model,
@@ -119,7 +103,7 @@ class Checkpoints:
             save_optimizer=save_optimizer,
             rank=self.runtime.rank,
             grads=grads,
-            export=self._adapter_export(group),
+            export=self.adapters.export(group.adapter_name),
         )
         logger.info(f"saved checkpoint {path}")
         report.on_save(self.runtime, group, path)  # the run summary names it (twinkle.metric.report)
@@ -131,7 +115,11 @@ class Checkpoints:
     def resume_from_checkpoint(
         self, checkpoint_dir: str, resume_only_model: bool = False, adapter_name: str | None = None
     ) -> dict[str, int]:
+        """Restore adapter ``adapter_name`` from ``checkpoint_dir`` (``resume_only_model``: its
+        weights only, the step counters kept); other adapters keep their weights, state and open
+        windows. Returns ``{"consumed_train_samples", "cur_step"}``."""
         group = self._group(adapter_name)
+        self.adapters.activate(group.adapter_name)  # the restored RNG state becomes its stream
         folder = Path(checkpoint_dir).expanduser()
         state = read_trainer_state(folder)
         layout.require_fields(
@@ -149,7 +137,7 @@ class Checkpoints:
             group=group,
             rank=self.runtime.rank,
             only_model=resume_only_model,
-            load_weights=lambda f: self._load_weights(f, group),
+            load_weights=lambda f: self.adapters.load_weights(f, group.adapter_name),
         )
         if resume_only_model:
             # Fresh optimizer state, but the run keeps its place: the step counters continue and
@@ -162,7 +150,7 @@ class Checkpoints:
             # trainer_state.json holds rank 0's count of the open window; each rank needs its own,
             # or the step divides the window's gradients by the wrong global token count.
             group.window_tokens = int(window.get("window_tokens", group.window_tokens))
-            self._restore_window_grads(group, window["grads"])
+            self.adapters.restore_window_grads(group.adapter_name, window["grads"])
         if group.optimizer is not None:
             group.optimizer.sync_copies()
         group.resumed_samples, group.local_samples = int(state["consumed_train_samples"]), 0
@@ -207,7 +195,7 @@ class Checkpoints:
             )
         if load_optimizer:  # checked, read as data and loaded before the weights are replaced
             load_state_parts(folder, group)
-        self._load_weights(folder, group)
+        self.adapters.load_weights(folder, group.adapter_name)
         if group.optimizer is not None:
             group.optimizer.sync_copies()
         logger.info(f"loaded adapter {group.adapter_name!r} from {folder}")
@@ -222,7 +210,7 @@ class Checkpoints:
             raise UserError(
                 f"{folder / layout.ADAPTER_CONFIG} is not a LoRA config this PEFT reads ({exc})"
             ) from exc
-        current = lora_signature(self._lora_config(group))
+        current = lora_signature(self.adapters.lora_config(group.adapter_name))
         if saved != current:
             raise UserError(
                 f"{folder} holds a LoRA adapter {saved}, adapter {group.adapter_name!r} is {current}; "
@@ -233,20 +221,19 @@ class Checkpoints:
         """The adapter's weights, full size on the CPU, under the names of its
         ``adapter_model.safetensors`` (PEFT's, without the adapter name). Under FSDP every rank
         must call it (the shards are gathered)."""
-        group = self._group(adapter_name)
-        export = self._adapter_export(group)
-        return full_adapter_state(self.model, group.adapter_name) if export is None else export[0]
+        return self.adapters.state_dict(self._group(adapter_name).adapter_name)
 
-    def _save_and_exit(self, group: OptimizerGroup) -> None:
-        """Preempted (SIGTERM): save ``checkpoint-<step>`` under the run's output dir and exit
-        with ``PREEMPTED_EXIT_CODE``; ``--resume-from-checkpoint auto`` continues from it."""
-        (samples,) = all_reduce_sum([group.local_samples])
-        output_dir = self.runtime.defaults.output_dir
-        logger.warning(f"SIGTERM: saving checkpoint-{group.cur_step} under {output_dir} and exiting")
-        self.save(
-            f"checkpoint-{group.cur_step}",
-            output_dir=output_dir,
-            adapter_name=group.adapter_name,
-            consumed_train_samples=group.resumed_samples + int(samples),
-        )
-        raise SystemExit(preemption.PREEMPTED_EXIT_CODE)
+
+def save_and_exit(model: Any, group: OptimizerGroup) -> None:
+    """Preempted (SIGTERM): ``model.save`` ``checkpoint-<step>`` under the run's output dir and exit
+    with ``PREEMPTED_EXIT_CODE``; ``--resume-from-checkpoint auto`` continues from it."""
+    (samples,) = all_reduce_sum([group.local_samples])
+    output_dir = model.runtime.defaults.output_dir
+    logger.warning(f"SIGTERM: saving checkpoint-{group.cur_step} under {output_dir} and exiting")
+    model.save(
+        f"checkpoint-{group.cur_step}",
+        output_dir=output_dir,
+        adapter_name=group.adapter_name,
+        consumed_train_samples=group.resumed_samples + int(samples),
+    )
+    raise SystemExit(preemption.PREEMPTED_EXIT_CODE)

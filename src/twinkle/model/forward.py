@@ -7,7 +7,9 @@ inner decoder) keeps FSDP2's root hooks in play, which gather the embedding and 
 
 A loss of upstream's convention (``consumes = "positions"``: ``loss(inputs, outputs)``, any
 callable that is not a ``twinkle.loss.HeadLoss``) gets the real logits instead
-(``positions_view``)."""
+(``positions_view``).
+
+``task_loss`` is the loss a step runs for its ``task``, ``batch_on_device`` the batch it runs on."""
 
 import contextlib
 from collections.abc import Iterator, Mapping, Sequence
@@ -16,12 +18,16 @@ from typing import Any
 import torch
 
 from twinkle.kernel.lora.linear import plain_linear
-from twinkle.loss import LossOutput
+from twinkle.loss import FusedLinearCrossEntropyLoss, HeadLoss, LossOutput
 from twinkle.loss.base import POSITIONS, Loss, LossView, as_loss
 from twinkle.loss.cross_entropy import target_logps
 from twinkle.model.packing import can_pack, pack, shifted_targets
 from twinkle.template.base import IGNORE_INDEX
 from twinkle.utils.errors import UserError
+from twinkle.utils.logger import get_logger
+
+TASKS = ("causal_lm", "fused_lm_ce")
+logger = get_logger()
 
 
 def causal_lm_of(model: Any) -> Any:
@@ -191,3 +197,47 @@ def positions_view(lm: Any, batch: dict[str, torch.Tensor], loss: Loss) -> LossV
     logits = lm(**model_inputs, use_cache=False).logits.float()
     logps = target_logps(logits, targets) if loss.require_logps else None
     return LossView(targets=targets, logits=logits, logps=logps, batch=batch)
+
+
+def batch_on_device(
+    inputs: dict[str, torch.Tensor], device: torch.device, tokenizer: Any
+) -> dict[str, torch.Tensor]:
+    """The batch's tensors on ``device``; an empty one is one pad token without a label."""
+    batch = {k: v.to(device, non_blocking=True) for k, v in inputs.items() if torch.is_tensor(v)}
+    if batch["input_ids"].shape[0] == 0:
+        # This rank's share of a short last batch is empty, but under FSDP it must still join
+        # every collective: run one pad token that carries no label.
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        one = torch.ones((1, 1), dtype=torch.long, device=device)
+        batch = {
+            "input_ids": one * pad,
+            "labels": one * IGNORE_INDEX,
+            "attention_mask": one,
+            "position_ids": one * 0,
+        }
+    return batch
+
+
+def task_loss(group: Any, task: str) -> Any:
+    """The loss ``group`` computes for ``task`` (``TASKS``): its own, or for ``fused_lm_ce`` the
+    fused cross-entropy that replaces it (once; ``UserError`` when it cannot)."""
+    if task not in TASKS:
+        raise UserError(f"unknown task {task!r}; valid tasks: {', '.join(TASKS)}")
+    loss = group.loss_fn
+    if task == "fused_lm_ce" and not isinstance(loss, FusedLinearCrossEntropyLoss):
+        # the fused loss computes plain cross-entropy on every supervised token, nothing else
+        unfusable = not isinstance(loss, HeadLoss) or getattr(loss, "dft", False)
+        unfusable = unfusable or bool(loss.extra_inputs) or loss.require_samples  # weights, pairs
+        if unfusable or getattr(loss, "ignore_index", IGNORE_INDEX) != IGNORE_INDEX:
+            raise UserError(
+                f"task='fused_lm_ce' replaces the loss by FusedLinearCrossEntropyLoss, which cannot compute "
+                f"{getattr(loss, 'name', type(loss).__name__)} as it is set; use task='causal_lm'"
+            )
+        logger.info(
+            "task='fused_lm_ce': %s(reduction=%r) replaced by FusedLinearCrossEntropyLoss (the same "
+            "cross-entropy, one chunk of logits at a time)",
+            type(loss).__name__,
+            loss.reduction,
+        )
+        group.loss_fn = FusedLinearCrossEntropyLoss(reduction=loss.reduction)
+    return group.loss_fn

@@ -62,7 +62,8 @@ def _pad_token_id(tokenizer: Any) -> int:
 
 
 class InputsAPI:
-    """Mixed into ``TransformersModel`` (which provides ``tokenizer``, ``runtime``, ``_group``)."""
+    """Mixed into ``TransformersModel`` (which provides ``tokenizer``, ``runtime``, ``_group``,
+    ``padding_free``, ``template_defaults``); ``prepare_inputs`` is what the steps call."""
 
     def set_template(
         self,
@@ -74,7 +75,9 @@ class InputsAPI:
         """The template that encodes raw rows for ``adapter_name``: a name (``twinkle.template.
         TEMPLATES``), a ``Template`` subclass or instance. ``kwargs`` reach its constructor
         (``max_length``, ``truncation_strategy``, ``enable_thinking``, ...); its tokenizer is
-        the model's, or ``model_id``'s when given."""
+        the model's, or ``model_id``'s when given. A template built here takes the model's
+        ``template_defaults`` for the keywords not given (``MultiLoraTransformersModel``:
+        ``max_length``)."""
         group = self._group(adapter_name)
         if isinstance(template_cls, Template):
             if kwargs or model_id is not None:
@@ -84,6 +87,7 @@ class InputsAPI:
                 )
             group.template = template_cls
             return
+        kwargs = {**self.template_defaults, **kwargs}
         tokenizer = self.tokenizer if model_id is None else load_tokenizer(model_id)
         try:
             group.template = get_template(template_cls, tokenizer, **kwargs)
@@ -126,47 +130,49 @@ class InputsAPI:
             )
         group.processor = processor
 
-    def _prepare_inputs(self, group: Any, inputs: Any) -> Mapping[str, Any]:
-        """A batch of tensors as it is; rows encoded (template) and batched (processor)."""
-        if isinstance(inputs, Mapping) and torch.is_tensor(inputs.get("input_ids")):
-            return inputs
-        rows = [inputs] if isinstance(inputs, Mapping) else inputs
-        if isinstance(rows, str | bytes) or not isinstance(rows, Sequence) or not rows:
-            raise UserError(
-                f"inputs= got {type(inputs).__name__}; pass a batch from the DataLoader, or rows "
-                "({'messages': [...]} or encoded {'input_ids': [...], 'labels': [...]})"
-            )
-        samples = []
-        for i, row in enumerate(rows):
-            if isinstance(row, Mapping) and "input_ids" in row:
-                samples.append(row)
-            elif isinstance(row, Mapping) and "messages" in row:
-                encoded = self._template(group).encode(row["messages"], index=i)
-                if encoded is not None:  # truncation_strategy='delete' drops a row that is too long
-                    samples.append(encoded)
-            else:
-                keys = sorted(row) if isinstance(row, Mapping) else type(row).__name__
-                raise UserError(
-                    f"input row {i} has neither 'messages' nor 'input_ids' ({keys}); pass chat or encoded rows"
-                )
-        return self._batch(group, samples)
 
-    def _template(self, group: Any) -> Any:
-        if group.template is None:
-            group.template = get_template("Template", self.tokenizer)
-        return group.template
-
-    def _batch(self, group: Any, samples: list[Mapping[str, Any]]) -> Mapping[str, Any]:
-        if group.processor is None:
-            group.processor = InputProcessor(pad_token_id=_pad_token_id(self.tokenizer))
-        processor: Callable[[list], Any] = group.processor
-        batch = processor(samples)
-        missing = [
-            k for k in BATCH_KEYS if not (isinstance(batch, Mapping) and torch.is_tensor(batch.get(k)))
-        ]
-        if missing:
+def prepare_inputs(group: Any, inputs: Any, tokenizer: Any) -> Mapping[str, Any]:
+    """A batch of tensors as it is; rows encoded (``group``'s template) and batched (its
+    processor), the defaults built on ``tokenizer`` at first use."""
+    if isinstance(inputs, Mapping) and torch.is_tensor(inputs.get("input_ids")):
+        return inputs
+    rows = [inputs] if isinstance(inputs, Mapping) else inputs
+    if isinstance(rows, str | bytes) or not isinstance(rows, Sequence) or not rows:
+        raise UserError(
+            f"inputs= got {type(inputs).__name__}; pass a batch from the DataLoader, or rows "
+            "({'messages': [...]} or encoded {'input_ids': [...], 'labels': [...]})"
+        )
+    samples = []
+    for i, row in enumerate(rows):
+        if isinstance(row, Mapping) and "input_ids" in row:
+            samples.append(row)
+        elif isinstance(row, Mapping) and "messages" in row:
+            encoded = _template(group, tokenizer).encode(row["messages"], index=i)
+            if encoded is not None:  # truncation_strategy='delete' drops a row that is too long
+                samples.append(encoded)
+        else:
+            keys = sorted(row) if isinstance(row, Mapping) else type(row).__name__
             raise UserError(
-                f"the processor {type(processor).__name__} returned no tensor for {missing}; "
-                f"it must return a dict of tensors with {', '.join(BATCH_KEYS)}"
+                f"input row {i} has neither 'messages' nor 'input_ids' ({keys}); pass chat or encoded rows"
             )
-        return batch
+    return _batch(group, samples, tokenizer)
+
+
+def _template(group: Any, tokenizer: Any) -> Any:
+    if group.template is None:
+        group.template = get_template("Template", tokenizer)
+    return group.template
+
+
+def _batch(group: Any, samples: list[Mapping[str, Any]], tokenizer: Any) -> Mapping[str, Any]:
+    if group.processor is None:
+        group.processor = InputProcessor(pad_token_id=_pad_token_id(tokenizer))
+    processor: Callable[[list], Any] = group.processor
+    batch = processor(samples)
+    missing = [k for k in BATCH_KEYS if not (isinstance(batch, Mapping) and torch.is_tensor(batch.get(k)))]
+    if missing:
+        raise UserError(
+            f"the processor {type(processor).__name__} returned no tensor for {missing}; "
+            f"it must return a dict of tensors with {', '.join(BATCH_KEYS)}"
+        )
+    return batch

@@ -23,6 +23,7 @@ import torch
 
 from twinkle.kernel.cpu_gemm import linear
 from twinkle.kernel.lora.segments import add_segments
+from twinkle.model.adapters import set_active
 from twinkle.model.forward import loss_and_view
 from twinkle.model.outputs import label_logps
 from twinkle.model.packing import pack, row_groups, scored_lengths, shifted_targets
@@ -62,7 +63,7 @@ def adapter_per_row(model: Any, names: Sequence[str]) -> Iterator[None]:
     """Row i of every LoRA layer's input runs through PEFT adapter ``names[i]`` (``BASE_ROW``:
     none). The layers' active adapters are emptied meanwhile, so no fused node takes the call."""
     layers = lora_layers(model)
-    saved = [layer._active_adapter for layer in layers]
+    saved = [layer.active_adapters for layer in layers]
     names = list(names)
 
     def inject(module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -70,14 +71,14 @@ def adapter_per_row(model: Any, names: Sequence[str]) -> Iterator[None]:
 
     hooks = [layer.register_forward_pre_hook(inject, with_kwargs=True) for layer in layers]
     for layer in layers:
-        layer._active_adapter = []
+        set_active(layer, [])
     try:
         yield
     finally:
         for hook in hooks:
             hook.remove()
         for layer, active in zip(layers, saved, strict=True):
-            layer._active_adapter = active
+            set_active(layer, active)
 
 
 def token_runs(batch: dict[str, torch.Tensor], names: Sequence[str]) -> list[tuple[int, int, str]] | None:
@@ -153,16 +154,16 @@ def can_segment(layers: list[Any]) -> bool:
 def adapter_per_span(layers: list[Any], runs: list[tuple[int, int, str]]) -> Iterator[None]:
     """The LoRA ``layers`` (``lora_layers``) compute a packed row as ``runs`` (``token_runs``)
     say; their active adapters are emptied meanwhile, so no fused node takes the call."""
-    saved = [layer._active_adapter for layer in layers]
+    saved = [layer.active_adapters for layer in layers]
     for layer in layers:
         layer.forward = _segmented_forward(layer, runs)  # an instance attribute, removed below
-        layer._active_adapter = []
+        set_active(layer, [])
     try:
         yield
     finally:
         for layer, active in zip(layers, saved, strict=True):
             del layer.forward
-            layer._active_adapter = active
+            set_active(layer, active)
 
 
 def loss_and_logps(model: Any, batch: dict[str, torch.Tensor], loss_fn: Any) -> tuple[Any, torch.Tensor]:

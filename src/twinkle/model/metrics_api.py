@@ -19,8 +19,8 @@ import torch
 from twinkle.loss import LossOutput
 from twinkle.metric import build_metric, report
 from twinkle.model import health
-from twinkle.model.forward import loss_and_view
-from twinkle.model.lora import trainable_parameters
+from twinkle.model.forward import batch_on_device, loss_and_view, task_loss
+from twinkle.model.inputs import prepare_inputs
 from twinkle.model.lora_modes import (
     BASE_ROW,
     adapter_per_row,
@@ -40,8 +40,9 @@ from twinkle.utils.modules import any_training, set_training
 
 
 class MetricsAPI:
-    """Mixed into ``TransformersModel`` (which provides ``model``, ``runtime``, ``_group``,
-    ``_prepare_inputs``, ``_to_device``, ``_loss_fn``, ``padding_free``)."""
+    """Mixed into ``TransformersModel`` (which provides ``model``, ``tokenizer``, ``device``,
+    ``runtime``, ``adapters``, ``padding_free``, ``_group``); ``record_metric_batch`` is what the
+    training step calls."""
 
     last_outputs: ModelOutputs | None = None  # what the last forward_only returned
     _eval_without: tuple[str, list[str]] | None = None  # (loss, inputs) the last forward_only lacked
@@ -74,16 +75,19 @@ class MetricsAPI:
         them a loss that declares them is not computed (a reference pass): ``loss`` is NaN and
         ``calculate_loss()`` has nothing to record; ``logps`` is there all the same."""
         group = self._group(adapter_name if adapter_name is not None else _first_named(adapter_names))
-        loss_fn = self._loss_fn(group, task)
+        if not disable_lora and adapter_names is None:
+            self.adapters.activate(group.adapter_name)
+        loss_fn = task_loss(group, task)
         extras = keyword_inputs(loss_fn, ref_outputs, loss_inputs)
-        inputs = with_loss_inputs(loss_fn, self._prepare_inputs(group, inputs), extras, required=False)
+        prepared = prepare_inputs(group, inputs, self.tokenizer)
+        inputs = with_loss_inputs(loss_fn, prepared, extras, required=False)
         group.eval_metrics.start_batch()
         missing = missing_inputs(loss_fn, inputs)
         if missing:  # a reference pass: its time belongs to the training step it precedes
             group.train_metrics.start_batch()
         else:  # an evaluation: it starts no training window
             group.train_metrics.restart_if_empty()
-        batch = self._to_device(inputs)
+        batch = batch_on_device(inputs, self.device, self.tokenizer)
         if any_training(self.model):
             set_training(self.model, False)
         self._in_train_mode = False
@@ -103,10 +107,6 @@ class MetricsAPI:
         self.last_outputs = ModelOutputs(mean, out.num_tokens, logps)
         return self.last_outputs
 
-    def _peft_adapter(self, adapter_name: str) -> str:
-        """The PEFT adapter that holds ``adapter_name``'s weights."""
-        return self._group(adapter_name).adapter_name
-
     def _lora_mode(self, disable_lora: bool, adapter_names: Sequence[str | None], rows: int) -> list[str]:
         """The PEFT adapter of each row (``BASE_ROW``: none), checked against the batch."""
         if disable_lora:
@@ -119,7 +119,9 @@ class MetricsAPI:
             )
         if rows == 0:  # this rank's empty share runs one pad row (``_to_device``)
             names = [None]
-        return [BASE_ROW if n is None else self._peft_adapter(n) for n in names]
+        return [
+            BASE_ROW if n is None else self.adapters.peft_name(self._group(n).adapter_name) for n in names
+        ]
 
     def _mixed_pass(
         self, disable_lora: bool, adapter_names: Sequence[str | None], batch: dict, loss_fn: Any
@@ -160,7 +162,7 @@ class MetricsAPI:
             inputs["input_ids"].shape[0],
         )
         if math.isfinite(loss_sum):
-            self._record_metric_batch(group, False, inputs, out, loss_sum, correct)
+            record_metric_batch(group, False, inputs, out, loss_sum, correct)
         return loss_sum / max(1, out.num_tokens)
 
     def add_metric(
@@ -198,7 +200,7 @@ class MetricsAPI:
         name = getattr(group.loss_fn, "correct_metric", "accuracy")  # what the loss's num_correct counts
         if name != "accuracy" and "accuracy" in metrics:
             metrics[name] = metrics.pop("accuracy")
-        self._flush_metric_batch(group, is_training)
+        flush_metric_batch(group, is_training)
         for metric in group.added_metrics[is_training]:
             metrics.update(metric.calculate())
         report.on_metrics(self.runtime, group, metrics, is_training)  # metrics.jsonl, --report-to
@@ -206,44 +208,10 @@ class MetricsAPI:
             health.check_eval(group, metrics)  # a NaN/inf eval loss stops the run (the record keeps it)
         return metrics
 
-    def _record_metric_batch(
-        self,
-        group: OptimizerGroup,
-        is_training: bool,
-        inputs: Any,
-        out: LossOutput,
-        loss_sum: float,
-        correct: int,
-    ) -> None:
-        if not group.added_metrics[is_training]:
-            return
-        self._flush_metric_batch(group, is_training)
-        shifted = {**inputs, "labels": shifted_targets(inputs["labels"], inputs["attention_mask"])}
-        outputs = {"loss": loss_sum, "num_tokens": out.num_tokens, "num_correct": correct, "logits": None}
-        outputs.update(metric_logps(out, inputs, shifted["labels"]))
-        group.pending_metric_batch[is_training] = (shifted, outputs)
-
-    def _flush_metric_batch(self, group: OptimizerGroup, is_training: bool) -> None:
-        pending = group.pending_metric_batch.pop(is_training, None)
-        if pending is None:
-            return
-        lr = group.last_lr
-        if not math.isfinite(lr):
-            lr = group.optimizer.param_groups[0]["lr"] if group.optimizer is not None else None
-        context = {
-            "lr": lr,
-            "step": group.cur_step,
-            "gradient_accumulation_steps": group.gradient_accumulation_steps,
-            "grad_norm": group.last_grad_norm if math.isfinite(group.last_grad_norm) else None,
-            "loss_reduction": "sum",
-        }
-        for metric in group.added_metrics[is_training]:
-            metric.accumulate(*pending, **context)
-
     def get_train_configs(self, adapter_name: str | None = None) -> str:
+        """One line: the model, the adapter, its trainable weights, optimizer, schedule, loss."""
         group = self._group(adapter_name)
-        params = trainable_parameters(self.model)
-        n_train = sum(p.numel() for p in params)
+        n_train = self.adapters.trainable_count(group.adapter_name)
         n_all = sum(p.numel() for p in self.model.parameters())
         sched = type(group.lr_scheduler).__name__ if group.lr_scheduler is not None else None
         loss = getattr(group.loss_fn, "__name__", type(group.loss_fn).__name__)  # a function by its name
@@ -251,9 +219,47 @@ class MetricsAPI:
             f"model={self.model_path} device={self.device} dtype={next(self.model.parameters()).dtype} "
             f"adapter={group.adapter_name} trainable={n_train:,}/{n_all:,} ({100 * n_train / max(1, n_all):.2f}%) "
             f"optimizer={type(group.optimizer.optimizer).__name__} scheduler={sched} loss={loss} "
-            f"gradient_accumulation_steps={group.gradient_accumulation_steps}"
+            f"gradient_accumulation_steps={group.gradient_accumulation_steps}{self.adapters.describe()}"
         )
 
 
 def _first_named(adapter_names: Sequence[str | None] | None) -> str | None:
     return next((n for n in adapter_names or () if n is not None), None)
+
+
+def record_metric_batch(
+    group: OptimizerGroup,
+    is_training: bool,
+    inputs: Any,
+    out: LossOutput,
+    loss_sum: float,
+    correct: int,
+) -> None:
+    """Keep the micro-batch for the added metrics of ``group`` (``is_training``: which kind); the
+    one kept before is accumulated now that its step is known."""
+    if not group.added_metrics[is_training]:
+        return
+    flush_metric_batch(group, is_training)
+    shifted = {**inputs, "labels": shifted_targets(inputs["labels"], inputs["attention_mask"])}
+    outputs = {"loss": loss_sum, "num_tokens": out.num_tokens, "num_correct": correct, "logits": None}
+    outputs.update(metric_logps(out, inputs, shifted["labels"]))
+    group.pending_metric_batch[is_training] = (shifted, outputs)
+
+
+def flush_metric_batch(group: OptimizerGroup, is_training: bool) -> None:
+    """The kept micro-batch into the added metrics, with its step's numbers."""
+    pending = group.pending_metric_batch.pop(is_training, None)
+    if pending is None:
+        return
+    lr = group.last_lr
+    if not math.isfinite(lr):
+        lr = group.optimizer.param_groups[0]["lr"] if group.optimizer is not None else None
+    context = {
+        "lr": lr,
+        "step": group.cur_step,
+        "gradient_accumulation_steps": group.gradient_accumulation_steps,
+        "grad_norm": group.last_grad_norm if math.isfinite(group.last_grad_norm) else None,
+        "loss_reduction": "sum",
+    }
+    for metric in group.added_metrics[is_training]:
+        metric.accumulate(*pending, **context)

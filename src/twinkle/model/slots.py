@@ -5,11 +5,13 @@ A user adapter of rank r uses rows ``A[:r]`` and columns ``B[:, :r]`` of its slo
 rest stays zero, so the slot computes exactly the rank-r product (the zero rows and columns add
 zeros and get zero gradients). Its scaling and dropout are set on each layer, and the layers
 outside its target modules keep the slot's weights at zero and run without it (their active
-adapter list is empty), so it has no effect and no gradient there.
+adapter list is empty), so it has no effect and no gradient there. A free slot is all zero and
+off everywhere (``SlotTable._free``): every slot from the start, and each one given back.
 
-Under FSDP2 the slot weights are sharded DTensors: every write builds the full tensor on every
-rank the same way and copies this rank's shard of it; every read gathers the full tensor (a
-collective: all ranks call the same reads in the same order)."""
+Under FSDP2 the slot weights are sharded DTensors: every write of values builds the full tensor on
+every rank the same way and copies this rank's shard of it (a zero is written to the shard alone);
+every read gathers the full tensor (a collective: all ranks call the same reads in the same
+order)."""
 
 import math
 from collections.abc import Iterator
@@ -18,7 +20,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from twinkle.model.adapters import set_active
 from twinkle.model.train_state import stream_seed
+from twinkle.utils.errors import UserError
 
 SLOT_PREFIX = "slot-"
 
@@ -26,6 +30,12 @@ SLOT_PREFIX = "slot-"
 def full(t: torch.Tensor) -> torch.Tensor:
     """The whole tensor (gathered when it is a sharded DTensor)."""
     return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+@torch.no_grad()
+def zero(param: torch.Tensor) -> None:
+    """Set ``param`` to zero (this rank's shard when sharded)."""
+    (param.to_local() if hasattr(param, "to_local") else param).zero_()
 
 
 @torch.no_grad()
@@ -76,6 +86,8 @@ class SlotTable:
         self.holder: dict[str, str] = {}  # adapter name -> slot name
         self.targets: dict[str, list[str]] = {}  # adapter name -> its module keys, in model order
         self.ranks: dict[str, int] = {}  # adapter name -> its rank r
+        for slot in self.names:
+            self._free(slot)
 
     # ---------------------------------------------------------------- lending
     def free(self) -> list[str]:
@@ -87,8 +99,14 @@ class SlotTable:
         ``targets``) and initialise it from the adapter's own generator: ``A[:r]`` as PEFT
         initialises LoRA A (Kaiming-uniform, ``a = sqrt(5)``), every other weight zero. The draws
         depend only on (``seed``, ``name``), so a slot starts the same whichever it is and
-        whatever ran before."""
-        slot = self.free()[0]
+        whatever ran before. ``UserError`` when every slot is taken."""
+        free = self.free()
+        if not free:
+            raise UserError(
+                f"all {len(self.names)} slots are taken ({', '.join(self.holder)}); "
+                f"remove_adapter(...) one or raise max_loras= (now {len(self.names)})"
+            )
+        slot = free[0]
         generator = torch.Generator().manual_seed(stream_seed(seed, name, "lora-init"))
         chosen = set(targets)
         for key, layer in self.layers.items():
@@ -108,28 +126,32 @@ class SlotTable:
         return slot
 
     def release(self, name: str) -> None:
-        """Give the slot back: every weight zero, no dropout, scaling 1, off on every layer."""
+        """Give adapter ``name``'s slot back (``_free``)."""
         slot = self.holder.pop(name)
         self.targets.pop(name)
         self.ranks.pop(name)
+        self._free(slot)
+
+    def _free(self, slot: str) -> None:
+        """A free slot: every weight zero without gradient, no dropout, scaling 1, off on every
+        layer; it computes and learns nothing until it is lent."""
         for layer in self.layers.values():
             for p in (layer.lora_A[slot].weight, layer.lora_B[slot].weight):
-                write_full(p, torch.zeros(p.shape))
+                zero(p)
                 p.grad = None
             layer.scaling[slot] = 1.0
             layer.lora_dropout[slot] = nn.Identity()
             if slot in layer.active_adapters:
-                layer._active_adapter = []
+                set_active(layer, [])
 
     # ---------------------------------------------------------------- running
     def activate(self, name: str | None) -> None:
         """Adapter ``name`` runs on its target modules and nothing runs elsewhere (None: no adapter
-        anywhere). Sets PEFT's per-layer active adapter directly: PEFT's ``set_adapter`` would also
-        switch ``requires_grad`` of the other slots, which FSDP2 fixed when it wrapped them."""
+        anywhere), set on each layer by ``twinkle.model.adapters.set_active``."""
         on = set(self.targets[name]) if name is not None else set()
         slot = [self.holder[name]] if name is not None else []
         for key, layer in self.layers.items():
-            layer._active_adapter = slot if key in on else []
+            set_active(layer, slot if key in on else [])
 
     def parameters(self, name: str) -> Iterator[tuple[torch.nn.Parameter, tuple[slice, ...]]]:
         """Each (slot weight, the part of it the adapter uses), over its target modules in model

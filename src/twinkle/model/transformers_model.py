@@ -15,31 +15,28 @@ from twinkle.distributed.collectives import all_reduce_sum
 from twinkle.distributed.fsdp import apply_fsdp2
 from twinkle.distributed.mesh import refuse_unimplemented
 from twinkle.kernel import cpu_gemm as gemm
-from twinkle.loss import FusedLinearCrossEntropyLoss, HeadLoss, as_loss, build_loss, resolve_loss
+from twinkle.loss import as_loss, build_loss, resolve_loss
 from twinkle.metric import report
 from twinkle.model import health
 from twinkle.model.activation_checkpointing import LayerCheckpointing
+from twinkle.model.adapters import Adapters, PeftAdapters
 from twinkle.model.attention_choice import resolve_attn_implementation
-from twinkle.model.checkpoints import Checkpoints
-from twinkle.model.forward import causal_lm_of, compute_loss
-from twinkle.model.inputs import InputsAPI
+from twinkle.model.checkpoints import Checkpoints, save_and_exit
+from twinkle.model.forward import batch_on_device, causal_lm_of, compute_loss, task_loss
+from twinkle.model.inputs import InputsAPI, prepare_inputs
 from twinkle.model.loading import load_causal_lm, resolve_dtype
-from twinkle.model.lora import add_lora, trainable_parameters
 from twinkle.model.loss_inputs import keyword_inputs, split_rows, with_loss_inputs
-from twinkle.model.metrics_api import MetricsAPI
+from twinkle.model.metrics_api import MetricsAPI, record_metric_batch
 from twinkle.model.options import resolve_precision, resolve_strategy
 from twinkle.model.step import clip_gradients
 from twinkle.model.train_state import OptimizerGroup
 from twinkle.optim import build_optimizer, build_scheduler
-from twinkle.optim.replicated import ReplicatedOptimizer
 from twinkle.runtime import get_runtime, preemption
 from twinkle.runtime.remote import remote_class  # remote_group= hook
-from twinkle.template.base import IGNORE_INDEX
 from twinkle.utils.errors import UserError
 from twinkle.utils.logger import get_logger
 from twinkle.utils.modules import set_training
 
-TASKS = ("causal_lm", "fused_lm_ce")
 logger = get_logger()
 
 
@@ -47,7 +44,11 @@ logger = get_logger()
 class TransformersModel(InputsAPI, MetricsAPI, Checkpoints):
     """The model, its adapters and their training pieces; the methods come in groups: set-up and
     the training step here, raw inputs in ``twinkle.model.inputs``, evaluation and metrics in
-    ``twinkle.model.metrics_api``, checkpoints in ``twinkle.model.checkpoints``."""
+    ``twinkle.model.metrics_api``, checkpoints in ``twinkle.model.checkpoints``. Where an adapter's
+    weights live is ``adapters``' business (``twinkle.model.adapters``): plain PEFT adapters here,
+    slots in ``MultiLoraTransformersModel``. The groups share the model's attributes and
+    ``_group`` (an adapter's ``OptimizerGroup`` by name), and call no other private method of one
+    another: what they share is ``adapters``, public methods and module functions."""
 
     def __init__(
         self,
@@ -108,6 +109,8 @@ class TransformersModel(InputsAPI, MetricsAPI, Checkpoints):
         )
         self.checkpointing = LayerCheckpointing(self.model, activation_checkpointing)
         self.optimizer_group: dict[str, OptimizerGroup] = {}
+        self.adapters: Adapters = PeftAdapters(self.optimizer_group, runtime)
+        self.template_defaults: dict[str, Any] = {}  # keywords set_template gives a template it builds
         self._pending_eval: tuple[str, Any, Any] | None = None
         self._pending_backward: tuple[OptimizerGroup, Any, dict[str, torch.Tensor]] | None = None
         self._in_train_mode = False  # set by forward_backward's train(), cleared by forward_only's eval()
@@ -128,6 +131,8 @@ class TransformersModel(InputsAPI, MetricsAPI, Checkpoints):
     def add_adapter_to_model(
         self, adapter_name: str, config: Any, gradient_accumulation_steps: int = 1
     ) -> None:
+        """Attach adapter ``adapter_name`` (a ``peft.LoraConfig``) with a training state of its own
+        (``OptimizerGroup``); with slots, it is lent a free one (``MultiLoraTransformersModel``)."""
         if gradient_accumulation_steps < 1:
             raise UserError(
                 f"--gradient-accumulation-steps must be at least 1, got {gradient_accumulation_steps}"
@@ -135,16 +140,23 @@ class TransformersModel(InputsAPI, MetricsAPI, Checkpoints):
         if not isinstance(adapter_name, str) or re.fullmatch(r"[A-Za-z0-9_-]+", adapter_name) is None:
             # PEFT makes the name a module attribute, which cannot hold '.'
             raise UserError(f"adapter name must be letters, digits, '_' and '-', got {adapter_name!r}")
-        if self.runtime.is_distributed and self.optimizer_group:
-            raise UserError(
-                "under FSDP a model takes one LoRA adapter (its weights are sharded with the model); "
-                f"it already has {', '.join(self.optimizer_group)}"
-            )
-        self.model = add_lora(self.model, adapter_name, config)
-        self._place_adapters()
+        self.model = self.adapters.add(self.model, adapter_name, config)
+        if self.adapters.place_on_add:
+            self._place_adapters()
         self.optimizer_group[adapter_name] = OptimizerGroup(
             adapter_name, gradient_accumulation_steps, loss_fn=build_loss("CrossEntropyLoss", reduction="sum")
         )
+
+    def remove_adapter(self, adapter_name: str) -> None:
+        """Drop the adapter and its training state. Only adapters that come and go can be removed:
+        a ``MultiLoraTransformersModel``'s, whose slot is reset (all zero) and free."""
+        group = self._group(adapter_name)
+        self.adapters.remove(group.adapter_name)
+        if self._pending_backward is not None and self._pending_backward[0] is group:
+            self._pending_backward = None
+        if self._pending_eval is not None and self._pending_eval[0] == group.adapter_name:
+            self._pending_eval = None
+        del self.optimizer_group[group.adapter_name]
 
     def _place_adapters(self) -> None:
         """Once the adapters are attached: shard the model under FSDP2, or pack the frozen weights
@@ -176,11 +188,11 @@ class TransformersModel(InputsAPI, MetricsAPI, Checkpoints):
     def set_optimizer(
         self, optimizer_cls: Any, lr: float, adapter_name: str | None = None, **kwargs: Any
     ) -> None:
-        """``optimizer_cls`` is a class or a ``torch.optim`` name; ``kwargs`` reach its constructor."""
+        """``optimizer_cls`` is a class or a ``torch.optim`` name; ``kwargs`` reach its constructor.
+        It steps the adapter's trainable weights (with slots: the rank-r parts of its slot)."""
         group = self._group(adapter_name)
-        params = trainable_parameters(self.model)
-        group.optimizer = ReplicatedOptimizer(
-            params, lambda copies: build_optimizer(optimizer_cls, copies, lr=lr, **kwargs)
+        group.optimizer = self.adapters.optimizer(
+            group.adapter_name, lambda copies: build_optimizer(optimizer_cls, copies, lr=lr, **kwargs)
         )
 
     def set_lr_scheduler(
@@ -212,43 +224,6 @@ class TransformersModel(InputsAPI, MetricsAPI, Checkpoints):
         self._group(adapter_name).loss_fn = as_loss(resolve_loss(loss_cls, **kwargs))
 
     # ----------------------------------------------------------------- steps
-    def _to_device(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        batch = {k: v.to(self.device, non_blocking=True) for k, v in inputs.items() if torch.is_tensor(v)}
-        if batch["input_ids"].shape[0] == 0:
-            # This rank's share of a short last batch is empty, but under FSDP it must still join
-            # every collective: run one pad token that carries no label.
-            pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-            one = torch.ones((1, 1), dtype=torch.long, device=self.device)
-            batch = {
-                "input_ids": one * pad,
-                "labels": one * IGNORE_INDEX,
-                "attention_mask": one,
-                "position_ids": one * 0,
-            }
-        return batch
-
-    def _loss_fn(self, group: OptimizerGroup, task: str) -> Any:
-        if task not in TASKS:
-            raise UserError(f"unknown task {task!r}; valid tasks: {', '.join(TASKS)}")
-        loss = group.loss_fn
-        if task == "fused_lm_ce" and not isinstance(loss, FusedLinearCrossEntropyLoss):
-            # the fused loss computes plain cross-entropy on every supervised token, nothing else
-            unfusable = not isinstance(loss, HeadLoss) or getattr(loss, "dft", False)
-            unfusable = unfusable or bool(loss.extra_inputs) or loss.require_samples  # weights, pairs
-            if unfusable or getattr(loss, "ignore_index", IGNORE_INDEX) != IGNORE_INDEX:
-                raise UserError(
-                    f"task='fused_lm_ce' replaces the loss by FusedLinearCrossEntropyLoss, which cannot compute "
-                    f"{getattr(loss, 'name', type(loss).__name__)} as it is set; use task='causal_lm'"
-                )
-            logger.info(
-                "task='fused_lm_ce': %s(reduction=%r) replaced by FusedLinearCrossEntropyLoss (the same "
-                "cross-entropy, one chunk of logits at a time)",
-                type(loss).__name__,
-                loss.reduction,
-            )
-            group.loss_fn = FusedLinearCrossEntropyLoss(reduction=loss.reduction)
-        return group.loss_fn
-
     def forward(
         self,
         inputs: Any,
@@ -273,19 +248,17 @@ class TransformersModel(InputsAPI, MetricsAPI, Checkpoints):
     ) -> tuple[OptimizerGroup, Any, dict]:
         """The adapter's group, its loss and this rank's share of the batch with the loss's inputs."""
         group = self._group(adapter_name)
+        self.adapters.activate(group.adapter_name)
         preemption.loop_started()  # a SIGTERM from here on saves at the next step boundary
-        loss_fn = self._loss_fn(group, task)
+        loss_fn = task_loss(group, task)
         extras = keyword_inputs(loss_fn, ref_outputs, loss_inputs)
-        return (
-            group,
-            loss_fn,
-            with_loss_inputs(loss_fn, self._prepare_inputs(group, inputs), extras, required=True),
-        )
+        prepared = prepare_inputs(group, inputs, self.tokenizer)
+        return group, loss_fn, with_loss_inputs(loss_fn, prepared, extras, required=True)
 
     def _forward_batch(self, group: OptimizerGroup, loss_fn: Any, inputs: dict) -> dict[str, float]:
         group.train_metrics.start_batch()
         group.eval_metrics.restart_if_empty()
-        batch = self._to_device(inputs)
+        batch = batch_on_device(inputs, self.device, self.tokenizer)
         # thousands of modules with LoRA: set their flags once, and again after an eval()
         if not (self._in_train_mode and self.model.training):
             set_training(self.model, True)
@@ -309,6 +282,7 @@ class TransformersModel(InputsAPI, MetricsAPI, Checkpoints):
         ``cur_step``, a micro-batch of the window) at its last part only."""
         group, out, inputs = self._pending_backward
         self._pending_backward = None
+        self.adapters.activate(group.adapter_name)  # a recomputed forward (checkpointing) runs it
         out.loss_sum.backward()  # even when not finite: under FSDP every rank must run backward
         loss_sum = float(out.loss_sum.detach())
         if counts:
@@ -326,7 +300,7 @@ class TransformersModel(InputsAPI, MetricsAPI, Checkpoints):
             int(inputs["attention_mask"].sum()),
             inputs["input_ids"].shape[0],
         )
-        self._record_metric_batch(group, True, inputs, out, loss_sum, correct)
+        record_metric_batch(group, True, inputs, out, loss_sum, correct)
         return loss_sum / max(1, out.num_tokens)
 
     def forward_backward(
@@ -423,7 +397,7 @@ class TransformersModel(InputsAPI, MetricsAPI, Checkpoints):
             group.optimizer.zero_grad(set_to_none=True)
         group.close_window()
         if preempted:
-            self._save_and_exit(group)
+            save_and_exit(self, group)
 
     def lr_step(self, adapter_name: str | None = None) -> None:
         """Advance the learning-rate schedule by one optimizer step."""
