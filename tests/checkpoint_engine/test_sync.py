@@ -124,7 +124,7 @@ def test_multi_lora_adapter_syncs_by_name(tiny_model_dir):
     sampler = TorchSampler(str(tiny_model_dir))
     manager = CheckpointEngineManager(model, sampler, adapter_name="b")
     manager.sync_weights()
-    model._activate("b")  # the reference forward runs b's slot
+    model.adapters.activate("b")  # the reference forward runs b's slot
     gap, _ = gaps(model, sampler)
     assert gap < 1e-4 and sampler.adapter_names == ["b"]
 

@@ -57,7 +57,7 @@ class CheckpointEngineManager:
             return self.last
         name = self.model._group(adapter_name or self.adapter_name).adapter_name
         tensors = self.model.get_state_dict(name)
-        config = self.model._lora_config(self.model._group(name))
+        config = self.model.adapters.lora_config(name)
         if merge_and_sync:
             weights = merged_weights(self.model, tensors, config)
             written = self.sampler.receive_base_weights(weights, merged=True)

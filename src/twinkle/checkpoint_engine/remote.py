@@ -31,7 +31,7 @@ def _payload(model: Any, adapter_name: str | None, merge: bool, stale: list[str]
     """In the trainer's worker: what the sampler needs (see the module docstring)."""
     group = model._group(adapter_name)
     tensors = model.get_state_dict(group.adapter_name)
-    config = model._lora_config(group)
+    config = model.adapters.lora_config(group.adapter_name)
     if merge:
         return {"mode": "merged", "weights": merged_weights(model, tensors, config)}
     base = {key: base_weight(model, key).detach().clone() for key in stale}

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from twinkle.model.adapters import set_active
 from twinkle.utils.errors import UserError
 
 PREFIX = "base_model.model."
@@ -27,15 +28,16 @@ KINDS = ("lora_A", "lora_B")
 def running_adapter(layers: list[Any], name: str | None) -> Iterator[None]:
     """PEFT adapter ``name`` runs on every layer that has it, nothing elsewhere (None: the base
     model alone)."""
-    saved = [(layer._active_adapter, layer._disable_adapters) for layer in layers]
+    saved = [(layer.active_adapters, layer._disable_adapters) for layer in layers]
     for layer in layers:
-        layer._active_adapter = [name] if name is not None and name in layer.lora_A else []
+        set_active(layer, [name] if name is not None and name in layer.lora_A else [])
         layer._disable_adapters = False
     try:
         yield
     finally:
         for layer, (active, disabled) in zip(layers, saved, strict=True):
-            layer._active_adapter, layer._disable_adapters = active, disabled
+            set_active(layer, active)
+            layer._disable_adapters = disabled
 
 
 def split_name(saved: str) -> tuple[str, str]:

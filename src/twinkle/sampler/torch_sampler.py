@@ -228,11 +228,11 @@ class TorchSampler:
             return
         group = model._group(adapter_name)
         if isinstance(model, MultiLoraTransformersModel):
-            model._activate(group.adapter_name)
+            model.adapters.activate(group.adapter_name)
             yield
             return
         layers = lora_layers(model.model)  # read per call: the model may gain adapters
-        with adapters.running_adapter(layers, model._peft_adapter(group.adapter_name)):
+        with adapters.running_adapter(layers, model.adapters.peft_name(group.adapter_name)):
             yield
 
     # ----------------------------------------------------------------- sampling
