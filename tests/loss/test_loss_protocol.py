@@ -2,6 +2,8 @@
 computes that once; a new loss is one file (``TokenWeightedCrossEntropyLoss``); plain callables
 are wrapped once by ``set_loss``; the fused choices are explicit."""
 
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -22,9 +24,11 @@ from twinkle.loss import (
     LossView,
     UpstreamLoss,
     as_loss,
+    build_loss,
 )
 from twinkle.loss.importance_sampling import ImportanceSamplingLoss
 from twinkle.loss.ppo import PPOLoss
+from twinkle.loss.registry import loss_record
 from twinkle.loss.token_weighted_ce import TokenWeightedCrossEntropyLoss
 from twinkle.model.forward import compute_loss
 from twinkle.utils.errors import UserError
@@ -259,3 +263,44 @@ def test_upstreams_call_runs_compute_on_the_rows_with_their_extra_inputs():
         loss({"labels": labels, "loss_weights": weights}, {"logps": torch.zeros(3, 6)})
     with pytest.raises(UserError, match=r"^CrossEntropyLoss needs outputs\['logps'\] or outputs\['logits'\]"):
         CrossEntropyLoss()({"labels": labels}, {})
+
+
+# Settings other than the defaults for each registered loss, so that a record that drops or
+# renames one rebuilds another loss.
+NON_DEFAULT = {
+    "CrossEntropyLoss": {"ignore_index": 3, "reduction": "sum", "dft": True},
+    "ChunkedCrossEntropyLoss": {"chunk_size": 7, "ignore_index": 2, "reduction": "sum", "dft": True},
+    "FusedLinearCrossEntropyLoss": {"reduction": "mean", "chunk_rows": 5},
+    "LigerFusedLinearCrossEntropyLoss": {"reduction": "mean", "chunk_rows": 5},
+    "MSELoss": {},
+    "DPOLoss": {"beta": 0.3, "label_smoothing": 0.2, "reference_free": True, "sft_weight": 0.5},
+    "SimPOLoss": {"beta": 2.0, "gamma": 0.4},
+    "CPOLoss": {"beta": 0.2, "bc_coef": 0.7},
+    "ORPOLoss": {"lambda_orpo": 0.3},
+    "GRPOLoss": {"epsilon": 0.1, "epsilon_high": 0.28, "beta": 0.04},
+    "GSPOLoss": {"epsilon": 1e-3, "epsilon_high": 2e-3, "beta": 0.1},
+    "DRGRPOLoss": {"epsilon": 0.1, "beta": 0.1, "max_tokens": 64},
+    "CISPOLoss": {"epsilon": 0.1, "epsilon_high": 0.3},
+}
+
+
+@pytest.mark.parametrize("name", sorted(LOSSES))
+def test_a_checkpoints_record_rebuilds_every_registered_loss(name):
+    """``loss_record`` (what ``trainer_state.json`` holds) rebuilds the same loss through JSON."""
+    loss = build_loss(name, **NON_DEFAULT[name])
+    record = json.loads(json.dumps(loss_record(loss)))
+    assert record["loss"] == name and set(NON_DEFAULT[name]) <= set(record["loss_args"])
+    rebuilt = build_loss(record["loss"], **record["loss_args"])
+    assert type(rebuilt) is type(loss) and vars(rebuilt) == vars(loss)
+
+
+def test_a_loss_whose_arguments_cannot_be_recorded_is_recorded_by_name():
+    def my_loss(inputs, outputs):
+        return outputs["logps"].sum()
+
+    assert loss_record(as_loss(my_loss)) == {"loss": "UpstreamLoss"}  # a function is no JSON value
+    assert loss_record(PPOLoss(old_key="old")) == {"loss": "PPOLoss"}  # **keys: no attribute per key
+    assert loss_record(TokenWeightedCrossEntropyLoss()) == {
+        "loss": "TokenWeightedCrossEntropyLoss",
+        "loss_args": {"reduction": "sum", "weight_key": "loss_weights"},
+    }

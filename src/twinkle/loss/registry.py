@@ -1,5 +1,12 @@
-"""Loss names accepted by ``model.set_loss``."""
+"""Loss names accepted by ``model.set_loss``, and how a checkpoint records the loss it was
+trained with (``loss_record``: its class name and constructor arguments) so that ``build_loss``
+rebuilds it (``twinkle eval``).
 
+A loss keeps each constructor argument under its own name (``self.beta = beta``): that is what
+``loss_settings`` reads back. A registered loss that does not is caught by its test."""
+
+import inspect
+import math
 from typing import Any
 
 from twinkle.loss.chunked_cross_entropy import ChunkedCrossEntropyLoss
@@ -56,3 +63,37 @@ def resolve_loss(loss_cls: Any, **kwargs: Any):
     if kwargs:
         raise UserError(f"set_loss got a loss instance and keywords {sorted(kwargs)}; pass one or the other")
     return loss_cls
+
+
+def _plain(value: Any) -> bool:
+    """A value JSON writes and reads back as it is."""
+    if isinstance(value, float):
+        return math.isfinite(value)
+    return value is None or isinstance(value, bool | int | str)
+
+
+def loss_settings(loss: Any) -> dict[str, Any] | None:
+    """The constructor arguments that rebuild ``loss`` (``type(loss)(**settings)``): each
+    parameter of its class's ``__init__``, read from the attribute of the same name. None when
+    one has no such attribute, holds something other than a plain JSON value (a callable, a
+    tensor), or is gathered by ``*args``/``**kwargs``."""
+    init = type(loss).__init__
+    if init is object.__init__:
+        return {}
+    settings: dict[str, Any] = {}
+    for name, param in list(inspect.signature(init).parameters.items())[1:]:  # after self
+        if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD) or not hasattr(loss, name):
+            return None
+        value = getattr(loss, name)
+        if not _plain(value):
+            return None
+        settings[name] = value
+    return settings
+
+
+def loss_record(loss: Any) -> dict[str, Any]:
+    """What a checkpoint's ``trainer_state.json`` records of the loss it was trained with:
+    ``loss``, its class name, and ``loss_args``, its constructor arguments (``loss_settings``)
+    when they can be recorded."""
+    settings = loss_settings(loss)
+    return {"loss": type(loss).__name__, **({"loss_args": settings} if settings is not None else {})}
