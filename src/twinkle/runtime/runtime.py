@@ -60,14 +60,27 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def _pick_device(local_rank: int) -> torch.device:
+def _device_of(local_rank: int) -> torch.device:
+    """The device of the process of local rank ``local_rank`` (cuda > npu > cpu)."""
     kind = Torch.device_type()
     if kind == "cpu":
         return torch.device("cpu")
     # a Ray worker sees only its own GPU (CUDA_VISIBLE_DEVICES), so its index is 0 there
-    device = torch.device(kind, local_rank % getattr(torch, kind).device_count())
-    getattr(torch, kind).set_device(device)
+    return torch.device(kind, local_rank % getattr(torch, kind).device_count())
+
+
+def _pick_device(local_rank: int) -> torch.device:
+    device = _device_of(local_rank)
+    if device.type != "cpu":
+        getattr(torch, device.type).set_device(device)
     return device
+
+
+def _launch() -> tuple[int, int, int]:
+    """``(world size, rank, local rank)`` as the launcher (torchrun, Ray) set them; one process
+    without one."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    return world, int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
 
 
 def initialize(
@@ -150,14 +163,13 @@ def _start(
 
         output_lock.take_for_run(run, owner=True)  # held for the workers, who never ask
         raise SystemExit(run_job(global_device_mesh or DeviceMesh.from_sizes(), run))
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    world, rank, local_rank = _launch()
     mesh = global_device_mesh or DeviceMesh.from_sizes(world_size=world)
     if mesh.world_size != world:
         raise UserError(
             f"the device mesh has {mesh.world_size} rank(s) ({mesh.describe()}) but this job has {world} "
             f"process(es); launch with torchrun --nproc_per_node {mesh.world_size} or change --fsdp-size/--dp-size"
         )
-    rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
     output_lock.take_for_run(run, owner=rank == 0 and not ray_worker)
     device = _pick_device(local_rank)
     if world > 1 and not dist.is_initialized():
@@ -174,10 +186,16 @@ def _start(
 
 
 def get_runtime() -> Runtime:
-    """The runtime of this process; a single-process CPU/GPU runtime with the default
-    configuration if ``initialize`` was not called (a library call: it owns no output folder)."""
+    """The runtime ``initialize`` set up. Before ``initialize`` (a library call), what this process
+    is, with the default configuration, and nothing applied: no seeds, no device selected, no
+    process group, no signal handler, no lock, and a parsed command line left waiting for
+    ``initialize``. Nothing of it is kept, so a later ``initialize`` starts from a clean process;
+    a process that torchrun started among several needs ``initialize`` for its process group."""
     if _RUNTIME is None:
-        return _start("local", None, None, None, RunDefaults(), None)  # leaves a parsed command line waiting
+        world, rank, local_rank = _launch()
+        run = RunDefaults()
+        mesh = DeviceMesh.from_sizes(world_size=world)
+        return Runtime("local", mesh, rank, local_rank, _device_of(local_rank), run.seed, run)
     return _RUNTIME
 
 
