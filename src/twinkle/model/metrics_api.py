@@ -117,7 +117,7 @@ class MetricsAPI:
                 f"adapter_names has {len(names)} name(s) for a batch of {rows} row(s); give one per row "
                 "(None for the base model)"
             )
-        if rows == 0:  # this rank's empty share runs one pad row (``_to_device``)
+        if rows == 0:  # this rank's empty share runs one pad row (``batch_on_device``)
             names = [None]
         return [
             BASE_ROW if n is None else self.adapters.peft_name(self._group(n).adapter_name) for n in names
