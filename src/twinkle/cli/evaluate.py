@@ -1,8 +1,10 @@
 """``twinkle eval --adapter CKPT [--dataset-id ID] [--eval-samples N]``: the eval loss and
 token accuracy of a checkpoint, computed as the training script's ``evaluate`` does
 (``forward_only`` + ``calculate_loss`` per batch, then ``calculate_metric(is_training=False)``).
-A checkpoint trained with ``DPOLoss`` is evaluated on held-out preference pairs instead: its DPO
-loss, reward accuracy and reward margin (``twinkle.cli.evaluate_pairs``).
+The loss is the one the checkpoint was trained with, rebuilt with its arguments
+(``twinkle.cli.from_checkpoint``); a checkpoint trained with a preference loss is evaluated on
+held-out preference pairs instead: its loss, reward accuracy and reward margin
+(``twinkle.cli.evaluate_pairs``).
 
 The rows go through the training pipeline: the self-cognition preprocessor and the template
 with its max length and truncation. Their settings, and the base model, come from the run that
@@ -15,7 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from twinkle.checkpoint.layout import TRAINER_STATE, parse_trainer_state
-from twinkle.cli.evaluate_pairs import LOSS_SETTINGS, PREFERENCE_LOSSES, evaluate_pairs
+from twinkle.cli.evaluate_pairs import evaluate_pairs, print_pair_metrics
+from twinkle.cli.from_checkpoint import checkpoint_model, trained_loss
 from twinkle.cli.identity_check import add_identity_check_args, run_identity_check
 from twinkle.utils.errors import UserError
 
@@ -30,8 +33,8 @@ def add_eval_parser(sub: Any) -> None:
     p.add_argument(
         "--eval-samples",
         type=int,
-        help=f"rows to evaluate (default: {DEFAULT_SAMPLES}); pairs for a DPO checkpoint (default: the "
-        "run's held-out pairs)",
+        help=f"rows to evaluate (default: {DEFAULT_SAMPLES}); pairs for a checkpoint of a preference loss "
+        "(default: the run's held-out pairs)",
     )
     p.add_argument("--batch-size", type=int, help="rows per batch (default: the training run's, else 4)")
     p.add_argument("--template-cls", help="template class (default: the training run's)")
@@ -134,13 +137,18 @@ def run_eval(args: argparse.Namespace) -> int:
         "model_name": pick("model_name", "twinkle大模型"),
         "model_author": pick("model_author", "ModelScope社区"),
     }
-    trained_with = parse_trainer_state(folder).get("loss") if (folder / TRAINER_STATE).is_file() else None
-    if trained_with in PREFERENCE_LOSSES:
-        return _eval_pairs(args, folder, saved, pipeline)
+    loss = trained_loss(folder, saved)  # built first: a loss that cannot be rebuilt stops here
+    if is_preference(loss):
+        return _eval_pairs(args, folder, saved, pipeline, loss)
+    if loss is not None and loss.extra_inputs:
+        raise UserError(
+            f"{folder} was trained with {loss.name}, which reads {', '.join(loss.extra_inputs)} besides "
+            "the rows; twinkle eval evaluates a loss of held-out rows or preference pairs alone"
+        )
     samples = pick("eval_samples", DEFAULT_SAMPLES)
     if samples < 1:
         raise UserError(f"--eval-samples must be at least 1, got {samples}")
-    metrics = evaluate_checkpoint(folder, samples=samples, **pipeline)
+    metrics = evaluate_checkpoint(folder, samples=samples, loss=loss, **pipeline)
     print(
         f"eval loss {metrics['loss']:.4f}, accuracy {metrics['accuracy']:.4f} "
         f"({metrics['samples']} samples, {metrics['supervised_tokens']} supervised tokens)",
@@ -149,16 +157,13 @@ def run_eval(args: argparse.Namespace) -> int:
     return 0
 
 
-def checkpoint_model(folder: Path, model_id: str | None) -> Any:
-    """A ``TransformersModel`` of ``model_id`` with ``folder``'s adapter loaded as ``default``."""
-    from peft import LoraConfig
+def is_preference(loss: Any) -> bool:
+    """A loss over interleaved (chosen, rejected) pairs of rows (``twinkle.loss.preference``)."""
+    if loss is None:
+        return False
+    from twinkle.loss import PreferenceLoss
 
-    from twinkle.model import TransformersModel
-
-    model = TransformersModel(model_id=model_id)
-    model.add_adapter_to_model("default", LoraConfig.from_pretrained(str(folder)))
-    model.load(str(folder), adapter_name="default")
-    return model
+    return isinstance(loss, PreferenceLoss)
 
 
 def evaluate_checkpoint(
@@ -172,12 +177,17 @@ def evaluate_checkpoint(
     truncation_strategy: str,
     model_name: str,
     model_author: str,
+    loss: Any = None,
 ) -> dict[str, float]:
+    """The eval metrics of ``folder``'s adapter on the first ``samples`` rows of ``dataset_id``
+    with ``loss`` (None: the model's default loss)."""
     from twinkle.dataloader import DataLoader
     from twinkle.dataset import Dataset, DatasetMeta
     from twinkle.preprocessor import SelfCognitionProcessor
 
     model = checkpoint_model(folder, model_id)
+    if loss is not None:
+        model.set_loss(loss)
     # never more rows than the set holds: a row counted twice would weigh double
     samples = min(samples, len(Dataset(dataset_meta=DatasetMeta(dataset_id))))
     dataset = Dataset(dataset_meta=DatasetMeta(dataset_id, data_slice=range(samples)))
@@ -193,21 +203,11 @@ def evaluate_checkpoint(
 
 
 def _eval_pairs(
-    args: argparse.Namespace, folder: Path, saved: dict[str, Any], pipeline: dict[str, Any]
+    args: argparse.Namespace, folder: Path, saved: dict[str, Any], pipeline: dict[str, Any], loss: Any
 ) -> int:
     pairs = args.eval_samples if args.eval_samples is not None else saved.get("eval_samples")
     if pairs is not None and pairs < 1:
         raise UserError(f"--eval-samples must be at least 1, got {pairs}")
-    metrics = evaluate_pairs(
-        folder,
-        split=saved.get("split"),
-        pairs=pairs,
-        loss_settings={k: saved[k] for k in LOSS_SETTINGS if k in saved},
-        **pipeline,
-    )
-    print(
-        f"eval loss {metrics['loss']:.4f}, reward accuracy {metrics['reward_accuracy']:.4f}, "
-        f"reward margin {metrics['reward_margin']:.4f} ({metrics['pairs']} pairs)",
-        flush=True,
-    )
+    metrics = evaluate_pairs(folder, loss=loss, split=saved.get("split"), pairs=pairs, **pipeline)
+    print_pair_metrics(metrics)
     return 0

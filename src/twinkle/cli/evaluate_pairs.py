@@ -1,23 +1,24 @@
-"""``twinkle eval`` of a checkpoint trained with ``DPOLoss`` (its ``trainer_state.json`` says
-``"loss": "DPOLoss"``): the DPO loss and ``DPOMetric`` of held-out preference pairs, evaluated as
-``cookbook/rl/dpo_lora.py`` does, with the base model (the adapter off) as the reference.
+"""``twinkle eval`` of a checkpoint trained with a preference loss (``twinkle.loss.preference``:
+``DPOLoss``, ``SimPOLoss``, ``CPOLoss``, ``ORPOLoss``, ...): the loss and ``DPOMetric`` of held-out
+preference pairs, evaluated as ``cookbook/rl/dpo_lora.py`` does, with the base model (the adapter
+off) as the reference of a loss that reads one.
 
 The pairs: the bundled ``self-cognition-dpo`` set's ``eval`` split, or the first
 ``--eval-samples`` pairs of a set of your own (``--dataset-id``, the rows the cookbook held out).
-The loss's ``beta``, ``loss_type``, ``sft_weight`` and ``label_smoothing`` are the run's."""
+The loss is the checkpoint's own, with its arguments (``twinkle.cli.from_checkpoint``)."""
 
 from pathlib import Path
 from typing import Any
 
+from twinkle.cli.from_checkpoint import checkpoint_model
 from twinkle.utils.errors import UserError
 
 BUNDLED = "self-cognition-dpo"
-PREFERENCE_LOSSES = ("DPOLoss",)  # the preference losses twinkle eval rebuilds from a run's settings
-LOSS_SETTINGS = ("beta", "loss_type", "sft_weight", "label_smoothing")
 
 
 def evaluate_pairs(
     folder: Path,
+    loss: Any,
     model_id: str | None,
     dataset_id: str | None,
     split: str | None,
@@ -28,19 +29,15 @@ def evaluate_pairs(
     truncation_strategy: str,
     model_name: str,
     model_author: str,
-    loss_settings: dict[str, Any],
 ) -> dict[str, float]:
-    """The eval loss and ``DPOMetric`` numbers of ``pairs`` held-out pairs (None: the bundled
-    ``eval`` split whole) of ``dataset_id`` (None: the bundled set)."""
-    from twinkle.cli.evaluate import checkpoint_model
+    """The eval loss and ``DPOMetric`` numbers of ``loss`` (a preference loss) on ``pairs``
+    held-out pairs (None: the bundled ``eval`` split whole) of ``dataset_id`` (None: the bundled
+    set). The reward metrics need a reference: they are there when the loss reads one."""
     from twinkle.dataloader import DataLoader
     from twinkle.dataset import Dataset, DatasetMeta
-    from twinkle.loss import DPOLoss
     from twinkle.metric import DPOMetric
     from twinkle.preprocessor import PreferenceProcessor, SelfCognitionDPOProcessor
 
-    # built first: settings a hand edit broke stop here, before any model loads
-    loss = DPOLoss(**{k: v for k, v in loss_settings.items() if k in LOSS_SETTINGS})
     if (dataset_id or BUNDLED) == BUNDLED:
         dataset_id, split = BUNDLED, "eval"
         processor: Any = SelfCognitionDPOProcessor(model_name, model_author)
@@ -62,9 +59,26 @@ def evaluate_pairs(
     dataset.encode()
     model = checkpoint_model(folder, model_id)
     model.set_loss(loss)
-    model.add_metric(DPOMetric, beta=loss.beta)
+    with_reference = "ref_logps" in loss.extra_inputs
+    beta = getattr(loss, "beta", None)  # the rewards' scale, as the loss's own
+    model.add_metric(DPOMetric, **({"beta": beta} if beta is not None else {}))
     for batch in DataLoader(dataset=dataset, batch_size=batch_size):
-        ref = model.forward_only(inputs=batch, disable_lora=True)
+        ref = model.forward_only(inputs=batch, disable_lora=True) if with_reference else None
         model.forward_only(inputs=batch, ref_outputs=ref)
         model.calculate_loss()
     return model.calculate_metric(is_training=False)
+
+
+def print_pair_metrics(metrics: dict[str, Any]) -> None:
+    """One line: the loss, and the reward accuracy and margin against the reference, or without
+    one the share of pairs the loss prefers the chosen row of and the rows' mean log-probabilities."""
+    if "reward_margin" in metrics:
+        found = (
+            f"reward accuracy {metrics['reward_accuracy']:.4f}, reward margin {metrics['reward_margin']:.4f}"
+        )
+    else:
+        found = (
+            f"pair accuracy {metrics['accuracy']:.4f}, chosen logps {metrics['chosen_logps']:.4f}, "
+            f"rejected logps {metrics['rejected_logps']:.4f}"
+        )
+    print(f"eval loss {metrics['loss']:.4f}, {found} ({metrics['pairs']} pairs)", flush=True)
