@@ -48,7 +48,7 @@ HARDWARE = re.compile(
     r"|AVX(?:2|-?512[\w-]*)?|AMX|SSE[234](?:\.\d)?|NEON|SVE2?"
     r"|G?[ABHV]100|H[28]00|H20|G?B200|P100|A10G?|A30|A40|A6000|L40S?|L4|T4|RTX ?\d{3,4}|MI\d{3}X?"
     r"|Hopper|Ampere|Blackwell|Volta|Gaudi\d?|TPU ?v\d|Ascend ?910\w*"
-    r"|(?:\d+|two|four|eight|sixteen)[- ](?:v?cores?|v?CPUs?|CPU cores?|physical cores?)"
+    r"|(?:\d+|two|four|eight|sixteen)[- ](?:CPU cores?|physical cores?|v?cores?|v?CPUs?)"
     r")\b"
 )
 TIMING = re.compile(
