@@ -434,17 +434,17 @@ def test_a_server_error_message_is_scrubbed_before_it_leaves(server, trained, mo
     s = server.app.state.server
     root = s.config.output_dir
     folder = s.registry.folder(s.registry.runs[trained["model_id"]])
-    real = s.engine.optim_step
+    real = s.engine.core.optim_step
 
-    def failing(name, adam):
+    def failing(name, params, clip):
         raise OSError(f"[Errno 28] No space left on device: '{folder}/weights/x/optimizer.pt'")
 
-    monkeypatch.setattr(s.engine, "optim_step", failing)
+    monkeypatch.setattr(s.engine.core, "optim_step", failing)
     r = post(server, "optim_step", {"model_id": trained["model_id"], "adam_params": {"learning_rate": 0.0}})
     error = future_of(server, r)["error"]
     assert f"tinker://{trained['model_id']}/weights/x/optimizer.pt" in error, error
     assert str(root) not in error
-    monkeypatch.setattr(s.engine, "optim_step", real)
+    monkeypatch.setattr(s.engine.core, "optim_step", real)
 
     def refusing(tenant, run_id, live=True):
         raise BadRequest(f"cannot read {tiny_model_dir_of(s)}/config.json or {root}/x/y/run.json")

@@ -96,7 +96,7 @@ def local_train(
 def adapter_of(server, model_id: str) -> tuple[str, dict]:
     s = server.app.state.server
     name = s.registry.runs[model_id].adapter
-    return name, s.engine.adapter_state(name)
+    return name, s.engine.core.adapter_state(name)
 
 
 def assert_same_adapter(actual: dict, expected: dict) -> None:

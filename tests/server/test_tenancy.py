@@ -183,15 +183,15 @@ def test_twenty_malformed_requests_each_get_a_4xx_and_the_server_keeps_serving(s
 def test_an_exception_in_a_step_fails_that_request_only(server, tiny_model_dir):
     _, tc_a = trained_client(server.url, KEY_A, str(tiny_model_dir))
     _, tc_b = trained_client(server.url, KEY_B, str(tiny_model_dir))
-    engine = server.app.state.server.engine
-    real, broken = engine.forward_backward, server.app.state.server.registry.runs[tc_a.model_id].adapter
+    core = server.app.state.server.engine.core
+    real, broken = core.run_datums, server.app.state.server.registry.runs[tc_a.model_id].adapter
 
     def flaky(name, *args, **kwargs):
         if name == broken:
             raise RuntimeError("boom inside the step")
         return real(name, *args, **kwargs)
 
-    engine.forward_backward = flaky
+    core.run_datums = flaky
     d = types.Datum(
         model_input=types.ModelInput.from_ints([5, 6]),
         loss_fn_inputs={"target_tokens": [6, 7], "weights": [1.0, 1.0]},
@@ -199,7 +199,7 @@ def test_an_exception_in_a_step_fails_that_request_only(server, tiny_model_dir):
     with pytest.raises(Exception, match="boom inside the step"):
         tc_a.forward_backward([d], "cross_entropy").result()
     assert tc_b.forward_backward([d], "cross_entropy").result().metrics["loss:sum"] > 0
-    engine.forward_backward = real
+    core.run_datums = real
     assert tc_a.forward_backward([d], "cross_entropy").result().metrics["loss:sum"] > 0
 
 

@@ -35,7 +35,7 @@ def test_the_local_names_over_the_server_train_as_the_local_api(server, tiny_mod
         tiny_model_dir, run.adapter, AS_WEIGHTS, steps=3, sum_gradient=False
     )
     np.testing.assert_allclose(losses, np.array(expected_sums) / 6, atol=1e-5, rtol=0)
-    assert_same_adapter(s.engine.adapter_state(run.adapter), expected_state)
+    assert_same_adapter(s.engine.core.adapter_state(run.adapter), expected_state)
 
     sampler = client.Sampler(model.save_for_sampler("s1", adapter_name="mine"))
     (out,) = sampler.sample([5, 6, 7], max_tokens=4, temperature=0.0, stop=[])

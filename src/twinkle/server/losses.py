@@ -5,7 +5,7 @@ batch's row-major order, ``twinkle.loss.base``); the tokens that do not count (w
 ``cross_entropy``, advantage 0 for ``importance_sampling`` and ``ppo``) add zero to the loss
 and are left out of its token count, so a ``token_mean`` window's step (``twinkle_client``'s)
 averages over the counted tokens only (as if they were unlabelled); the default step applies the
-summed loss's gradient and ignores the count (``twinkle.server.engine``). The same pass keeps each token's log-probability and loss
+summed loss's gradient and ignores the count (``twinkle.server.core``). The same pass keeps each token's log-probability and loss
 (``last_logps``, ``last_per_token``): ``forward_backward`` needs no second forward for them.
 Only the counted tokens go through the head with a graph; the others' log-probabilities are
 computed without one, in chunks: in an SFT datum most tokens are prompt (weight 0), and their

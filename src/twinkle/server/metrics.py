@@ -1,4 +1,5 @@
-"""What the server tells its operator and each tenant about load.
+"""``ServerMetrics``: what the server tells its operator and each tenant about load (the routes
+that show it are ``twinkle.server.routes.metrics``).
 
 - ``GET /metrics``: Prometheus' text format, for the operator only. It answers 404 unless the
   server was started with operator keys (``--operator-keys FILE`` or ``$TWINKLE_OPERATOR_KEYS``),
@@ -14,14 +15,8 @@ The figures live in a ``CollectorRegistry`` of the app's own, so two servers in 
 tests) keep theirs apart."""
 
 import collections
-import hmac
 import threading
 from typing import Any
-
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
-
-from twinkle.server.errors import NotFound, Unauthorized
 
 LATENCY_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 300.0)
 
@@ -92,39 +87,3 @@ class ServerMetrics:
         from prometheus_client import generate_latest
 
         return generate_latest(self.registry)
-
-
-def add_metrics_routes(app: FastAPI, s: Any) -> None:
-    @app.get("/metrics")
-    async def metrics(request: Request) -> Response:
-        if not s.config.operator_keys:
-            raise NotFound("/metrics is off: start the server with --operator-keys FILE to scrape it")
-        auth = request.headers.get("authorization") or ""
-        given = auth[7:] if auth.lower().startswith("bearer ") else request.headers.get("x-api-key") or ""
-        found = False
-        for key in s.config.operator_keys:  # every key compared, whichever matches
-            found |= hmac.compare_digest(key.encode(), given.encode())
-        if not found:
-            raise Unauthorized("/metrics needs an operator key (Authorization: Bearer KEY)")
-        from prometheus_client import CONTENT_TYPE_LATEST
-
-        return Response(s.metrics.text(), media_type=CONTENT_TYPE_LATEST)
-
-    @app.get("/api/v1/usage")
-    async def usage(request: Request) -> JSONResponse:
-        tenant = s.identify(request)
-        mine = s.registry.runs_of(tenant.id)
-        with s.metrics.lock:
-            counts = dict(s.metrics.per_tenant.get(tenant.id, {}))
-        return JSONResponse(
-            {
-                "queued": s.queue.depth(tenant=tenant.id),
-                "runs": {
-                    "live": sum(r.live for r in mine),
-                    "parked": sum(not r.live and r.parked is not None for r in mine),
-                },
-                "requests": {lane: counts.get(f"{lane}_requests", 0) for lane in ("train", "sample")},
-                "tokens": {kind: counts.get(f"tokens_{kind}", 0) for kind in ("trained", "sampled")},
-                "limits": dict(tenant.limits.__dict__),
-            }
-        )

@@ -1,24 +1,25 @@
-"""What several routes do with training runs: check the base model and the limits, start a run,
-save one."""
+"""What several route families do with training runs: check the base model and the tenant's
+limits, start a run, and show a checkpoint's record as the SDK reads it."""
 
-import time
-from typing import Any
+from datetime import UTC, datetime
 
-from twinkle.server.app import field
-from twinkle.server.checks import check_name
 from twinkle.server.errors import BadRequest, NotFound, TooMany
-
-MAX_TTL = 10 * 365 * 24 * 3600
-
-
-def check_ttl(ttl: int | None) -> int | None:
-    """A checkpoint TTL in seconds: None (never expires) or 1 s to 10 years."""
-    if ttl is not None and not 1 <= ttl <= MAX_TTL:
-        raise BadRequest(f"ttl_seconds must be 1..{MAX_TTL} (10 years) or null (never expires), got {ttl}")
-    return ttl
+from twinkle.server.requests import field
+from twinkle.server.service import Server
+from twinkle.server.state import Run, Tenant
 
 
-def check_base(s: Any, data: dict) -> str:
+def iso(t: float) -> str:
+    """A time in seconds since the epoch as the SDK reads it (ISO 8601, UTC)."""
+    return datetime.fromtimestamp(t, UTC).isoformat()
+
+
+def checkpoint_json(c: dict) -> dict:
+    """A checkpoint's record (``Registry.checkpoints``) with its times in ISO 8601."""
+    return {**c, "time": iso(c["time"]), "expires_at": iso(c["expires_at"]) if c["expires_at"] else None}
+
+
+def check_base(s: Server, data: dict) -> str:
     """The request's ``base_model`` (default: the served one); another is ``NotFound``."""
     base = field(data, "base_model", str, default=s.base_model)
     if base != s.base_model:
@@ -26,7 +27,7 @@ def check_base(s: Any, data: dict) -> str:
     return base
 
 
-def open_run(s: Any, tenant: Any, rank: int) -> int:
+def open_run(s: Server, tenant: Tenant, rank: int) -> int:
     """``rank`` if the tenant may open one more run of it; else 429 (its limit) or 400 (rank).
 
     The limit counts every run of the key that holds a slot (live) or resumes on its next request
@@ -46,7 +47,9 @@ def open_run(s: Any, tenant: Any, rank: int) -> int:
     return rank
 
 
-def start_run(s: Any, tenant: Any, base: str, rank: int, seed: int = 0, run_id: str | None = None) -> Any:
+def start_run(
+    s: Server, tenant: Tenant, base: str, rank: int, seed: int = 0, run_id: str | None = None
+) -> Run:
     """A new live run with its adapter on the model (in the worker: the limit is checked again; when
     every slot is taken, the least recently used run is parked for it)."""
     open_run(s, tenant, rank)
@@ -58,40 +61,3 @@ def start_run(s: Any, tenant: Any, base: str, rank: int, seed: int = 0, run_id: 
         s.registry.discard(run)
         raise
     return run
-
-
-def save_options(data: dict) -> dict[str, Any]:
-    """A save request's ``path`` (the name), ``ttl_seconds``, ``user_metadata`` and
-    ``overwrite``, checked."""
-    meta = field(data, "user_metadata", dict, default=None)
-    if meta is not None and not all(isinstance(v, str) for v in meta.values()):
-        raise BadRequest("user_metadata must map names to strings")
-    name = field(data, "path", str, default=None)
-    return {
-        "name": check_name(name, "field 'path' (the checkpoint name)") if name else name,
-        "ttl": check_ttl(field(data, "ttl_seconds", int, default=None)),
-        "meta": meta,
-        "overwrite": field(data, "overwrite", bool, default=True),
-    }
-
-
-def save(s: Any, run: Any, kind: str, optimizer: bool, name: str | None = None, **opts: Any) -> str:
-    """Save the run's adapter as ``<kind>/<name>`` (a timestamped name by default); its path.
-    ``opts`` (``save_options``): a TTL in seconds, user metadata, and whether an existing
-    checkpoint of that name may be replaced (``overwrite``)."""
-    name = name or f"{kind.split('_')[0]}-{int(time.time() * 1000)}"
-    check_name(name, "the checkpoint name")
-    folder = s.registry.folder(run) / kind / name
-    if folder.exists() and not opts.get("overwrite", True):
-        raise BadRequest(
-            f"checkpoint {kind}/{name} exists already; pass overwrite=True or choose another name"
-        )
-    s.engine.save(run.adapter, folder, optimizer)
-    ttl = opts.get("ttl")
-    s.registry.annotate(
-        run,
-        f"{kind}/{name}",
-        expires_at=None if ttl is None else time.time() + ttl,
-        user_metadata=opts.get("meta"),
-    )
-    return f"tinker://{run.id}/{kind}/{name}"

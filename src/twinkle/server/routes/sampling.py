@@ -1,79 +1,109 @@
-"""The sampling routes: a sampler on saved weights (or the base model), ``asample``
+"""The ``SamplingClient`` routes: a sampler on saved weights (or the base model), ``asample``
 (``sample`` and ``compute_logprobs`` of the SDK) with the prompt's log-probs, their top-k, the
 log-probs of chosen prompt tokens (``target_prompt_logprobs``, dense or sparse CSR), draws of
 alternative prompt tokens (``prompt_alt_tokens_k``) and the sampled tokens' top-k.
 
 Every log-prob is the model's at temperature 1, from one forward pass over the prompt (and one
 over prompt + completion per sequence for ``topk_sample_logprobs``); the request's temperature
-only shapes the completions and the alternative tokens' draws (``twinkle.server.scoring``)."""
+only shapes the completions and the alternative tokens' draws (``twinkle.server.scoring``). The
+request's ``sampling_params`` become the sampler's ``SamplingParams`` in one place,
+``twinkle.server.core.sampling_params``: the route checks them by building them there."""
 
 from collections.abc import Generator
 from typing import Any
 
 import numpy as np
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Request
 
-from twinkle.server.app import Server, body, field, future, new_id
+from twinkle.server.core import sampling_params
 from twinkle.server.errors import BadRequest, NotFound
+from twinkle.server.requests import body, field, future, new_id, server_of
 from twinkle.server.runs import check_base
 from twinkle.server.scoring import Scoring
+from twinkle.server.service import Server
+from twinkle.server.state import Tenant
 from twinkle.server.wire import encode_sample_response
+from twinkle.utils.errors import UserError
 
+router = APIRouter(prefix="/api/v1")
 SLICE_SECONDS = 0.05  # decoding between two turns of the queue: another tenant waits at most this
 MAX_TOPK = 1024  # the widest top-k, and the most alternative tokens drawn per prompt position
 
 
-def add_sampling_routes(app: FastAPI, s: Server) -> None:
-    v1 = "/api/v1"
+@router.post("/create_sampling_session")
+async def create_sampling_session(request: Request) -> dict:
+    s = server_of(request)
+    tenant = s.auth(request)
+    data = await body(request)
+    path = field(data, "model_path", str, default=None)
+    if path is None:
+        check_base(s, data)
+    else:
+        s.registry.checkpoint(tenant, path)
+    sampler_id = new_id()
+    s.registry.remember_sampler(tenant.id, sampler_id, path)
+    return {"type": "create_sampling_session", "sampling_session_id": sampler_id}
 
-    @app.post(f"{v1}/create_sampling_session")
-    async def create_sampling_session(request: Request) -> dict:
-        tenant = s.auth(request)
-        data = await body(request)
+
+@router.get("/samplers/{sampler_id}")
+async def sampler(request: Request, sampler_id: str) -> dict:
+    s = server_of(request)
+    tenant = s.auth(request)
+    owner, path = s.samplers.get(sampler_id, (None, None))
+    if owner != tenant.id:
+        raise NotFound(f"sampler {sampler_id!r} is not one of this key's")
+    return {"sampler_id": sampler_id, "base_model": s.base_model, "model_path": path}
+
+
+@router.post("/asample")
+async def asample(request: Request) -> dict:
+    s = server_of(request)
+    tenant = s.auth(request)
+    data = await body(request)
+    sampler_id = field(data, "sampling_session_id", str, default=None)
+    if sampler_id is not None:
+        owner, path = s.samplers.get(sampler_id, (None, None))
+        if owner != tenant.id:
+            raise NotFound(f"sampler {sampler_id!r} is not one of this key's")
+    else:
         path = field(data, "model_path", str, default=None)
-        if path is None:
-            check_base(s, data)
-        else:
-            s.registry.checkpoint(tenant, path)
-        sampler_id = new_id()
-        s.registry.remember_sampler(tenant.id, sampler_id, path)
-        return {"type": "create_sampling_session", "sampling_session_id": sampler_id}
-
-    @app.post(f"{v1}/asample")
-    async def asample(request: Request) -> dict:
-        tenant = s.auth(request)
-        data = await body(request)
-        sampler_id = field(data, "sampling_session_id", str, default=None)
-        if sampler_id is not None:
-            owner, path = s.samplers.get(sampler_id, (None, None))
-            if owner != tenant.id:
-                raise NotFound(f"sampler {sampler_id!r} is not one of this key's")
-        else:
-            path = field(data, "model_path", str, default=None)
-        folder = s.registry.checkpoint(tenant, path) if path else None
-        prompt = _prompt_tokens(field(data, "prompt", dict, required=True), s.engine.vocab)
-        params = field(data, "sampling_params", dict, default={})
-        n = field(data, "num_samples", int, default=1)
-        if not 1 <= n <= 64:
-            raise BadRequest(f"num_samples must be 1..64, got {n}")
-        max_tokens = field(params, "max_tokens", int, default=16)
-        if not 0 <= max_tokens <= 4096:
-            raise BadRequest(f"sampling_params.max_tokens must be 0..4096, got {max_tokens}")
-        temperature = field(params, "temperature", (int, float), default=1.0)
-        if temperature < 0:
-            raise BadRequest(f"sampling_params.temperature must be 0 (greedy) or more, got {temperature}")
-        seed = field(params, "seed", int, default=0)
-        _sampling_params(params, n, seed)
-        scoring = _scoring(data, len(prompt), s.engine.vocab)
-        scoring.temperature, scoring.seed = float(temperature), seed
-        _check_cost(s, tenant, len(prompt), n, max_tokens, scoring)
-        rid = s.queue.submit(
-            tenant.id, lambda: _sample(s, tenant, folder, prompt, params, n, scoring, seed), lane="sample"
-        )
-        return {**future(rid), "sample_sequence_ids": [f"{rid}-{i}" for i in range(n)]}
+    folder = s.registry.checkpoint(tenant, path) if path else None
+    prompt = _prompt_tokens(field(data, "prompt", dict, required=True), s.engine.vocab)
+    params = field(data, "sampling_params", dict, default={})
+    n = field(data, "num_samples", int, default=1)
+    if not 1 <= n <= 64:
+        raise BadRequest(f"num_samples must be 1..64, got {n}")
+    max_tokens = field(params, "max_tokens", int, default=16)
+    if not 0 <= max_tokens <= 4096:
+        raise BadRequest(f"sampling_params.max_tokens must be 0..4096, got {max_tokens}")
+    temperature = field(params, "temperature", (int, float), default=1.0)
+    if temperature < 0:
+        raise BadRequest(f"sampling_params.temperature must be 0 (greedy) or more, got {temperature}")
+    seed = field(params, "seed", int, default=0)
+    _check_sampling_params(params, n, seed)
+    scoring = _scoring(data, len(prompt), s.engine.vocab)
+    scoring.temperature, scoring.seed = float(temperature), seed
+    _check_cost(s, tenant, len(prompt), n, max_tokens, scoring)
+    rid = s.queue.submit(
+        tenant.id, lambda: _sample(s, tenant, folder, prompt, params, n, scoring, seed), lane="sample"
+    )
+    return {**future(rid), "sample_sequence_ids": [f"{rid}-{i}" for i in range(n)]}
 
 
-def _check_cost(s: Server, tenant: Any, length: int, n: int, max_tokens: int, want: Scoring) -> None:
+def _check_sampling_params(params: dict, n: int, seed: int) -> None:
+    """``sampling_params``' other fields (``top_p``, ``top_k``, ``stop``) checked as the sampler
+    reads them: their JSON kinds here, their values by building the sampler's ``SamplingParams``
+    (``core.sampling_params``); a bad one is a 400 naming it, before the request is queued."""
+    field(params, "top_p", (int, float), default=1.0)
+    field(params, "top_k", int, default=-1)
+    field(params, "stop", (str, list), default=None)
+    try:
+        sampling_params(params, n, seed)
+    except UserError as exc:
+        raise BadRequest(f"sampling_params: {exc}") from None
+
+
+def _check_cost(s: Server, tenant: Tenant, length: int, n: int, max_tokens: int, want: Scoring) -> None:
     """Refuse, before it is queued, a request the model cannot take (a prompt longer than its
     positions) or that costs more tokens than the key may spend on one request (``max_tokens``):
     the prompt, ``n`` completions of up to ``max_tokens``, and a pass over prompt + completion per
@@ -92,21 +122,6 @@ def _check_cost(s: Server, tenant: Any, length: int, n: int, max_tokens: int, wa
             f"max_tokens of {tenant.limits.max_tokens}; ask for fewer samples or tokens",
             status=413,
         )
-
-
-def _sampling_params(params: dict, n: int, seed: int) -> None:
-    """``sampling_params``' ``top_p``, ``top_k`` and ``stop`` checked as the sampler reads them:
-    a bad one is a 400 naming it, before the request is queued."""
-    from twinkle.data_format.sampling import SamplingParams
-    from twinkle.utils.errors import UserError
-
-    top_p = field(params, "top_p", (int, float), default=1.0)
-    top_k = field(params, "top_k", int, default=-1)
-    stop = field(params, "stop", (str, list), default=None)
-    try:
-        SamplingParams(top_p=top_p, top_k=top_k, num_samples=n, seed=seed, stop=stop or None)
-    except UserError as exc:
-        raise BadRequest(f"sampling_params: {exc}") from None
 
 
 def _prompt_tokens(prompt: dict, vocab: int) -> list[int]:
@@ -215,7 +230,7 @@ def _is_int(value: Any) -> bool:
 
 
 def _sample(
-    s: Server, tenant: Any, found: Any, prompt: list[int], params: dict, n: int, want: Scoring, seed: int
+    s: Server, tenant: Tenant, found: Any, prompt: list[int], params: dict, n: int, want: Scoring, seed: int
 ) -> Generator[None, None, bytes]:
     """Sample from a saved adapter, or from the base model. On the model: through an adapter lent
     a slot for the call (without saved weights its LoRA B is zero: exactly the base model); when
@@ -223,7 +238,7 @@ def _sample(
     (``Server.make_room``). With a sampler group the completions come from there, and the model
     lends a slot only when the request scores the prompt or the samples' top-k.
 
-    A generator: sampling on the model in this process runs in slices (``Engine.sample_steps``),
+    A generator: sampling on the model in this process runs in slices (``ModelCore.sample_steps``),
     and the queue runs other requests between them; the adapter keeps its slot meanwhile."""
     run, _, folder = found if found is not None else (None, None, None)
     rank = run.rank if run is not None else 1
@@ -234,22 +249,22 @@ def _sample(
         s.engine.add(name, rank)
     try:
         if name is not None and folder is not None:
-            s.engine.load(name, folder, optimizer=False)
-        scores = s.engine.score_prompt(name, prompt, want) if want.of_prompt else {}
+            s.engine.core.load(name, folder, optimizer=False)
+        scores = s.engine.core.score_prompt(name, prompt, want) if want.of_prompt else {}
         if int(params.get("max_tokens") or 0) == 0:
             seqs = [([], [], "length")] * n
         elif s.engine.has_sampler:
             seqs = s.engine.sample_checkpoint(folder, rank, prompt, params, n, seed)
         elif s.engine.sliced:
-            seqs = yield from s.engine.sample_steps(name, prompt, params, n, seed, SLICE_SECONDS)
+            seqs = yield from s.engine.core.sample_steps(name, prompt, params, n, seed, SLICE_SECONDS)
         else:
-            seqs = s.engine.sample(name, prompt, params, n, seed)
+            seqs = s.engine.core.sample(name, prompt, params, n, seed)
         s.metrics.counted(tenant.id, "sampled", sum(len(tokens) for tokens, _, _ in seqs))
         extras = {k: v for k, v in scores.items() if k in ("topk_prompt", "alt")}
         if "target" in scores:
             extras["target"] = (scores["target"], want.target_shape, want.target_csr)
         if want.topk_sample:
-            extras["topk_samples"] = s.engine.topk_of_completions(
+            extras["topk_samples"] = s.engine.core.topk_of_completions(
                 name, prompt, [tokens for tokens, _, _ in seqs], want.topk_sample
             )
         return encode_sample_response(seqs, scores.get("prompt"), extras)

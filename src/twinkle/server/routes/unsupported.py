@@ -7,7 +7,7 @@ the first answer. The routes the SDK calls on its own (JWT exchange, joining ano
 sampler, ``retrieve_futures``, server-side custom losses) are turned off by the server's
 ``client/config``, so only a script's explicit call reaches one of these."""
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 V1 = "/api/v1"
@@ -30,19 +30,20 @@ ROUTES = [
     (["GET"], CHECKPOINT + "/external_weights_urls", "external weights URLs"),
     (["POST", "DELETE"], CHECKPOINT + "/publish", "publishing checkpoints"),
 ]
+WHAT = {V1 + route: what for _, route, what in ROUTES}
+
+router = APIRouter(prefix=V1)
 
 
-def add_unsupported_routes(app: FastAPI) -> None:
-    for methods, route, what in ROUTES:
-        app.add_api_route(V1 + route, _answer(route, what), methods=methods, include_in_schema=False)
+async def not_implemented(request: Request) -> JSONResponse:
+    """The answer of every route in ``ROUTES``, named by its path template."""
+    route = request.scope["route"].path
+    message = (
+        f"{request.method} {route} ({WHAT[route]}) is not implemented by twinkle server; "
+        "see 'Not supported' in docs/server.md"
+    )
+    return JSONResponse({"detail": message}, status_code=404, headers={"x-should-retry": "false"})
 
 
-def _answer(route: str, what: str):  # noqa: ANN202 (a FastAPI endpoint)
-    async def not_implemented(request: Request) -> JSONResponse:
-        message = (
-            f"{request.method} {V1}{route} ({what}) is not implemented by twinkle server; "
-            "see 'Not supported' in docs/server.md"
-        )
-        return JSONResponse({"detail": message}, status_code=404, headers={"x-should-retry": "false"})
-
-    return not_implemented
+for _methods, _route, _ in ROUTES:
+    router.add_api_route(_route, not_implemented, methods=_methods, include_in_schema=False)

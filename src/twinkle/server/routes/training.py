@@ -1,0 +1,174 @@
+"""The ``TrainingClient`` routes: create a training run (a LoRA adapter on the served model), its
+info, unload it, ``forward_backward`` and ``optim_step``; and the ``RestClient``'s listing of
+the key's runs. Work on the model is queued on the run (``Server.on_run``) and answered with a
+future; the request's datums and AdamW parameters are checked in that queued step, so a bad one
+fails the future, as Tinker's does."""
+
+import math
+import time
+from typing import Any
+
+from fastapi import APIRouter, Request
+
+from twinkle.server.checks import page
+from twinkle.server.core import LOSS_INPUTS
+from twinkle.server.errors import BadRequest
+from twinkle.server.requests import PROTO, body, field, future, server_of
+from twinkle.server.runs import check_base, checkpoint_json, iso, open_run, start_run
+from twinkle.server.service import Server
+from twinkle.server.state import Run
+from twinkle.server.wire import Datum, check_datum, decode_forward_backward, encode_forward_backward_output
+
+router = APIRouter(prefix="/api/v1")
+
+
+@router.post("/create_model")
+async def create_model(request: Request) -> dict:
+    s = server_of(request)
+    tenant = s.auth(request)
+    data = await body(request)
+    base = check_base(s, data)
+    lora = field(data, "lora_config", dict, default={"rank": 32})
+    rank = open_run(s, tenant, field(lora, "rank", int, required=True))
+    seed = field(lora, "seed", int, default=0)
+    rid = s.queue.submit(
+        tenant.id, lambda: {"model_id": start_run(s, tenant, base, rank, seed).id, "type": "create_model"}
+    )
+    return future(rid)
+
+
+@router.post("/get_info")
+async def get_info(request: Request) -> dict:
+    s = server_of(request)
+    tenant = s.auth(request)
+    data = await body(request)
+    run = s.registry.run_of(tenant, field(data, "model_id", str), live=False)
+    return {
+        "type": "get_info",
+        "model_data": {"arch": "lora", "model_name": run.base_model, "tokenizer_id": run.base_model},
+        "model_id": run.id,
+        "is_lora": True,
+        "lora_rank": run.rank,
+    }
+
+
+@router.post("/unload_model")
+async def unload_model(request: Request) -> dict:
+    s = server_of(request)
+    tenant = s.auth(request)
+    run = s.registry.run_of(tenant, field(await body(request), "model_id", str))
+
+    def unload() -> dict:
+        s.engine.remove(run.adapter)
+        run.live, run.parked = False, None
+        return {"model_id": run.id, "type": "unload_model"}
+
+    return future(s.on_run(tenant, run, unload), run.id)
+
+
+@router.post("/forward_backward")
+async def forward_backward(request: Request) -> dict:
+    s = server_of(request)
+    tenant = s.auth(request)
+    if PROTO not in request.headers.get("content-type", ""):
+        raise BadRequest(
+            f"forward_backward takes a protobuf body (Content-Type: {PROTO}), as the Tinker SDK sends"
+        )
+    req = decode_forward_backward(await request.body(), tenant.limits.max_datums, tenant.limits.max_tokens)
+    run = s.registry.run_of(tenant, req.model_id)
+
+    def step() -> bytes:
+        start = time.perf_counter()
+        check_datums(req.data, req.loss_fn, s.engine.vocab)
+        outs, metrics = s.engine.core.run_datums(
+            run.adapter, req.data, req.loss_fn, req.loss_config, req.forward_only
+        )
+        tokens = sum(d.tokens.size for d in req.data)
+        s.metrics.counted(tenant.id, "trained", tokens)
+        seconds = round(time.perf_counter() - start, 4)
+        op = "forward" if req.forward_only else "forward_backward"
+        s.registry.log(
+            run, {"op": op, "datums": len(req.data), "tokens": tokens, "seconds": seconds, **metrics}
+        )
+        return encode_forward_backward_output(outs, metrics)
+
+    return future(s.on_run(tenant, run, step), run.id)
+
+
+def check_datums(data: list[Datum], loss_fn: str, vocab: int) -> None:
+    """The loss is one the server has, and each datum carries what it consumes (``LOSS_INPUTS``)
+    with token ids in the vocabulary (``wire.check_datum``)."""
+    if loss_fn not in LOSS_INPUTS:
+        raise BadRequest(f"loss_fn {loss_fn!r} is not supported; use one of {', '.join(LOSS_INPUTS)}")
+    for i, d in enumerate(data):
+        check_datum(d, i, vocab, LOSS_INPUTS[loss_fn])
+
+
+@router.post("/optim_step")
+async def optim_step(request: Request) -> dict:
+    s = server_of(request)
+    tenant = s.auth(request)
+    data = await body(request)
+    run = s.registry.run_of(tenant, field(data, "model_id", str))
+    adam = field(data, "adam_params", dict, default=None) or field(data, "optim_params", dict, default={})
+    for k in adam:
+        if k != "type":
+            field(adam, k, (int, float))
+
+    def step() -> dict:
+        metrics = s.engine.core.optim_step(run.adapter, *adamw(adam))
+        s.registry.log(run, {"op": "optim_step", "lr": adam.get("learning_rate"), **metrics})
+        return {"metrics": metrics}
+
+    return future(s.on_run(tenant, run, step), run.id)
+
+
+def adamw(adam: dict[str, Any]) -> tuple[dict[str, Any], float]:
+    """Tinker's ``adam_params`` (``learning_rate``, ``beta1``, ``beta2``, ``eps``,
+    ``weight_decay``, ``grad_clip_norm``; Tinker's defaults) as (torch AdamW's keyword
+    arguments, the gradient norm to clip to, 0 for none)."""
+    params = {
+        "lr": float(adam.get("learning_rate", 1e-4)),
+        "betas": (float(adam.get("beta1", 0.9)), float(adam.get("beta2", 0.95))),
+        "eps": float(adam.get("eps", 1e-12)),
+        "weight_decay": float(adam.get("weight_decay", 0.0)),
+    }
+    bad = [k for k, v in adam.items() if isinstance(v, float) and not math.isfinite(v)]
+    if bad or params["lr"] < 0:
+        raise BadRequest(
+            f"adam_params: {', '.join(bad) or 'learning_rate'} must be a finite non-negative number"
+        )
+    return params, float(adam.get("grad_clip_norm", 0.0) or 0.0)
+
+
+@router.get("/training_runs")
+async def training_runs(request: Request) -> dict:
+    s = server_of(request)
+    tenant = s.auth(request)
+    limit, offset = page(request.query_params, 20)
+    mine = sorted(s.registry.runs_of(tenant.id), key=lambda r: r.created)
+    return {
+        "training_runs": [run_json(s, r) for r in mine[offset : offset + limit]],
+        "cursor": {"offset": offset, "limit": limit, "total_count": len(mine)},
+    }
+
+
+@router.get("/training_runs/{run_id}")
+async def training_run(request: Request, run_id: str) -> dict:
+    s = server_of(request)
+    return run_json(s, s.registry.run_of(s.auth(request), run_id, live=False))
+
+
+def run_json(s: Server, run: Run) -> dict:
+    """A run as the ``RestClient`` reads it, with its last checkpoint of each kind."""
+    last = {c["checkpoint_type"]: checkpoint_json(c) for c in s.registry.checkpoints(run)}
+    return {
+        "training_run_id": run.id,
+        "base_model": run.base_model,
+        "model_owner": run.tenant,
+        "is_lora": True,
+        "lora_rank": run.rank,
+        "last_request_time": iso(run.last_request),
+        "last_checkpoint": last.get("training"),
+        "last_sampler_checkpoint": last.get("sampler"),
+    }
