@@ -32,6 +32,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from twinkle.data_format.sampling import SamplingParams
 from twinkle.model import MultiLoraTransformersModel
 from twinkle.runtime.remote import remote_class  # remote_group= hook
 from twinkle.server.losses import TinkerLoss
@@ -128,7 +129,7 @@ class ModelCore:
     ) -> tuple[list[dict[str, np.ndarray]], dict[str, float]]:
         """One pass (with backward unless ``forward_only``) over this rank's share of ``data``;
         per datum (all of them, in order) its targets' ``logprobs`` and ``elementwise_loss``, and
-        the ``loss:sum`` metric. The request was checked already (``Engine.forward_backward``)."""
+        the ``loss:sum`` metric. The request was checked already (``routes.training.check_datums``)."""
         if not forward_only:
             self._open_window(name, config)
         mesh = self.model.runtime.mesh
@@ -262,7 +263,7 @@ class ModelCore:
         """Row ``i``: log p(next token | ids[:i + 1]) over the vocabulary under adapter ``name``
         (fp32, temperature 1). Under FSDP2 every rank runs the same forward."""
         m = self.model
-        m._activate(name)
+        m.adapters.activate(name)
         set_training(m.model, False)
         m._in_train_mode = False
         out = m.model(input_ids=torch.tensor([ids], device=m.device))
@@ -322,19 +323,26 @@ def run_sampler(
     return sequences_of(response)
 
 
-def sampling_params(params: dict[str, Any], n: int, seed: int) -> Any:
-    """The ``SamplingParams`` of a request's Tinker ``sampling_params``."""
-    from twinkle.sampler import SamplingParams
+def sampling_params(params: dict[str, Any], n: int, seed: int) -> SamplingParams:
+    """The sampler's ``SamplingParams`` of a request's Tinker ``sampling_params``: the one place
+    the server maps them (the sampling route checks a request by building them here). Tinker's
+    names are ``SamplingParams``' own; a field left out or null takes Tinker's default, a
+    ``max_tokens`` of 0 or null is 16, and ``stop=[]`` (Tinker's "no stop") is no stop string
+    (the EOS tokens still stop). Values pass as the request sends them; ``SamplingParams``
+    checks them (``UserError``)."""
 
-    stop = params.get("stop") or None  # Tinker's [] (no stop at all): the EOS tokens still stop
+    def given(name: str, default: Any) -> Any:
+        value = params.get(name)
+        return default if value is None else value
+
     return SamplingParams(
-        max_tokens=int(params.get("max_tokens") or 16),
-        temperature=float(params.get("temperature", 1.0)),
-        top_p=float(params.get("top_p", 1.0)),
-        top_k=int(params.get("top_k", -1)),
+        max_tokens=params.get("max_tokens") or 16,
+        temperature=given("temperature", 1.0),
+        top_p=given("top_p", 1.0),
+        top_k=given("top_k", -1),
         num_samples=n,
         seed=seed,
-        stop=stop,
+        stop=params.get("stop") or None,
     )
 
 
