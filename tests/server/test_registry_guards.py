@@ -26,6 +26,14 @@ def fake_checkpoint(folder, payload: bytes = b"weights") -> None:
     (folder / MARKER).write_text("{}")
 
 
+def _wait_for_a_round(rounds: list[int]) -> None:
+    """Let the lister finish one more round before creating more: however fast the runs are
+    created, listings run while some of them are under way."""
+    seen, deadline = rounds[0], time.monotonic() + 30
+    while rounds[0] == seen and time.monotonic() < deadline:
+        time.sleep(0.001)
+
+
 def test_listing_while_another_thread_creates_runs(tmp_path):
     """``new_run`` in a loop on one thread; ``runs_of``, ``clients_of`` and every run's checkpoints
     listed on another, with the interpreter switching threads as often as it can."""
@@ -34,13 +42,15 @@ def test_listing_while_another_thread_creates_runs(tmp_path):
     try:
         registry = Registry(tmp_path / "srv")
         tenant = Tenant(tenant_id(KEY_A), Limits())
-        done, errors = threading.Event(), []
+        done, errors, rounds = threading.Event(), [], [0]
 
         def create() -> None:
             try:
                 for i in range(200):
                     registry.new_run(tenant, "base", 4)
                     registry.remember_client(tenant.id, f"client-{i}")
+                    if i % 50 == 49:
+                        _wait_for_a_round(rounds)
             except Exception as exc:  # pragma: no cover - what the test looks for
                 errors.append(exc)
             finally:
@@ -53,6 +63,7 @@ def test_listing_while_another_thread_creates_runs(tmp_path):
                 registry.checkpoints(run)
             registry.clients_of(tenant.id)
             listings += 1
+            rounds[0] += 1
         assert not errors and listings > 1
         assert len(registry.runs_of(tenant.id)) == 200 and len(registry.clients_of(tenant.id)) == 200
         adapters = {r.adapter for r in registry.runs_of()}
@@ -71,12 +82,14 @@ def test_the_listing_routes_while_another_tenant_creates_runs(tiny_model_dir, tm
         tenant_a, tenant_b = server.tenants[KEY_A], server.tenants[KEY_B]
         for _ in range(3):
             registry.new_run(tenant_a, base, 4)
-        done = threading.Event()
+        done, rounds = threading.Event(), [0]
 
         def create() -> None:
             try:
-                for _ in range(300):
+                for i in range(300):
                     registry.new_run(tenant_b, base, 4)
+                    if i % 100 == 99:
+                        _wait_for_a_round(rounds)
             finally:
                 done.set()
 
@@ -88,6 +101,7 @@ def test_the_listing_routes_while_another_tenant_creates_runs(tiny_model_dir, tm
             for http in (b, a):
                 codes.append(http.get(f"{V1}/checkpoints").status_code)
                 codes.append(http.get(f"{V1}/training_runs", params=page).status_code)
+            rounds[0] += 1
         assert len(codes) > 4 and set(codes) == {200}, codes
         assert len(b.get(f"{V1}/training_runs", params=page).json()["training_runs"]) == 300
         assert len(a.get(f"{V1}/training_runs", params=page).json()["training_runs"]) == 3
