@@ -26,9 +26,6 @@ Allowed, because they are not hardware names or measurements:
   "retries for up to 5 minutes"), sizes ("513 MiB"), shapes ("1536 x 576"), precision ("about 1e-6 relative");
 - a relative figure in words ("about half as fast", "twice as fast"), one per docstring, and a
   factor that is a size ratio ("2.5x the chunk").
-
-``PENDING`` lists what is still in files that other changes own right now; each entry must still
-be there (remove it when its file is rewritten), and nothing else may be.
 """
 
 import ast
@@ -65,18 +62,6 @@ TIMING = re.compile(
     # a speed percentage
     rf"|{_NUMBER}\s*%\s+(?:faster|slower|quicker|more time|less time|longer|shorter|of the time|speed)"
 )
-
-# path under src/ -> what it still says; owned by other changes now (the report lists them)
-PENDING: dict[str, list[str]] = {
-    "twinkle/checkpoint/integrity.py": ["1 GB/s"],
-    "twinkle/hub/load_options.py": ["20 ms"],
-    "twinkle/loss/fused_linear_ce.py": ["1.13x"],
-    "twinkle/loss/head.py": ["2.1x"],
-    "twinkle/model/loading.py": ["~25x slower", "AVX512-BF16", "AMX"],
-    "twinkle/optim/optimizer.py": ["4x faster"],
-    "twinkle/optim/replicated.py": ["~30x slower"],
-    "twinkle/server/queue.py": ["50 ms", "25% slower", "2 cores"],
-}
 
 
 def prose(source: str) -> list[tuple[int, str]]:
@@ -115,27 +100,11 @@ def _all() -> dict[str, list[tuple[int, str]]]:
 
 
 def test_no_hardware_names_or_timings_in_docstrings_and_comments():
-    bad = [
-        f"src/{path}:{line}: {text!r}"
-        for path, found in _all().items()
-        for line, text in found
-        if text not in PENDING.get(path, [])
-    ]
+    bad = [f"src/{path}:{line}: {text!r}" for path, found in _all().items() for line, text in found]
     assert not bad, (
         "docstrings and comments give the reason, not the machine or the measurement "
         "(a relative figure in words is fine; numbers go to bench/results):\n" + "\n".join(bad)
     )
-
-
-def test_pending_entries_are_still_there():
-    found = _all()
-    stale = [
-        f"src/{path}: {text!r}"
-        for path, texts in PENDING.items()
-        for text in texts
-        if text not in {t for _, t in found.get(path, [])}
-    ]
-    assert not stale, "fixed: remove these from PENDING in tests/test_src_prose.py:\n" + "\n".join(stale)
 
 
 def test_the_patterns_catch_what_they_must_and_pass_what_they_may():

@@ -204,7 +204,7 @@ def test_adapter_path_loads_a_saved_adapter(make_model, tiny_model_dir, tmp_path
         (lambda: SamplingParams(max_tokens=0), r"max_tokens must be an integer >= 1"),
         (lambda: SamplingParams(top_p=0), r"top_p must be in \(0, 1\]"),
         (lambda: SamplingParams(top_p=1.5), r"top_p must be in \(0, 1\]"),
-        (lambda: SamplingParams(temperature=-0.5), r"temperature must be a number >= 0"),
+        (lambda: SamplingParams(temperature=-0.5), r"temperature must be 0 \(greedy\) or a number >= 1e-06"),
         (lambda: SamplingParams(num_samples=0), r"num_samples must be an integer >= 1"),
         (lambda: SamplingParams(stop=[""]), r"each stop must be a non-empty string or a token id"),
     ],

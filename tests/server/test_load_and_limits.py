@@ -82,11 +82,13 @@ def test_another_tenants_step_finishes_within_2_s_of_the_largest_legal_sample(tm
         big_request = r.json()["request_id"]
         client = tinker.ServiceClient(base_url=server.url, api_key=KEY_B)
         trainer = client.create_lora_training_client(base_model=str(model), rank=4).result()
+        d = datum([5, 6, 7, 8, 9, 10], [0, 1, 1, 1, 1])
+        trainer.forward_backward([d], "cross_entropy").result()  # its first step makes the optimizer
+        trainer.optim_step(types.AdamParams(learning_rate=1e-3)).result()
         deadline = time.monotonic() + 30
         while not s.queue.started and time.monotonic() < deadline:  # A's sample is decoding
             time.sleep(0.01)
         assert s.queue.started
-        d = datum([5, 6, 7, 8, 9, 10], [0, 1, 1, 1, 1])
         latencies = []
         for _ in range(3):
             start_ = time.monotonic()
@@ -240,3 +242,22 @@ def test_metrics_are_the_operators_and_usage_is_each_tenants_own(tiny_model_dir,
         assert httpx.get(f"{url}{V1}/usage", headers={"X-API-Key": OPERATOR}).status_code == 401
     finally:
         running.stop()
+
+
+def test_a_temperature_too_small_to_divide_by_is_refused_before_it_queues(server, tiny_model_dir):
+    sampler = _post(server, "create_sampling_session", KEY_A, {"base_model": str(tiny_model_dir)}).json()
+    prompt = {"chunks": [{"type": "encoded_text", "tokens": [5, 6, 7]}]}
+    for temperature in (1e-45, 1e-7):
+        body = {
+            "sampling_session_id": sampler["sampling_session_id"],
+            "prompt": prompt,
+            "sampling_params": {"max_tokens": 4, "temperature": temperature},
+        }
+        r = _post(server, "asample", KEY_A, body)
+        assert (
+            r.status_code == 400
+            and "temperature must be 0 (greedy) or a number >= 1e-06" in r.json()["detail"]
+        )
+    body["sampling_params"]["temperature"] = 1e-6  # the smallest accepted: the argmax, no error
+    rid = _post(server, "asample", KEY_A, body).json()["request_id"]
+    assert _result(server, KEY_A, rid).status_code == 200

@@ -5,8 +5,8 @@ The save writes ``.twinkle-complete`` last, as JSON listing every other file of 
 (relative path -> size in bytes and CRC-32). A reader checks the folder against that list
 before it reads any file, so a file truncated by an interrupted copy, a
 flipped bit or a deleted file is one ``UserError`` naming the file, not an exception from deep
-inside safetensors or ``torch.load``. CRC-32 is there to catch accidental damage: it reads well
-over 1 GB/s on one core, about twice blake2b's speed.
+inside safetensors or ``torch.load``. CRC-32 is there to catch accidental damage: it reads about
+twice as fast as blake2b, so checking a checkpoint costs little beside loading it.
 
 The checksums detect damage, not tampering: anyone can recompute them, so a passing check says
 nothing about who wrote a file. What keeps an untrusted checkpoint harmless is that nothing in it

@@ -20,6 +20,11 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 
+# Below this a draw is the argmax anyway, and logits divided by a far smaller temperature overflow
+# fp32 to infinity, which no softmax survives.
+MIN_TEMPERATURE = 1e-6
+
+
 @dataclass
 class SamplingParams:
     """How to sample.
@@ -53,10 +58,10 @@ class SamplingParams:
             raise UserError(
                 f"SamplingParams(max_tokens={self.max_tokens!r}): max_tokens must be an integer >= 1"
             )
-        if not _is_number(self.temperature) or self.temperature < 0:
+        if not _is_number(self.temperature) or self.temperature < 0 or 0 < self.temperature < MIN_TEMPERATURE:
             raise UserError(
-                f"SamplingParams(temperature={self.temperature!r}): temperature must be a number >= 0 "
-                "(0 is greedy)"
+                f"SamplingParams(temperature={self.temperature!r}): temperature must be 0 (greedy) or a "
+                f"number >= {MIN_TEMPERATURE:g}"
             )
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
             raise UserError(

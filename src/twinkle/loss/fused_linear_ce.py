@@ -27,8 +27,8 @@ from twinkle.loss.cross_entropy import (
 )
 
 # On the CPU a chunk holds about this many logits (fp32): 32M = 128 MiB, ~680 rows at a 49k
-# vocabulary. Larger chunks keep the head's matmuls efficient: chunks of 170 rows took 1.13x
-# the time of chunks of 680.
+# vocabulary. Larger chunks keep the head's matmuls efficient: a quarter of the rows per chunk
+# was measurably slower (bench/micro).
 CHUNK_ELEMENTS = 2**25
 # On an accelerator the head's products are a small part of a step bound by the host's launches,
 # while a chunk's fp32 logits, their softmax and its bf16 copy (~2.5x the chunk) come on top of

@@ -1,8 +1,8 @@
 """The output head's product on the supervised rows, ``hidden @ weight.T (+ bias)``, through
 ``twinkle.kernel.cpu_gemm`` with gradients or without, so a training pass and an evaluation
 compute the same logits. At a 49k vocabulary the head is a tall, thin product whose fp32 output
-outgrows the caches; there MKL's ``mm``, which ``F.linear`` runs, took up to 2.1x oneDNN's time
-(``bench/micro/head_bench.py``)."""
+outgrows the caches; there MKL's ``mm``, which ``F.linear`` runs, took up to twice oneDNN's
+time (``bench/micro/head_bench.py``)."""
 
 import torch
 

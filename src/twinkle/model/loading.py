@@ -11,9 +11,9 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def default_dtype(device: torch.device) -> torch.dtype:
-    """bf16 on accelerators; fp32 on CPU. A CPU without native bf16 runs bf16 matmuls ~25x slower
-    than fp32; one with AVX512-BF16 (or AMX) runs them faster, but the loss then differs from
-    fp32 by bf16 rounding, so bf16 there is a choice (``--dtype bfloat16``), not a default."""
+    """bf16 on accelerators; fp32 on CPU. A CPU without native bf16 instructions runs bf16
+    matmuls many times slower than fp32; one with them runs them faster, but the loss then differs
+    from fp32 by bf16 rounding, so bf16 there is a choice (``--dtype bfloat16``), not a default."""
     return torch.float32 if device.type == "cpu" else torch.bfloat16
 
 

@@ -4,7 +4,7 @@ LoRA's trainable weights are small (a few MB), so every rank keeps a full-size c
 and runs the user's optimizer on those copies: gradients are gathered to full size, the step
 runs exactly as it would in one process, and each rank copies its shard of the result back
 into the sharded parameter. This keeps Muon's Newton-Schulz orthogonalisation on whole
-matrices (on sharded DTensors it runs collective by collective, ~30x slower) and makes the
+matrices (on sharded DTensors it runs collective by collective, many times slower) and makes the
 update identical to a single process. Its state dict is the same on every rank."""
 
 from collections.abc import Callable

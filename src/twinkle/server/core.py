@@ -254,6 +254,11 @@ class ModelCore:
             self.model.set_optimizer("AdamW", adapter_name=name, **self.optim_params.get(name, {"lr": 1e-4}))
         self.model.resume_from_checkpoint(str(folder), resume_only_model=not optimizer, adapter_name=name)
 
+    def load_for_sampling(self, name: str, folder: Path) -> None:
+        """Only the adapter's weights from ``folder``, into a slot lent for one sample request (its
+        counters, optimizer and RNG are of no use there, so nothing else is read or logged)."""
+        self.model.load(str(folder), adapter_name=name)
+
     def adapter_state(self, name: str) -> dict[str, torch.Tensor]:
         return self.model.slots.export(name)
 

@@ -6,7 +6,7 @@ between any two slices of sampling; within a lane it takes the tenants in turn (
 those with work waiting), each tenant's requests in the order they came.
 
 A job is a function run on the worker. One that returns a generator runs in slices: each
-``next()`` is one slice (a sampler's ``sample_steps`` decodes for about 50 ms and pauses), after
+``next()`` is one slice (a sampler's ``sample_steps`` decodes for the sampling route's ``SLICE_SECONDS`` and pauses), after
 which the job goes back to its tenant's turn and others run. That is how one tenant's largest
 legal sample shares the model with every other tenant's requests instead of holding it for
 minutes. A sliced job that has run for ``max_seconds`` in all is stopped (its generator closed, so
@@ -108,7 +108,7 @@ class Queue:
     def call(self, fn: Callable[[], Any]) -> Any:
         """``fn()`` run on the worker thread, its result returned (its exception raised) here.
         The server builds its model this way: torch computing on a second thread after the first
-        one has run parallel regions is about 25% slower on 2 cores (each thread keeps its own
+        one has run parallel regions is measurably slower (each thread keeps its own
         OpenMP team), so every pass over the model runs on the worker."""
         done, out = threading.Event(), {}
 

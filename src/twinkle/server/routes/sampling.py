@@ -249,7 +249,7 @@ def _sample(
         s.engine.add(name, rank)
     try:
         if name is not None and folder is not None:
-            s.engine.core.load(name, folder, optimizer=False)
+            s.engine.core.load_for_sampling(name, folder)
         scores = s.engine.core.score_prompt(name, prompt, want) if want.of_prompt else {}
         if int(params.get("max_tokens") or 0) == 0:
             seqs = [([], [], "length")] * n
