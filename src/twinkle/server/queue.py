@@ -20,6 +20,7 @@ after it finished if it is never retrieved; then it is dropped, so memory does n
 number of requests. Each tenant may have at most ``max_queued`` requests waiting or running."""
 
 import collections
+import contextlib
 import inspect
 import threading
 import time
@@ -40,10 +41,34 @@ class Future:
         self.error: tuple[str, str] | None = None  # (message, "user" | "server")
         self.finished: float | None = None  # time.monotonic() when done
         self.retrieved: float | None = None  # time.monotonic() of its first retrieval when done
+        self._lock = threading.Lock()
+        self._callbacks: list[Callable[[], None]] = []
 
     def finish(self) -> None:
-        self.finished = time.monotonic()
-        self.done.set()
+        with self._lock:
+            self.finished = time.monotonic()
+            self.done.set()
+            callbacks, self._callbacks = self._callbacks, []
+        for callback in callbacks:
+            with contextlib.suppress(RuntimeError):  # the poll's event loop has closed
+                callback()
+
+    def on_done(self, callback: Callable[[], None]) -> Callable[[], None]:
+        """Call ``callback`` (from the worker thread) when the request ends, or now if it has;
+        returns a function that takes it back. A poll waits this way instead of waking every few
+        milliseconds: many waiting polls would otherwise take the interpreter's lock from the
+        worker thread, whose decoding is mostly Python between small tensor operations."""
+        with self._lock:
+            if not self.done.is_set():
+                self._callbacks.append(callback)
+                return lambda: self._forget(callback)
+        callback()
+        return lambda: None
+
+    def _forget(self, callback: Callable[[], None]) -> None:
+        with self._lock:
+            if callback in self._callbacks:
+                self._callbacks.remove(callback)
 
 
 class Job:

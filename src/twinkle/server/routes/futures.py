@@ -3,7 +3,6 @@
 the key's rate bucket (``Server.identify``)."""
 
 import asyncio
-import time
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -22,9 +21,15 @@ async def retrieve_future(request: Request) -> Any:
     tenant = s.identify(request)
     data = await body(request)
     fut = s.queue.future(tenant.id, field(data, "request_id", str))
-    deadline = time.monotonic() + POLL_SECONDS
-    while not fut.done.is_set() and time.monotonic() < deadline:
-        await asyncio.sleep(0.01)
+    if not fut.done.is_set():
+        loop, answered = asyncio.get_running_loop(), asyncio.Event()
+        forget = fut.on_done(lambda: loop.call_soon_threadsafe(answered.set))
+        try:
+            await asyncio.wait_for(answered.wait(), POLL_SECONDS)
+        except TimeoutError:
+            pass
+        finally:
+            forget()
     if not fut.done.is_set():
         return JSONResponse(
             {"type": "try_again", "request_id": data["request_id"], "queue_state": "active"}, 408
