@@ -210,7 +210,7 @@ def test_the_preference_and_rl_groups_upstreams_scripts_read():
         (["--beta", "-1"], "--beta"),
         (["--loss-type", "kto"], "--loss-type"),
         (["--top-p", "0"], "--top-p"),
-        (["--top-k", "0"], "--top-k"),
+        (["--top-k", "-2"], "--top-k"),
         (["--label-smoothing", "0.5"], "--label-smoothing"),
     ],
 )

@@ -14,6 +14,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from twinkle.data_format.sampling import SamplingParams
 from twinkle.runtime.runtime import MAX_SEED
 from twinkle.template.base import TRUNCATION_STRATEGIES
 from twinkle.template.registry import TEMPLATES
@@ -254,25 +255,31 @@ class LossArgs:
     )
 
 
-@dataclass
-class SamplingArgs:
-    max_tokens: int | None = _opt(
-        None,
-        "tokens a completion may add; None = the script's default",
-        check=_AT_LEAST_1,
-        aliases=("max-new-tokens",),
+def _sampling_flag(f: dataclasses.Field) -> tuple[str, Any, Any]:
+    """A ``SamplingParams`` field as a flag: its default, and its values checked by building a
+    ``SamplingParams`` with it, so the command line accepts exactly what the sampler does."""
+
+    def valid(value: Any) -> bool:
+        try:
+            SamplingParams(**{f.name: value})
+        except UserError:
+            return False
+        return True
+
+    meta = f.metadata
+    option = _opt(
+        f.default, meta["flag_help"], check=(valid, meta["flag_rule"]), aliases=meta["flag_aliases"]
     )
-    temperature: float = _opt(1.0, "sampling temperature; 0 = greedy", check=_AT_LEAST_0)
-    top_p: float = _opt(
-        1.0,
-        "nucleus sampling: the smallest set of tokens with this much probability",
-        check=(lambda v: 0 < v <= 1, "in (0, 1]"),
-    )
-    top_k: int = _opt(
-        -1,
-        "sample among the k most likely tokens; -1 = all",
-        check=(lambda v: v == -1 or v >= 1, "-1 or >= 1"),
-    )
+    return f.name, f.type, option
+
+
+# The sampling flags: the fields of ``SamplingParams`` that declare a flag (``_flag`` there), so a
+# new sampling option reaches the command line from its one definition.
+SamplingArgs = dataclasses.make_dataclass(
+    "SamplingArgs",
+    [_sampling_flag(f) for f in dataclasses.fields(SamplingParams) if "flag_help" in f.metadata],
+)
+SamplingArgs.__module__ = __name__
 
 
 @dataclass

@@ -25,6 +25,13 @@ def _is_number(value: Any) -> bool:
 MIN_TEMPERATURE = 1e-6
 
 
+def _flag(help: str, rule: str, aliases: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The metadata of a field the command line offers as a flag: its help, the rule its values
+    follow (for the error message; ``SamplingParams`` itself checks them) and other flag names.
+    ``twinkle.cli.args.SamplingArgs`` is made of exactly these fields."""
+    return {"flag_help": help, "flag_rule": rule, "flag_aliases": aliases}
+
+
 @dataclass
 class SamplingParams:
     """How to sample.
@@ -43,10 +50,24 @@ class SamplingParams:
     - ``stop``: a string, strings, or token ids that end a sequence (the end-of-sequence tokens
       always do); ``include_stop_str_in_output``: whether ``decoded`` keeps the stop string."""
 
-    max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
+    max_tokens: int | None = field(
+        default=None,
+        metadata=_flag(
+            "tokens a completion may add; None = the script's default", ">= 1", ("max-new-tokens",)
+        ),
+    )
+    temperature: float = field(
+        default=1.0, metadata=_flag("sampling temperature; 0 = greedy", f"0 or >= {MIN_TEMPERATURE:g}")
+    )
+    top_p: float = field(
+        default=1.0,
+        metadata=_flag(
+            "nucleus sampling: the smallest set of tokens with this much probability", "in (0, 1]"
+        ),
+    )
+    top_k: int = field(
+        default=-1, metadata=_flag("sample among the k most likely tokens; -1 or 0 = all", "an integer >= -1")
+    )
     num_samples: int = 1
     logprobs: int | None = None
     seed: int | None = None
