@@ -37,11 +37,11 @@ class Dataset:
 
     def __init__(self, dataset_meta: DatasetMeta | None = None, skip_bad_rows: bool | None = None):
         self.template: Template | None = None
-        if skip_bad_rows is None:
-            from twinkle.runtime import run_defaults
+        from twinkle.runtime import run_defaults
 
-            skip_bad_rows = run_defaults().skip_bad_rows
-        self.skip_bad_rows = skip_bad_rows
+        defaults = run_defaults()  # the run's configuration, read once, here
+        self.skip_bad_rows = defaults.skip_bad_rows if skip_bad_rows is None else skip_bad_rows
+        self.seed = defaults.seed  # what ``mix_dataset`` draws with unless given a seed
         # (DatasetMeta.get_id() or None once several were merged, rows); and where each row came from
         self._parts: list[tuple[str | None, datasets.Dataset]] = []
         self._origins: list[RowOrigin] = []
@@ -178,10 +178,7 @@ class Dataset:
             return self
         parts = [rows for _, rows in self._parts]
         if interleave:
-            if seed is None:
-                from twinkle.runtime import run_defaults
-
-                seed = run_defaults().seed
+            seed = self.seed if seed is None else seed
             mixed = combine.interleave(parts, ratios, seed, stopping_strategy)
             self._replace_all(mixed, RowOrigin.in_place("the mixed rows", len(mixed)))
         else:
