@@ -47,6 +47,9 @@ def _fresh_run_context_and_switches():
     before, runtime, hook = switches.values(), runtime_module._RUNTIME, sys.excepthook
     yield
     run_config.take_handed_over()
+    ended = runtime_module._RUNTIME
+    if ended is not runtime and ended is not None and ended.report is not None:
+        ended.report.finish()  # the test's run ends with the test, as a process's run ends at exit
     runtime_module._RUNTIME = runtime
     sys.excepthook = hook
     switches.set_switches(before)

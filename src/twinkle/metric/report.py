@@ -36,7 +36,7 @@ from twinkle.checkpoint.layout import LAST, parse_trainer_state
 from twinkle.metric.curves import draw_curves
 from twinkle.metric.progress import Progress, _clock
 from twinkle.metric.sinks import SINK_FOLDERS, open_sinks
-from twinkle.runtime import RunDefaults
+from twinkle.runtime import RunDefaults, get_runtime
 from twinkle.runtime.output_lock import LOCK_FILE
 from twinkle.utils.errors import UserError
 from twinkle.utils.fileio import is_complete, open_no_follow, refuse_link_message
@@ -223,20 +223,14 @@ class RunReport:
         logger.info(self.summary() + tail)
 
 
-_ACTIVE: list[RunReport | None] = [None]
-
-
 def current(runtime: Any) -> RunReport | None:
-    """This run's report on rank 0 of a CLI-parsed run, else None."""
+    """This run's report on rank 0 of a CLI-parsed run (kept on its runtime), else None."""
     defaults = runtime.defaults
     if defaults.report_to is None or not runtime.is_main:
         return None
-    report = _ACTIVE[0]
-    if report is None or report.defaults is not defaults:
-        if report is not None:
-            report.finish()
-        report = _ACTIVE[0] = RunReport(defaults, runtime.device)
-    return report
+    if runtime.report is None:
+        runtime.report = RunReport(defaults, runtime.device)
+    return runtime.report
 
 
 def on_backward(runtime: Any, group: Any) -> None:
@@ -257,7 +251,9 @@ def on_save(runtime: Any, group: Any, folder: str | os.PathLike) -> None:
         report.on_save(folder, group.cur_step, group.adapter_name)
 
 
-def finish() -> None:
-    """End the current report now (the process's exit does it otherwise)."""
-    if _ACTIVE[0] is not None:
-        _ACTIVE[0].finish()
+def finish(runtime: Any = None) -> None:
+    """End the run's report now (the process's exit does it otherwise); ``runtime``: the run's,
+    default the one ``initialize`` set up."""
+    runtime = runtime or get_runtime()
+    if runtime.report is not None:
+        runtime.report.finish()

@@ -33,6 +33,9 @@ class Runtime:
     device: torch.device
     seed: int
     defaults: RunDefaults = field(default_factory=RunDefaults)
+    # this run's ``twinkle.metric.report.RunReport`` (rank 0 of a CLI-parsed run), made at its first
+    # record and finished when the run ends or another ``initialize`` replaces this runtime
+    report: Any = field(default=None, repr=False, compare=False)
 
     @property
     def world_size(self) -> int:
@@ -181,6 +184,8 @@ def _start(
     seed = run.seed if seed is None else seed
     seed_everything(seed)
     preemption.install()
+    if _RUNTIME is not None and _RUNTIME.report is not None:  # the previous run in this process ends
+        _RUNTIME.report.finish()
     _RUNTIME = Runtime(mode, mesh, rank, local_rank, device, seed, run)
     return _RUNTIME
 
