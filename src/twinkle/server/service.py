@@ -23,8 +23,9 @@ from twinkle.server.engine import Engine, build_engine
 from twinkle.server.errors import NotFound, ServerError, TooMany, Unauthorized
 from twinkle.server.metrics import ServerMetrics
 from twinkle.server.queue import Queue
+from twinkle.server.records import check_output_dir
 from twinkle.server.report import Reporter
-from twinkle.server.state import Registry, Tenant, check_output_dir, tenant_id
+from twinkle.server.state import Registry, Tenant, tenant_id
 
 
 class Server:

@@ -19,7 +19,7 @@ warning naming it, and every other tenant and run comes back: a damaged ``run.js
 whole run folder there (the checkpoints with it), a damaged ``checkpoints.json`` goes alone (the
 run's checkpoints then have no TTL and no metadata: none expires), and the unreadable lines of a
 ``.jsonl`` go to a file of the same name there while the good lines stay. Nothing is deleted;
-``damaged/`` is never read back.
+``damaged/`` is never read back. Reading and quarantining those records is ``twinkle.server.records``.
 
 The registry never follows a symbolic link: a checkpoint folder (or a ``weights`` or
 ``sampler_weights`` folder) that is a link is not listed, not loaded, not resumed from and not
@@ -37,7 +37,6 @@ import shutil
 import threading
 import time
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,12 +44,23 @@ from typing import Any
 from twinkle.checkpoint.layout import MARKER
 from twinkle.server.checks import checkpoint_parts
 from twinkle.server.errors import NotFound, ServerError, TooMany
+from twinkle.server.records import (
+    DAMAGED,
+    KINDS,
+    PERSISTED,
+    check_output_dir,
+    client_record,
+    fsync_dir,
+    parse_notes,
+    quarantine,
+    read_lines,
+    read_run,
+    real_dir,
+    sampler_record,
+)
 from twinkle.utils.errors import UserError
 from twinkle.utils.fileio import atomic_write_text
 from twinkle.utils.logger import get_logger
-
-KINDS = {"weights": "training", "sampler_weights": "sampler"}
-DAMAGED = "damaged"  # output_dir/damaged: records moved aside at start-up, never read back
 
 logger = get_logger(__name__)
 
@@ -102,87 +112,6 @@ class Run:
     parked_optimizer: bool = True  # the reload restores the AdamW state too (a ``weights`` save)
 
 
-PERSISTED = ("id", "tenant", "base_model", "rank", "created", "last_request", "adapter")
-TYPES: dict[str, tuple[type, ...]] = {
-    "id": (str,),
-    "tenant": (str,),
-    "base_model": (str,),
-    "rank": (int,),
-    "created": (int, float),
-    "last_request": (int, float),
-    "adapter": (str,),
-}
-
-
-def check_output_dir(root: Path) -> None:
-    """``root`` exists (made if missing) and takes new files; else ``UserError`` in one line."""
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-        probe = root / f".twinkle-write-test-{os.getpid()}"
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as exc:
-        what = (
-            "is not a folder" if root.exists() and not root.is_dir() else f"is not writable ({exc.strerror})"
-        )
-        raise UserError(f"--output-dir {root} {what}; pass a folder this process can write to") from None
-
-
-def _kind_ok(value: Any, kinds: tuple[type, ...]) -> bool:
-    return isinstance(value, kinds) and not isinstance(value, bool)
-
-
-def _fsync_dir(folder: Path) -> None:
-    """Flush the folder's entries (a rename in it) to disk, where the system allows it."""
-    with contextlib.suppress(OSError):
-        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-def _real_dir(path: Path) -> bool:
-    """A folder, not a link to one."""
-    return not path.is_symlink() and path.is_dir()
-
-
-def _parse_json(raw: bytes) -> Any:
-    """The JSON value of ``raw``; ``ValueError`` saying why not."""
-    if not raw.strip():
-        raise ValueError("empty")
-    try:
-        return json.loads(raw)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"not JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
-    except UnicodeDecodeError:
-        raise ValueError("not UTF-8 text") from None
-
-
-def _parse_notes(raw: bytes) -> dict[str, dict[str, Any]]:
-    """A ``checkpoints.json``: ``{"<kind>/<name>": {"expires_at": number, "user_metadata": {...}}}``."""
-    notes = _parse_json(raw)
-    if not isinstance(notes, dict):
-        raise ValueError(f"a JSON {type(notes).__name__}, not an object")
-    for key, entry in notes.items():
-        kind, _, name = key.partition("/")
-        if kind not in KINDS or not name or not isinstance(entry, dict):
-            raise ValueError(f"entry {key!r} is not a checkpoint's notes")
-        if "expires_at" in entry and not _kind_ok(entry["expires_at"], (int, float)):
-            raise ValueError(f"entry {key!r}: expires_at is not a number")
-        if "user_metadata" in entry and not isinstance(entry["user_metadata"], dict):
-            raise ValueError(f"entry {key!r}: user_metadata is not an object")
-    return notes
-
-
-def _client_record(record: Any) -> bool:
-    return isinstance(record, dict) and isinstance(record.get("id"), str)
-
-
-def _sampler_record(record: Any) -> bool:
-    return _client_record(record) and "path" in record and isinstance(record["path"], str | None)
-
-
 class Registry:
     """Runs by id (every tenant's), the SDK clients' and samplers' owners; read back from ``root``
     at start."""
@@ -196,7 +125,7 @@ class Registry:
         self.clients: dict[str, str] = {}  # an SDK client's id (its session_id) -> tenant id
         self.samplers: dict[str, tuple[str, str | None]] = {}  # sampler id -> (tenant, path)
         try:
-            tenants = [d for d in sorted(root.iterdir()) if d.name != DAMAGED and _real_dir(d)]
+            tenants = [d for d in sorted(root.iterdir()) if d.name != DAMAGED and real_dir(d)]
         except OSError as exc:
             raise UserError(f"--output-dir {root} cannot be read ({exc.strerror})") from None
         for tenant in list(tenants):
@@ -210,109 +139,20 @@ class Registry:
                 continue
             for folder in folders:  # a link is not a run folder of this server's
                 meta = folder / "run.json"
-                if _real_dir(folder) and (meta.exists() or meta.is_symlink()):
-                    self._read_run(folder)
+                if real_dir(folder) and (meta.exists() or meta.is_symlink()):
+                    data = read_run(self.root, folder, self.runs)
+                    if data is not None:
+                        self.runs[data["id"]] = Run(**{k: data[k] for k in PERSISTED})
         for run in list(self.runs.values()):
             self.purge_expired(run)
             run.parked, run.parked_optimizer = self.restore_point(run)
         for tenant in tenants:
-            for record in self._read_lines(tenant / "clients.jsonl", _client_record):
+            for record in read_lines(root, tenant / "clients.jsonl", client_record):
                 self.clients[record["id"]] = tenant.name
-            for record in self._read_lines(tenant / "samplers.jsonl", _sampler_record):
+            for record in read_lines(root, tenant / "samplers.jsonl", sampler_record):
                 self.samplers[record["id"]] = (tenant.name, record["path"])
 
     # ---------------------------------------------------------------- start-up: reading back
-    def _read_run(self, folder: Path) -> None:
-        """The run of ``folder/run.json``; a damaged one moves the whole folder to ``damaged/``."""
-        meta = folder / "run.json"
-        try:
-            if meta.is_symlink() or not meta.is_file():
-                raise ValueError("not a regular file")
-            data = _parse_json(meta.read_bytes())
-            if not isinstance(data, dict):
-                raise ValueError(f"a JSON {type(data).__name__}, not an object")
-            for key, kinds in TYPES.items():
-                if not _kind_ok(data.get(key), kinds):
-                    raise ValueError(f"field {key!r} is missing or not {'/'.join(k.__name__ for k in kinds)}")
-            if data["id"] != folder.name or data["tenant"] != folder.parent.name:
-                raise ValueError("its id or tenant is not its folder's")
-            if data["id"] in self.runs:
-                raise ValueError(f"run id {data['id']!r} is another tenant's too")
-            if data["rank"] < 1:
-                raise ValueError(f"rank {data['rank']} is not positive")
-        except (OSError, ValueError) as exc:
-            why = exc.strerror if isinstance(exc, OSError) else str(exc)
-            self._quarantine(folder, f"{meta} is damaged ({why})", "its run folder")
-            return
-        run = Run(**{k: data[k] for k in PERSISTED})
-        self.runs[run.id] = run
-
-    def _read_lines(self, path: Path, valid: Callable[[Any], bool]) -> list[dict[str, Any]]:
-        """The records of a ``.jsonl`` that pass ``valid``; the lines that do not go to a file of the
-        same name under ``damaged/`` and the file is rewritten with the rest."""
-        if not path.exists() and not path.is_symlink():
-            return []
-        try:
-            if path.is_symlink() or not path.is_file():
-                raise OSError(0, "not a regular file")
-            raw = path.read_bytes()
-        except OSError as exc:
-            self._quarantine(path, f"{path} is damaged ({exc.strerror})", "it")
-            return []
-        good, bad, records = [], [], []
-        for line in raw.split(b"\n"):
-            if not line.strip():
-                continue
-            try:
-                record = _parse_json(line)
-            except ValueError:
-                record = None
-            if valid(record):
-                good.append(line)
-                records.append(record)
-            else:
-                bad.append(line)
-        if bad:
-            dest = self._damaged_path(path)
-            try:
-                dest.parent.mkdir(parents=True, exist_ok=True)
-                with open(dest, "xb") as f:
-                    f.write(b"\n".join(bad) + b"\n")
-                    f.flush()
-                    os.fsync(f.fileno())
-                atomic_write_text(path, "".join(line.decode() + "\n" for line in good))
-                _fsync_dir(path.parent)
-                where = f"moved to {dest}; its {len(good)} good lines are kept"
-            except OSError as exc:
-                where = f"skipped, the file is left as it is ({exc.strerror})"
-            logger.warning(f"twinkle server: {path} has {len(bad)} damaged line(s); they are {where}")
-        return records
-
-    def _damaged_path(self, path: Path) -> Path:
-        """Where ``path`` (under ``root``) goes in ``damaged/``: the same relative path, with a
-        number added when that name is taken."""
-        damaged = self.root / DAMAGED
-        if damaged.is_symlink():
-            raise OSError(0, f"{damaged} is a symbolic link")
-        dest = damaged / path.relative_to(self.root)
-        n = 1
-        while dest.exists() or dest.is_symlink():
-            dest = dest.with_name(f"{path.name}.{n}")
-            n += 1
-        return dest
-
-    def _quarantine(self, path: Path, what: str, it: str) -> None:
-        """Move ``path`` under ``damaged/`` with one warning (``what``, then where ``it`` went)."""
-        try:
-            dest = self._damaged_path(path)
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            os.rename(path, dest)
-            _fsync_dir(path.parent)
-            where = f"{it} is moved to {dest}"
-        except OSError as exc:
-            where = f"{it} could not be moved to {self.root / DAMAGED} ({exc.strerror}) and is not served"
-        logger.warning(f"twinkle server: {what}; {where}")
-
     def restore_point(self, run: Run) -> tuple[str | None, bool]:
         """Where a run not in memory resumes: its newest ``weights`` checkpoint (with the AdamW
         state), else its newest sampler weights (a fresh AdamW), else nowhere (None)."""
@@ -391,7 +231,7 @@ class Registry:
             folder = self.folder(run)
             folder.mkdir(parents=True, exist_ok=True)
             atomic_write_text(folder / "run.json", json.dumps({k: getattr(run, k) for k in PERSISTED}))
-            _fsync_dir(folder)
+            fsync_dir(folder)
             self.runs[run.id] = run
         return run
 
@@ -419,13 +259,13 @@ class Registry:
         """The run's whole checkpoints of ``kind`` (their marker written), by name; hidden names
         (a save or a delete in progress) and links are not checkpoints."""
         base = self.folder(run) / kind
-        if not _real_dir(base):
+        if not real_dir(base):
             return []
         with contextlib.suppress(FileNotFoundError):
             return [
                 f
                 for f in sorted(base.iterdir())
-                if not f.name.startswith(".") and _real_dir(f) and (f / MARKER).is_file()
+                if not f.name.startswith(".") and real_dir(f) and (f / MARKER).is_file()
             ]
         return []
 
@@ -439,7 +279,7 @@ class Registry:
             raise NotFound(f"checkpoint {path!r} does not exist for this key")
         self.purge_expired(run)
         folder = self.folder(run) / parts[1] / parts[2]
-        if not (_real_dir(folder.parent) and _real_dir(folder) and (folder / MARKER).is_file()):
+        if not (real_dir(folder.parent) and real_dir(folder) and (folder / MARKER).is_file()):
             raise NotFound(f"checkpoint {path!r} does not exist for this key")
         return run, parts[1], folder
 
@@ -461,10 +301,12 @@ class Registry:
         try:
             if path.is_symlink() or not path.is_file():
                 raise ValueError("not a regular file")
-            return _parse_notes(path.read_bytes())
+            return parse_notes(path.read_bytes())
         except (OSError, ValueError) as exc:
             why = exc.strerror if isinstance(exc, OSError) else str(exc)
-            self._quarantine(path, f"{path} is damaged ({why})", "it (the run's checkpoints never expire)")
+            quarantine(
+                self.root, path, f"{path} is damaged ({why})", "it (the run's checkpoints never expire)"
+            )
             return {}
 
     def annotate(self, run: Run, checkpoint_id: str, **values: Any) -> None:
@@ -480,7 +322,7 @@ class Registry:
             else:
                 notes.pop(checkpoint_id, None)
             atomic_write_text(self.folder(run) / "checkpoints.json", json.dumps(notes))
-            _fsync_dir(self.folder(run))
+            fsync_dir(self.folder(run))
 
     def set_ttl(self, run: Run, checkpoint_id: str, ttl_seconds: float | None) -> None:
         """The checkpoint expires ``ttl_seconds`` from now (None: never)."""
