@@ -171,6 +171,19 @@ class Registry:
         with self.lock:
             return [r for r in self.runs.values() if tenant_id is None or r.tenant == tenant_id]
 
+    def check_client(self, tenant: Tenant, client_id: str) -> None:
+        """``NotFound`` unless ``client_id`` is one of the tenant's SDK clients."""
+        if self.clients.get(client_id) != tenant.id:
+            raise NotFound(f"client {client_id!r} is not one of this key's")
+
+    def sampler_path(self, tenant: Tenant, sampler_id: str) -> str | None:
+        """The checkpoint path of the tenant's sampler ``sampler_id`` (None: the base model);
+        ``NotFound`` for another tenant's or an unknown one."""
+        owner, path = self.samplers.get(sampler_id, (None, None))
+        if owner != tenant.id:
+            raise NotFound(f"sampler {sampler_id!r} is not one of this key's")
+        return path
+
     def clients_of(self, tenant_id: str) -> list[str]:
         with self.lock:
             return [c for c, t in self.clients.items() if t == tenant_id]

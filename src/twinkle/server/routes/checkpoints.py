@@ -9,7 +9,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from twinkle.server.checks import check_name, page
-from twinkle.server.errors import BadRequest, NotFound
+from twinkle.server.errors import BadRequest
 from twinkle.server.requests import body, field, future, new_id, server_of
 from twinkle.server.runs import check_base, checkpoint_json, open_run, start_run
 from twinkle.server.service import Server
@@ -65,8 +65,7 @@ async def load_weights(request: Request) -> dict:
         check_base(s, data)
         open_run(s, tenant, src.rank)
         client_id = field(data, "session_id", str, required=True)
-        if s.clients.get(client_id) != tenant.id:
-            raise NotFound(f"client {client_id!r} is not one of this key's")
+        s.registry.check_client(tenant, client_id)
         new_run_id = f"{client_id}:train:{field(data, 'model_seq_id', int, required=True)}"
         if new_run_id in s.registry.runs:
             raise BadRequest(f"model {new_run_id!r} exists already; use a new model_seq_id")

@@ -7,7 +7,6 @@ Route and JSON names are the SDK's wire protocol, kept as it sends them: ``creat
 from fastapi import APIRouter, Request
 
 from twinkle.server.checks import page
-from twinkle.server.errors import NotFound
 from twinkle.server.requests import body, new_id, server_of
 
 router = APIRouter(prefix="/api/v1")
@@ -85,8 +84,7 @@ async def client_info(request: Request, client_id: str) -> dict:
     """The client's live training runs and the key's samplers."""
     s = server_of(request)
     tenant = s.auth(request)
-    if s.clients.get(client_id) != tenant.id:
-        raise NotFound(f"client {client_id!r} is not one of this key's")
+    s.registry.check_client(tenant, client_id)
     runs = [r.id for r in s.registry.runs_of(tenant.id) if r.live]
     return {"training_run_ids": runs, "sampler_ids": s.registry.samplers_of(tenant.id)}
 
@@ -96,6 +94,5 @@ async def finish_client(request: Request, client_id: str) -> dict:
     """The SDK's ``ServiceClient.close()``: the client's runs and samplers stay usable."""
     s = server_of(request)
     tenant = s.identify(request)
-    if s.clients.get(client_id) != tenant.id:
-        raise NotFound(f"client {client_id!r} is not one of this key's")
+    s.registry.check_client(tenant, client_id)
     return {}

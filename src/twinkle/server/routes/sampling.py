@@ -16,7 +16,7 @@ import numpy as np
 from fastapi import APIRouter, Request
 
 from twinkle.server.core import sampling_params
-from twinkle.server.errors import BadRequest, NotFound
+from twinkle.server.errors import BadRequest
 from twinkle.server.requests import body, field, future, new_id, server_of
 from twinkle.server.runs import check_base
 from twinkle.server.scoring import Scoring
@@ -49,9 +49,7 @@ async def create_sampling_session(request: Request) -> dict:
 async def sampler(request: Request, sampler_id: str) -> dict:
     s = server_of(request)
     tenant = s.auth(request)
-    owner, path = s.samplers.get(sampler_id, (None, None))
-    if owner != tenant.id:
-        raise NotFound(f"sampler {sampler_id!r} is not one of this key's")
+    path = s.registry.sampler_path(tenant, sampler_id)
     return {"sampler_id": sampler_id, "base_model": s.base_model, "model_path": path}
 
 
@@ -62,9 +60,7 @@ async def asample(request: Request) -> dict:
     data = await body(request)
     sampler_id = field(data, "sampling_session_id", str, default=None)
     if sampler_id is not None:
-        owner, path = s.samplers.get(sampler_id, (None, None))
-        if owner != tenant.id:
-            raise NotFound(f"sampler {sampler_id!r} is not one of this key's")
+        path = s.registry.sampler_path(tenant, sampler_id)
     else:
         path = field(data, "model_path", str, default=None)
     folder = s.registry.checkpoint(tenant, path) if path else None
