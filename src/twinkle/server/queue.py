@@ -99,6 +99,7 @@ class Queue:
         }
         self.calls: collections.deque = collections.deque()  # ``call``: ahead of every request
         self.futures: dict[str, Future] = {}
+        self.open: collections.Counter = collections.Counter()  # tenant -> requests not finished
         self.submitted: dict[str, float] = {}  # request id -> time.monotonic() when queued
         self.started: set[str] = set()  # sliced jobs under way
         self.cond = threading.Condition()
@@ -117,7 +118,7 @@ class Queue:
             raise ValueError(f"lane must be one of {LANES}, got {lane!r}")
         request_id = uuid.uuid4().hex
         with self.cond:
-            mine = sum(1 for f in self.futures.values() if f.tenant == tenant and not f.done.is_set())
+            mine = self.open[tenant]
             if mine >= self.max_queued:
                 raise TooMany(
                     f"this key has {mine} requests waiting or running, the most the server queues for "
@@ -126,6 +127,7 @@ class Queue:
                 )
             self.futures[request_id] = Future(tenant, lane)
             self.submitted[request_id] = time.monotonic()
+            self.open[tenant] += 1
             self.lanes[lane].setdefault(tenant, collections.deque()).append(Job(request_id, tenant, fn, lane))
             self.cond.notify()
         return request_id
@@ -165,6 +167,7 @@ class Queue:
                     if not jobs:
                         del self.lanes[fut.lane][tenant]
                     fut.error = ("the request was cancelled", "user")
+                    self._settle(tenant, request_id)
                     fut.finish()
                     return True
         return False
@@ -281,10 +284,18 @@ class Queue:
             if fut.error is None:
                 fut.result = result
             self.step_times.append(job.ran)
-            waited = time.monotonic() - self.submitted.pop(job.request_id, time.monotonic())
+            with self.cond:
+                waited = time.monotonic() - self._settle(job.tenant, job.request_id)
             fut.finish()
             if self.on_done is not None:
                 self.on_done(job.tenant, job.lane, waited, fut.error is None)
+
+    def _settle(self, tenant: str, request_id: str) -> float:
+        """A request leaves the tenant's line (under ``cond``); when it was queued."""
+        self.open[tenant] -= 1
+        if not self.open[tenant]:
+            del self.open[tenant]
+        return self.submitted.pop(request_id)
 
     def _run(self, job: Job) -> tuple[bool, Any]:
         """One slice of ``job`` (the whole of an unsliced one): (finished, its result)."""
