@@ -35,6 +35,7 @@ import torch.distributed as dist
 from twinkle.data_format.sampling import SamplingParams
 from twinkle.model import MultiLoraTransformersModel
 from twinkle.runtime.remote import remote_class  # remote_group= hook
+from twinkle.sampler.decode import drain
 from twinkle.server.losses import TinkerLoss
 from twinkle.server.scoring import Scoring, score_rows, topk
 from twinkle.server.wire import Datum
@@ -292,17 +293,20 @@ class ModelCore:
     def sample(self, name: str, prompt: list[int], params: dict[str, Any], n: int, seed: int) -> list[tuple]:
         """``n`` completions under adapter ``name`` by ``twinkle.sampler.TorchSampler``, sharing
         this model's modules: (tokens, their log-probs at temperature 1, "stop"|"length")."""
-        from twinkle.sampler import TorchSampler
-
-        if self.sampler is None:
-            self.sampler = TorchSampler(self.model)
-        return run_sampler(self.sampler, name, prompt, params, n, seed)
+        return drain(self.sample_steps(name, prompt, params, n, seed, slice_seconds=None))
 
     def sample_steps(
-        self, name: str, prompt: list[int], params: dict[str, Any], n: int, seed: int, slice_seconds: float
+        self,
+        name: str,
+        prompt: list[int],
+        params: dict[str, Any],
+        n: int,
+        seed: int,
+        slice_seconds: float | None,
     ) -> Generator[None, None, list[tuple]]:
-        """``sample`` in slices of about ``slice_seconds`` (``TorchSampler.sample_steps``): a
-        generator that pauses between slices and returns ``sample``'s value, the same tokens."""
+        """``sample`` in slices of about ``slice_seconds`` (None: one slice) by
+        ``TorchSampler.sample_steps``: a generator that pauses between slices and returns
+        ``sample``'s value, the same tokens."""
         from twinkle.sampler import TorchSampler
 
         if self.sampler is None:
