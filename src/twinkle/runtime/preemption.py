@@ -13,7 +13,10 @@ they all save the same step. A second SIGTERM ends the process at once.
 Ending at once means dying by SIGTERM with its default action (exit status 143 in a shell), as a
 process without a handler would: a set-up blocked on a stalled mount or a FIFO must not keep the
 process alive, and ``finally`` blocks or ``atexit`` handlers could block in the same way. A
-forked child (a ``DataLoader`` worker) that inherited the handler dies the same way, silently."""
+forked child (a ``DataLoader`` or ``datasets.map`` worker) starts with SIGTERM's default action
+again: a Python handler runs only between bytecodes, so a child stuck in native code (a lock
+held by a thread of the parent at the fork) would outlive its pool's ``terminate()`` and hang
+the parent's ``join``."""
 
 import os
 import signal
@@ -45,12 +48,18 @@ def _on_sigterm(signum: int, frame: object) -> None:
     _state["requested"] = True
 
 
+def _default_in_child() -> None:
+    if signal.getsignal(signal.SIGTERM) is _on_sigterm:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 def install() -> None:
     """Catch SIGTERM for this process (once; a no-op outside the main thread)."""
     if _state["installed"] or threading.current_thread() is not threading.main_thread():
         return
     _state["pid"] = os.getpid()
     signal.signal(signal.SIGTERM, _on_sigterm)
+    os.register_at_fork(after_in_child=_default_in_child)
     _state["installed"] = True
 
 
