@@ -94,6 +94,14 @@ def test_upstream_run_line():
         "ray_placement": "pack",
         "model_gpus": None,
         "sampler_gpus": None,
+        "ref_model_gpus": None,
+        "tp_size": None,
+        "pp_size": None,
+        "cp_size": None,
+        "ep_size": None,
+        "ulysses_size": None,
+        "sequence_parallel": False,
+        "lazy_collect": True,
     }
     assert d["dataset"] == {
         "dataset_id": "ms://swift/self-cognition",
@@ -113,7 +121,7 @@ def test_upstream_run_line():
         "enable_fused_ce": False,
         "dtype": "auto",
         "activation_checkpointing": "auto",
-        "strategy": "fsdp",
+        "strategy": "native_fsdp",
         "model_cls": None,
     }
     assert d["training"] == {

@@ -137,8 +137,11 @@ def test_an_unknown_config_key_names_the_nearest_field(tmp_path):
     assert "nearest field: max_steps" in one_line_error(config_file=config)
     config.write_text("model_name: bot\nextra: {anything: 1}\n")  # the cookbook's keys and extra: pass
     assert parse("--config", str(config)).extra == {"model_name": "bot", "anything": 1}
-    config.write_text("checkpoint: {save_optimizer: true}\n")
-    assert "not supported yet: the 'checkpoint' group" in one_line_error("--config", str(config))
+    config.write_text("checkpoint: {save_optimizer: false}\nsampler: {tensor_parallel_size: 2}\n")
+    grouped = parse("--config", str(config))
+    assert (grouped.checkpoint.save_optimizer, grouped.sampler.tensor_parallel_size) == (False, 2)
+    config.write_text("server: {port: 1}\n")
+    assert "not supported yet: the 'server' group" in one_line_error("--config", str(config))
     config.write_text("loss: {beta: 0.5}\nrl: {num_generations: 4}\n")
     assert (parse("--config", str(config)).loss.beta, parse("--config", str(config)).rl.num_generations) == (
         0.5,
@@ -154,7 +157,7 @@ def test_get_group_args_follow_upstreams_groups():
         "enable_fused_ce": True,
         "dtype": "auto",
         "activation_checkpointing": "auto",
-        "strategy": "fsdp",
+        "strategy": "native_fsdp",
     }  # model_cls is None: left out, so a **kwargs call keeps the callee's default
     assert args.get_dataset_args() == {"dataset_id": "d", "split": "train"}
     assert args.get_template_args() == {
@@ -193,8 +196,22 @@ def test_the_preference_and_rl_groups_upstreams_scripts_read():
         "label_smoothing": 0.0,
         "epsilon": 0.2,
     }  # epsilon_high is None: left out
-    assert args.get_sampling_args() == {"max_tokens": 64, "temperature": 0.7, "top_p": 0.9, "top_k": -1}
-    assert args.get_rl_args() == {"num_generations": 4, "advantage_scale": "group"}
+    assert args.get_sampling_args() == {
+        "max_tokens": 64,
+        "temperature": 0.7,
+        "top_p": 0.9,
+        "top_k": -1,
+        "num_samples": 1,
+    }
+    assert args.get_rl_args() == {
+        "num_generations": 4,
+        "advantage_scale": "group",
+        "advantage_type": "GRPOAdvantage",
+        "gkd_beta": 0.5,
+        "gkd_temperature": 1.0,
+        "gkd_topk": 64,
+        "router_replay_mode": "disabled",
+    }  # the model ids and reward names are None: left out
     assert (args.training.mini_batch_size, args.training.micro_batch_size) == (8, 2)
     assert (args.template.default_system, args.infra.model_gpus, args.infra.sampler_gpus) == (
         "Be brief.",
@@ -218,7 +235,7 @@ def test_bad_preference_and_rl_values_are_one_line(argv, needle):
     assert needle in one_line_error(*argv)
 
 
-@pytest.mark.parametrize("group", ["checkpoint", "sampler", "server"])
+@pytest.mark.parametrize("group", ["server"])
 def test_groups_without_our_fields_are_not_supported_yet(group):
     with pytest.raises(UserError) as info:
         getattr(parse(), f"get_{group}_args")()

@@ -85,6 +85,25 @@ class InfraArgs:
     sampler_gpus: int | None = _opt(
         None, "devices of the sampler group when a script places trainer and sampler apart", check=_AT_LEAST_1
     )
+    ref_model_gpus: int | None = _opt(
+        None, "devices of a separate reference model's group (a script's DPO placement)", check=_AT_LEAST_1
+    )
+    # Upstream's parallel sizes. The parser accepts them so that a script can build its mesh from
+    # them; a model that cannot run a size above 1 refuses it in one line
+    # (``twinkle.model.parallel_sizes``), whether the script put it in its mesh or not.
+    tp_size: int | None = _opt(
+        None, "tensor-parallel size (MegatronModel with megatron-core)", check=_AT_LEAST_1
+    )
+    pp_size: int | None = _opt(None, "pipeline stages (MegatronModel with megatron-core)", check=_AT_LEAST_1)
+    cp_size: int | None = _opt(
+        None, "context-parallel size (MegatronModel with megatron-core)", check=_AT_LEAST_1
+    )
+    ep_size: int | None = _opt(None, "expert-parallel size", check=_AT_LEAST_1)
+    ulysses_size: int | None = _opt(None, "Ulysses sequence-parallel size", check=_AT_LEAST_1)
+    sequence_parallel: bool = _opt(False, "Megatron sequence parallelism (with tensor parallelism)")
+    lazy_collect: bool = _opt(
+        True, "--mode ray: leave outputs on the ranks until the driver reads them (initialize(lazy_collect=))"
+    )
 
 
 @dataclass
@@ -134,9 +153,11 @@ class ModelArgs:
         "recompute decoder layers in backward: auto (only for a batch whose activations would not fit in free memory), on, off",
         choices=("auto", "on", "off"),
     )
+    # native_fsdp is the default because upstream's scripts choose their Megatron path with
+    # ``args.model.strategy != 'native_fsdp'``; by default they take the Transformers path.
     strategy: str = _opt(
-        "fsdp",
-        "how several processes hold the model: fsdp (FSDP2 over the mesh; upstream's native_fsdp and accelerate) or ddp (a whole model per rank, --fsdp-size 1)",
+        "native_fsdp",
+        "how several processes hold the model: native_fsdp or fsdp (FSDP2 over the mesh; also upstream's accelerate) or ddp (a whole model per rank, --fsdp-size 1)",
         choices=("fsdp", "native_fsdp", "accelerate", "ddp"),
     )
     model_cls: str | None = _opt(
@@ -202,10 +223,20 @@ class LoraArgs:
     adapter_name: str = _opt(
         "default", "name of the LoRA adapter: letters, digits, '_' and '-'", check=_ADAPTER_NAME
     )
-    lora_rank: int = _opt(8, "LoRA rank r", check=_AT_LEAST_1, aliases=("r", "lora-r"))
+    lora_r: int = _opt(8, "LoRA rank r", check=_AT_LEAST_1, aliases=("r", "lora-rank"))
     lora_alpha: int = _opt(32, "LoRA alpha (scaling = alpha / r)", check=_AT_LEAST_1)
     lora_dropout: float = _opt(0.05, "dropout on the LoRA input", check=(lambda v: 0 <= v < 1, "in [0, 1)"))
     target_modules: str = _opt("all-linear", "comma-separated module names, or 'all-linear'")
+    lora_path: str | None = _opt(None, "a saved LoRA adapter folder a script loads (e.g. to sample with it)")
+
+    @property
+    def lora_rank(self) -> int:
+        """``lora_r`` under the name of its ``--lora-rank`` flag."""
+        return self.lora_r
+
+    @lora_rank.setter
+    def lora_rank(self, value: int) -> None:
+        self.lora_r = value
 
 
 @dataclass
@@ -255,6 +286,10 @@ class LossArgs:
     )
 
 
+# ``SamplingParams`` fields upstream's CLI has that declare no flag there: (help, rule).
+_MORE_SAMPLING_FLAGS = {"num_samples": ("sequences sampled per prompt", "an integer >= 1")}
+
+
 def _sampling_flag(f: dataclasses.Field) -> tuple[str, Any, Any]:
     """A ``SamplingParams`` field as a flag: its default, and its values checked by building a
     ``SamplingParams`` with it, so the command line accepts exactly what the sampler does."""
@@ -267,6 +302,9 @@ def _sampling_flag(f: dataclasses.Field) -> tuple[str, Any, Any]:
         return True
 
     meta = f.metadata
+    if "flag_help" not in meta:
+        help_text, rule = _MORE_SAMPLING_FLAGS[f.name]
+        meta = {"flag_help": help_text, "flag_rule": rule, "flag_aliases": ()}
     option = _opt(
         f.default, meta["flag_help"], check=(valid, meta["flag_rule"]), aliases=meta["flag_aliases"]
     )
@@ -277,7 +315,11 @@ def _sampling_flag(f: dataclasses.Field) -> tuple[str, Any, Any]:
 # new sampling option reaches the command line from its one definition.
 SamplingArgs = dataclasses.make_dataclass(
     "SamplingArgs",
-    [_sampling_flag(f) for f in dataclasses.fields(SamplingParams) if "flag_help" in f.metadata],
+    [
+        _sampling_flag(f)
+        for f in dataclasses.fields(SamplingParams)
+        if "flag_help" in f.metadata or f.name in _MORE_SAMPLING_FLAGS
+    ],
 )
 SamplingArgs.__module__ = __name__
 
@@ -292,6 +334,45 @@ class RLArgs:
         "GRPO advantages divided by the group's std, the batch's, or none",
         choices=("group", "batch", "none"),
     )
+    advantage_type: str = _opt("GRPOAdvantage", "the advantage a script builds (twinkle.advantage)")
+    reward_fns: str | None = _opt(None, "comma-separated reward names a script builds (twinkle.reward)")
+    student_model_id: str | None = _opt(None, "GKD: the student model's path or id")
+    teacher_model_id: str | None = _opt(None, "GKD: the teacher model's path or id")
+    gkd_beta: float = _opt(
+        0.5,
+        "GKD: the generalized JSD's mix of student and teacher",
+        check=(lambda v: 0 <= v <= 1, "in [0, 1]"),
+    )
+    gkd_temperature: float = _opt(1.0, "GKD: the distributions' temperature", check=_POSITIVE)
+    gkd_topk: int = _opt(64, "GKD: the teacher's top-k log-probabilities per token", check=_AT_LEAST_1)
+    router_replay_mode: str = _opt(
+        "disabled", "MoE routing replay: disabled, R2 or R3", choices=("disabled", "R2", "R3")
+    )
+
+
+@dataclass
+class CheckpointArgs:
+    save_optimizer: bool = _opt(True, "model.save(save_optimizer=): keep the optimizer state to resume from")
+    merge_and_sync: bool = _opt(
+        True,
+        "CheckpointEngineManager.sync_weights(merge_and_sync=): merge LoRA into the weights the sampler gets",
+    )
+    lora_sync_dir: str | None = _opt(
+        None, "where a script saves LoRA snapshots for a sampler to load (model.save(output_dir=))"
+    )
+
+
+@dataclass
+class SamplerArgs:
+    sampler_type: str = _opt("vLLMSampler", "the sampler class a script builds (twinkle.sampler)")
+    gpu_memory_utilization: float = _opt(
+        0.8, "vLLM: share of GPU memory the engine may take", check=(lambda v: 0 < v <= 1, "in (0, 1]")
+    )
+    max_model_len: int | None = _opt(None, "vLLM: the longest prompt + completion", check=_AT_LEAST_1)
+    tensor_parallel_size: int | None = _opt(None, "vLLM: GPUs one engine spans", check=_AT_LEAST_1)
+    enable_lora: bool = _opt(False, "vLLM: serve LoRA adapters")
+    max_lora_rank: int = _opt(32, "vLLM: the largest LoRA rank served", check=_AT_LEAST_1)
+    enforce_eager: bool = _opt(False, "vLLM: no CUDA graphs")
 
 
 # Group name -> dataclass; the order is the order of ``--help``.
@@ -307,6 +388,8 @@ GROUPS: dict[str, type] = {
     "loss": LossArgs,
     "sampling": SamplingArgs,
     "rl": RLArgs,
+    "checkpoint": CheckpointArgs,
+    "sampler": SamplerArgs,
 }
 
 
@@ -331,15 +414,13 @@ UPSTREAM_GROUP: dict[str, str] = {"seed": "training", "skip_bad_rows": "training
 # Upstream groups no field of ours belongs to: their helper raises instead of returning an empty
 # dict, which a ``**kwargs`` call would accept without a word. Name -> what to use instead.
 UNSUPPORTED_GROUPS: dict[str, str] = {
-    "checkpoint": "model.save(...) takes save_optimizer=; resume options are in get_training_args()",
-    "sampler": "the sampler's class and engine are chosen in the script (twinkle.sampler)",
     "server": "the server takes its own flags (twinkle server --help)",
 }
 
 
 @dataclass
 class Args:
-    """Everything a training script reads: eleven typed groups plus free-form ``extra``, and
+    """Everything a training script reads: thirteen typed groups plus free-form ``extra``, and
     upstream's ``get_<group>_args()`` dicts (grouped as upstream groups them).
 
     ``extra`` holds unknown flags and config keys (for example ``model_name`` and
@@ -358,6 +439,8 @@ class Args:
     loss: LossArgs = field(default_factory=LossArgs)
     sampling: SamplingArgs = field(default_factory=SamplingArgs)
     rl: RLArgs = field(default_factory=RLArgs)
+    checkpoint: CheckpointArgs = field(default_factory=CheckpointArgs)
+    sampler: SamplerArgs = field(default_factory=SamplerArgs)
     extra: dict[str, Any] = field(default_factory=dict)
     # ``--resume-from-checkpoint`` as given. ``auto``/``latest`` become the newest complete
     # checkpoint under --output-dir in ``training.resume_from_checkpoint``; a script that keeps
@@ -367,7 +450,7 @@ class Args:
     def get_lora_args(self) -> dict[str, Any]:
         """Keyword arguments for ``peft.LoraConfig``; builders take flat kwargs, not ``Args``."""
         return {
-            "r": self.lora.lora_rank,
+            "r": self.lora.lora_r,
             "lora_alpha": self.lora.lora_alpha,
             "lora_dropout": self.lora.lora_dropout,
             "target_modules": split_target_modules(self.lora.target_modules),
@@ -422,11 +505,11 @@ class Args:
         return self._upstream_group("loss")
 
     def get_checkpoint_args(self) -> dict[str, Any]:
-        """Raises: no option of ours belongs to upstream's checkpoint group."""
+        """save_optimizer, merge_and_sync and lora_sync_dir (when set)."""
         return self._upstream_group("checkpoint")
 
     def get_sampler_args(self) -> dict[str, Any]:
-        """Raises: there is no sampler."""
+        """The sampler's class and vLLM engine settings (those set)."""
         return self._upstream_group("sampler")
 
     def get_sampling_args(self) -> dict[str, Any]:
@@ -438,7 +521,7 @@ class Args:
         return self._upstream_group("server")
 
     def get_rl_args(self) -> dict[str, Any]:
-        """num_generations and advantage_scale."""
+        """num_generations, the advantage and reward choices, GKD and routing-replay settings."""
         return self._upstream_group("rl")
 
     def get(self, name: str, default: Any = None) -> Any:

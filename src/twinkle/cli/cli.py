@@ -15,6 +15,7 @@ from pathlib import Path
 
 from twinkle.distributed.collectives import peer_lost
 from twinkle.metric.sinks import parse_report_to
+from twinkle.model.options import STRATEGIES
 from twinkle.runtime import RunDefaults, hand_over
 from twinkle.utils.errors import INTERRUPTED, UserError
 
@@ -114,7 +115,7 @@ def run_defaults_of(args: Args) -> RunDefaults:
         process_group_timeout_s=args.infra.process_group_timeout,
         dtype=args.model.dtype,
         activation_checkpointing=args.model.activation_checkpointing,
-        strategy=args.model.strategy,
+        strategy=STRATEGIES[args.model.strategy],  # upstream's names -> ours (native_fsdp is fsdp)
         output_dir=args.training.output_dir,
         lock_output_dir=True,
         max_restarts=args.infra.max_restarts,
