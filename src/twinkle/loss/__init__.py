@@ -5,18 +5,22 @@ The protocol every loss follows is in ``twinkle.loss.base``. Public names: ``Los
 ``FusedLinearCrossEntropyLoss``, ``LigerFusedLinearCrossEntropyLoss``, ``MSELoss``, ``LOSSES``,
 ``build_loss``, ``resolve_loss``, ``LossOutput``, ``fused_linear_cross_entropy``, and the preference
 losses ``DPOLoss``, ``SimPOLoss``, ``CPOLoss``, ``ORPOLoss``, ``PreferenceLoss``, and the policy
-losses over sampled completions ``GRPOLoss``, ``GSPOLoss``, ``DRGRPOLoss``, ``CISPOLoss``."""
+losses over sampled completions ``GRPOLoss``, ``GSPOLoss``, ``DRGRPOLoss``, ``CISPOLoss``, ``BNPOLoss``,
+``SAPOLoss``; ``torch_loss_mapping`` (upstream's short names); ``GKDLoss`` and ``InfonceLoss``
+name losses not built yet (their constructors say so)."""
 
 from twinkle.loss.base import HeadLoss, Loss, LossView, UpstreamLoss, as_loss
 from twinkle.loss.chunked_cross_entropy import ChunkedCrossEntropyLoss
 from twinkle.loss.cross_entropy import CrossEntropyLoss, LossOutput
 from twinkle.loss.dpo import DPOLoss
 from twinkle.loss.fused_linear_ce import FusedLinearCrossEntropyLoss, fused_linear_cross_entropy
-from twinkle.loss.grpo import CISPOLoss, DRGRPOLoss, GRPOLoss, GSPOLoss
+from twinkle.loss.grpo import BNPOLoss, CISPOLoss, DRGRPOLoss, GRPOLoss, GSPOLoss
 from twinkle.loss.liger_fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
 from twinkle.loss.mse import MSELoss
+from twinkle.loss.not_built import GKDLoss, InfonceLoss
 from twinkle.loss.preference import CPOLoss, ORPOLoss, PreferenceLoss, SimPOLoss
-from twinkle.loss.registry import LOSSES, build_loss, resolve_loss
+from twinkle.loss.registry import LOSSES, build_loss, resolve_loss, torch_loss_mapping
+from twinkle.loss.sapo import SAPOLoss
 
 __all__ = [
     "Loss",
@@ -43,4 +47,9 @@ __all__ = [
     "GSPOLoss",
     "DRGRPOLoss",
     "CISPOLoss",
+    "BNPOLoss",
+    "SAPOLoss",
+    "GKDLoss",
+    "InfonceLoss",
+    "torch_loss_mapping",
 ]

@@ -42,6 +42,8 @@ from twinkle.utils.errors import UserError
 
 ROWS = "rows"
 POSITIONS = "positions"
+# the step's values upstream passes a loss as keywords (``HeadLoss.__call__``)
+STEP_KEYWORDS = ("old_logps", "advantages", "ref_logps", "ref_outputs")
 
 
 @dataclass
@@ -116,10 +118,28 @@ class HeadLoss(Loss):
     def compute(self, view: LossView) -> LossOutput:
         raise NotImplementedError(f"{type(self).__name__} must implement compute(view)")
 
-    def __call__(self, inputs: Mapping[str, Any], outputs: Mapping[str, Any]) -> dict[str, Any]:
+    def __call__(self, inputs: Mapping[str, Any], outputs: Mapping[str, Any], **step: Any) -> dict[str, Any]:
         """Upstream's call (``rows_view_of`` says what ``inputs`` and ``outputs`` may hold):
-        ``{"loss", "num_tokens"}`` as ``upstream_result``."""
-        return upstream_result(self, self.compute(rows_view_of(self, inputs, outputs)))
+        ``{"loss", "num_tokens"}`` as ``upstream_result``. The step's values may come as
+        keywords, as upstream passes them (``old_logps=``, ``advantages=``, ``ref_logps=``, or
+        ``ref_outputs=`` whose ``logps`` are the reference's); another keyword is refused."""
+        unknown = sorted(set(step) - set(STEP_KEYWORDS))
+        if unknown:
+            raise UserError(
+                f"{self.name}: unexpected keyword(s) {unknown}; the step's values are {', '.join(STEP_KEYWORDS)}"
+            )
+        batch = dict(inputs)
+        ref_outputs = step.pop("ref_outputs", None)
+        if ref_outputs is not None and step.get("ref_logps") is None:
+            step["ref_logps"] = ref_outputs.get("logps")
+        batch.update({key: value for key, value in step.items() if value is not None})
+        batch = self.upstream_batch(batch, outputs)
+        return upstream_result(self, self.compute(rows_view_of(self, batch, outputs)))
+
+    def upstream_batch(self, inputs: dict[str, Any], outputs: Mapping[str, Any]) -> dict[str, Any]:
+        """Upstream's call's ``inputs`` with the step's values merged in, before the view is made
+        (a loss fills its own defaults here)."""
+        return inputs
 
 
 def upstream_result(loss: HeadLoss, out: LossOutput) -> dict[str, Any]:

@@ -1,5 +1,5 @@
 """GRPO's policy losses over sampled completions: ``GRPOLoss`` and its variants ``GSPOLoss``,
-``DRGRPOLoss`` and ``CISPOLoss``.
+``DRGRPOLoss``, ``CISPOLoss``, ``BNPOLoss`` (and ``SAPOLoss`` in ``twinkle.loss.sapo``).
 
 Each batch row is a prompt plus one sampled completion (the sampler's ``new_input_feature``:
 labels on the completion). The step passes, per row, the sampler's log-probability of each
@@ -22,6 +22,8 @@ Per completion token ``t`` with the policy's ``logp_t``, ``ratio_t = exp(logp_t 
   completion and divided by the constant ``max_tokens`` (no length normalisation).
 - ``CISPOLoss`` (MiniMax 2025, arXiv 2506.13585): ``-sg(min(ratio_t, 1 + epsilon_high)) * A *
   logp_t``, the mean over every completion token of the batch.
+- ``BNPOLoss``: GRPO's token terms, the mean over every completion token of the batch (a long
+  completion weighs more than a short one, where GRPO weighs completions equally).
 
 A loss returns its sum over completions with ``num_tokens`` the number of completions (tokens
 for ``CISPOLoss``): the model divides a window's summed loss by that count over all ranks, so a
@@ -31,6 +33,7 @@ clipped tokens for ``CISPOLoss``; clipped completions for ``GSPOLoss``), so the 
 ``clip_fraction`` (``correct_metric``) in place of its token ``accuracy``."""
 
 import math
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -38,6 +41,7 @@ import torch
 from twinkle.loss.base import ROWS, HeadLoss, LossView
 from twinkle.loss.cross_entropy import LossOutput
 from twinkle.loss.preference import row_logps
+from twinkle.loss.upstream_keywords import check_upstream_keywords
 from twinkle.utils.errors import UserError
 
 
@@ -61,12 +65,30 @@ class GRPOLoss(HeadLoss):
     reduction = "sum"  # the summed per-completion loss; the model divides by the completions
     correct_metric = "clip_fraction"  # the name the model reports num_correct / num_tokens under
 
-    def __init__(self, epsilon: float = 0.2, epsilon_high: float | None = None, beta: float = 0.0):
+    def __init__(
+        self,
+        epsilon: float = 0.2,
+        epsilon_high: float | None = None,
+        beta: float = 0.0,
+        entropy_coef: float = 0.0,
+        ignore_index: int = -100,
+    ):
         self.epsilon = _check(self.name, "epsilon", epsilon)
         high = epsilon if epsilon_high is None else epsilon_high
         self.epsilon_high = _check(self.name, "epsilon_high", high)
         self.beta = _check(self.name, "beta", beta)
+        self.entropy_coef, self.ignore_index = check_upstream_keywords(self.name, entropy_coef, ignore_index)
         self.extra_inputs = ("old_logps", "advantages") + (("ref_logps",) if self.beta > 0 else ())
+
+    def upstream_batch(self, inputs: dict[str, Any], outputs: Mapping[str, Any]) -> dict[str, Any]:
+        """Upstream's call without ``old_logps`` is on-policy: the policy's own detached values
+        stand in (every ratio 1); ``(B, 1)`` advantages are one per row."""
+        adv = inputs.get("advantages")
+        if torch.is_tensor(adv) and adv.dim() == 2 and adv.shape[1] == 1:
+            inputs["advantages"] = adv[:, 0]
+        if inputs.get("old_logps") is None:
+            inputs["old_logps"] = _own_logps(inputs["labels"], outputs.get("logps"), outputs.get("logits"))
+        return inputs
 
     # ----------------------------------------------------------------- per token and per completion
     def token_terms(self, logps: torch.Tensor, old: torch.Tensor, adv: torch.Tensor) -> torch.Tensor:
@@ -154,6 +176,15 @@ class GRPOLoss(HeadLoss):
         return LossOutput(loss_sum / max(1, count), loss_sum, count, correct)
 
 
+def _own_logps(labels: Any, logps: Any, logits: Any) -> torch.Tensor:
+    """The policy's own detached per-label log-probabilities (``(B, L)``), from ``logps`` or the
+    logits (-100 labels read token 0, whose value no loss term uses)."""
+    if logps is not None:
+        return logps.detach()
+    targets = torch.as_tensor(labels).to(logits.device).clamp(min=0)
+    return torch.log_softmax(logits.detach().float(), dim=-1).gather(-1, targets[..., None])[..., 0]
+
+
 def _per_row(values: torch.Tensor, samples: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Each batch row's sum of ``values`` and its count of tokens."""
     sums = torch.zeros(rows, dtype=values.dtype, device=values.device).index_add(0, samples, values)
@@ -166,8 +197,15 @@ class GSPOLoss(GRPOLoss):
     epsilon, 1 + epsilon_high]`` (GSPO's ranges are small: 3e-4 and 4e-4 in its paper); the KL
     term, when ``beta > 0``, is each completion's token mean. The mean over completions."""
 
-    def __init__(self, epsilon: float = 3e-4, epsilon_high: float | None = 4e-4, beta: float = 0.0):
-        super().__init__(epsilon, epsilon_high, beta)
+    def __init__(
+        self,
+        epsilon: float = 3e-4,
+        epsilon_high: float | None = 4e-4,
+        beta: float = 0.0,
+        entropy_coef: float = 0.0,
+        ignore_index: int = -100,
+    ):
+        super().__init__(epsilon, epsilon_high, beta, entropy_coef, ignore_index)
 
     def sequence_loss(self, logps, old, adv, ref, samples, rows):
         log_ratio, lengths = _per_row((logps - old).clamp(-20.0, 20.0), samples, rows)
@@ -195,7 +233,7 @@ class GSPOLoss(GRPOLoss):
 class DRGRPOLoss(GRPOLoss):
     """GRPO's token terms summed per completion and divided by ``max_tokens`` (the sampling
     budget, a constant: long and short completions weigh per token the same), then the mean
-    over completions."""
+    over completions. ``max_completion_length`` is upstream's name for ``max_tokens``."""
 
     def __init__(
         self,
@@ -203,8 +241,19 @@ class DRGRPOLoss(GRPOLoss):
         epsilon_high: float | None = None,
         beta: float = 0.0,
         max_tokens: int = 1024,
+        entropy_coef: float = 0.0,
+        ignore_index: int = -100,
+        max_completion_length: int | None = None,
     ):
-        super().__init__(epsilon, epsilon_high, beta)
+        super().__init__(epsilon, epsilon_high, beta, entropy_coef, ignore_index)
+        if max_completion_length is not None:  # upstream's name for the budget
+            if max_tokens not in (1024, max_completion_length):
+                raise UserError(
+                    f"{self.name}: max_tokens={max_tokens} and max_completion_length={max_completion_length} "
+                    "name the same budget; give one"
+                )
+            max_tokens = max_completion_length
+        self.max_completion_length = None
         if not (isinstance(max_tokens, int) and not isinstance(max_tokens, bool) and max_tokens >= 1):
             raise UserError(
                 f"{self.name}: max_tokens must be an integer >= 1 (the sampling budget), got {max_tokens!r}"
@@ -231,6 +280,17 @@ class CISPOLoss(GRPOLoss):
 
     def clip_count(self, logps, old, adv, samples, rows):
         """Clipped tokens (the loss counts tokens)."""
+        return self.clipped(logps, old, adv).sum()
+
+    def reduce(self, terms: torch.Tensor, samples: torch.Tensor, rows: int) -> tuple[torch.Tensor, int]:
+        return terms.sum(), int(terms.numel())
+
+
+class BNPOLoss(GRPOLoss):
+    """GRPO's token terms (clip and KL alike), the mean over every completion token of the global
+    batch (``num_tokens`` counts tokens, and so does the clipped count)."""
+
+    def clip_count(self, logps, old, adv, samples, rows):
         return self.clipped(logps, old, adv).sum()
 
     def reduce(self, terms: torch.Tensor, samples: torch.Tensor, rows: int) -> tuple[torch.Tensor, int]:

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from twinkle.loss.base import ROWS, HeadLoss, LossView
 from twinkle.loss.cross_entropy import LossOutput
 from twinkle.loss.head_logps import head_logps
+from twinkle.loss.upstream_keywords import check_ignore_index
 from twinkle.utils.errors import UserError
 
 
@@ -149,7 +150,8 @@ class SimPOLoss(PreferenceLoss):
     length-normalised log-probability times ``beta``; per pair
     ``-log sigmoid(beta * (avg_chosen - avg_rejected) - gamma)`` (``gamma``: the target margin)."""
 
-    def __init__(self, beta: float = 2.5, gamma: float = 0.5):
+    def __init__(self, beta: float = 2.5, gamma: float = 0.5, ignore_index: int = -100):
+        self.ignore_index = check_ignore_index(self.name, ignore_index)
         self.beta = check_positive(self.name, "beta", beta, 2.5)
         self.gamma = check_non_negative(self.name, "gamma", gamma)
 
@@ -163,7 +165,8 @@ class CPOLoss(PreferenceLoss):
     ``-log sigmoid(beta * (logp_chosen - logp_rejected))`` on the summed log-probabilities, plus
     ``bc_coef`` times the chosen row's mean token NLL (behaviour cloning)."""
 
-    def __init__(self, beta: float = 0.1, bc_coef: float = 1.0):
+    def __init__(self, beta: float = 0.1, bc_coef: float = 1.0, ignore_index: int = -100):
+        self.ignore_index = check_ignore_index(self.name, ignore_index)
         self.beta = check_positive(self.name, "beta", beta, 0.1)
         self.bc_coef = check_non_negative(self.name, "bc_coef", bc_coef)
 
@@ -177,7 +180,8 @@ class ORPOLoss(PreferenceLoss):
     log-probability ``a`` and its odds ``a - log(1 - exp(a))``, per pair the chosen row's mean
     token NLL plus ``lambda_orpo`` times ``-log sigmoid(log odds_chosen - log odds_rejected)``."""
 
-    def __init__(self, lambda_orpo: float = 0.1):
+    def __init__(self, lambda_orpo: float = 0.1, ignore_index: int = -100):
+        self.ignore_index = check_ignore_index(self.name, ignore_index)
         self.lambda_orpo = check_non_negative(self.name, "lambda_orpo", lambda_orpo)
 
     def pair_losses(self, pairs: Pairs) -> tuple[torch.Tensor, torch.Tensor]:
