@@ -15,6 +15,7 @@ from twinkle.data_format import SamplingParams
 from twinkle.model import MultiLoraTransformersModel
 from twinkle.model.forward import causal_lm_of
 from twinkle.sampler import TorchSampler, vLLMSampler
+from twinkle.sampler.vllm_engine import vllm_missing
 from twinkle.utils.errors import UserError
 
 PROMPTS = [
@@ -201,7 +202,9 @@ def test_adapter_path_loads_a_saved_adapter(make_model, tiny_model_dir, tmp_path
 @pytest.mark.parametrize(
     "make, message",
     [
-        (lambda: SamplingParams(max_tokens=0), r"max_tokens must be an integer >= 1"),
+        (lambda: SamplingParams(max_tokens=-1), r"max_tokens must be an integer >= 0"),
+        (lambda: SamplingParams(prompt_logprobs=-1), r"prompt_logprobs must be an integer >= 0"),
+        (lambda: SamplingParams(repetition_penalty=0), r"repetition_penalty must be a number > 0"),
         (lambda: SamplingParams(top_p=0), r"top_p must be in \(0, 1\]"),
         (lambda: SamplingParams(top_p=1.5), r"top_p must be in \(0, 1\]"),
         (lambda: SamplingParams(temperature=-0.5), r"temperature must be 0 \(greedy\) or a number >= 1e-06"),
@@ -254,12 +257,13 @@ def test_prompt_reaching_max_positions_stops_with_length(tiny_model_dir):
     assert len(seq.tokens) == 3 and seq.stop_reason == "length"
 
 
-def test_vllm_sampler_without_vllm_is_one_line():
-    with pytest.raises(UserError) as caught:
-        vLLMSampler("any")
-    assert str(caught.value) == (
-        "vLLMSampler needs vllm and a CUDA GPU: pip install 'twinkle[vllm]' on a GPU machine, or use TorchSampler"
-    )
+@pytest.mark.skipif(vllm_missing() is None, reason="vLLM runs here")
+def test_vllm_sampler_without_vllm_runs_on_torch_sampler(tiny_model_dir, caplog):
+    sampler = vLLMSampler(str(tiny_model_dir))
+    assert isinstance(sampler.backend, TorchSampler)
+    assert [r.message for r in caplog.records] == [
+        f"vLLMSampler: {vllm_missing()}; its calls run on TorchSampler (plain PyTorch) instead"
+    ]
 
 
 def test_colocated_prompts_use_the_trainer_template(make_model):

@@ -36,8 +36,8 @@ def _flag(help: str, rule: str, aliases: tuple[str, ...] = ()) -> dict[str, Any]
 class SamplingParams:
     """How to sample.
 
-    - ``max_tokens``: the most tokens generated per sequence (at least 1; None: up to the
-      model's maximum positions).
+    - ``max_tokens``: the most tokens generated per sequence (None: up to the model's maximum
+      positions; 0: nothing is generated, the prompt is only scored, see ``prompt_logprobs``).
     - ``temperature``: 0 is greedy (the most likely token); otherwise logits are divided by it.
     - ``top_p`` in (0, 1]: sample among the most likely tokens whose probabilities add up to
       ``top_p``; ``top_k``: among the ``top_k`` most likely (-1 or 0: all).
@@ -45,6 +45,11 @@ class SamplingParams:
     - ``logprobs``: log-probabilities returned per generated token: the sampled token's always,
       then the most likely other tokens, ``logprobs`` entries in all (None or 0: the sampled
       token's only).
+    - ``prompt_logprobs``: score the prompt too: ``SampleResponse.prompt_logprobs`` holds each
+      prompt token's log-probability given the tokens before it, ``topk_prompt_logprobs`` the
+      ``prompt_logprobs`` most likely tokens at each position (None or 0: not computed).
+    - ``repetition_penalty``: > 1 makes tokens already in the prompt or the reply less likely
+      (1: off).
     - ``seed``: the same seed, inputs and weights give the same samples (None: drawn from
       torch's global generator).
     - ``stop``: a string, strings, or token ids that end a sequence (the end-of-sequence tokens
@@ -53,7 +58,7 @@ class SamplingParams:
     max_tokens: int | None = field(
         default=None,
         metadata=_flag(
-            "tokens a completion may add; None = the script's default", ">= 1", ("max-new-tokens",)
+            "tokens a completion may add; None = the script's default", ">= 0", ("max-new-tokens",)
         ),
     )
     temperature: float = field(
@@ -70,14 +75,17 @@ class SamplingParams:
     )
     num_samples: int = 1
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    repetition_penalty: float = 1.0
     seed: int | None = None
     stop: str | Sequence[str] | Sequence[int] | None = None
     include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
-        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 0):
             raise UserError(
-                f"SamplingParams(max_tokens={self.max_tokens!r}): max_tokens must be an integer >= 1"
+                f"SamplingParams(max_tokens={self.max_tokens!r}): max_tokens must be an integer >= 0 "
+                "(0 scores the prompt without generating)"
             )
         if not _is_number(self.temperature) or self.temperature < 0 or 0 < self.temperature < MIN_TEMPERATURE:
             raise UserError(
@@ -99,6 +107,18 @@ class SamplingParams:
         if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
             raise UserError(
                 f"SamplingParams(logprobs={self.logprobs!r}): logprobs must be an integer >= 0 or None"
+            )
+        if self.prompt_logprobs is not None and (
+            not _is_int(self.prompt_logprobs) or self.prompt_logprobs < 0
+        ):
+            raise UserError(
+                f"SamplingParams(prompt_logprobs={self.prompt_logprobs!r}): prompt_logprobs must be an "
+                "integer >= 0 or None"
+            )
+        if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise UserError(
+                f"SamplingParams(repetition_penalty={self.repetition_penalty!r}): repetition_penalty must "
+                "be a number > 0 (1 is off)"
             )
         if self.seed is not None and not _is_int(self.seed):
             raise UserError(f"SamplingParams(seed={self.seed!r}): seed must be an integer or None")
@@ -165,7 +185,14 @@ class SampledSequence:
 
 @dataclass
 class SampleResponse:
-    """The sequences sampled for one prompt (``num_samples`` of them) and the prompt's tokens."""
+    """The sequences sampled for one prompt (``num_samples`` of them) and the prompt's tokens.
+
+    With ``SamplingParams(prompt_logprobs=k)``: ``prompt_logprobs[i]``, the log-probability of
+    prompt token ``i`` given the tokens before it, and ``topk_prompt_logprobs[i]``, the ``k`` most
+    likely tokens at position ``i`` as ``[(token_id, logprob), ...]`` in descending order (both
+    None at position 0, which nothing predicts); otherwise both are None."""
 
     sequences: list[SampledSequence]
     prompt_token_ids: list[int] = field(default_factory=list)
+    prompt_logprobs: list[float | None] | None = None
+    topk_prompt_logprobs: list[list[tuple[int, float]] | None] | None = None

@@ -11,9 +11,13 @@ Two ways to build it:
   from ``adapter_path=`` (a PEFT folder, loaded once per path) or from a trainer through
   ``twinkle.checkpoint_engine.CheckpointEngineManager.sync_weights``.
 
+``engine_args``: a ``vLLMSampler`` script's engine settings (``twinkle.sampler.engine_args``
+says which are honoured here and which have nothing to set).
+
 The generation loop is ``twinkle.sampler.decode``; ``sample`` returns one ``SampleResponse``
 per prompt. Within a call the prompts' common prefix is prefilled once; no cache is kept between
-calls, so ``reset_prefix_cache`` has nothing to drop."""
+calls, so ``reset_prefix_cache`` (and ``reset_mm_cache``, ``reset_encoder_cache``: text only)
+have nothing to drop."""
 
 import contextlib
 import time
@@ -31,8 +35,10 @@ from twinkle.model.lora_modes import lora_layers
 from twinkle.runtime import get_runtime
 from twinkle.runtime.remote import remote_class  # remote_group= hook
 from twinkle.sampler import adapters, linears
-from twinkle.sampler.decode import Decoder, drain
+from twinkle.sampler.decode import Decoder, RowOutput, drain
+from twinkle.sampler.engine_args import read_engine_args
 from twinkle.sampler.prompts import Prompt, new_input_feature, prompts_of
+from twinkle.sampler.scoring import score_prompt
 from twinkle.sampler.stops import Stops, eos_token_ids
 from twinkle.template import Template, get_template
 from twinkle.template.tokenizer import load_tokenizer
@@ -49,11 +55,16 @@ class TorchSampler:
     def __init__(
         self,
         model_id: Any = None,
+        engine_args: Mapping[str, Any] | None = None,
         device_mesh: Any = None,
         *,
         dtype: torch.dtype | None = None,
         model_cls: Any = None,
     ):
+        engine = read_engine_args(engine_args, type(self).__name__)
+        self.max_model_len = engine.max_model_len
+        # vLLM's engine seed: the seeds of calls without SamplingParams.seed follow from it
+        self._seeds = None if engine.seed is None else torch.Generator().manual_seed(engine.seed)
         self.runtime = get_runtime()
         self.device_mesh = device_mesh
         self.source: TransformersModel | None = None
@@ -63,6 +74,8 @@ class TorchSampler:
         self._by_path: dict[str, str] = {}  # resolved adapter_path -> adapter name
         self.merged_keys: set[str] = set()  # linear layers of an own copy holding merged LoRA weights
         if isinstance(model_id, TransformersModel):
+            if engine.dtype is not None or dtype is not None:
+                raise UserError("TorchSampler(model): a sampler sharing a model runs its weights; drop dtype")
             self.source = model_id
             self.tokenizer, self.device = model_id.tokenizer, model_id.device
             return
@@ -71,7 +84,9 @@ class TorchSampler:
                 f"TorchSampler({type(model_id).__name__}): pass a model id or folder, or a TransformersModel"
             )
         self.device = self.runtime.device
-        dtype = dtype or resolve_dtype(self.runtime.defaults.dtype, self.device)
+        if dtype is not None and engine.dtype is not None:
+            raise UserError("TorchSampler: pass dtype= or engine_args['dtype'], not both")
+        dtype = dtype or resolve_dtype(engine.dtype or self.runtime.defaults.dtype, self.device)
         self.model_id = None if model_id is None else str(model_id)
         self._own, self.tokenizer, self.model_path = load_causal_lm(
             self.model_id, self.device, dtype, model_cls=model_cls or self.runtime.defaults.model_cls
@@ -113,6 +128,12 @@ class TorchSampler:
         """Nothing to drop: the sampler keeps no KV cache between ``sample`` calls (each call
         runs its prompts' common prefix once and each prompt once, sharing a prompt's cache among
         its ``num_samples``)."""
+
+    def reset_mm_cache(self) -> None:
+        """Nothing to drop: the sampler takes text only and keeps no media between calls."""
+
+    def reset_encoder_cache(self) -> None:
+        """Nothing to drop: the sampler keeps no encoder outputs between calls."""
 
     def _template(self, adapter_name: str = "") -> Template:
         """``set_template``'s; else, colocated, the template the trainer's adapter encodes its
@@ -265,15 +286,21 @@ class TorchSampler:
         ``slice_seconds`` (None: never), outside the adapter and eval mode it runs under, so the
         caller may train or sample other adapters on the same model between slices; it returns
         ``sample``'s value. The tokens are those ``sample`` draws, however it is sliced."""
-        params = _params(sampling_params)
-        prompts = prompts_of(inputs, lambda: self._template(adapter_name), self.tokenizer)
+        params = self._check(_params(sampling_params))
+        scoring = params.max_tokens == 0
+        prompts = prompts_of(inputs, lambda: self._template(adapter_name), scoring)
         budgets = self._budgets(prompts, params)
         stops = Stops(self.tokenizer, eos_token_ids(self.lm, self.tokenizer), params)
-        seed = params.seed if params.seed is not None else int(torch.empty((), dtype=torch.int64).random_())
-        generator = torch.Generator(device=self.device).manual_seed(seed)
-        steps = None
+        generator = torch.Generator(device=self.device).manual_seed(self._seed(params))
+        steps, scores = None, None
         while True:
             with torch.no_grad(), self._adapter(adapter_name, adapter_path), self._routed():
+                if scores is None:  # the prompts' scores, under the adapter that samples
+                    k = params.prompt_logprobs
+                    scores = [None if k is None else score_prompt(self.lm, p.ids, k) for p in prompts]
+                if scoring:
+                    outputs = [[RowOutput() for _ in range(params.num_samples)] for _ in prompts]
+                    break
                 if steps is None:
                     pad = _pad_id(self.tokenizer)
                     decoder = Decoder(self.lm, params, stops, pad, generator, self._lockstep())
@@ -291,9 +318,35 @@ class TorchSampler:
             SampleResponse(
                 sequences=[self._sequence(prompt, out, stops) for out in outs],
                 prompt_token_ids=list(prompt.ids),
+                prompt_logprobs=None if score is None else score[0],
+                topk_prompt_logprobs=None if score is None else score[1],
             )
-            for prompt, outs in zip(prompts, outputs, strict=True)
+            for prompt, outs, score in zip(prompts, outputs, scores, strict=True)
         ]
+
+    def _check(self, params: SamplingParams) -> SamplingParams:
+        if params.repetition_penalty != 1:
+            raise UserError(
+                f"TorchSampler: not supported yet: SamplingParams(repetition_penalty={params.repetition_penalty}); "
+                "leave it at 1 (vLLMSampler on a GPU applies it)"
+            )
+        if params.prompt_logprobs is not None and self._lockstep() is not None:
+            raise UserError(
+                "TorchSampler: not supported yet: prompt_logprobs with a sampler sharing an FSDP-sharded "
+                "model; score with a sampler of its own (TorchSampler(model_id))"
+            )
+        return params
+
+    def _seed(self, params: SamplingParams) -> int:
+        """The call's seed: ``params.seed``; else drawn from the engine seed, else from torch's
+        global generator."""
+        if params.seed is not None:
+            return params.seed
+        return (
+            int(torch.randint(0, 2**62, (), generator=self._seeds))
+            if self._seeds
+            else int(torch.empty((), dtype=torch.int64).random_())
+        )
 
     def _sequence(self, prompt: Prompt, out: Any, stops: Stops) -> SampledSequence:
         decoded = stops.text(out.tokens, out.by_string)
@@ -307,13 +360,20 @@ class TorchSampler:
 
     def _budgets(self, prompts: Sequence[Prompt], params: SamplingParams) -> list[int]:
         """The most tokens each prompt's sequences may have: ``max_tokens``, and no more than
-        the model's maximum positions leave after the prompt."""
-        limit = getattr(self.lm.config, "max_position_embeddings", None)
+        the model's maximum positions (or ``engine_args['max_model_len']``) leave after the
+        prompt."""
+        limits = [getattr(self.lm.config, "max_position_embeddings", None), self.max_model_len]
+        limit = min((x for x in limits if x is not None), default=None)
+        what = (
+            "max_model_len is"
+            if limit is not None and limit == self.max_model_len
+            else "the model takes at most"
+        )
         budgets = []
         for i, prompt in enumerate(prompts):
-            if limit is not None and len(prompt.ids) >= limit:
+            if limit is not None and len(prompt.ids) + (params.max_tokens != 0) > limit:
                 raise UserError(
-                    f"input row {i} has {len(prompt.ids)} prompt tokens, but the model takes at most {limit} "
+                    f"input row {i} has {len(prompt.ids)} prompt tokens, but {what} {limit} "
                     "positions; shorten the prompt"
                 )
             room = None if limit is None else limit - len(prompt.ids)

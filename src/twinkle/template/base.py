@@ -1,10 +1,20 @@
 """``Template``: the tokenizer's own chat template, with labels on assistant tokens only."""
 
+from collections.abc import Mapping, Sequence
 from typing import Any
 
+from twinkle.template.rows import (
+    IGNORE_INDEX,
+    columns_to_rows,
+    concat_reply,
+    feature_of,
+    messages_of,
+    rows_to_columns,
+    tokenizer_of,
+    without_empty_reply,
+)
 from twinkle.utils.errors import UserError
 
-IGNORE_INDEX = -100
 TRUNCATION_STRATEGIES = ("raise", "left", "right", "delete")
 
 Segment = tuple[str, bool]  # (text, supervised)
@@ -12,6 +22,9 @@ Segment = tuple[str, bool]  # (text, supervised)
 
 class Template:
     """Encode chat messages with ``tokenizer.apply_chat_template``.
+
+    ``Template(model_id)``: the tokenizer of a model id or folder, resolved by ``twinkle.hub``
+    (None: the bundled model); an already loaded tokenizer is taken as it is.
 
     The conversation is rendered once per assistant turn to find where each reply starts and
     ends; each piece is tokenised on its own so the label mask falls exactly on token borders.
@@ -29,26 +42,31 @@ class Template:
 
     def __init__(
         self,
-        tokenizer: Any,
+        model_id: Any = None,
+        use_chat_template: bool | None = None,
         max_length: int = 1024,
         truncation_strategy: str = "right",
-        enable_thinking: bool | None = None,
         default_system: str | None = None,
-        use_chat_template: bool | None = None,
+        enable_thinking: bool | None = None,
     ):
         if truncation_strategy not in TRUNCATION_STRATEGIES:
             raise UserError(
                 f"--truncation-strategy: {truncation_strategy!r} is not one of {', '.join(TRUNCATION_STRATEGIES)}"
             )
-        if max_length < 1:
+        if not isinstance(max_length, int) or max_length < 1:
             raise UserError(f"--max-length must be at least 1, got {max_length}")
-        self.tokenizer = tokenizer
+        self.model_id, self.tokenizer = tokenizer_of(model_id)
         self.max_length = max_length
         self.truncation_strategy = truncation_strategy
         self.enable_thinking = enable_thinking
         self.default_system = default_system
         self.use_chat_template = use_chat_template
         self._check_options()
+
+    @property
+    def processor(self) -> Any:
+        """What turns text into tokens; for a text model, the tokenizer itself."""
+        return self.tokenizer
 
     @property
     def renders_with_tokenizer(self) -> bool:
@@ -156,9 +174,78 @@ class Template:
             labels += ids if supervised else [IGNORE_INDEX] * len(ids)
         return input_ids, labels
 
-    def encode(self, messages: list[dict[str, str]], index: int | None = None) -> dict[str, Any] | None:
-        """Tokenise and truncate one conversation; ``None`` means the row is dropped (``delete``)."""
-        input_ids, labels = self.tokenize(self.with_default_system(messages))
+    def prompt_ids(self, messages: list[dict[str, Any]]) -> list[int]:
+        """The tokens of a prompt: the conversation rendered with its generation prompt (plain
+        text: the one message's text with the tokenizer's own special tokens). A trailing
+        assistant turn without text is the turn the generation prompt opens."""
+        messages = without_empty_reply(messages)
+        if self.use_chat_template is False:
+            self.segments(messages)  # the one-message check
+            return self.tokenizer(messages[0]["content"], add_special_tokens=True)["input_ids"]
+        text = self.render(self.with_default_system(messages), add_generation_prompt=True)
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def encode(
+        self, trajectory: Any, add_generation_prompt: bool = False, index: int | None = None
+    ) -> dict[str, Any] | None:
+        """Tokenise and truncate one conversation; ``None`` means the row is dropped (``delete``).
+
+        ``trajectory``: a ``Trajectory`` (``{'messages': [...], ...}``), whose other keys
+        (``messages`` included, for a reward to read) are kept in the row returned, or the list of
+        messages alone. ``add_generation_prompt=True`` encodes a prompt for a sampler: the
+        assistant's turn opened after the last message, every label ``-100``."""
+        messages, carried = messages_of(trajectory)
+        if add_generation_prompt:
+            input_ids = self.prompt_ids(messages)
+            labels = [IGNORE_INDEX] * len(input_ids)
+        else:
+            input_ids, labels = self.tokenize(self.with_default_system(messages))
+        feature = self._truncate(input_ids, labels, index)
+        if feature is None or carried is None:
+            return feature
+        return {**carried, **feature}
+
+    def batch_encode(
+        self, trajectories: Any, add_generation_prompt: bool = False
+    ) -> list[dict[str, Any]] | dict[str, list[Any]]:
+        """``encode`` over a list of trajectories (a list of rows back, without the rows
+        ``truncation_strategy='delete'`` drops) or over columns (``{'messages': [...], ...}``,
+        columns back)."""
+        if isinstance(trajectories, Mapping):
+            rows = columns_to_rows(trajectories)
+            return rows_to_columns(self.batch_encode(rows, add_generation_prompt))
+        if isinstance(trajectories, str | bytes) or not isinstance(trajectories, Sequence):
+            raise UserError(
+                f"batch_encode got {type(trajectories).__name__}; pass a list of trajectories "
+                "({'messages': [...]}) or columns"
+            )
+        out = (self.encode(t, add_generation_prompt, index=i) for i, t in enumerate(trajectories))
+        return [row for row in out if row is not None]
+
+    def concat_input_feature(self, prompt: dict[str, Any], new_tokens: list[int]) -> dict[str, Any]:
+        """A prompt's encoded row followed by ``new_tokens`` (a sampled reply): the prompt keeps
+        its labels, the reply is supervised, and ``messages``, when the row has them, gain the
+        reply as an assistant turn (what a reward reads)."""
+        return concat_reply(prompt, new_tokens, self.decode(new_tokens, skip_special_tokens=True))
+
+    def decode(
+        self,
+        token_ids: Any,
+        skip_special_tokens: bool = False,
+        clean_up_tokenization_spaces: bool | None = None,
+    ) -> str:
+        """Text of ``token_ids`` (a list or a 1-D tensor)."""
+        ids = token_ids.tolist() if hasattr(token_ids, "tolist") else list(token_ids)
+        return self.tokenizer.decode(
+            ids,
+            skip_special_tokens=skip_special_tokens,
+            clean_up_tokenization_spaces=clean_up_tokenization_spaces,
+        )
+
+    def batch_decode(self, token_ids: Any, skip_special_tokens: bool = False) -> list[str]:
+        return [self.decode(ids, skip_special_tokens=skip_special_tokens) for ids in token_ids]
+
+    def _truncate(self, input_ids: list[int], labels: list[int], index: int | None) -> dict[str, Any] | None:
         n, limit = len(input_ids), self.max_length
         if n > limit:
             strategy = self.truncation_strategy
@@ -172,10 +259,4 @@ class Template:
                 return None
             keep = slice(n - limit, n) if strategy == "left" else slice(0, limit)
             input_ids, labels = input_ids[keep], labels[keep]
-        return {
-            "input_ids": input_ids,
-            "labels": labels,
-            "attention_mask": [1] * len(input_ids),
-            "position_ids": list(range(len(input_ids))),
-            "length": len(input_ids),
-        }
+        return feature_of(input_ids, labels)

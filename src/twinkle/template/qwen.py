@@ -2,6 +2,7 @@
 
 from twinkle.template.base import Segment, Template
 from twinkle.template.tools import qwen3_5_tool_messages
+from twinkle.utils.errors import UserError
 
 
 class Qwen3_5Template(Template):
@@ -18,6 +19,21 @@ class Qwen3_5Template(Template):
       ``False`` trains on plain text (see ``Template``)."""
 
     THINK = "<think>\n\n</think>\n\n"
+    CHATML = ("<|im_start|>", "<|im_end|>")
+
+    def _check_options(self) -> None:
+        """Any ChatML tokenizer (Qwen's, SmolLM2's) renders Qwen's format; one whose vocabulary
+        lacks the turn markers would spell them out as text the model never saw."""
+        super()._check_options()
+        if self.use_chat_template is not None:
+            return
+        vocab = self.tokenizer.get_vocab()
+        missing = [t for t in self.CHATML if t not in vocab]
+        if missing:
+            raise UserError(
+                f"Qwen3_5Template writes ChatML, but the tokenizer of {self.model_id or 'this model'} has no "
+                f"{', '.join(missing)} token; use Template (the model's own chat template)"
+            )
 
     @property
     def renders_with_tokenizer(self) -> bool:

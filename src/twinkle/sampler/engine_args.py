@@ -1,0 +1,96 @@
+"""``engine_args``: vLLM's engine settings, as a script written for ``vLLMSampler`` passes them,
+read by a sampler that runs in plain PyTorch.
+
+Three kinds of key:
+
+- honoured: ``max_model_len`` (prompt plus completion never exceed it, as vLLM caps them),
+  ``seed`` (the draws of calls without ``SamplingParams.seed`` follow from it, as a vLLM engine's
+  do), ``dtype`` (the weights' dtype, as ``--dtype``);
+- vLLM's memory, batching, LoRA-slot and parallelism settings (``NO_EFFECT``): a PyTorch sampler
+  allocates per call and holds any number of adapters of any rank, so they have nothing to
+  set; they are accepted and named in one warning. A parallel size above 1 is refused, since
+  only vLLM on GPUs splits a model that way;
+- anything else: one error line listing the keys this sampler knows."""
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from twinkle.utils.errors import UserError
+from twinkle.utils.logger import get_logger
+
+HONOURED = ("max_model_len", "seed", "dtype")
+PARALLEL = ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size")
+NO_EFFECT = (
+    "gpu_memory_utilization",
+    "enable_lora",
+    "max_loras",
+    "max_lora_rank",
+    "max_cpu_loras",
+    "enable_tower_connector_lora",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "enable_prefix_caching",
+    "enable_chunked_prefill",
+    "enable_sleep_mode",
+    "enforce_eager",
+    "swap_space",
+    "cpu_offload_gb",
+    "kv_cache_dtype",
+    "block_size",
+    "disable_custom_all_reduce",
+    "trust_remote_code",
+    "load_format",
+    "logprobs_mode",
+    *PARALLEL,
+)
+
+
+@dataclass
+class EngineArgs:
+    """The honoured keys' values (None: not given)."""
+
+    max_model_len: int | None = None
+    seed: int | None = None
+    dtype: str | None = None
+
+
+def read_engine_args(engine_args: Mapping[str, Any] | None, who: str) -> EngineArgs:
+    """Check ``engine_args`` (see the module docstring); warn once naming the keys without
+    effect; return the honoured ones."""
+    if engine_args is None:
+        return EngineArgs()
+    if not isinstance(engine_args, Mapping):
+        raise UserError(f"{who}(engine_args=...) takes a dict, got {type(engine_args).__name__}")
+    unknown = sorted(set(engine_args) - set(HONOURED) - set(NO_EFFECT))
+    if unknown:
+        raise UserError(
+            f"{who}: unknown engine_args {', '.join(unknown)}; known: {', '.join(sorted((*HONOURED, *NO_EFFECT)))}"
+        )
+    for key in PARALLEL:
+        if engine_args.get(key, 1) not in (1, None):
+            raise UserError(
+                f"{who}: engine_args {key}={engine_args[key]} needs vLLM on that many GPUs; "
+                f"this sampler runs the whole model in one process (leave {key} at 1)"
+            )
+    _check_int(engine_args, "max_model_len", who, minimum=1)
+    _check_int(engine_args, "seed", who, minimum=None)
+    ignored = [key for key in engine_args if key in NO_EFFECT]
+    if ignored:
+        get_logger().warning(
+            f"{who}: engine_args {', '.join(ignored)} are vLLM engine settings with nothing to set "
+            "in a PyTorch sampler; ignored"
+        )
+    dtype = engine_args.get("dtype")
+    if dtype is not None and not isinstance(dtype, str):
+        dtype = str(dtype).removeprefix("torch.")
+    return EngineArgs(engine_args.get("max_model_len"), engine_args.get("seed"), dtype)
+
+
+def _check_int(engine_args: Mapping[str, Any], key: str, who: str, minimum: int | None) -> None:
+    value = engine_args.get(key)
+    if value is None:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or (minimum is not None and value < minimum):
+        rule = "an integer" if minimum is None else f"an integer >= {minimum}"
+        raise UserError(f"{who}: engine_args {key}={value!r} must be {rule}")
