@@ -1,7 +1,9 @@
 """Training and evaluation metrics, reduced over ranks.
 
 Public names: ``TokenMetrics`` (the model's built-in numbers), ``Metric``, ``Accuracy``,
-``LossMetric``, ``TrainMetric``, ``DPOMetric``, ``CompletionRewardMetric``, ``METRICS``, ``build_metric``.
+``LossMetric``, ``TrainMetric``, ``DPOMetric``, ``CompletionRewardMetric``, ``GRPOMetric``,
+``GSPOMetric``, ``CISPOMetric``, ``METRICS``, ``build_metric``; ``EmbeddingMetric`` names a metric
+not built yet (its constructor says so).
 
 A run's record (``metrics.jsonl``, ``--report-to`` sinks, progress, summary and ``curves.png``)
 lives in ``twinkle.metric.report``, which the model's step and metric calls feed."""
@@ -10,7 +12,9 @@ from twinkle.metric.accuracy import Accuracy
 from twinkle.metric.base import Metric
 from twinkle.metric.completion_reward import CompletionRewardMetric
 from twinkle.metric.dpo import DPOMetric
+from twinkle.metric.grpo import CISPOMetric, GRPOMetric, GSPOMetric
 from twinkle.metric.loss import LossMetric
+from twinkle.metric.not_built import EmbeddingMetric
 from twinkle.metric.registry import METRICS, build_metric
 from twinkle.metric.token_metrics import TokenMetrics
 from twinkle.metric.train_metric import TrainMetric
@@ -23,6 +27,10 @@ __all__ = [
     "TrainMetric",
     "DPOMetric",
     "CompletionRewardMetric",
+    "GRPOMetric",
+    "GSPOMetric",
+    "CISPOMetric",
+    "EmbeddingMetric",
     "METRICS",
     "build_metric",
 ]
