@@ -2,7 +2,8 @@
 
 Public names: ``kernelize``, ``KernelChoice``, ``DEFAULT_KERNEL_CONFIG``, ``DEFAULT_CALL_CHAINS``,
 ``register_op``, ``registered_ops``, ``BACKENDS``, ``SWITCHES``, ``switched``, ``set_switches``,
-``call_chains``, ``set_call_chains``, ``reset_call_chains``, ``describe``, ``hub``, ``HubRef``.
+``call_chains``, ``set_call_chains``, ``reset_call_chains``, ``describe``, ``hub``, ``HubRef``,
+and upstream's named bundles ``liger_builtin``, ``npu_builtin`` (``builtin.py``).
 See ``README.md`` beside this file."""
 
 from twinkle.kernel import backends as _backends  # noqa: F401  (registers the module ops)
@@ -10,6 +11,7 @@ from twinkle.kernel import decode_step as _decode_step  # noqa: F401  (registers
 from twinkle.kernel import gemv as _gemv  # noqa: F401  (registers decode_gemv)
 from twinkle.kernel import muon as _muon  # noqa: F401  (registers muon_step)
 from twinkle.kernel.attention import packed as _packed  # noqa: F401  (registers packed_attention)
+from twinkle.kernel.builtin import liger_builtin, npu_builtin
 from twinkle.kernel.config import DEFAULT_CALL_CHAINS, DEFAULT_KERNEL_CONFIG
 from twinkle.kernel.hub_layers import HubRef, hub
 from twinkle.kernel.kernelize import kernelize
@@ -46,4 +48,6 @@ __all__ = [
     "set_call_chains",
     "reset_call_chains",
     "describe",
+    "liger_builtin",
+    "npu_builtin",
 ]
