@@ -23,6 +23,7 @@ from twinkle.loss.cross_entropy import LossOutput
 from twinkle.loss.preference import row_logps
 from twinkle.model.packing import shifted_targets
 from twinkle.template.base import IGNORE_INDEX
+from twinkle.utils.errors import UserError
 
 KEYS = ("loss", "num_tokens", "logps")
 
@@ -132,3 +133,107 @@ def metric_logps(out: Any, inputs: Mapping[str, Any], targets: torch.Tensor) -> 
         shifted = torch.cat([ref[:, 1:], torch.zeros_like(ref[:, :1])], dim=1)
         found["ref_logps"] = shifted.masked_fill(targets == IGNORE_INDEX, 0.0)
     return found
+
+
+_NOT_KEPT = (
+    "the training step's logps were not kept here{why}; read them from "
+    "model.forward_only(inputs=batch)['logps']"
+)
+
+
+class StepOutputs(float):
+    """What ``forward_backward`` returns: the mean loss as a float (scripts compare, add and log
+    it), which is also upstream's outputs mapping: ``outputs["loss"]``, ``["num_tokens"]`` and
+    ``["logps"]`` (``(B, L)`` aligned with the batch's labels, as ``ModelOutputs``'s; computed on
+    first read where the step kept its hidden rows). A script may set entries, as upstream's
+    outputs dict allows; the float stays the loss.
+
+    It leaves its process (pickled: Ray) with what it holds: logps not yet computed stay behind,
+    and reading them there says so."""
+
+    def __new__(cls, loss: float, num_tokens: int, logps: Any = None) -> "StepOutputs":
+        out = super().__new__(cls, loss)
+        out._values = {"loss": float(loss), "num_tokens": num_tokens, "logps": logps}
+        return out
+
+    def __reduce__(self) -> tuple:
+        logps = self._values["logps"]
+        values = {k: v for k, v in self._values.items() if k not in ("loss", "num_tokens", "logps")}
+        kept = None if callable(logps) else logps
+        return (_rebuilt, (float(self), self._values["num_tokens"], kept, values))
+
+    def __getitem__(self, key: str) -> Any:
+        value = self._values[key]
+        if key == "logps":
+            if value is None:
+                raise UserError(_NOT_KEPT.format(why=" (they stay in the process that ran the step)"))
+            if callable(value):
+                value = self._values["logps"] = value()
+        return value
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        self._values[key] = value
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._values
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self[key] if key in self._values else default
+
+    def keys(self) -> Any:
+        return self._values.keys()
+
+    def items(self) -> list[tuple[str, Any]]:
+        return [(k, self[k]) for k in self._values]
+
+    def __repr__(self) -> str:
+        return f"StepOutputs(loss={float(self)!r}, num_tokens={self._values['num_tokens']})"
+
+
+def _rebuilt(loss: float, num_tokens: int, logps: Any, values: dict[str, Any]) -> StepOutputs:
+    out = StepOutputs(loss, num_tokens, logps)
+    out._values.update(values)
+    return out
+
+
+def refused_logps(why: str) -> Callable[[], torch.Tensor]:
+    """A ``logps`` entry that says, when read, why the step did not keep them."""
+
+    def refuse() -> torch.Tensor:
+        raise UserError(_NOT_KEPT.format(why=why))
+
+    return refuse
+
+
+def joined_logps(parts: list[Any]) -> Any:
+    """The ``logps`` of a batch run in parts of rows (``micro_batch_size``): each part's, computed
+    on read, stacked in row order."""
+
+    def join() -> torch.Tensor:
+        tensors = [p() if callable(p) else p for p in parts]
+        return torch.cat(tensors, dim=0)
+
+    return join
+
+
+def step_logps(
+    out: Any, view: LossView, batch: Mapping[str, torch.Tensor], loss: Any, distributed: bool
+) -> Any:
+    """The ``logps`` entry of a training step's outputs, without the step's graph: computed on
+    read from the kept hidden rows in one process; under FSDP2 (where the head weight of the view
+    is a gathered copy, too large to keep) computed now for a loss with extra inputs (RL,
+    preference: the scripts that read them), and refused on read for a plain cross-entropy step,
+    whose speed must not pay for a head product nobody reads."""
+    detached = LossView(
+        targets=view.targets,
+        hidden=None if view.hidden is None else view.hidden.detach(),
+        weight=view.weight,
+        bias=view.bias,
+        logits=None if view.logits is None else view.logits.detach(),
+        logps=None if view.logps is None else view.logps.detach(),
+    )
+    if distributed and view.hidden is not None and getattr(out, "logps", None) is None:
+        if not (getattr(loss, "extra_inputs", ()) or getattr(loss, "require_samples", False)):
+            return refused_logps(" (under FSDP a cross-entropy step does not run the head for them)")
+    with torch.no_grad():
+        return label_logps(out, detached, batch, lazy=not distributed)

@@ -43,6 +43,9 @@ class OptimizerGroup:
     consecutive_nonfinite: int = 0
     last_grad_norm: float = float("nan")
     last_lr: float = float("nan")
+    # the clipping norm ``clip_grad_norm`` uses when the call gives none (upstream's 'default'
+    # optimizer's ``clip_grad``); None: the run's ``--max-grad-norm``
+    max_grad_norm: float | None = None
     # samples this rank trained on since the start or the resume, and the run's count before it
     # (the checkpoint's consumed_train_samples): what a preempted run's checkpoint records
     local_samples: int = 0

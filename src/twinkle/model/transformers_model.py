@@ -22,15 +22,16 @@ from twinkle.model.activation_checkpointing import LayerCheckpointing
 from twinkle.model.adapters import Adapters, PeftAdapters
 from twinkle.model.attention_choice import resolve_attn_implementation
 from twinkle.model.checkpoints import Checkpoints, save_and_exit
-from twinkle.model.forward import batch_on_device, causal_lm_of, compute_loss, task_loss
+from twinkle.model.forward import batch_on_device, causal_lm_of, loss_and_view, task_loss
 from twinkle.model.inputs import InputsAPI, prepare_inputs
 from twinkle.model.loading import load_causal_lm, resolve_dtype
 from twinkle.model.loss_inputs import keyword_inputs, split_rows, with_loss_inputs
 from twinkle.model.metrics_api import MetricsAPI, record_metric_batch
+from twinkle.model.optim_setup import attach_scheduler, optimizer_builder, set_window
 from twinkle.model.options import resolve_precision, resolve_strategy
+from twinkle.model.outputs import StepOutputs, joined_logps, step_logps
 from twinkle.model.step import clip_gradients
 from twinkle.model.train_state import OptimizerGroup
-from twinkle.optim import build_optimizer, build_scheduler
 from twinkle.runtime import get_runtime, preemption
 from twinkle.runtime.remote import remote_class  # remote_group= hook
 from twinkle.utils.errors import UserError
@@ -114,6 +115,7 @@ class TransformersModel(InputsAPI, MetricsAPI, Checkpoints):
         self._pending_eval: tuple[str, Any, Any] | None = None
         self._pending_backward: tuple[OptimizerGroup, Any, dict[str, torch.Tensor]] | None = None
         self._in_train_mode = False  # set by forward_backward's train(), cleared by forward_only's eval()
+        self._step_logps: Any = None  # the last training forward's logps entry (``outputs.step_logps``)
 
     # ----------------------------------------------------------------- set-up
     def _group(self, adapter_name: str | None) -> OptimizerGroup:
@@ -186,13 +188,15 @@ class TransformersModel(InputsAPI, MetricsAPI, Checkpoints):
             logger.info("frozen weights packed for oneDNN: %.0f MiB", packed / 2**20)
 
     def set_optimizer(
-        self, optimizer_cls: Any, lr: float, adapter_name: str | None = None, **kwargs: Any
+        self, optimizer_cls: Any, lr: float = 1e-5, adapter_name: str | None = None, **kwargs: Any
     ) -> None:
-        """``optimizer_cls`` is a class or a ``torch.optim`` name; ``kwargs`` reach its constructor.
-        It steps the adapter's trainable weights (with slots: the rank-r parts of its slot)."""
+        """``optimizer_cls`` is a class, a ``torch.optim`` name, or upstream's ``'default'``
+        (AdamW with Megatron's keywords, ``twinkle.model.optim_setup``); ``kwargs`` reach its
+        constructor. It steps the adapter's trainable weights (with slots: the rank-r parts of its
+        slot). ``lr`` defaults to upstream's 1e-5."""
         group = self._group(adapter_name)
         group.optimizer = self.adapters.optimizer(
-            group.adapter_name, lambda copies: build_optimizer(optimizer_cls, copies, lr=lr, **kwargs)
+            group.adapter_name, optimizer_builder(group, optimizer_cls, lr, kwargs)
         )
 
     def set_lr_scheduler(
@@ -203,19 +207,13 @@ class TransformersModel(InputsAPI, MetricsAPI, Checkpoints):
         adapter_name: str | None = None,
         **kwargs: Any,
     ) -> None:
-        """``num_training_steps`` counts micro-batches (``len(dataloader)``); the schedule runs
-        over the optimizer steps they make, so it ends where the data ends."""
+        """A schedule by name or class: ours (``CosineWarmupScheduler``, which needs
+        ``num_training_steps``), any ``torch.optim.lr_scheduler`` class with its own arguments
+        (``'CosineAnnealingLR', T_max=...``) or upstream's ``'default'`` (``lr_decay_steps=``,
+        ``max_lr=``...). ``num_training_steps`` counts micro-batches (``len(dataloader)``); the
+        schedule runs over the optimizer steps they make (``twinkle.model.optim_setup``)."""
         group = self._group(adapter_name)
-        if group.optimizer is None:
-            raise UserError("call set_optimizer(...) before set_lr_scheduler(...)")
-        if num_training_steps is None or num_training_steps < 1:
-            raise UserError(f"num_training_steps must be at least 1, got {num_training_steps}")
-        group.num_training_steps = num_training_steps
-        optimizer_steps = -(-num_training_steps // group.gradient_accumulation_steps)
-        group.lr_scheduler = build_scheduler(
-            scheduler_cls, group.optimizer.optimizer, num_warmup_steps, optimizer_steps, **kwargs
-        )
-        group.last_lr = group.optimizer.param_groups[0]["lr"]
+        attach_scheduler(group, scheduler_cls, num_warmup_steps, num_training_steps, kwargs)
 
     def set_loss(self, loss_cls: Any, adapter_name: str | None = None, **kwargs: Any) -> None:
         """``loss_cls``: a name in ``twinkle.loss.LOSSES`` or a class (built with ``kwargs``), or
@@ -265,8 +263,9 @@ class TransformersModel(InputsAPI, MetricsAPI, Checkpoints):
             self._in_train_mode = True
         # positions the layers may run: the padded batch (a packed row is never longer)
         self.checkpointing.decide(batch["input_ids"].numel(), self.device)
-        out = compute_loss(self.model, batch, loss_fn, self.padding_free)
+        out, view = loss_and_view(self.model, batch, loss_fn, self.padding_free)
         self._pending_backward = (group, out, inputs)
+        self._step_logps = step_logps(out, view, batch, loss_fn, self.runtime.is_distributed)
         loss_sum = float(out.loss_sum.detach())
         return {"loss": loss_sum / max(1, out.num_tokens), "num_tokens": out.num_tokens}
 
@@ -282,6 +281,7 @@ class TransformersModel(InputsAPI, MetricsAPI, Checkpoints):
         ``cur_step``, a micro-batch of the window) at its last part only."""
         group, out, inputs = self._pending_backward
         self._pending_backward = None
+        self._step_logps = None  # forward_backward took it; a plain forward's is dropped here
         self.adapters.activate(group.adapter_name)  # a recomputed forward (checkpointing) runs it
         out.loss_sum.backward()  # even when not finite: under FSDP every rank must run backward
         loss_sum = float(out.loss_sum.detach())
@@ -311,9 +311,10 @@ class TransformersModel(InputsAPI, MetricsAPI, Checkpoints):
         ref_outputs: Any = None,
         micro_batch_size: int | None = None,
         **loss_inputs: Any,
-    ) -> float:
+    ) -> StepOutputs:
         """``forward`` then ``backward``. Returns this rank's mean loss (per token; per pair for a
-        preference loss). ``ref_outputs``/``loss_inputs``: see ``forward``.
+        preference loss) as a float that is also upstream's outputs (``outputs["logps"]``:
+        ``twinkle.model.outputs.StepOutputs``). ``ref_outputs``/``loss_inputs``: see ``forward``.
 
         ``micro_batch_size``: run this rank's rows ``micro_batch_size`` at a time (less memory),
         their gradients summed; the call still counts as one micro-batch of the accumulation
@@ -321,16 +322,19 @@ class TransformersModel(InputsAPI, MetricsAPI, Checkpoints):
         if micro_batch_size is None:
             if ref_outputs is not None:
                 loss_inputs["ref_outputs"] = ref_outputs
-            self.forward(inputs, task=task, adapter_name=adapter_name, **loss_inputs)
-            return self.backward()
+            out = self.forward(inputs, task=task, adapter_name=adapter_name, **loss_inputs)
+            logps = self._step_logps
+            return StepOutputs(self.backward(), out["num_tokens"], logps)
         group, loss_fn, inputs = self._training_inputs(inputs, task, adapter_name, ref_outputs, loss_inputs)
         parts = split_rows(inputs, micro_batch_size, loss_fn)
-        loss_sum, tokens = 0.0, 0
+        loss_sum, tokens, logps = 0.0, 0, []
         for i, part in enumerate(parts):
             out = self._forward_batch(group, loss_fn, part)
+            if part["input_ids"].shape[0]:  # an empty part is this rank's pad row
+                logps.append(self._step_logps)
             self._backward(counts=i == len(parts) - 1)
             loss_sum, tokens = loss_sum + out["loss"] * out["num_tokens"], tokens + out["num_tokens"]
-        return loss_sum / max(1, tokens)
+        return StepOutputs(loss_sum / max(1, tokens), tokens, joined_logps(logps))
 
     def _reduce_window(self, group: OptimizerGroup) -> tuple[float, float, float]:
         """Once per window: ``(supervised tokens, NaN/inf seen, SIGTERM seen)`` over all ranks, and
@@ -354,8 +358,11 @@ class TransformersModel(InputsAPI, MetricsAPI, Checkpoints):
         """Clip the window's gradients (their global ``norm_type`` norm, after the rescale to the
         token mean) to ``max_grad_norm`` (default: ``--max-grad-norm``, 1.0; 0 measures without
         clipping); returns the norm before clipping, which ``step`` reports as ``grad_norm``."""
-        max_grad_norm = self.runtime.defaults.max_grad_norm if max_grad_norm is None else max_grad_norm
         group = self._group(adapter_name)
+        if max_grad_norm is None:
+            max_grad_norm = group.max_grad_norm
+        if max_grad_norm is None:
+            max_grad_norm = self.runtime.defaults.max_grad_norm
         total, _, _ = self._reduce_window(group)
         if total == 0:
             return 0.0
@@ -409,20 +416,24 @@ class TransformersModel(InputsAPI, MetricsAPI, Checkpoints):
     def clip_grad_and_step(
         self,
         max_grad_norm: float | None = None,
+        norm_type: float = 2,
         max_nonfinite_steps: int = 5,
         adapter_name: str | None = None,
+        gradient_accumulation_steps: int | None = None,
     ) -> bool:
         """Once the accumulation window is full: ``clip_grad_norm``, ``step``, ``lr_step`` (when it
         stepped and a schedule is set) and ``zero_grad``; returns whether it stepped. Before
-        that, returns False and leaves the window open. ``max_grad_norm`` and
-        ``max_nonfinite_steps`` go to ``clip_grad_norm`` and ``step``."""
+        that, returns False and leaves the window open. ``max_grad_norm``/``norm_type`` and
+        ``max_nonfinite_steps`` go to ``clip_grad_norm`` and ``step``. ``gradient_accumulation_steps``
+        (upstream's per-call keyword) sets the adapter's window length (``optim_setup.set_window``)."""
         group = self._group(adapter_name)
         if group.optimizer is None:
             raise UserError("call set_optimizer(...) before clip_grad_and_step()")
+        set_window(group, gradient_accumulation_steps)
         if not group.window_is_full():
             return False
         name = group.adapter_name
-        self.clip_grad_norm(max_grad_norm, adapter_name=name)
+        self.clip_grad_norm(max_grad_norm, norm_type, adapter_name=name)
         stepped = self.step(max_nonfinite_steps, adapter_name=name)
         if stepped and group.lr_scheduler is not None:
             self.lr_step(adapter_name=name)

@@ -6,6 +6,8 @@ from typing import Any
 
 import torch
 
+from twinkle.optim.default_optimizer import NAMES as DEFAULT_NAMES
+from twinkle.optim.default_optimizer import default_optimizer_args
 from twinkle.utils.errors import UserError
 
 # torch.optim classes the training step cannot drive, and why: it calls ``step()`` without a
@@ -44,6 +46,8 @@ def resolve_optimizer_cls(
     an unknown name, or a class the training step cannot drive (``UNUSABLE``), is a ``UserError``
     (prefixed by ``label``, the flag it came from, when given)."""
     prefix = f"{label}: " if label else ""
+    if isinstance(optimizer_cls, str) and optimizer_cls in DEFAULT_NAMES:
+        return torch.optim.AdamW  # upstream's 'default' (twinkle.optim.default_optimizer)
     if isinstance(optimizer_cls, str) and optimizer_cls in UNUSABLE:
         optimizer_cls = getattr(torch.optim, optimizer_cls, optimizer_cls)
     if inspect.isclass(optimizer_cls) and issubclass(optimizer_cls, torch.optim.Optimizer):
@@ -52,7 +56,7 @@ def resolve_optimizer_cls(
     if isinstance(optimizer_cls, str) and optimizer_cls in optimizer_names():
         return getattr(torch.optim, optimizer_cls)
     raise UserError(
-        f"{prefix}unknown optimizer {optimizer_cls!r}; valid names: {', '.join(optimizer_names())}"
+        f"{prefix}unknown optimizer {optimizer_cls!r}; valid names: {', '.join([*DEFAULT_NAMES, *optimizer_names()])}"
     )
 
 
@@ -72,8 +76,16 @@ def build_optimizer(
     lr: float,
     **kwargs: Any,
 ) -> torch.optim.Optimizer:
-    """Create the optimizer over ``params``; extra keyword arguments go to its constructor."""
+    """Create the optimizer over ``params``; extra keyword arguments go to its constructor
+    (upstream's ``'default'``: Megatron's keywords, ``twinkle.optim.default_optimizer``)."""
     from twinkle.kernel.muon import muon_class
+
+    if isinstance(optimizer_cls, str) and optimizer_cls in DEFAULT_NAMES:
+        kwargs, clip_grad = default_optimizer_args(kwargs)
+        if clip_grad is not None:
+            raise UserError(
+                "clip_grad is the model's gradient clipping: pass it to model.set_optimizer('default', clip_grad=...)"
+            )
 
     cls = muon_class(resolve_optimizer_cls(optimizer_cls))  # torch's Muon: batched, same results
     params = list(params)

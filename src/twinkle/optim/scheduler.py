@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch.optim.lr_scheduler import LambdaLR, LRScheduler
 
+from twinkle.optim.param_scheduler import ParamScheduler
 from twinkle.utils.errors import UserError
 
 
@@ -51,6 +52,8 @@ def LinearWarmupScheduler(  # noqa: N802
     )
 
 
+# upstream's names for its Megatron schedule (``twinkle.optim.param_scheduler``)
+PARAM_SCHEDULER_NAMES = ("default", "OptimizerParamScheduler")
 SCHEDULERS: dict[str, Callable[..., LRScheduler]] = {
     "CosineWarmupScheduler": CosineWarmupScheduler,
     "LinearWarmupScheduler": LinearWarmupScheduler,
@@ -66,30 +69,71 @@ def _torch_scheduler_names() -> list[str]:
     )
 
 
+# torch schedules whose horizon a run's step count can give: class name -> its horizon parameter
+HORIZONS = {
+    "CosineAnnealingLR": "T_max",
+    "LinearLR": "total_iters",
+    "PolynomialLR": "total_iters",
+    "OneCycleLR": "total_steps",
+}
+
+
+def _resolve(scheduler_cls: str | Callable[..., LRScheduler]) -> Callable[..., LRScheduler]:
+    if not isinstance(scheduler_cls, str):
+        return scheduler_cls
+    if scheduler_cls in SCHEDULERS:
+        return SCHEDULERS[scheduler_cls]
+    if scheduler_cls in PARAM_SCHEDULER_NAMES:
+        return ParamScheduler
+    if scheduler_cls in _torch_scheduler_names():
+        return getattr(torch.optim.lr_scheduler, scheduler_cls)
+    valid = ", ".join([*SCHEDULERS, *PARAM_SCHEDULER_NAMES, *_torch_scheduler_names()])
+    raise UserError(f"--scheduler-cls: unknown scheduler {scheduler_cls!r}; valid names: {valid}")
+
+
 def build_scheduler(
     scheduler_cls: str | Callable[..., LRScheduler],
     optimizer: torch.optim.Optimizer,
-    num_warmup_steps: int,
-    num_training_steps: int,
+    num_warmup_steps: int = 0,
+    num_training_steps: int | None = None,
     **kwargs: Any,
 ) -> LRScheduler:
-    """Our warm-up schedules take the step counts; a ``torch.optim.lr_scheduler`` name or class
-    gets only ``kwargs`` (its own arguments, e.g. ``T_max``)."""
-    if num_warmup_steps < 0 or num_training_steps < 1:
+    """The schedule over ``optimizer``'s steps. ``num_training_steps`` is the run's horizon in
+    optimizer steps, ``num_warmup_steps`` its warm-up. Our warm-up schedules need the horizon;
+    upstream's ``'default'`` (``ParamScheduler``) takes them as its ``lr_decay_steps`` and
+    ``lr_warmup_steps`` unless those are given; a ``torch.optim.lr_scheduler`` name or class gets
+    its own arguments (``T_max=...``), the horizon filling its horizon parameter (``HORIZONS``)
+    when the call leaves it out. A torch schedule has no warm-up, so ``num_warmup_steps > 0`` with
+    one is refused."""
+    if num_warmup_steps < 0 or (num_training_steps is not None and num_training_steps < 1):
         raise UserError(
             f"need num_warmup_steps >= 0 and num_training_steps >= 1, got {num_warmup_steps} and {num_training_steps}"
         )
-    if isinstance(scheduler_cls, str):
-        if scheduler_cls in SCHEDULERS:
-            scheduler_cls = SCHEDULERS[scheduler_cls]
-        elif scheduler_cls in _torch_scheduler_names():
-            scheduler_cls = getattr(torch.optim.lr_scheduler, scheduler_cls)
-        else:
-            valid = ", ".join([*SCHEDULERS, *_torch_scheduler_names()])
-            raise UserError(f"--scheduler-cls: unknown scheduler {scheduler_cls!r}; valid names: {valid}")
-    if scheduler_cls in SCHEDULERS.values():
-        return scheduler_cls(optimizer, num_warmup_steps, num_training_steps, **kwargs)
+    cls = _resolve(scheduler_cls)
+    name = getattr(cls, "__name__", str(cls))
+    if cls in SCHEDULERS.values():
+        if num_training_steps is None:
+            raise UserError(
+                f"{name} needs num_training_steps (the run's micro-batches, e.g. len(dataloader)) to end where the data ends"
+            )
+        return cls(optimizer, num_warmup_steps, num_training_steps, **kwargs)
+    if cls is ParamScheduler:
+        if num_warmup_steps:
+            kwargs.setdefault("lr_warmup_steps", num_warmup_steps)
+        if num_training_steps is not None:
+            kwargs.setdefault("lr_decay_steps", num_training_steps)
+        if "lr_decay_steps" not in kwargs:
+            raise UserError("set_lr_scheduler('default') needs lr_decay_steps= (or num_training_steps=)")
+        return ParamScheduler(optimizer, **kwargs)
+    if num_warmup_steps:
+        raise UserError(
+            f"{name} has no warm-up: use CosineWarmupScheduler or LinearWarmupScheduler for "
+            f"num_warmup_steps={num_warmup_steps}, or pass num_warmup_steps=0"
+        )
+    horizon = HORIZONS.get(name)
+    if horizon is not None and num_training_steps is not None and horizon not in kwargs:
+        kwargs[horizon] = num_training_steps
     try:
-        return scheduler_cls(optimizer, **kwargs)
+        return cls(optimizer, **kwargs)
     except TypeError as exc:
-        raise UserError(f"{getattr(scheduler_cls, '__name__', scheduler_cls)}: {exc}") from exc
+        raise UserError(f"{name}: {exc}") from exc
