@@ -19,12 +19,21 @@ from twinkle.checkpoint_engine.weights import base_weight, merged_weights
 from twinkle.model import TransformersModel
 from twinkle.utils.errors import UserError
 
+PLATFORMS = ("GPU", "NPU", "CPU")
+
 
 class CheckpointEngineManager:
     """``CheckpointEngineManager(model, sampler)``; ``adapter_name``: the trainer's adapter to
-    send (None: its only one)."""
+    send (None: its only one). ``platform``: upstream's device family (``GPU``, ``NPU``,
+    ``CPU``), which picks its collective backend there; the weights here travel by an in-process
+    copy or through Ray's object store, which work on each of them, so any of the three syncs
+    the same way."""
 
-    def __init__(self, model: Any, sampler: Any, adapter_name: str | None = None, **kwargs: Any):
+    def __init__(self, model: Any, sampler: Any, platform: str = "GPU", adapter_name: str | None = None):
+        if platform not in PLATFORMS:
+            raise UserError(
+                f"CheckpointEngineManager(platform={platform!r}): use one of {', '.join(PLATFORMS)}"
+            )
         self.remote = is_remote(model) and is_remote(sampler)
         if not isinstance(model, TransformersModel) and not self.remote:
             raise UserError(
