@@ -28,9 +28,30 @@ def _from_ref_outputs(ref_outputs: Any) -> torch.Tensor:
     return logps
 
 
+# upstream's step keywords that are not loss inputs: the value that changes nothing is accepted,
+# any other is refused by name (name -> (accepted value, why another is refused))
+STEP_KEYWORDS: dict[str, tuple[Any, str]] = {
+    "temperature": (1.0, "the step's log-probabilities are the model's own (temperature 1)"),
+    "return_logits": (False, "the step never builds full logits; read outputs['logps']"),
+    "router_replay_action": (None, "MoE routing replay is not built yet"),
+    "router_replay_manual_cleanup": (False, "MoE routing replay is not built yet"),
+}
+
+
+def refuse_step_keywords(given: dict[str, Any]) -> None:
+    """Pop upstream's step keywords from ``given``: accepted at their neutral value, else one line."""
+    for name, (neutral, why) in STEP_KEYWORDS.items():
+        if name in given:
+            value = given.pop(name)
+            if value != neutral:
+                raise UserError(f"{name}={value!r} is not supported yet: {why}")
+
+
 def keyword_inputs(loss: Any, ref_outputs: Any, given: Mapping[str, Any]) -> dict[str, Any]:
-    """The keywords as batch inputs, each one the loss declares (else a one-line error)."""
+    """The keywords as batch inputs, each one the loss declares (else a one-line error);
+    upstream's step keywords (``STEP_KEYWORDS``) are checked and dropped first."""
     given = dict(given)
+    refuse_step_keywords(given)
     if ref_outputs is not None:
         if "ref_logps" in given:
             raise UserError("pass ref_outputs= or ref_logps=, not both")

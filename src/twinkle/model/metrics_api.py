@@ -19,6 +19,7 @@ import torch
 from twinkle.loss import LossOutput
 from twinkle.metric import build_metric, report
 from twinkle.model import health
+from twinkle.model.eval_parts import forward_only_in_parts
 from twinkle.model.forward import batch_on_device, loss_and_view, task_loss
 from twinkle.model.inputs import prepare_inputs
 from twinkle.model.lora_modes import (
@@ -45,7 +46,8 @@ class MetricsAPI:
     training step calls."""
 
     last_outputs: ModelOutputs | None = None  # what the last forward_only returned
-    _eval_without: tuple[str, list[str]] | None = None  # (loss, inputs) the last forward_only lacked
+    # (loss, inputs) the last forward_only lacked, or why it recorded nothing (``eval_parts``)
+    _eval_without: tuple[str, list[str]] | str | None = None
 
     @torch.no_grad()
     def forward_only(
@@ -56,6 +58,7 @@ class MetricsAPI:
         disable_lora: bool = False,
         adapter_names: Sequence[str | None] | None = None,
         ref_outputs: Any = None,
+        micro_batch_size: int | None = None,
         **loss_inputs: Any,
     ) -> ModelOutputs:
         """Evaluate one batch (no gradients, dropout off); ``calculate_loss()`` records it.
@@ -73,7 +76,15 @@ class MetricsAPI:
 
         ``ref_outputs``/``loss_inputs``: the loss's extra inputs, as for ``forward``. Without
         them a loss that declares them is not computed (a reference pass): ``loss`` is NaN and
-        ``calculate_loss()`` has nothing to record; ``logps`` is there all the same."""
+        ``calculate_loss()`` has nothing to record; ``logps`` is there all the same.
+
+        ``micro_batch_size``: run the rows that many at a time (``twinkle.model.eval_parts``)."""
+        if micro_batch_size is not None:
+            if adapter_names is not None:
+                raise UserError("forward_only: pass adapter_names=[...] or micro_batch_size=, not both")
+            return forward_only_in_parts(
+                self, inputs, micro_batch_size, task, adapter_name, disable_lora, ref_outputs, loss_inputs
+            )
         group = self._group(adapter_name if adapter_name is not None else _first_named(adapter_names))
         if not disable_lora and adapter_names is None:
             self.adapters.activate(group.adapter_name)
@@ -142,6 +153,8 @@ class MetricsAPI:
     def calculate_loss(self) -> float:
         """Record the last ``forward_only`` batch in the eval metrics; return its mean token loss."""
         if self._pending_eval is None:
+            if isinstance(self._eval_without, str):
+                raise UserError(self._eval_without)
             if self._eval_without is not None:
                 name, missing = self._eval_without
                 raise UserError(

@@ -1,0 +1,44 @@
+"""``forward_only(inputs=..., micro_batch_size=N)``: an evaluation or reference pass run N rows
+at a time, its ``logps`` joined in row order, as upstream's scripts call it to bound memory on a
+large batch of rollouts. The parts record no evaluation loss (``calculate_loss`` refuses after
+it): a pass run in parts serves its log-probabilities."""
+
+from typing import Any
+
+from twinkle.model.forward import task_loss
+from twinkle.model.inputs import prepare_inputs
+from twinkle.model.loss_inputs import keyword_inputs, split_rows, with_loss_inputs
+from twinkle.model.outputs import ModelOutputs, joined_logps
+
+PARTS_RECORD_NOTHING = (
+    "the last forward_only ran in parts (micro_batch_size=...), which record no evaluation loss; "
+    "call forward_only without micro_batch_size before calculate_loss()"
+)
+
+
+def forward_only_in_parts(
+    model: Any,
+    inputs: Any,
+    micro_batch_size: int,
+    task: str,
+    adapter_name: str | None,
+    disable_lora: bool,
+    ref_outputs: Any,
+    loss_inputs: dict[str, Any],
+) -> ModelOutputs:
+    """Every rank runs as many parts (``split_rows``); a rank's empty part is its pad row, which
+    adds no log-probabilities."""
+    group = model._group(adapter_name)
+    loss_fn = task_loss(group, task)
+    extras = keyword_inputs(loss_fn, ref_outputs, loss_inputs)
+    batch = with_loss_inputs(loss_fn, prepare_inputs(group, inputs, model.tokenizer), extras, required=False)
+    loss_sum, tokens, logps = 0.0, 0, []
+    for part in split_rows(batch, micro_batch_size, loss_fn):
+        out = model.forward_only(part, task=task, adapter_name=group.adapter_name, disable_lora=disable_lora)
+        if part["input_ids"].shape[0]:
+            logps.append(out["logps"])
+        loss_sum, tokens = loss_sum + float(out) * out["num_tokens"], tokens + out["num_tokens"]
+    model._pending_eval = None
+    model._eval_without = PARTS_RECORD_NOTHING
+    model.last_outputs = ModelOutputs(loss_sum / max(1, tokens), tokens, joined_logps(logps))
+    return model.last_outputs
