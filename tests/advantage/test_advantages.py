@@ -41,14 +41,30 @@ def test_an_all_equal_group_gives_zeros_not_nan(scale):
     assert GRPOAdvantage()([0.5] * 4, num_generations=4, scale=scale).tolist() == [0.0] * 4
 
 
-def test_one_generation_per_prompt_has_no_signal():
-    assert GRPOAdvantage()([0.0, 1.0, 2.0], num_generations=1).tolist() == [0.0, 0.0, 0.0]
+def test_one_generation_per_prompt_uses_the_batch_as_baseline():
+    rewards = [0.0, 1.0, 2.0]
+    assert GRPOAdvantage()(rewards, num_generations=1).tolist() == rewards  # no group: unchanged
+    assert GRPOAdvantage()(rewards, num_generations=1, scale="none").tolist() == [-1.0, 0.0, 1.0]
+    batch = GRPOAdvantage()(rewards, num_generations=1, scale="batch").tolist()
+    assert batch == pytest.approx([-1.0, 0.0, 1.0], rel=1e-6)  # the unbiased std of 0, 1, 2 is 1
+
+
+def test_several_rewards_per_completion_are_summed():
+    got = GRPOAdvantage()(
+        torch.tensor([[1.0, 0.0], [0.0, 0.0], [1.0, 1.0], [0.0, 1.0]]), num_generations=2, scale="none"
+    )
+    assert got.tolist() == [0.5, -0.5, 0.5, -0.5]
 
 
 def test_rloo_subtracts_the_mean_of_the_other_completions():
-    got = RLOOAdvantage()(REWARDS, num_generations=4)
+    got = RLOOAdvantage()(REWARDS, num_generations=4, scale="none")
     want = [-2 / 3, 2 / 3, -2 / 3, 2 / 3, 1.0, -1 / 3, -1 / 3, -1 / 3]
     assert got.tolist() == pytest.approx(want, rel=1e-6)
+    scaled = RLOOAdvantage()(REWARDS, num_generations=4)  # default 'group', as upstream
+    stds = torch.tensor(REWARDS, dtype=torch.float64).view(2, 4).std(dim=-1).repeat_interleave(4)
+    assert scaled.tolist() == pytest.approx(
+        (torch.tensor(want, dtype=torch.float64) / stds).tolist(), rel=1e-6
+    )
 
 
 @pytest.mark.parametrize(

@@ -8,10 +8,14 @@ from twinkle.utils.errors import UserError
 
 
 def grouped(rewards: Sequence[float] | torch.Tensor, num_generations: int) -> torch.Tensor:
-    """``rewards`` as a float64 ``(groups, num_generations)`` tensor; ``UserError`` when they do not
+    """``rewards`` (a ``(N, k)`` tensor summed over ``k``) as a float64 ``(groups,
+    num_generations)`` tensor; ``UserError`` when they do not
     split into whole groups or hold a NaN/inf (a reward function's bug would otherwise become a
     NaN step)."""
-    values = torch.as_tensor(rewards, dtype=torch.float64).flatten()
+    values = torch.as_tensor(rewards, dtype=torch.float64)
+    if values.dim() == 2:  # several rewards per completion: their sum, as upstream
+        values = values.sum(dim=-1)
+    values = values.flatten()
     if isinstance(num_generations, bool) or not isinstance(num_generations, int) or num_generations < 1:
         raise UserError(f"num_generations must be a positive integer, got {num_generations!r}")
     if values.numel() == 0 or values.numel() % num_generations:
