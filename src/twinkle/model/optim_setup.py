@@ -23,6 +23,7 @@ def optimizer_builder(group: OptimizerGroup, optimizer_cls: Any, lr: float, kwar
                     f"set_optimizer('default'): clip_grad must be >= 0 (0: no clipping), got {clip_grad}"
                 )
             group.max_grad_norm = float(clip_grad)
+        optimizer_cls = "AdamW"
     return lambda params: build_optimizer(optimizer_cls, params, lr=lr, **kwargs)
 
 

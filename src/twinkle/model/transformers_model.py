@@ -30,6 +30,7 @@ from twinkle.model.metrics_api import MetricsAPI, record_metric_batch
 from twinkle.model.optim_setup import attach_scheduler, optimizer_builder, set_window
 from twinkle.model.options import resolve_precision, resolve_strategy
 from twinkle.model.outputs import StepOutputs, joined_logps, step_logps
+from twinkle.model.parallel_sizes import refuse_cli_sizes
 from twinkle.model.step import clip_gradients
 from twinkle.model.train_state import OptimizerGroup
 from twinkle.runtime import get_runtime, preemption
@@ -85,6 +86,7 @@ class TransformersModel(InputsAPI, MetricsAPI, Checkpoints):
         ``--fsdp-size 1``), ``ddp_config``, ``fsdp_config`` (``twinkle.model.options``)."""
         refuse_unimplemented(device_mesh or get_runtime().mesh, type(self).__name__)  # tp/pp/...: one line
         runtime = get_runtime()
+        refuse_cli_sizes(runtime.defaults.run_args, type(self).__name__)  # --tp-size 2 the mesh left out
         defaults = runtime.defaults
         if strategy is None and not ddp_config:
             strategy = defaults.strategy

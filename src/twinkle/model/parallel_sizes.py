@@ -1,0 +1,37 @@
+"""The parallel sizes of a parsed command line (``--tp-size``, ``--ulysses-size``, ...) checked by
+the model that would run them: a size above 1 that it cannot honour is refused in one line naming
+the alternative, whether or not the script put it into its mesh. (The mesh it was given is
+checked by ``twinkle.distributed.mesh.refuse_unimplemented``.)"""
+
+from typing import Any
+
+from twinkle.utils.errors import UserError
+
+# flag -> (what it is, what runs instead)
+ALTERNATIVES = {
+    "tp_size": ("tensor parallelism", "shard the model with --fsdp-size instead"),
+    "pp_size": ("pipeline parallelism", "shard the model with --fsdp-size instead"),
+    "cp_size": ("context parallelism", "shard the model with --fsdp-size instead"),
+    "ep_size": ("expert parallelism", "FSDP2 shards the experts with the rest of the model (--fsdp-size)"),
+    "ulysses_size": (
+        "Ulysses sequence parallelism",
+        "shard the model with --fsdp-size and lower --max-length",
+    ),
+}
+
+
+def refuse_cli_sizes(run_args: dict[str, Any] | None, who: str) -> None:
+    """One ``UserError`` line for the first size above 1 on the command line (``run_args``: the
+    run's parsed arguments, ``RunDefaults.run_args``; None when the script parsed none)."""
+    infra = (run_args or {}).get("infra") or {}
+    for name, (what, instead) in ALTERNATIVES.items():
+        size = infra.get(name)
+        if isinstance(size, int) and size > 1:
+            raise UserError(
+                f"--{name.replace('_', '-')} {size}: {who} does not run {what} yet; {instead} "
+                f"(or drop --{name.replace('_', '-')})"
+            )
+    if infra.get("sequence_parallel"):
+        raise UserError(
+            f"--sequence-parallel: {who} does not run Megatron sequence parallelism; drop the flag"
+        )
