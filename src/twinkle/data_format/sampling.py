@@ -173,8 +173,11 @@ class SampledSequence:
       ``length`` (``max_tokens`` or the model's maximum positions reached);
     - ``new_input_feature``: prompt plus completion as a training row (``input_ids``,
       ``labels`` -100 on the prompt and the tokens on the completion, ``attention_mask``,
-      ``position_ids``, ``length``; and ``messages``, the prompt's messages plus the reply,
-      when the prompt came as messages), ready for ``model.forward_backward(inputs=[...])``."""
+      ``position_ids``, ``length``; the prompt row's other keys, such as ``user_data``; and
+      ``messages``, the prompt's messages plus the reply as an assistant turn, when the prompt
+      has messages: a reward reads them), ready for ``model.forward_backward(inputs=[...])``.
+      With ``max_tokens=0`` nothing is generated: ``tokens`` is empty and the row is the scored
+      prompt with its own labels (a conversation given as messages: its assistant replies)."""
 
     tokens: list[int]
     logprobs: list[list[tuple[int, float]]]
