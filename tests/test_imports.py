@@ -19,6 +19,7 @@ TIERS = [
         "dataset",
         "preprocessor",
         "template",
+        "processor",
         "dataloader",
         "kernel",
         "loss",

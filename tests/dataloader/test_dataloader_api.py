@@ -1,5 +1,6 @@
 """DataLoader keywords of upstream Twinkle and torch: device_mesh, num_workers, sampler,
-collate_fn, set_processor, min_batch_size, max_retries, raw rows, and the refused ones."""
+collate_fn, set_processor (by name too), min_batch_size, max_retries, raw rows, and the refused
+ones."""
 
 import logging
 
@@ -63,8 +64,9 @@ class Stream:
         return (FakeDataset(self.n)[i] for i in range(self.n))
 
 
-def rows(batch) -> list[int]:
-    return [int(t) - 100 for t in batch["input_ids"][:, 0]] if batch["input_ids"].numel() else []
+def rows(batch: list[dict]) -> list[int]:
+    assert isinstance(batch, list)  # this rank's rows
+    return [row["input_ids"][0] - 100 for row in batch]
 
 
 def passes(loader) -> list[list[int]]:
@@ -86,22 +88,17 @@ def test_device_mesh_gives_the_data_rank(monkeypatch):
         DataLoader(FakeDataset(8), 4, device_mesh=DeviceMesh(fsdp_size=2, dp_size=1), world_size=2, rank=0)
 
 
-def _tensors(loader) -> list[dict[str, torch.Tensor]]:
-    return list(loader)
-
-
 @pytest.mark.parametrize("shuffle", [False, True])
 def test_num_workers_gives_the_batches_of_one_process(shuffle):
     def make(**kw):
         return DataLoader(FakeDataset(11), 4, shuffle=shuffle, world_size=2, rank=1, **kw)
 
-    alone = _tensors(make())
+    alone = list(make())
     rng = torch.get_rng_state()
-    workers = _tensors(make(num_workers=2))
+    workers = list(make(num_workers=2))
     assert torch.equal(torch.get_rng_state(), rng)  # a pass leaves the run's random state alone
     assert len(alone) == len(workers) == 3
-    for a, b in zip(alone, workers, strict=True):
-        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert alone == workers  # the same rows, in the same order
     resumed = make(num_workers=2, persistent_workers=True)
     resumed.resume_from_checkpoint(4)
     assert passes(resumed) == [rows(b) for b in alone[1:]]
@@ -150,10 +147,21 @@ def test_collate_fn_and_set_processor():
     ruled = DataLoader(FakeDataset(4), 2, world_size=1, rank=0, collate_fn=firsts)
     ruled.set_processor(Firsts(3))
     assert list(ruled)[0] == [100, 101]  # collate_fn= wins
-    with pytest.raises(UserError, match="not supported yet: a processor name"):
-        loader.set_processor("InputProcessor")
     with pytest.raises(UserError, match="keyword arguments go with a class"):
         loader.set_processor(Firsts(), scale=2)
+    with pytest.raises(UserError, match="unknown processor 'Nope'; valid names: InputProcessor"):
+        loader.set_processor("Nope")
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_set_processor_by_name_collates_in_the_loader(num_workers):
+    loader = DataLoader(FakeDataset(4), 2, world_size=1, rank=0, num_workers=num_workers)
+    loader.set_processor("InputProcessor", padding_side="left")
+    first = next(iter(loader))
+    assert first["input_ids"].tolist() == [[PAD, 100], [101, 101]]  # the dataset's pad, on the left
+    assert first["attention_mask"].tolist() == [[0, 1], [1, 1]]
+    with pytest.raises(UserError, match="padding_side='middle'"):
+        loader.set_processor("InputProcessor", padding_side="middle")
 
 
 def test_rows_without_a_template_come_as_they_are():
@@ -162,8 +170,11 @@ def test_rows_without_a_template_come_as_they_are():
     assert [len(b) for b in batches] == [1, 1, 0]
     assert batches[0] == [dataset[1]] and set(batches[0][0]) >= {"query", "response"}
     assert list(DataLoader([{"a": 1}, {"a": 2}], 2, world_size=1, rank=0)) == [[{"a": 1}, {"a": 2}]]
-    with pytest.raises(UserError, match="not encoded"):  # a template is set, the rows are not encoded yet
-        list(DataLoader(Unencoded(2), 2, world_size=1, rank=0))
+    assert list(DataLoader(Unencoded(2), 2, world_size=1, rank=0))[0][0]["messages"]  # the model encodes them
+    collated = DataLoader(Unencoded(2), 2, world_size=1, rank=0)
+    collated.set_processor("InputProcessor")
+    with pytest.raises(UserError, match="not encoded"):  # collating needs encoded rows
+        list(collated)
 
 
 def test_min_batch_size_ends_the_pass():

@@ -1,5 +1,5 @@
 """Batches of preference pairs: ``batch_size`` counts pairs, each data-parallel rank gets whole
-pairs, and its batch is ``[pos_1, neg_1, pos_2, neg_2, ...]``, padded tensors the model takes."""
+pair rows, which the model's processor collates as ``[pos_1, neg_1, pos_2, neg_2, ...]``."""
 
 import math
 
@@ -56,7 +56,9 @@ def test_two_ranks_get_whole_pairs_interleaved(pairs, batch_size, shuffle):
     assert len(loaders[0]) == math.ceil(PAIRS / batch_size)  # batch_size counts pairs
     order = loaders[0]._order()
     seen = []
-    for step, (batch0, batch1) in enumerate(zip(*loaders, strict=True)):
+    for step, (rows0, rows1) in enumerate(zip(*loaders, strict=True)):
+        assert all("positive" in row and "negative" in row for row in rows0 + rows1)  # pair rows
+        batch0, batch1 = (collate(r, pad_token_id=pairs.pad_token_id) for r in (rows0, rows1))
         global_pairs = order[step * batch_size : (step + 1) * batch_size]
         rows = _rows_of(batch0) + _rows_of(batch1)
         # each rank holds an even number of rows: whole pairs, positive then negative
@@ -72,12 +74,12 @@ def test_two_ranks_get_whole_pairs_interleaved(pairs, batch_size, shuffle):
 
 def test_a_rank_without_a_pair_gets_an_empty_batch(pairs):
     batches = list(DataLoader(pairs, batch_size=2, world_size=2, rank=1))
-    assert batches[-1]["input_ids"].shape == (0, 0)  # the last global batch holds one pair, on rank 0
+    assert batches[-1] == []  # the last global batch holds one pair, on rank 0
 
 
 def test_both_rows_of_a_pair_share_the_prompt(pairs):
     batch = next(iter(DataLoader(pairs, batch_size=4, world_size=1, rank=0)))
-    rows = _rows_of(batch)
+    rows = _rows_of(collate(batch, pad_token_id=pairs.pad_token_id))
     for pos, neg in zip(rows[::2], rows[1::2], strict=True):
         start = next(i for i, t in enumerate(pos[1]) if t != IGNORE_INDEX)
         assert start == next(i for i, t in enumerate(neg[1]) if t != IGNORE_INDEX)
@@ -103,5 +105,8 @@ def test_the_model_takes_a_preference_batch(pairs, make_model):
     batch = collate([pairs[0], pairs[1]], pad_token_id=pairs.pad_token_id)
     assert batch["input_ids"].shape[0] == 4
     model = make_model()
-    model.forward_only(inputs=batch, disable_lora=True)
+    rows = next(iter(DataLoader(pairs, batch_size=2, world_size=1, rank=0)))
+    as_rows = model.forward_only(inputs=rows, disable_lora=True)["logps"]
+    assert torch.equal(as_rows, model.forward_only(inputs=batch, disable_lora=True)["logps"])
+    assert as_rows.shape[0] == 4  # the model's processor laid the pairs out as their sides
     assert math.isfinite(model.forward_backward(inputs=batch))

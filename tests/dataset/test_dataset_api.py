@@ -64,9 +64,9 @@ def cache(tmp_path, monkeypatch):
     calls = []
     original = Template.encode
 
-    def counting(self, messages, index=None):
+    def counting(self, messages, add_generation_prompt=False, index=None):
         calls.append(index)
-        return original(self, messages, index)
+        return original(self, messages, add_generation_prompt, index=index)
 
     monkeypatch.setattr(Template, "encode", counting)
     return tmp_path / "cache" / "datasets" / "encoded", calls
@@ -212,8 +212,8 @@ def test_keywords_that_cannot_be_honoured_are_named(tiny_model_dir):
         dataset.set_template("Template", model_id=str(tiny_model_dir), trust_remote_code=True)
     with pytest.raises(UserError, match="not supported yet: fn_kwargs"):
         dataset.map(lambda row: row, fn_kwargs={})
-    with pytest.raises(UserError, match=r"not supported yet: add_generation_prompt=True"):
-        dataset.encode(add_generation_prompt=True)
+    with pytest.raises(UserError, match="not supported yet: keep_in_memory"):
+        dataset.encode(keep_in_memory=True)
 
 
 # -- encode ---------------------------------------------------------------------------------
@@ -292,7 +292,9 @@ def test_the_key_follows_the_template_code(tmp_path, monkeypatch):
 def _encode_in_child(model_dir, barrier, results):
     built = []
     original = Template.encode
-    Template.encode = lambda self, messages, index=None: built.append(1) or original(self, messages, index)
+    Template.encode = lambda self, messages, index=None: (
+        built.append(1) or original(self, messages, index=index)
+    )
     dataset = chat_dataset(model_dir)
     barrier.wait()
     dataset.encode(load_from_cache_file=True)
@@ -360,7 +362,7 @@ def test_map_takes_a_preprocessor_instance_class_or_name():
         def __init__(self, mark: str = "!"):
             self.mark = mark
 
-        def __call__(self, row, index=None):
+        def preprocess(self, row, index=None):
             return {
                 "messages": [
                     {"role": "user", "content": row["query"] + self.mark},
@@ -379,7 +381,7 @@ def test_map_takes_a_preprocessor_instance_class_or_name():
     assert columns(built(Shout())) == columns(built(Shout, init_args={}))
     named = built("SelfCognitionProcessor", init_args={"model_name": "twinkle", "model_author": "MS"})
     assert columns(named) == columns(built(SelfCognitionProcessor("twinkle", "MS")))
-    with pytest.raises(UserError, match="unknown preprocessor 'Nope'.*SelfCognitionProcessor"):
+    with pytest.raises(UserError, match="unknown Preprocessor 'Nope'.*SelfCognitionProcessor"):
         built("Nope")
     with pytest.raises(UserError, match="already built"):
         built(Shout(), init_args={"mark": "?"})

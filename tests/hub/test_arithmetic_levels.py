@@ -42,7 +42,7 @@ def test_one_step_rows_are_well_formed_and_held_out_asks_new_sums():
     assert not set(train_keys) & set(held_keys)
     assert not {r["question"] for r in train} & {r["question"] for r in held_out}
     assert {op for op, _, _ in held_keys} == {"+", "-"}
-    prompt = GSM8KProcessor(system=None)(held_out[0], 0)
+    prompt = GSM8KProcessor(system=None).preprocess(held_out[0], 0)
     assert prompt["user_data"] == [("ground_truth", held_out[0]["answer"].rsplit("#### ", 1)[1])]
 
 

@@ -57,7 +57,7 @@ def test_reaches_metrics_jsonl_through_calculate_metric(make_model, tmp_path):
 def test_gsm8k_processor_keeps_the_answer_for_the_reward():
     rows = resolve_dataset("arithmetic-gsm8k", split="eval")
     assert len(rows) == 100 and len(resolve_dataset("twinkle://arithmetic-gsm8k")) == 400
-    prompt = GSM8KProcessor(system="Be brief.")(dict(rows[0]), 0)
+    prompt = GSM8KProcessor(system="Be brief.").preprocess(dict(rows[0]), 0)
     truth = rows[0]["answer"].rsplit("####", 1)[1].strip()
     assert prompt == {
         "messages": [
@@ -66,14 +66,14 @@ def test_gsm8k_processor_keeps_the_answer_for_the_reward():
         ],
         "user_data": [("ground_truth", truth)],
     }
-    assert GSM8KProcessor(system=None)(dict(rows[0]))["messages"][0]["role"] == "user"
+    assert GSM8KProcessor(system=None).preprocess(dict(rows[0]))["messages"][0]["role"] == "user"
     reply = {
         **prompt,
         "messages": [*prompt["messages"], {"role": "assistant", "content": f"so\n#### {truth}"}],
     }
     assert GSM8KAccuracyReward()([reply]) == [1.0]
     with pytest.raises(UserError, match=r"^row 3: 'answer' has no final '#### N'; GSM8K answers end with"):
-        GSM8KProcessor()({"question": "1+1?", "answer": "2"}, 3)
+        GSM8KProcessor().preprocess({"question": "1+1?", "answer": "2"}, 3)
     with pytest.raises(
         UserError, match=r"^the bundled dataset arithmetic-gsm8k has no 'test' split; use split"
     ):

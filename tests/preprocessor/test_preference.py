@@ -54,14 +54,14 @@ FORMS = {
 
 @pytest.mark.parametrize("form", list(FORMS))
 def test_each_common_form_becomes_the_same_pair(form):
-    out = PreferenceProcessor()(FORMS[form], 0)
+    out = PreferenceProcessor().preprocess(FORMS[form], 0)
     assert out == PAIR
     json.dumps(out)  # plain records: what a datasets row can hold
 
 
 def test_system_is_added_only_where_the_prompt_has_none():
     processor = DPOProcessor(system="Be brief.")  # upstream's name of the same reader
-    out = processor(FORMS["text-with-prompt"], 0)
+    out = processor.preprocess(FORMS["text-with-prompt"], 0)
     assert [m["role"] for m in out["positive"]["messages"]] == ["system", "user", "assistant"]
     assert (
         out["positive"]["messages"][0]
@@ -72,35 +72,40 @@ def test_system_is_added_only_where_the_prompt_has_none():
         }
     )
     own = {"role": "system", "content": "Mine."}
-    kept = processor({"prompt": [own, USER], "chosen": "a", "rejected": "b"}, 0)
+    kept = processor.preprocess({"prompt": [own, USER], "chosen": "a", "rejected": "b"}, 0)
     assert kept["positive"]["messages"][0] == own and len(kept["positive"]["messages"]) == 3
 
 
 def test_a_multi_turn_prompt_is_shared_by_both_sides():
     prompt = [USER, {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Name?"}]
-    out = PreferenceProcessor()({"messages": prompt, "chosen": "Twinkle.", "rejected": "ChatGPT."}, 0)
+    out = PreferenceProcessor().preprocess(
+        {"messages": prompt, "chosen": "Twinkle.", "rejected": "ChatGPT."}, 0
+    )
     assert out["positive"]["messages"][:3] == out["negative"]["messages"][:3] == prompt
     assert out["positive"]["messages"][3] == {"role": "assistant", "content": "Twinkle."}
 
 
 def test_emoji_processor_reads_upstreams_columns():
     row = {"prompt": "你好", "answer_zh": "你好呀😊", "answer_en": "Hello."}
-    out = EmojiDPOProcessor(system="sys")(row, 0)
+    out = EmojiDPOProcessor(system="sys").preprocess(row, 0)
     assert [m["content"] for m in out["positive"]["messages"]] == ["sys", "你好", "你好呀😊"]
     assert out["negative"]["messages"][-1]["content"] == "Hello."
     renamed = EmojiDPOProcessor(chosen_key="good", rejected_key="bad", prompt_key="q")
-    assert renamed({"q": "x", "good": "y", "bad": "z"}, 0)["negative"]["messages"][-1]["content"] == "z"
+    assert (
+        renamed.preprocess({"q": "x", "good": "y", "bad": "z"}, 0)["negative"]["messages"][-1]["content"]
+        == "z"
+    )
 
 
 def test_self_cognition_dpo_fills_name_and_author_everywhere():
     row = {"prompt": "Who is {{NAME}}?", "chosen": "I am {{NAME}} by {{AUTHOR}}.", "rejected": "I am Qwen."}
-    out = SelfCognitionDPOProcessor("Twinkle", "Acme")(row, 0)
+    out = SelfCognitionDPOProcessor("Twinkle", "Acme").preprocess(row, 0)
     positive = out["positive"]["messages"]
     assert positive[0] == {"role": "system", "content": "You are a helpful assistant."}
     assert positive[1]["content"] == "Who is Twinkle?" and positive[2]["content"] == "I am Twinkle by Acme."
     # filled before the check: a name that makes both replies equal is caught
     with pytest.raises(BadRow, match="are the same reply"):
-        SelfCognitionDPOProcessor("Qwen", "x")(
+        SelfCognitionDPOProcessor("Qwen", "x").preprocess(
             {"prompt": "q", "chosen": "I am {{NAME}}.", "rejected": "I am Qwen."}
         )
 
@@ -157,7 +162,7 @@ def test_a_reply_of_the_wrong_type_is_named_by_the_processor():
     with pytest.raises(
         BadRow, match=r"^row 1: 'rejected' is a number \(3\), not text or a list of messages$"
     ):
-        PreferenceProcessor()({"prompt": "q", "chosen": "a", "rejected": 3}, 1)
+        PreferenceProcessor().preprocess({"prompt": "q", "chosen": "a", "rejected": 3}, 1)
 
 
 def _jsonl(path: Path, rows: list) -> Path:

@@ -13,7 +13,7 @@ from twinkle.utils.errors import UserError
 def test_fills_name_and_author_into_a_three_message_chat():
     processor = SelfCognitionProcessor("twinkle大模型", "ModelScope社区")
     row = {"query": "Is {{NAME}} yours?", "response": "I am {{NAME}}, made by {{AUTHOR}}.", "tag": "en"}
-    messages = processor(row, index=0)["messages"]
+    messages = processor.preprocess(row, index=0)["messages"]
 
     assert [m["role"] for m in messages] == ["system", "user", "assistant"]
     assert messages[0]["content"] == processor.system
@@ -22,9 +22,9 @@ def test_fills_name_and_author_into_a_three_message_chat():
 
 
 def test_custom_system_prompt():
-    messages = SelfCognitionProcessor("n", "a", system="Be brief.")({"query": "q", "response": "r"})[
-        "messages"
-    ]
+    messages = SelfCognitionProcessor("n", "a", system="Be brief.").preprocess(
+        {"query": "q", "response": "r"}
+    )["messages"]
     assert messages[0] == {"role": "system", "content": "Be brief."}
 
 
@@ -33,12 +33,12 @@ def test_missing_field_names_row_and_field(missing):
     row = {"query": "q", "response": "r"}
     del row[missing]
     with pytest.raises(UserError, match=rf"row 5 .*{missing}"):
-        SelfCognitionProcessor("n", "a")(row, index=5)
+        SelfCognitionProcessor("n", "a").preprocess(row, index=5)
 
 
 def test_non_text_field_is_rejected():
     with pytest.raises(UserError, match="response"):
-        SelfCognitionProcessor("n", "a")({"query": "q", "response": None}, index=0)
+        SelfCognitionProcessor("n", "a").preprocess({"query": "q", "response": None}, index=0)
 
 
 def test_bundled_self_cognition_rows():

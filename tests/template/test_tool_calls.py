@@ -104,19 +104,19 @@ def supervised_text(template, out) -> list[str]:
 
 
 def test_a_tool_row_renders_as_qwen3_5s_chat_template(template):
-    messages = ToolCallProcessor()(ROW, 0)["messages"]
+    messages = ToolCallProcessor().preprocess(ROW, 0)["messages"]
     assert template.render(messages) == EXPECTED
 
 
 def test_only_the_assistant_turns_are_supervised(template):
-    out = template.encode(ToolCallProcessor()(ROW, 0)["messages"])
+    out = template.encode(ToolCallProcessor().preprocess(ROW, 0)["messages"])
     assert template.tokenizer.decode(out["input_ids"]) == EXPECTED
     # The calls are the model's output and are learnt; the tools, the results and the think block are not.
     assert supervised_text(template, out) == [CALLS_REPLY, "Paris 21 C, Rome 24 C.<|im_end|>"]
 
 
 def test_the_generation_prompt_after_tool_results(template):
-    messages = ToolCallProcessor()(ROW, 0)["messages"][:5]
+    messages = ToolCallProcessor().preprocess(ROW, 0)["messages"][:5]
     prompt = template.render(messages, add_generation_prompt=True)
     assert prompt.endswith(
         '<tool_response>\n{"temp": 24}\n</tool_response><|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n'
@@ -133,7 +133,7 @@ def test_a_call_without_text_and_tools_without_a_system_message(template):
             {"role": "assistant", "content": "Sunny."},
         ],
     }  # fmt: skip
-    text = template.render(ToolCallProcessor()(row)["messages"])
+    text = template.render(ToolCallProcessor().preprocess(row)["messages"])
     assert (
         text.startswith("<|im_start|>system\n# Tools\n")
         and "</IMPORTANT><|im_end|>\n<|im_start|>user\nParis?" in text
@@ -144,8 +144,8 @@ def test_a_call_without_text_and_tools_without_a_system_message(template):
 
 def test_rows_without_tools_render_as_plain_messages(template):
     row = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]}
-    assert template.render(ToolCallProcessor()(row)["messages"]) == template.render(
-        MessagesProcessor()(row)["messages"]
+    assert template.render(ToolCallProcessor().preprocess(row)["messages"]) == template.render(
+        MessagesProcessor().preprocess(row)["messages"]
     )
 
 
@@ -209,5 +209,5 @@ def test_a_jsonl_of_tool_rows_trains_through_the_dataset(tiny_model_dir, tmp_pat
 )  # fmt: skip
 def test_bad_rows_are_one_line_errors_naming_the_row(row, needle):
     with pytest.raises(UserError) as info:
-        ToolCallProcessor()(row, 7)
+        ToolCallProcessor().preprocess(row, 7)
     assert needle in str(info.value) and str(info.value).startswith("row 7") and "\n" not in str(info.value)

@@ -1,15 +1,14 @@
 """``DataLoader``: one pass over a dataset in global batches; each rank yields its slice."""
 
 from collections.abc import Callable, Iterable, Iterator
-from functools import partial
 from typing import Any
 
 import torch
 
-from twinkle.dataloader.collate import collate
 from twinkle.dataloader.fetch import Fetched, Fetcher, as_is, rows_as_is
 from twinkle.dataloader.options import check_sampling, check_workers, data_rank, refuse
 from twinkle.dataloader.steps import Step, buffer_shuffle, index_steps, stream_steps
+from twinkle.processor.base import InputProcessor, processor_class
 from twinkle.runtime.remote import remote_class  # remote_group= hook
 from twinkle.utils.errors import UserError
 from twinkle.utils.logger import get_logger
@@ -45,17 +44,20 @@ class DataLoader:
     batch; ``shuffle`` is a buffer shuffle (``shuffle_buffer`` rows) under ``seed``; resuming
     reads and discards the consumed rows. A row that encoding drops leaves its batch one short.
 
-    Batches are ``collate_fn(rows)`` (this rank's rows), else the processor of
-    ``set_processor``, else padded tensors (``collate``); a dataset without a template gives
-    its rows as they are, a list of dicts. ``num_workers`` reads and collates in torch worker
-    processes, giving the same batches in the same order. A row whose read raises is tried
-    ``max_retries`` more times, then left out with a warning and counted in ``skipped_samples``.
-    A global batch shorter than ``min_batch_size`` ends the pass.
+    A batch is this rank's rows, a list of dicts (encoded samples once the dataset is
+    encoded), as upstream's loader yields them: the model's processor turns them into tensors
+    inside its step (``TransformersModel.set_processor``; ``InputProcessor`` by default), which
+    is where a padding-free model packs them. ``collate_fn=`` or ``set_processor(...)`` make the
+    batch what they return instead (``collate_fn`` wins). ``num_workers`` reads (and, for a
+    stream, preprocesses and encodes) the rows in torch worker processes, giving the same batches
+    in the same order. A row whose read raises is tried ``max_retries`` more times, then left out
+    with a warning and counted in ``skipped_samples``. A global batch shorter than
+    ``min_batch_size`` ends the pass.
 
     Over encoded preference pairs (rows ``{'positive', 'negative'}``, see ``Dataset.encode``)
-    ``batch_size`` counts pairs, as upstream's DPO recipe does: a rank's share is whole pairs
-    and its batch has two rows per pair, ``[pos_1, neg_1, pos_2, neg_2, ...]`` (``collate``),
-    so no pair is ever split between ranks."""
+    ``batch_size`` counts pairs, as upstream's DPO recipe does: a rank's share is whole pairs,
+    yielded as pair rows (the model's processor lays each pair out as its two sides next to each
+    other, ``twinkle.processor.collate``), so no pair is ever split between ranks."""
 
     def __init__(
         self,
@@ -183,9 +185,7 @@ class DataLoader:
             return self.collate_fn
         if self.processor is not None:
             return self.processor
-        if getattr(self.dataset, "template", True) is None or not hasattr(self.dataset, "pad_token_id"):
-            return rows_as_is
-        return partial(collate, pad_token_id=self.dataset.pad_token_id)
+        return rows_as_is
 
     def _fetched(self) -> Iterator[Fetched]:
         fetcher = Fetcher(self.dataset, self._collate(), self.max_retries, self.stream)
@@ -220,21 +220,35 @@ class DataLoader:
         self._finished = True
 
     def set_processor(self, processor_cls: Any, **kwargs: Any) -> None:
-        """Turn each rank's rows into its batch with ``processor_cls`` (a callable, or a class
-        built with ``kwargs``) in place of the default collate; ``collate_fn=`` still wins.
-        It applies from the next ``iter()``."""
+        """Turn each rank's rows into its batch with ``processor_cls``: a processor name
+        (``'InputProcessor'``), a class built with ``kwargs`` or a callable, in place of yielding
+        the rows; ``collate_fn=`` still wins. An ``InputProcessor`` built here pads with the
+        dataset's pad token unless ``pad_token_id`` is given. It applies from the next ``iter()``."""
         if isinstance(processor_cls, str):
-            raise UserError(
-                f"DataLoader.set_processor: not supported yet: a processor name ({processor_cls!r}); "
-                "pass a callable that turns a list of rows into a batch, or its class"
-            )
+            processor_cls = processor_class(processor_cls, "DataLoader.set_processor")
         if not isinstance(processor_cls, type) and kwargs:
             raise UserError("DataLoader.set_processor: keyword arguments go with a class, not an instance")
-        processor = processor_cls(**kwargs) if isinstance(processor_cls, type) else processor_cls
+        if isinstance(processor_cls, type):
+            if issubclass(processor_cls, InputProcessor) and "pad_token_id" not in kwargs:
+                kwargs["pad_token_id"] = self._pad_token_id()
+            try:
+                processor = processor_cls(**kwargs)
+            except TypeError as exc:
+                raise UserError(f"DataLoader.set_processor({processor_cls.__name__}): {exc}") from exc
+        else:
+            processor = processor_cls
         if not callable(processor):
             raise UserError(f"DataLoader.set_processor: {type(processor).__name__} is not callable")
         self.processor = processor
         self._torch_loader = None  # persistent workers hold the old collate function
+
+    def _pad_token_id(self) -> int | None:
+        """The dataset's pad token (None where it has none, a ``Dataset`` without a template:
+        pads are then 0)."""
+        try:
+            return getattr(self.dataset, "pad_token_id", None)
+        except UserError:
+            return None
 
     # ------------------------------------------------------------------ state
 

@@ -118,13 +118,18 @@ class Dataset:
 
         A function gets each row (``batched=False``) or a dict of column lists (``batched=True``);
         what it returns is merged into the row, minus ``remove_columns``; a row function that
-        returns ``None`` drops the row. A ``Preprocessor`` is called as ``(row, index)`` and its
-        output replaces all of the row's columns, so raw fields do not reach the template.
-        ``dataset_meta`` picks one of the datasets added with ``add_dataset``."""
+        returns ``None`` drops the row. A ``Preprocessor``'s output replaces all of the row's
+        columns, so raw fields do not reach the template: one written per row (``preprocess``)
+        runs row by row, whatever ``batched`` says, so its ``BadRow`` names the row; one written
+        in upstream's shape (``__call__(columns)``) gets ``batch_size`` rows as columns with
+        ``batched=True``, one row as columns otherwise. ``load_from_cache_file=True`` maps again
+        (logged): only ``encode`` caches. ``dataset_meta`` picks one of the datasets added with
+        ``add_dataset``."""
         reject_unsupported("map", unsupported)
         if load_from_cache_file:
-            raise UserError(
-                "Dataset.map: not supported yet: load_from_cache_file=True (only encode() caches)"
+            logger.info(
+                "Dataset.map(load_from_cache_file=True): rows are mapped again (a cache keyed by the "
+                "function could not see a change in its code); encode(load_from_cache_file=True) caches"
             )
         fn = resolve_function(preprocess_func, init_args, "map")
         for i in self._selected(dataset_meta, "map"):
@@ -148,7 +153,8 @@ class Dataset:
         **unsupported: Any,
     ) -> "Dataset":
         """Keep the rows for which ``filter_func(row)`` is true (with ``batched``, it gets a dict of
-        column lists and returns one bool per row). A class is built with ``init_args``."""
+        column lists and returns one bool per row): a function, a ``DataFilter`` instance, a class
+        built with ``init_args``, or the name of a ``DataFilter`` in ``twinkle.preprocessor``."""
         reject_unsupported("filter", unsupported)
         fn = resolve_function(filter_func, init_args, "filter")
         for i in self._selected(dataset_meta, "filter"):
@@ -245,17 +251,19 @@ class Dataset:
         share the prompt and only the final reply is supervised; ``twinkle.dataset.pairs`` says
         what each truncation strategy does with a pair that is too long.
 
+        ``add_generation_prompt=True`` encodes prompts for a sampler instead (RL): each row's
+        system and user turns with the template's generation prompt, no label, the row's other
+        columns (``messages``, ``user_data``) kept for the sampler and the reward
+        (``twinkle.dataset.prompts``).
+
         ``batched`` and ``num_proc`` (capped at the rows and CPUs) only change the speed.
         ``load_from_cache_file=True`` reuses rows encoded before from the same rows, template,
         settings, tokenizer and code (``twinkle.dataset.cache``), and stores them otherwise."""
         reject_unsupported("encode", unsupported)
-        if add_generation_prompt:
-            raise UserError(
-                "Dataset.encode: not supported yet: add_generation_prompt=True (samples end with the reply)"
-            )
         if self.template is None:
             raise UserError("call dataset.set_template(...) before dataset.encode()")
-        if "messages" not in self.data.column_names and not holds_pairs(self.data.column_names):
+        pairs = holds_pairs(self.data.column_names)
+        if "messages" not in self.data.column_names and not (pairs and not add_generation_prompt):
             raise UserError("rows have no 'messages'; call dataset.map(<preprocessor>) before encode()")
         encoded, origin = encode_dataset(
             self.data,
@@ -266,6 +274,7 @@ class Dataset:
             load_from_cache_file,
             RowOrigin.concat(self._origins),
             self.skip_bad_rows,
+            prompts=add_generation_prompt,
         )
         self._replace_all(encoded, origin)
         return self

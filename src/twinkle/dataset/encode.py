@@ -17,6 +17,7 @@ import numpy as np
 from datasets.fingerprint import generate_random_fingerprint
 
 from twinkle.dataset import pairs as pairs_module
+from twinkle.dataset import prompts as prompts_module
 from twinkle.dataset.cache import Built, EncodeCache, encode_key
 from twinkle.dataset.ops import ROW_COLUMN, cap_num_proc
 from twinkle.dataset.origin import RowOrigin, bad_rows_text, located, report_skipped
@@ -203,6 +204,7 @@ def encode_dataset(
     load_from_cache_file: bool,
     origin: RowOrigin | None = None,
     skip_bad_rows: bool = False,
+    prompts: bool = False,
 ) -> tuple[datasets.Dataset, RowOrigin]:
     """Encoded rows and their origin: built here, or with ``load_from_cache_file`` loaded from
     (and else stored in) the cache under ``cache_root()``, keyed by the rows' content, the
@@ -211,10 +213,16 @@ def encode_dataset(
     A bad row is an error naming its file and line (``origin``), also when the cached rows were
     encoded with ``skip_bad_rows``; with ``skip_bad_rows`` the rows dropped are logged in one line."""
     origin = origin if origin is not None else RowOrigin.in_place("the rows", len(data))
-    build = functools.partial(encode_rows, data, template, batched, batch_size, num_proc, skip_bad_rows)
+    if prompts:  # add_generation_prompt: the prompts a sampler completes (twinkle.dataset.prompts)
+        build = functools.partial(
+            prompts_module.encode_prompts, data, template, batch_size, num_proc, skip_bad_rows
+        )
+    else:
+        build = functools.partial(encode_rows, data, template, batched, batch_size, num_proc, skip_bad_rows)
     try:
         if load_from_cache_file:
-            key = encode_key(data, template, __name__, pairs_module.__name__)
+            key = encode_key(data, template, __name__, pairs_module.__name__, prompts_module.__name__)
+            key["prompts"] = prompts
             encoded, info = EncodeCache(key).get_or_build(build)
         else:
             encoded, info = build()
@@ -228,7 +236,12 @@ def encode_dataset(
     encoded = encoded.remove_columns([ROW_COLUMN])
     if len(encoded) == 0:
         raise _no_sample_left(template)
-    if info.get("dropped") and pairs_module.holds_pairs(data.column_names):
+    if info.get("dropped") and prompts:
+        logger.warning(
+            f"{info['dropped']} of {info['rows']} prompts dropped: longer than --max-length "
+            f"{template.max_length} with --truncation-strategy delete"
+        )
+    elif info.get("dropped") and pairs_module.holds_pairs(data.column_names):
         logger.warning(
             f"{info['dropped']} of {info['rows']} pairs dropped: {pairs_module.drop_reason(template)}"
         )

@@ -17,6 +17,8 @@ from typing import Any
 import torch.utils.data
 
 from twinkle.dataset.dataset import DatasetMeta
+from twinkle.dataset.meta import local_subset
+from twinkle.dataset.ops import resolve_function, row_function
 from twinkle.dataset.pairs import drop_reason, encode_pair
 from twinkle.hub.dataset import (
     BUNDLED_DATASET_NAMES,
@@ -52,7 +54,7 @@ def _files(meta: DatasetMeta) -> tuple[list[Path], str]:
         return [bundled_preference_path(meta.split)], "self-cognition-dpo"
     path = Path(dataset_id).expanduser()
     if path.is_dir():
-        return _data_files(path, dataset_id, meta.subset_name, meta.split), dataset_id
+        return _data_files(path, dataset_id, local_subset(meta), meta.split), dataset_id
     if path.exists():
         if path.suffix.lower() not in FORMATS:
             raise UserError(
@@ -144,7 +146,7 @@ class IterableDataset(torch.utils.data.IterableDataset):
         self.data, self.name = open_stream(dataset_meta)
         self.picks = _picks(dataset_meta.data_slice, self.name)
         self.template: Template | None = None
-        self.preprocessors: list[Callable[..., dict[str, Any]]] = []
+        self.preprocessors: list[Callable[[dict[str, Any], int | None], Any]] = []
         self.encoded = False
         self._iterator: Iterator[dict[str, Any]] | None = None
         self._warned_drop = False
@@ -163,9 +165,12 @@ class IterableDataset(torch.utils.data.IterableDataset):
         )
         return self
 
-    def map(self, preprocessor: Callable[..., dict[str, Any]]) -> "IterableDataset":
-        """Apply ``preprocessor(row, index)`` to each row as it is read."""
-        self.preprocessors.append(preprocessor)
+    def map(
+        self, preprocess_func: Callable[..., Any] | str | type, init_args: dict[str, Any] | None = None
+    ) -> "IterableDataset":
+        """Apply a preprocessor (instance, class built with ``init_args``, or name) or a row
+        function to each row as it is read (``twinkle.dataset.ops.row_function``)."""
+        self.preprocessors.append(row_function(resolve_function(preprocess_func, init_args, "map")))
         return self
 
     def encode(self) -> "IterableDataset":
@@ -214,6 +219,8 @@ class IterableDataset(torch.utils.data.IterableDataset):
         try:
             for preprocessor in self.preprocessors:
                 row = preprocessor(row, index)
+                if row is None:  # the preprocessor dropped it
+                    return None
         except BadRow as exc:  # a stream knows its dataset's name and the row's number in it
             raise UserError(f"{exc.at(f'dataset {self.name}: row {index}')}; fix the row") from exc
         if not self.encoded:

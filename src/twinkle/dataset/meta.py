@@ -4,6 +4,7 @@ with the origin of each row (``RowOrigin``)."""
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import datasets
@@ -22,7 +23,8 @@ class DatasetMeta:
     """What to load: ``dataset_id`` or ``data``, exactly one.
 
     - ``dataset_id``: a local file or folder, or a hub id (``hf://``, ``ms://``); ``None`` is the
-      bundled self-cognition rows. ``subset_name`` and ``split`` pick part of it.
+      bundled self-cognition rows. ``subset_name`` and ``split`` pick part of it (a local file or
+      folder is read whole whatever ``subset_name`` says, unless a subfolder has that name).
     - ``data``: rows already in memory: a list of dicts, a dict of equal-length column lists, or
       a ``datasets.Dataset``.
     - ``data_slice`` picks rows by index; indices past the end wrap around, so ``range(1000)``
@@ -116,6 +118,19 @@ def _from_rows(
     return rows_with_conflicts(data, MEMORY, lambda i: f"{MEMORY}: row {i}", skip_bad_rows)
 
 
+def local_subset(meta: DatasetMeta) -> str | None:
+    """The subset to read: a local file or folder is read whole, as upstream reads it, unless
+    the folder holds a subfolder named ``subset_name`` (then that subfolder). A script written
+    for a hub id with a subset (``subset_name='main'``) so runs on a local copy unchanged."""
+    name, path = meta.subset_name, Path(meta.dataset_id or "").expanduser()
+    if not name or not meta.dataset_id or not path.exists() or (path.is_dir() and (path / name).is_dir()):
+        return name
+    logger.info(
+        f"dataset {meta.dataset_id!r} is a local {'folder' if path.is_dir() else 'file'}: read whole, subset_name={name!r} does not apply"
+    )
+    return None
+
+
 def load_rows(meta: DatasetMeta, skip_bad_rows: bool = False) -> tuple[datasets.Dataset, RowOrigin]:
     """The rows ``meta`` names, narrowed to its ``data_slice``, and where each one came from.
     A row whose value has another type than the other rows' in that field is an error naming
@@ -127,7 +142,7 @@ def load_rows(meta: DatasetMeta, skip_bad_rows: bool = False) -> tuple[datasets.
         read = len(data) + len(skipped)
     else:
         data, sources, skipped, read = resolve_dataset_sources(
-            meta.dataset_id, subset_name=meta.subset_name, split=meta.split, skip_bad_rows=skip_bad_rows
+            meta.dataset_id, subset_name=local_subset(meta), split=meta.split, skip_bad_rows=skip_bad_rows
         )
         origin = RowOrigin.of_sources(sources)
     report_skipped(skipped, len(skipped), read, "load")

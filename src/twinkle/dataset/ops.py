@@ -15,7 +15,7 @@ import datasets
 from datasets.fingerprint import generate_random_fingerprint
 
 from twinkle.dataset.origin import RowOrigin, located
-from twinkle.preprocessor.base import BadRow, Preprocessor
+from twinkle.preprocessor.base import BadRow, DataFilter, Preprocessor, per_row, row_core
 from twinkle.utils.errors import UserError
 from twinkle.utils.logger import get_logger
 
@@ -47,15 +47,21 @@ def cap_num_proc(num_proc: int | None, rows: int, what: str) -> int | None:
 
 def resolve_function(fn: Any, init_args: dict[str, Any] | None, what: str) -> Callable[..., Any]:
     """A function, a callable instance, a class (built with ``init_args``) or the name of a
-    class in ``twinkle.preprocessor``."""
+    class in ``twinkle.preprocessor`` (a ``Preprocessor`` for ``map``, a ``DataFilter`` for
+    ``filter``)."""
     if isinstance(fn, str):
         import twinkle.preprocessor as registry
 
-        classes = {n: getattr(registry, n) for n in registry.__all__ if n != "Preprocessor"}
-        names = [n for n, c in classes.items() if isinstance(c, type) and issubclass(c, Preprocessor)]
+        base = DataFilter if what == "filter" else Preprocessor
+        classes = {n: getattr(registry, n) for n in registry.__all__}
+        names = [
+            n for n, c in classes.items() if isinstance(c, type) and issubclass(c, base) and c is not base
+        ]
         if fn not in names:
-            raise UserError(f"Dataset.{what}: unknown preprocessor {fn!r}; valid names: {', '.join(names)}")
-        fn = getattr(registry, fn)
+            raise UserError(
+                f"Dataset.{what}: unknown {base.__name__} {fn!r}; valid names: {', '.join(names) or 'none'}"
+            )
+        fn = classes[fn]
     if isinstance(fn, type):
         try:
             return fn(**(init_args or {}))
@@ -70,27 +76,50 @@ def resolve_function(fn: Any, init_args: dict[str, Any] | None, what: str) -> Ca
     return fn
 
 
+def row_function(fn: Callable[..., Any]) -> Callable[[dict[str, Any], int | None], Any]:
+    """``fn`` as ``(row, index) -> row or None``: a per-row ``Preprocessor``'s ``preprocess``
+    (its ``BadRow`` names the row), a batched one called on a batch of that one row, or a
+    function of the row."""
+    if per_row(fn):
+        return row_core(fn)
+    if isinstance(fn, Preprocessor):
+        return lambda row, index: _one_row(fn({key: [value] for key, value in row.items()}), index)
+    return lambda row, index: fn(row)
+
+
+def _one_row(columns: Any, index: int | None) -> dict[str, Any] | None:
+    if not isinstance(columns, dict):
+        raise UserError(f"a Preprocessor returned {type(columns).__name__}; return a dict of column lists")
+    rows = Preprocessor.map_col_to_row(columns)
+    if len(rows) > 1:
+        raise UserError(
+            f"row {index}: the Preprocessor made {len(rows)} rows of one; a row read on its own "
+            "(a stream, LazyDataset) must give one row or none"
+        )
+    return rows[0] if rows else None
+
+
 def _rows(batch: dict[str, list]) -> list[dict[str, Any]]:
     n = len(next(iter(batch.values()))) if batch else 0
     return [{key: values[i] for key, values in batch.items()} for i in range(n)]
 
 
 class RowMapper:
-    """Calls ``fn`` on each row of a batch: ``fn(row, index)`` for a ``Preprocessor`` (its error
-    messages name the row), ``fn(row)`` for anything else. ``None`` drops the row, and so does a
+    """Calls ``fn`` on each row of a batch (``row_function``: a ``Preprocessor``'s per-row
+    ``preprocess(row, index)``, whose error messages name the row, or ``fn(row)``). ``None`` drops the row, and so does a
     ``BadRow`` with ``skip_bad_rows``. The columns are fixed up front (``keys``), so a batch
     whose rows all drop still has them; ``ROW_COLUMN`` records where each kept row came from."""
 
     def __init__(
         self, fn: Callable[..., Any], keep: Sequence[str], keys: Sequence[str], skip_bad_rows: bool = False
     ):
-        self.fn = fn
+        self.fn = row_function(fn)
         self.keep = set(keep)
         self.keys = list(keys)
         self.skip_bad_rows = skip_bad_rows
 
     def call(self, row: dict[str, Any], index: int) -> dict[str, Any] | None:
-        out = self.fn(row, index) if isinstance(self.fn, Preprocessor) else self.fn(row)
+        out = self.fn(row, index)
         if out is not None and not isinstance(out, dict):
             raise UserError(
                 f"Dataset.map: row {index}: the function returned {type(out).__name__}; return a dict, or None to drop the row"
@@ -182,8 +211,12 @@ def _map_rows(
     if unknown:
         raise UserError(f"Dataset.map: remove_columns names {unknown}, which are not columns ({columns})")
     keep = [] if isinstance(fn, Preprocessor) else [c for c in columns if c not in removed]
-    if batched:
+    # A per-row preprocessor runs row by row whatever ``batched`` says (the result is the same);
+    # upstream's shape takes the batch as columns, of one row each unless ``batched``.
+    by_columns = isinstance(fn, Preprocessor) and not per_row(fn)
+    if by_columns or (batched and not per_row(fn)):
         mapper: Any = BatchMapper(fn, keep)
+        batch_size = batch_size if batched or not by_columns else 1
     else:
         probe = RowMapper(fn, keep, [], skip_bad_rows)
         first = next(
@@ -205,7 +238,7 @@ def _map_rows(
         new_fingerprint=generate_random_fingerprint(),
         desc="preprocess",
     )
-    if batched:  # a batched function does not say which rows it kept
+    if isinstance(mapper, BatchMapper):  # a batched function does not say which rows it kept
         same = len(mapped) == len(data)
         return mapped, origin if same else RowOrigin.in_place("the rows after a batched map", len(mapped)), []
     kept = mapped[ROW_COLUMN]

@@ -1,59 +1,28 @@
-"""What the model's steps accept besides a ``DataLoader`` batch: raw chat rows and encoded rows.
+"""What the model's steps accept: a ``DataLoader`` batch (a list of rows), raw chat rows, or a
+batch of tensors.
 
 ``forward``, ``forward_backward`` and ``forward_only`` take a batch of tensors as it is. Given
-rows instead (a dict or a list of dicts), the model encodes each row that has ``messages`` with
-its template (``set_template``; by default ``Template`` on the model's tokenizer), keeps rows
-that already have ``input_ids``, and turns the encoded rows into a batch with its processor
-(``set_processor``; by default ``InputProcessor``, right padding). Upstream keeps a template
-and a processor per adapter for the same purpose."""
+rows (a dict or a list of dicts, as the ``DataLoader`` yields them), the model encodes each row
+that has ``messages`` with its template (``set_template``; by default ``Template`` on the
+model's tokenizer), keeps rows that already have ``input_ids`` and preference pairs
+(``{'positive', 'negative'}``), and turns the encoded rows into a batch with its processor
+(``set_processor``; by default ``twinkle.processor.InputProcessor``, right padding). An empty
+list is a rank's empty share of a short last batch. Upstream keeps a template and a processor
+per adapter for the same purpose."""
 
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 
-from twinkle.dataloader import collate
+from twinkle.processor import InputProcessor
+from twinkle.processor.base import processor_class
+from twinkle.processor.collate import is_pair
 from twinkle.template import Template, get_template
 from twinkle.template.tokenizer import load_tokenizer
 from twinkle.utils.errors import UserError
 
 BATCH_KEYS = ("input_ids", "labels", "attention_mask", "position_ids")
-
-
-class InputProcessor:
-    """Encoded rows (``input_ids``, ``labels`` lists) -> a right-padded batch of tensors
-    (``twinkle.dataloader.collate``). Upstream's keywords: ``device_mesh`` (accepted: every rank
-    reads its own rows, so there is nothing to split by rank), ``padding_free`` (packing is the
-    model's: ``TransformersModel(padding_free=True)``, the default, runs every batch packed, and
-    ``True`` here requires it), ``framework`` (``transformers`` only) and ``padding_side``
-    (``right`` only). ``pad_token_id``: None takes the model's tokenizer's."""
-
-    def __init__(
-        self,
-        device_mesh: Any = None,
-        padding_free: bool = False,
-        framework: str = "transformers",
-        padding_side: str = "right",
-        pad_token_id: int | None = None,
-    ):
-        if framework != "transformers":
-            raise UserError(
-                f"InputProcessor(framework={framework!r}) is not supported yet: {framework}; use 'transformers'"
-            )
-        if padding_side != "right":
-            raise UserError(
-                f"InputProcessor(padding_side={padding_side!r}) is not supported yet: padding_side; "
-                "training batches are right-padded"
-            )
-        self.device_mesh = device_mesh
-        self.padding_free = bool(padding_free)
-        self.pad_token_id = pad_token_id
-
-    def __call__(self, samples: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
-        return collate(samples, self.pad_token_id if self.pad_token_id is not None else 0)
-
-
-PROCESSORS: dict[str, type] = {"InputProcessor": InputProcessor}
 
 
 def _pad_token_id(tokenizer: Any) -> int:
@@ -102,9 +71,7 @@ class InputsAPI:
         or any callable ``rows -> {input_ids, labels, attention_mask, position_ids}`` (tensors)."""
         group = self._group(adapter_name)
         if isinstance(processor_cls, str):
-            if processor_cls not in PROCESSORS:
-                raise UserError(f"unknown processor {processor_cls!r}; valid names: {', '.join(PROCESSORS)}")
-            processor_cls = PROCESSORS[processor_cls]
+            processor_cls = processor_class(processor_cls, "set_processor")
         if isinstance(processor_cls, type):
             kwargs.setdefault("device_mesh", self.runtime.mesh)
             if issubclass(processor_cls, InputProcessor):
@@ -137,14 +104,14 @@ def prepare_inputs(group: Any, inputs: Any, tokenizer: Any) -> Mapping[str, Any]
     if isinstance(inputs, Mapping) and torch.is_tensor(inputs.get("input_ids")):
         return inputs
     rows = [inputs] if isinstance(inputs, Mapping) else inputs
-    if isinstance(rows, str | bytes) or not isinstance(rows, Sequence) or not rows:
+    if isinstance(rows, str | bytes) or not isinstance(rows, Sequence):
         raise UserError(
             f"inputs= got {type(inputs).__name__}; pass a batch from the DataLoader, or rows "
             "({'messages': [...]} or encoded {'input_ids': [...], 'labels': [...]})"
         )
     samples = []
     for i, row in enumerate(rows):
-        if isinstance(row, Mapping) and "input_ids" in row:
+        if isinstance(row, Mapping) and ("input_ids" in row or is_pair(row)):
             samples.append(row)
         elif isinstance(row, Mapping) and "messages" in row:
             encoded = _template(group, tokenizer).encode(row["messages"], index=i)

@@ -1,16 +1,20 @@
-"""Row preprocessors: turn a raw data row into chat ``messages``, or a preference row into a
-pair ``{'positive': Trajectory, 'negative': Trajectory}``.
+"""Row preprocessors: turn raw data rows into chat ``messages``, or preference rows into pairs
+``{'positive': Trajectory, 'negative': Trajectory}``.
 
-Public names: ``Preprocessor``, ``SelfCognitionProcessor``, ``MessagesProcessor``, ``AlpacaProcessor``,
-``ToolCallProcessor``, the preference readers ``PreferenceProcessor`` (upstream's name:
-``DPOProcessor``), ``EmojiDPOProcessor`` and ``SelfCognitionDPOProcessor``, ``GSM8KProcessor`` (GSM8K rows -> prompts
-for a sampler, ``twinkle.preprocessor.llm``), and ``BadRow``: what
-a preprocessor raises for a row that cannot become a sample (``Dataset`` names the row's file
-and line, or drops it with ``skip_bad_rows``)."""
+Public names: ``Preprocessor`` (upstream's call shape: a batch of rows as columns in, columns
+out; ``map_col_to_row`` / ``map_row_to_col``), ``DataFilter`` (``row -> bool``),
+``SelfCognitionProcessor``, ``MessagesProcessor``, ``AlpacaProcessor``, ``ToolCallProcessor``, the
+preference readers ``PreferenceProcessor`` (upstream's name: ``DPOProcessor``),
+``EmojiDPOProcessor`` and ``SelfCognitionDPOProcessor``, the math prompts ``GSM8KProcessor``,
+``CompetitionMathProcessor`` and ``CompetitionMathGRPOProcessor`` (``twinkle.preprocessor.llm``)
+and ``OlympiadBenchProcessor`` (``twinkle.preprocessor.olympiad_bench``), and ``BadRow``: what a
+preprocessor raises for a row that cannot become a sample (``Dataset`` names the row's file and
+line, or drops it with ``skip_bad_rows``)."""
 
 from twinkle.preprocessor.alpaca import AlpacaProcessor
-from twinkle.preprocessor.base import BadRow, MessagesProcessor, Preprocessor
-from twinkle.preprocessor.llm import GSM8KProcessor
+from twinkle.preprocessor.base import BadRow, DataFilter, MessagesProcessor, Preprocessor
+from twinkle.preprocessor.llm import CompetitionMathGRPOProcessor, CompetitionMathProcessor, GSM8KProcessor
+from twinkle.preprocessor.olympiad_bench import OlympiadBenchProcessor
 from twinkle.preprocessor.preference import (
     DPOProcessor,
     EmojiDPOProcessor,
@@ -22,6 +26,7 @@ from twinkle.preprocessor.tool_call import ToolCallProcessor
 
 __all__ = [
     "Preprocessor",
+    "DataFilter",
     "MessagesProcessor",
     "SelfCognitionProcessor",
     "AlpacaProcessor",
@@ -31,5 +36,8 @@ __all__ = [
     "EmojiDPOProcessor",
     "SelfCognitionDPOProcessor",
     "GSM8KProcessor",
+    "CompetitionMathProcessor",
+    "CompetitionMathGRPOProcessor",
+    "OlympiadBenchProcessor",
     "BadRow",
 ]

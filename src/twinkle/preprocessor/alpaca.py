@@ -9,7 +9,7 @@ class AlpacaProcessor(Preprocessor):
     """The user turn is the instruction, followed by the input (when not empty) after a blank
     line; the assistant turn is the output. An optional ``system`` field becomes the system turn."""
 
-    def __call__(self, row: dict[str, Any], index: int | None = None) -> dict[str, Any]:
+    def preprocess(self, row: dict[str, Any], index: int | None = None) -> dict[str, Any]:
         require_fields(row, ("instruction", "output"), index)
         extra = row.get("input")
         user = row["instruction"] if not extra else f"{row['instruction']}\n\n{extra}"

@@ -1,6 +1,12 @@
-"""The preprocessor interface: ``row -> {'messages': [...]}``; and ``BadRow``, the error a row
-that cannot become a training sample raises, with the checks that raise it."""
+"""The preprocessor interface, in upstream's call shape: ``Preprocessor.__call__(rows)`` takes a
+batch of rows as columns (``{'query': [...], 'response': [...]}``) and returns columns; a
+subclass writes either that ``__call__`` or the per-row ``preprocess(row, index=None)`` that
+the base ``__call__`` runs on each row. ``DataFilter``: ``__call__(row) -> bool``. And
+``BadRow``, the error a row that cannot become a training sample raises, with the checks that
+raise it."""
 
+import inspect
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from twinkle.utils.errors import UserError
@@ -95,17 +101,84 @@ def check_messages(
 
 
 class Preprocessor:
-    """Subclasses implement ``__call__(row, index=None) -> {'messages': [...]}``. A row that
-    cannot become a sample raises ``BadRow`` naming its field."""
+    """Rows -> rows, as ``Dataset.map`` runs it. Subclass it one of two ways:
 
-    def __call__(self, row: dict[str, Any], index: int | None = None) -> dict[str, Any]:
-        raise NotImplementedError
+    - ``preprocess(self, row, index=None) -> dict | None``: one row in, its new columns out
+      (``{'messages': [...]}``), None to drop it. ``Dataset`` then calls it row by row, so a
+      ``BadRow`` it raises names the row's file and line (or is dropped with
+      ``skip_bad_rows``). The built-in processors are written this way.
+    - ``__call__(self, rows: dict[str, list]) -> dict[str, list]``: a batch as columns in, the
+      new columns out (any number of rows), as upstream's processors are written; the helpers
+      ``map_col_to_row`` and ``map_row_to_col`` convert between the two layouts.
+
+    Either way the instance is called as ``processor(columns)``; what it returns replaces all
+    of the rows' columns, so raw fields do not reach the template."""
+
+    @staticmethod
+    def map_col_to_row(rows: Mapping[str, list] | list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Columns (``{'a': [1, 2]}``) -> rows (``[{'a': 1}, {'a': 2}]``); rows as they are."""
+        if isinstance(rows, list):
+            return rows
+        if not rows:
+            return []
+        lengths = {len(values) for values in rows.values()}
+        if len(lengths) != 1:
+            raise UserError(
+                f"map_col_to_row: columns of different lengths {sorted(lengths)}; give equal-length lists"
+            )
+        return [dict(zip(rows, values, strict=True)) for values in zip(*rows.values(), strict=True)]
+
+    @staticmethod
+    def map_row_to_col(
+        rows: list[Mapping[str, Any]] | dict[str, list], keys: list[str] | None = None
+    ) -> dict[str, list]:
+        """Rows -> columns; columns as they are. ``keys``: the columns to make (default: every key
+        any row has, a row without one giving None there)."""
+        if isinstance(rows, dict):
+            return rows
+        if keys is None:
+            keys = list(dict.fromkeys(key for row in rows for key in row))
+        return {key: [row.get(key) for row in rows] for key in keys}
+
+    def preprocess(self, row: dict[str, Any], index: int | None = None) -> dict[str, Any] | None:
+        raise NotImplementedError(
+            f"{type(self).__name__} implements neither preprocess(row, index=None) nor __call__(rows)"
+        )
+
+    def __call__(self, rows: dict[str, list]) -> dict[str, list]:
+        core = row_core(self)
+        out = [new for row in self.map_col_to_row(rows) if (new := core(row, None)) is not None]
+        return self.map_row_to_col(out)
+
+
+def per_row(fn: Any) -> bool:
+    """Whether ``fn`` is a ``Preprocessor`` whose work is its per-row ``preprocess`` (its class
+    keeps the base ``__call__``), so that a dataset may call it row by row."""
+    return isinstance(fn, Preprocessor) and type(fn).__call__ is Preprocessor.__call__
+
+
+def row_core(fn: Preprocessor) -> Callable[[dict[str, Any], int | None], dict[str, Any] | None]:
+    """``fn.preprocess`` as ``(row, index)``: upstream's ``preprocess(row)`` takes no index."""
+    method = fn.preprocess
+    try:
+        takes_index = len(inspect.signature(method).parameters) >= 2
+    except (TypeError, ValueError):
+        takes_index = True
+    return method if takes_index else (lambda row, index: method(row))
+
+
+class DataFilter:
+    """Upstream's filter interface: ``__call__(row) -> bool``, True keeping the row
+    (``Dataset.filter`` takes an instance, a subclass built with ``init_args`` or its name)."""
+
+    def __call__(self, row: dict[str, Any]) -> bool:
+        raise NotImplementedError(f"{type(self).__name__} does not implement __call__(row) -> bool")
 
 
 class MessagesProcessor(Preprocessor):
     """Rows that already hold ``messages`` (a list of ``{'role', 'content'}``): validate them."""
 
-    def __call__(self, row: dict[str, Any], index: int | None = None) -> dict[str, Any]:
+    def preprocess(self, row: dict[str, Any], index: int | None = None) -> dict[str, Any]:
         messages = row.get("messages")
         check_messages(messages, index)
         return {"messages": [{"role": m["role"], "content": m["content"]} for m in messages]}

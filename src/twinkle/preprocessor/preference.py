@@ -137,7 +137,7 @@ class PreferenceProcessor(Preprocessor):
         """Applied to every message's text; subclasses fill placeholders."""
         return text
 
-    def __call__(self, row: dict[str, Any], index: int | None = None) -> dict[str, Trajectory]:
+    def preprocess(self, row: dict[str, Any], index: int | None = None) -> dict[str, Trajectory]:
         chosen, rejected, prompt = self._parts(row, index)
         if prompt is None:
             positive = as_messages(chosen, self.chosen_key, index, "assistant")

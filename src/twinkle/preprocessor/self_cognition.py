@@ -21,7 +21,7 @@ class SelfCognitionProcessor(Preprocessor):
     def _fill(self, text: str) -> str:
         return text.replace("{{NAME}}", self.model_name).replace("{{AUTHOR}}", self.model_author)
 
-    def __call__(self, row: dict[str, Any], index: int | None = None) -> dict[str, Any]:
+    def preprocess(self, row: dict[str, Any], index: int | None = None) -> dict[str, Any]:
         require_fields(row, ("query", "response"), index)
         return {
             "messages": [

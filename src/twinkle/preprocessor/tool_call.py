@@ -44,7 +44,7 @@ class ToolCallProcessor(Preprocessor):
     ``Qwen3_5Template`` renders them as Qwen3.5's chat template does (``twinkle.template.tools``).
     """
 
-    def __call__(self, row: dict[str, Any], index: int | None = None) -> dict[str, Any]:
+    def preprocess(self, row: dict[str, Any], index: int | None = None) -> dict[str, Any]:
         messages = row.get("messages")
         if not isinstance(messages, list) or not messages:
             raise BadRow(index, "messages", " has no 'messages' list")
