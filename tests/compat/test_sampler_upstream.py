@@ -206,3 +206,26 @@ def test_checkpoint_engine_manager_syncs_into_a_vllm_sampler(make_model, tiny_mo
         UserError, match="CheckpointEngineManager\\(platform='TPU'\\): use one of GPU, NPU, CPU"
     ):
         CheckpointEngineManager(model=model, sampler=sampler, platform="TPU")
+
+
+def test_use_base_model_runs_no_adapter(make_model, tiny_model_dir, reference):
+    model = make_model(init_lora_weights=False)
+    params = SamplingParams(max_tokens=4, logprobs=1, seed=3)
+    own = TorchSampler(str(tiny_model_dir))
+    CheckpointEngineManager(model=model, sampler=own).sync_weights()
+    for sampler in (own, TorchSampler(model)):
+        (base,) = sampler.sample(TRAJS[0], params, use_base_model=True)
+        (tuned,) = sampler.sample(TRAJS[0], params)
+        seq = base.sequences[0]
+        n = len(base.prompt_token_ids)
+        ids = seq.new_input_feature["input_ids"]
+        expected = log_softmax(reference, ids)[torch.arange(n - 1, len(ids) - 1), torch.tensor(seq.tokens)]
+        assert (torch.tensor([lp[0][1] for lp in seq.logprobs]) - expected).abs().max() < TOL
+        tuned_seq = tuned.sequences[0]
+        ids = tuned_seq.new_input_feature["input_ids"]
+        untuned = log_softmax(reference, ids)[
+            torch.arange(n - 1, len(ids) - 1), torch.tensor(tuned_seq.tokens)
+        ]
+        assert (torch.tensor([lp[0][1] for lp in tuned_seq.logprobs]) - untuned).abs().max() > 1e-3
+    with pytest.raises(UserError, match="use_base_model=True runs no adapter"):
+        own.sample(TRAJS[0], params, adapter_name="default", use_base_model=True)

@@ -217,8 +217,14 @@ class TorchSampler:
         return self._by_path[key]
 
     @contextlib.contextmanager
-    def _adapter(self, adapter_name: str | None, adapter_path: str | Path | None) -> Iterator[None]:
+    def _adapter(
+        self, adapter_name: str | None, adapter_path: str | Path | None, base: bool = False
+    ) -> Iterator[None]:
         """Run the adapter a ``sample`` call asks for (see ``sample``)."""
+        if base:
+            with self._base_model(adapter_name, adapter_path):
+                yield
+            return
         if adapter_path is not None:
             if adapter_name:
                 raise UserError("sample: pass adapter_name= or adapter_path=, not both")
@@ -233,6 +239,28 @@ class TorchSampler:
             )
         layers = lora_layers(self._own)
         with adapters.running_adapter(layers, adapter_name or self.default_adapter):
+            yield
+
+    @contextlib.contextmanager
+    def _base_model(self, adapter_name: str | None, adapter_path: str | Path | None) -> Iterator[None]:
+        """``use_base_model=True``: no adapter runs."""
+        if adapter_name or adapter_path is not None:
+            raise UserError(
+                "sample: use_base_model=True runs no adapter; drop adapter_name= and adapter_path="
+            )
+        if self.merged_keys:
+            raise UserError(
+                "sample: use_base_model=True, but the sampler's weights hold a merged adapter "
+                "(sync_weights(merge_and_sync=True)); sync with merge_and_sync=False to keep the base apart"
+            )
+        if isinstance(self.source, MultiLoraTransformersModel):
+            raise UserError("sample: not supported yet: use_base_model=True on a MultiLoraTransformersModel")
+        if self.colocated and self.source.model.training:  # as _trainer_adapter: dropout off
+            set_training(self.source.model, False)
+            self.source._in_train_mode = False
+        with adapters.running_adapter(
+            lora_layers(self.lm if not self.colocated else self.source.model), None
+        ):
             yield
 
     @contextlib.contextmanager
@@ -264,14 +292,24 @@ class TorchSampler:
         sampling_params: SamplingParams | Mapping[str, Any] | None = None,
         adapter_name: str = "",
         adapter_path: str | Path | None = None,
+        *,
+        use_base_model: bool = False,
     ) -> list[SampleResponse]:
         """Sample ``num_samples`` sequences for each input row: ``{'messages': [...]}`` (rendered
         by the template with its generation prompt) or ``{'input_ids': [...]}`` (the prompt's
         tokens), or a list of them. ``adapter_name``: the adapter to run ('' : the trainer's only
         adapter when colocated, else the one last synced, else none); ``adapter_path``: a PEFT
-        folder to run instead. Returns one ``SampleResponse`` per row, in order."""
+        folder to run instead; ``use_base_model=True``: no adapter at all. Returns one
+        ``SampleResponse`` per row, in order."""
         return drain(
-            self.sample_steps(inputs, sampling_params, adapter_name, adapter_path, slice_seconds=None)
+            self.sample_steps(
+                inputs,
+                sampling_params,
+                adapter_name,
+                adapter_path,
+                slice_seconds=None,
+                use_base_model=use_base_model,
+            )
         )
 
     def sample_steps(
@@ -281,6 +319,7 @@ class TorchSampler:
         adapter_name: str = "",
         adapter_path: str | Path | None = None,
         slice_seconds: float | None = 0.05,
+        use_base_model: bool = False,
     ) -> Generator[None, None, list[SampleResponse]]:
         """``sample`` in slices: a generator that pauses (``yield``) once it has decoded for
         ``slice_seconds`` (None: never), outside the adapter and eval mode it runs under, so the
@@ -294,7 +333,7 @@ class TorchSampler:
         generator = torch.Generator(device=self.device).manual_seed(self._seed(params))
         steps, scores = None, None
         while True:
-            with torch.no_grad(), self._adapter(adapter_name, adapter_path), self._routed():
+            with torch.no_grad(), self._adapter(adapter_name, adapter_path, use_base_model), self._routed():
                 if scores is None:  # the prompts' scores, under the adapter that samples
                     k = params.prompt_logprobs
                     scores = [None if k is None else score_prompt(self.lm, p.ids, k) for p in prompts]

@@ -129,6 +129,8 @@ class VllmEngine:
         sampling_params: SamplingParams | Mapping[str, Any] | None = None,
         adapter_name: str = "",
         adapter_path: Any = None,
+        *,
+        use_base_model: bool = False,
     ) -> list[SampleResponse]:
         from vllm import SamplingParams as VllmParams
         from vllm.inputs import TokensPrompt
@@ -154,7 +156,11 @@ class VllmEngine:
             include_stop_str_in_output=params.include_stop_str_in_output,
             logprobs=max(1, params.logprobs or 1),
         )
-        request = self._request(adapter_name, adapter_path)
+        if use_base_model and (adapter_name or adapter_path is not None):
+            raise UserError(
+                "sample: use_base_model=True runs no adapter; drop adapter_name= and adapter_path="
+            )
+        request = None if use_base_model else self._request(adapter_name, adapter_path)
         outputs = self.llm.generate(
             [TokensPrompt(prompt_token_ids=p.ids) for p in prompts], vllm_params, lora_request=request
         )

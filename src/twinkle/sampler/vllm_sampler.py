@@ -59,9 +59,13 @@ class vLLMSampler:  # noqa: N801  (upstream's name)
         sampling_params: SamplingParams | Mapping[str, Any] | None = None,
         adapter_name: str = "",
         adapter_path: str | Path | None = None,
+        *,
+        use_base_model: bool = False,
     ) -> list[SampleResponse]:
         """``TorchSampler.sample``'s contract."""
-        return self.backend.sample(inputs, sampling_params, adapter_name, adapter_path)
+        return self.backend.sample(
+            inputs, sampling_params, adapter_name, adapter_path, use_base_model=use_base_model
+        )
 
     def set_template(
         self, template_cls: Any = "Template", model_id: str | None = None, **kwargs: Any
