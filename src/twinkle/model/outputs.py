@@ -142,11 +142,15 @@ _NOT_KEPT = (
 
 
 class StepOutputs(float):
-    """What ``forward_backward`` returns: the mean loss as a float (scripts compare, add and log
-    it), which is also upstream's outputs mapping: ``outputs["loss"]``, ``["num_tokens"]`` and
-    ``["logps"]`` (``(B, L)`` aligned with the batch's labels, as ``ModelOutputs``'s; computed on
-    first read where the step kept its hidden rows). A script may set entries, as upstream's
-    outputs dict allows; the float stays the loss.
+    """What ``forward_backward`` returns: the mean loss as a float (scripts compare, add, log and
+    stack it), which also carries upstream's outputs: ``outputs.get("loss")``, ``.get("num_tokens")``
+    and ``.get("logps")`` (``(B, L)`` aligned with the batch's labels, as ``ModelOutputs``'s;
+    computed on first read where the step kept its hidden rows). A script may set entries
+    (``outputs["logps"] = ...``), as upstream's outputs dict allows; the float stays the loss.
+
+    Entries are read with ``get``, as upstream's scripts read them: a float that could be indexed
+    (``outputs["logps"]``) would be a sequence to torch and numpy, and ``torch.tensor(losses)``
+    of a list of losses would fail.
 
     It leaves its process (pickled: Ray) with what it holds: logps not yet computed stay behind,
     and reading them there says so."""
@@ -162,7 +166,9 @@ class StepOutputs(float):
         kept = None if callable(logps) else logps
         return (_rebuilt, (float(self), self._values["num_tokens"], kept, values))
 
-    def __getitem__(self, key: str) -> Any:
+    def get(self, key: str, default: Any = None) -> Any:
+        if key not in self._values:
+            return default
         value = self._values[key]
         if key == "logps":
             if value is None:
@@ -177,14 +183,11 @@ class StepOutputs(float):
     def __contains__(self, key: object) -> bool:
         return key in self._values
 
-    def get(self, key: str, default: Any = None) -> Any:
-        return self[key] if key in self._values else default
-
     def keys(self) -> Any:
         return self._values.keys()
 
     def items(self) -> list[tuple[str, Any]]:
-        return [(k, self[k]) for k in self._values]
+        return [(k, self.get(k)) for k in self._values]
 
     def __repr__(self) -> str:
         return f"StepOutputs(loss={float(self)!r}, num_tokens={self._values['num_tokens']})"
