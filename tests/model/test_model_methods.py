@@ -67,13 +67,13 @@ def test_a_custom_processor_and_template_settings(make_model, chat_rows):
     ("call", "message"),
     [
         (lambda m: m.forward_backward(inputs=[{"text": "hi"}]), r"input row 0 has neither 'messages' nor"),
-        (lambda m: m.forward_backward(inputs=[]), r"inputs= got list; pass a batch from the DataLoader"),
-        (lambda m: m.set_template("Template", flavour=1), r"set_template\('Template'\): .*'flavour'"),
+        (lambda m: m.forward_backward(inputs="hi"), r"inputs= got str; pass a batch from the DataLoader"),
+        (lambda m: m.set_template("Template", flavour=1), r"unknown keyword\(s\) flavour"),
         (lambda m: m.set_template("NoSuch"), r"unknown template 'NoSuch'; valid names: Template"),
         (lambda m: m.set_processor("NoSuch"), r"unknown processor 'NoSuch'; valid names: InputProcessor"),
         (
-            lambda m: m.set_processor("InputProcessor", padding_side="left"),
-            r"not supported yet: padding_side",
+            lambda m: m.set_processor("InputProcessor", padding_side="middle"),
+            r"InputProcessor\(padding_side='middle'\): use one of right, left",
         ),
         (lambda m: m.set_processor("InputProcessor", framework="megatron"), r"not supported yet: megatron"),
         (lambda m: m.forward_only(inputs={}, adapter_name="other"), r"unknown adapter 'other'"),
