@@ -35,7 +35,6 @@ import torch.distributed as dist
 from twinkle.data_format.sampling import SamplingParams
 from twinkle.model import MultiLoraTransformersModel
 from twinkle.runtime.remote import remote_class  # remote_group= hook
-from twinkle.sampler.decode import drain
 from twinkle.server.losses import TinkerLoss
 from twinkle.server.scoring import Scoring, score_rows, topk
 from twinkle.server.wire import Datum
@@ -106,7 +105,8 @@ class ModelCore:
         self.pad_id = int(pad if pad is not None else 0)
         self.optim_params: dict[str, dict[str, float]] = {}
         self.window_reduction: dict[str, str] = {}  # adapter -> its open window's reduction
-        self.sampler: Any = None  # a TorchSampler on this model, made at the first sample
+        self.sampler: Any = None  # a TorchSampler on this model, made at the first lone sample
+        self.batch: Any = None  # the shared decoding batch (``decode_batch``), made at the first sample
         # adapter -> its state before its last optim_step (``_snapshot``), for ``_diverged``
         self.good: dict[str, tuple] = {}
         self.context = getattr(self.model.model.config, "max_position_embeddings", None)
@@ -139,7 +139,9 @@ class ModelCore:
         self.model.set_loss(loss, adapter_name=name)
         batch, extras = datum_batch(mine, loss_fn, self.pad_id)
         if forward_only:
-            self.model.forward_only(batch, adapter_name=name, **extras)
+            # loss_fn_config disable_lora: the base model's log-probs (a reference pass)
+            off = bool(config.get("disable_lora"))
+            self.model.forward_only(batch, adapter_name=name, disable_lora=off, **extras)
         else:
             self.model.forward_backward(batch, adapter_name=name, **extras)
         sizes = [d.tokens.size for d in mine]
@@ -293,7 +295,7 @@ class ModelCore:
     def sample(self, name: str, prompt: list[int], params: dict[str, Any], n: int, seed: int) -> list[tuple]:
         """``n`` completions under adapter ``name`` by ``twinkle.sampler.TorchSampler``, sharing
         this model's modules: (tokens, their log-probs at temperature 1, "stop"|"length")."""
-        return drain(self.sample_steps(name, prompt, params, n, seed, slice_seconds=None))
+        return run_sampler(self._sampler(), name, prompt, params, n, seed)
 
     def sample_steps(
         self,
@@ -303,22 +305,62 @@ class ModelCore:
         n: int,
         seed: int,
         slice_seconds: float | None,
-    ) -> Generator[None, None, list[tuple]]:
-        """``sample`` in slices of about ``slice_seconds`` (None: one slice) by
-        ``TorchSampler.sample_steps``: a generator that pauses between slices and returns
-        ``sample``'s value, the same tokens."""
+    ) -> Generator[float | None, None, list[tuple]]:
+        """``sample`` in slices of about ``slice_seconds`` (None: one slice): a generator that
+        pauses between slices and returns ``sample``'s value, the same tokens.
+
+        In one process the request joins the model's shared decoding batch (``decode_batch``):
+        each slice admits the requests waiting and decodes a chunk of every request in the batch,
+        whichever request's slice it is, and each pause yields the seconds of decoding this
+        request took part in since the last one (what the queue charges against its ceiling). A
+        generator closed early (cancelled, or stopped at the ceiling) takes its rows out of the
+        batch. Elsewhere (FSDP ranks) it runs ``TorchSampler.sample_steps`` on its own."""
+        batch = self.decode_batch()
+        if batch is None:
+            (response,) = yield from self._sampler().sample_steps(
+                {"input_ids": list(prompt)},
+                sampling_params(params, n, seed),
+                adapter_name=name,
+                slice_seconds=slice_seconds,
+            )
+            return sequences_of(response)
+        stream = batch.add(name, list(prompt), sampling_params(params, n, seed), seed)
+        reported = 0.0
+        try:
+            while not stream.done:
+                batch.run(slice_seconds, until=stream)
+                if stream.done:
+                    break
+                yield stream.ran - reported
+                reported = stream.ran
+        finally:
+            batch.drop(stream)
+        return [
+            (row.tokens, [entry[0][1] for entry in row.logprobs], row.stop_reason) for row in stream.result()
+        ]
+
+    def decode_batch(self) -> Any:
+        """The decoding batch every sample on this model joins (``twinkle.sampler.batch``), made
+        at the first sample; None where it does not apply: a model sharded over ranks (whose
+        ranks must run the same forwards) or one with sliding-window attention (whose cache the
+        batch does not lay out)."""
+        if self.batch is None and not self.model.runtime.is_distributed:
+            from twinkle.model.forward import causal_lm_of
+            from twinkle.sampler.batch import DecodeBatch
+            from twinkle.sampler.row_adapters import SlotRowAdapters
+
+            lm = causal_lm_of(self.model.model)
+            config = lm.config
+            if not (getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True)):
+                self.batch = DecodeBatch(lm, self.model.tokenizer, SlotRowAdapters(self.model))
+        return self.batch
+
+    def _sampler(self) -> Any:
         from twinkle.sampler import TorchSampler
 
         if self.sampler is None:
             self.sampler = TorchSampler(self.model)
-        steps = self.sampler.sample_steps(
-            {"input_ids": list(prompt)},
-            sampling_params(params, n, seed),
-            adapter_name=name,
-            slice_seconds=slice_seconds,
-        )
-        (response,) = yield from steps
-        return sequences_of(response)
+        return self.sampler
 
 
 def run_sampler(

@@ -6,13 +6,17 @@ between any two slices of sampling; within a lane it takes the tenants in turn (
 those with work waiting), each tenant's requests in the order they came.
 
 A job is a function run on the worker. One that returns a generator runs in slices: each
-``next()`` is one slice (a sampler's ``sample_steps`` decodes for the sampling route's ``SLICE_SECONDS`` and pauses), after
-which the job goes back to its tenant's turn and others run. That is how one tenant's largest
-legal sample shares the model with every other tenant's requests instead of holding it for
-minutes. A sliced job that has run for ``max_seconds`` in all is stopped (its generator closed, so
-its clean-up runs) and fails with a message saying so; a job that is not sliced runs whole (its
-size is bounded before it is queued). At most ``max_started`` sliced jobs are under way at once
-(each holds an adapter slot while paused); the others wait for their turn to start.
+``next()`` is one slice (``ModelCore.sample_steps`` decodes a chunk of the model's shared
+decoding batch for about the sampling route's ``SLICE_SECONDS`` and pauses), after which the job
+goes back to its tenant's turn and others run. That is how one tenant's largest legal sample
+shares the model with every other tenant's requests instead of holding it for minutes. A slice
+may yield the seconds to charge the job for it (a batched sample: the decoding it took part in,
+whichever job's slice ran it); else the slice's own time is charged. A sliced job charged
+``max_seconds`` in all is stopped (its generator closed, so its clean-up runs) and fails with a
+message saying so; a job that is not sliced runs whole (its size is bounded before it is queued).
+At most ``max_started`` sliced jobs are under way at once (each holds an adapter slot while
+paused); the others wait for their turn to start. Cancelling a paused sliced job stops it the
+same way at its next turn.
 
 Futures: a finished request's result is kept until ``keep_after_retrieval`` seconds after it was
 first retrieved (a client whose answer was lost in transit asks again), or ``future_ttl`` seconds
@@ -75,7 +79,8 @@ class Job:
     def __init__(self, request_id: str | None, tenant: str, fn: Callable[[], Any], lane: str):
         self.request_id, self.tenant, self.fn, self.lane = request_id, tenant, fn, lane
         self.steps: Any = None  # the generator of a sliced job, once started
-        self.ran = 0.0  # seconds it has run on the worker
+        self.ran = 0.0  # seconds charged to it (the worker's time, or what its slices yielded)
+        self.cancelled = False  # a paused sliced job to stop at its next turn
 
 
 class Queue:
@@ -102,6 +107,7 @@ class Queue:
         self.open: collections.Counter = collections.Counter()  # tenant -> requests not finished
         self.submitted: dict[str, float] = {}  # request id -> time.monotonic() when queued
         self.started: set[str] = set()  # sliced jobs under way
+        self.running: Job | None = None  # the job whose slice the worker runs now
         self.cond = threading.Condition()
         self.stopped = False
         self.turn = 0  # the lane served last
@@ -156,13 +162,22 @@ class Queue:
         return out["value"]
 
     def cancel(self, tenant: str, request_id: str) -> bool:
-        """Drop a request that has not started (its future fails as cancelled); False when it
-        started or finished already."""
+        """Drop a request that has not started, or stop a sliced one under way before its next
+        slice (its generator closed; a slice running now finishes first, and a request that ends
+        in it keeps its result); its future fails as cancelled. False when it finished already or
+        runs unsliced."""
         fut = self.future(tenant, request_id)
         with self.cond:
+            running = self.running
+            if running is not None and running.request_id == request_id:
+                running.cancelled = running.steps is not None
+                return running.cancelled
             jobs = self.lanes[fut.lane].get(tenant, ())
             for job in jobs:
-                if job.request_id == request_id and job.steps is None:
+                if job.request_id == request_id and job.steps is not None:
+                    job.cancelled = True  # the worker closes it: its clean-up uses the model
+                    return True
+                if job.request_id == request_id:
                     jobs.remove(job)
                     if not jobs:
                         del self.lanes[fut.lane][tenant]
@@ -258,8 +273,10 @@ class Queue:
         return None
 
     def _requeue(self, job: Job) -> None:
-        """A paused sliced job: first in its tenant's line, the tenant last among the tenants."""
+        """A paused sliced job: first in its tenant's line, the tenant last among the tenants (in
+        the same hold of the lock that ends its slice, so ``cancel`` finds it in one place)."""
         with self.cond:
+            self.running = None
             jobs = self.lanes[job.lane].pop(job.tenant, collections.deque())
             jobs.appendleft(job)
             self.lanes[job.lane][job.tenant] = jobs
@@ -270,16 +287,22 @@ class Queue:
                 job()
                 continue
             fut = self.futures[job.request_id]
+            with self.cond:
+                self.running = job
             start = time.perf_counter()
+            charged = None
             try:
                 finished, result = self._run(job)
+                charged = None if finished else result
             except BaseException as exc:  # noqa: BLE001 (one tenant's failure fails its request only)
                 finished, result = True, None
                 fut.error = error_of(exc)
-            job.ran += time.perf_counter() - start
+            job.ran += time.perf_counter() - start if charged is None else charged
             if not finished:
                 self._requeue(job)
                 continue
+            with self.cond:
+                self.running = None
             self.started.discard(job.request_id)
             if fut.error is None:
                 fut.result = result
@@ -298,13 +321,17 @@ class Queue:
         return self.submitted.pop(request_id)
 
     def _run(self, job: Job) -> tuple[bool, Any]:
-        """One slice of ``job`` (the whole of an unsliced one): (finished, its result)."""
+        """One slice of ``job`` (the whole of an unsliced one): (finished, its result), or (False,
+        the seconds the slice yielded to be charged, None for its own time)."""
         if job.steps is None:
             out = job.fn()
             if not inspect.isgenerator(out):
                 return True, out
             job.steps = out
             self.started.add(job.request_id)
+        if job.cancelled:
+            job.steps.close()
+            raise Cancelled("the request was cancelled")
         if self.max_seconds and job.ran >= self.max_seconds:
             job.steps.close()
             raise TooLong(
@@ -312,10 +339,10 @@ class Queue:
                 "per request (--max-request-seconds); ask for fewer samples or tokens"
             )
         try:
-            next(job.steps)
+            charged = next(job.steps)
         except StopIteration as end:
             return True, end.value
-        return False, None
+        return False, charged if isinstance(charged, float) else None
 
     def stop(self) -> None:
         with self.cond:
@@ -327,11 +354,15 @@ class TooLong(Exception):
     """A sliced request stopped at the server's limit on one request's running time."""
 
 
+class Cancelled(Exception):
+    """A sliced request stopped because its tenant cancelled it."""
+
+
 def error_of(exc: BaseException) -> tuple[str, str]:
     """(one-line message, "user" | "server") of a failed request."""
     from twinkle.utils.errors import UserError
 
-    if isinstance(exc, (UserError, ValueError, TooLong)):
+    if isinstance(exc, (UserError, ValueError, TooLong, Cancelled)):
         text = str(exc)
         return (text.splitlines()[0] if text else type(exc).__name__, "user")
     message = getattr(exc, "message", None) or f"{type(exc).__name__}: {exc}"

@@ -1,0 +1,90 @@
+"""``SlotRowAdapters``: the adapters of a ``MultiLoraTransformersModel``'s slots as a shared
+decoding batch (``twinkle.sampler.batch``) runs them, each row of a step through its own adapter.
+
+``one(name)`` runs one adapter on every row, by activating it as a lone sample does, so a
+request's prefill, and every step of a batch whose rows all share an adapter, is the lone
+sample's computation. ``rows(runs)`` gives each LoRA layer a forward for the step (an instance
+attribute, removed afterwards) that computes the frozen product once for every row and then each
+adapter's rank-r product on its own rows only (segmented LoRA, as S-LoRA and Punica serve many
+adapters). A run's product is the one a lone sample computes for those rows (the same module
+forwards on the same number of rows, added the same way), so a row's output differs from its
+lone run's only by the summation order of the wider frozen product. Each layer adds only the
+runs of adapters that target it: a slot is zero elsewhere and a lone sample runs no adapter
+there. The layers' active adapters are emptied meanwhile, so no fused node takes the call, and
+put back afterwards: training between decoding chunks finds them as it left them."""
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from twinkle.model.adapters import set_active
+from twinkle.model.forward import causal_lm_of
+from twinkle.sampler import linears
+from twinkle.utils.modules import set_training
+
+Run = tuple[int, int, str]  # (first row, end row, adapter name)
+
+
+class SlotRowAdapters:
+    """What ``DecodeBatch`` asks of a model's adapters, for ``model`` (a
+    ``MultiLoraTransformersModel``; adapter names are its adapters')."""
+
+    def __init__(self, model: Any):
+        self.model = model
+        self.lm = causal_lm_of(model.model)
+
+    @contextlib.contextmanager
+    def session(self) -> Iterator[None]:
+        """A decoding chunk: eval mode (the model's next ``forward`` turns training mode back on)
+        and, on the CPU in one process, the plain linear layers routed to the decoding products,
+        as a lone sample runs them (``twinkle.sampler.linears``)."""
+        model = self.model
+        set_training(model.model, False)
+        model._in_train_mode = False
+        routed = model.device.type == "cpu" and not model.runtime.is_distributed
+        with linears.routed(self.lm) if routed else contextlib.nullcontext():
+            yield
+
+    @contextlib.contextmanager
+    def one(self, name: str) -> Iterator[None]:
+        """Adapter ``name`` on every row (activated as a lone sample activates it)."""
+        self.model.adapters.activate(name)
+        yield
+
+    @contextlib.contextmanager
+    def rows(self, runs: list[Run]) -> Iterator[None]:
+        """Rows ``start:end`` of every LoRA layer's input through adapter ``name``, per run."""
+        table = self.model.slots
+        targets = {name: set(table.targets[name]) for _, _, name in runs}
+        saved = []
+        for key, layer in table.layers.items():
+            mine = [(s, e, table.holder[n]) for s, e, n in runs if key in targets[n]]
+            saved.append((layer, layer.active_adapters))
+            layer.forward = _rows_forward(layer, mine)  # an instance attribute, removed below
+            set_active(layer, [])
+        try:
+            yield
+        finally:
+            for layer, active in saved:
+                del layer.forward
+                set_active(layer, active)
+
+
+def _rows_forward(layer: Any, runs: list[tuple[int, int, str]]) -> Any:
+    """``layer``'s forward for one decoding step: its base layer's forward on every row, plus each
+    run's ``scaling * B(A(x))`` on the run's rows (the slot's modules' own forwards)."""
+    base = layer.base_layer
+
+    def forward(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        out = base.forward(x)
+        flat_x = x.reshape(-1, x.shape[-1])
+        flat = out.reshape(-1, out.shape[-1])
+        for start, end, slot in runs:
+            lora_a, lora_b = layer.lora_A[slot], layer.lora_B[slot]
+            low = lora_a.forward(flat_x[start:end].to(lora_a.weight.dtype))
+            flat[start:end] += (lora_b.forward(low) * layer.scaling[slot]).to(out.dtype)
+        return flat.view(out.shape)
+
+    return forward
