@@ -11,11 +11,12 @@ training in-process to training on the service by changing its imports.
     sampler = client.Sampler(model.save_for_sampler("s1", adapter_name="mine"))
 
 After ``init_twinkle_client`` the classes are also importable as ``twinkle_client.model
-.MultiLoraTransformersModel`` and ``twinkle_client.sampler.Sampler`` (they use the last client
-initialised). Every call goes over the same Tinker routes the official SDK uses (through the
-SDK, which is the ``server`` extra's ``tinker``)."""
+.MultiLoraTransformersModel``, ``twinkle_client.sampler.vLLMSampler`` and ``.Sampler`` (they use
+the last client initialised). ``init_tinker_client()`` readies the official Tinker SDK for a
+``twinkle server`` instead. Every call goes over the same Tinker routes the official SDK uses
+(through the SDK, which is the ``server`` extra's ``tinker``)."""
 
-from twinkle_client.client import TwinkleClient, init_twinkle_client
+from twinkle_client.client import TwinkleClient, init_tinker_client, init_twinkle_client
 from twinkle_client.connection import current_client
 
-__all__ = ["TwinkleClient", "init_twinkle_client", "current_client"]
+__all__ = ["TwinkleClient", "init_tinker_client", "init_twinkle_client", "current_client"]

@@ -1,143 +1,324 @@
-"""``MultiLoraTransformersModel`` over a ``twinkle server``: the local class's training calls,
-each adapter a Tinker training run on the server.
+"""``MultiLoraTransformersModel`` over a ``twinkle server``: the local class's training calls in
+upstream's client shapes, each adapter a Tinker training run on the server.
 
-Rows are the local API's encoded rows (``{"input_ids": [...], "labels": [...]}``, labels
-aligned with the inputs, -100 where a token is not trained) or a batch of such tensors; they
-go to the server as Tinker datums with the cross-entropy loss (weight 1 on each trained
-token). ``forward_backward`` returns the mean loss per trained token, as the local one does,
-and asks the server for the local API's gradient (the mean over the trained tokens of the
-step's window, ``loss_fn_config={"twinkle_reduction": "token_mean"}``) rather than Tinker's
-sum. The optimizer is AdamW (the server's); ``set_optimizer`` keeps its settings for the steps."""
+Inputs are encoded rows (``{"input_ids", "labels"}``, labels aligned with the inputs, -100
+where a token is not trained) or a padded batch of tensors; they travel as shifted Tinker
+datums (``twinkle_client.batches``). The step is the local one:
+
+- cross entropy (the default, or ``set_loss('CrossEntropyLoss')``) is the server's
+  ``cross_entropy`` asking for the local gradient, the mean over the window's trained tokens
+  (``loss_fn_config={"twinkle_reduction": "token_mean"}``);
+- any other loss by name (``DPOLoss``, ``GRPOLoss``, ``GSPOLoss``, ...; ``twinkle.loss.LOSSES``)
+  with its arguments is computed by the server from the targets' log-probabilities
+  (``twinkle.server.objectives``), with the step's values the loss reads: ``ref_outputs`` (or
+  ``ref_logps``), ``old_logps``, ``advantages``. A value the loss does not read, or one it needs
+  that is missing, is a ``ValueError`` naming it;
+- ``gradient_accumulation_steps=N`` (``add_adapter_to_model`` or ``clip_grad_and_step``): the
+  optimizer steps after exactly N ``forward_backward`` calls, the window's gradient averaged
+  over all of them, as the local window is."""
 
 from typing import Any
 
+from twinkle_client import batches
 from twinkle_client.connection import Connection, current_client
+from twinkle_client.optim import AdamSettings
+from twinkle_client.responses import Response, SaveResponse, StepResult, TrainConfigs
+from twinkle_client.tinker_patch import as_tinker_path
 
-IGNORE = -100
-TOKEN_MEAN = {"twinkle_reduction": "token_mean"}  # the local API's gradient (the engine's key)
+TOKEN_MEAN = {"twinkle_reduction": "token_mean"}
+STEP_VALUES = {"ref_logps": "ref_logps", "old_logps": "logprobs", "advantages": "advantages"}
+PROCESSORS = {"InputProcessor": ("padding_side", "padding_free")}
 
 
-def _as_list(values: Any) -> list:
-    return values.tolist() if hasattr(values, "tolist") else list(values)
+class Adapter:
+    """One adapter's run on the server and what the client keeps for it."""
 
-
-def datums_of(inputs: Any) -> tuple[list[Any], float]:
-    """(Tinker datums, trained-token count) of encoded rows or a batch of tensors."""
-    from tinker import types
-
-    if isinstance(inputs, dict) and hasattr(inputs.get("input_ids"), "shape"):
-        mask = inputs.get("attention_mask")
-        rows = []
-        for b in range(len(inputs["input_ids"])):
-            n = int(mask[b].sum()) if mask is not None else len(inputs["input_ids"][b])
-            rows.append(
-                {
-                    "input_ids": _as_list(inputs["input_ids"][b])[:n],
-                    "labels": _as_list(inputs["labels"][b])[:n],
-                }
-            )
-    else:
-        rows = [inputs] if isinstance(inputs, dict) else list(inputs)
-    data, count = [], 0.0
-    for i, row in enumerate(rows):
-        ids, labels = _as_list(row["input_ids"]), _as_list(row["labels"])
-        if len(ids) != len(labels) or len(ids) < 2:
-            raise ValueError(f"row {i}: input_ids and labels must have the same length, at least 2")
-        weights = [0.0 if t == IGNORE else 1.0 for t in labels[1:]]
-        targets = [ids[k + 1] if t == IGNORE else t for k, t in enumerate(labels[1:])]
-        count += sum(weights)
-        data.append(
-            types.Datum(
-                model_input=types.ModelInput.from_ints(ids[:-1]),
-                loss_fn_inputs={"target_tokens": targets, "weights": weights},
-            )
-        )
-    return data, count
+    def __init__(self, run: Any, rank: int, window: int, save_dir: str | None):
+        self.run, self.rank, self.window, self.save_dir = run, rank, window, save_dir
+        self.optim = AdamSettings()
+        self.loss_name, self.loss_args, self.loss = "CrossEntropyLoss", {}, None
+        self.micro = 0  # forward_backward calls since the last optimizer step
+        self.cur_step = 0  # micro-batches, as the local optimizer group counts them
+        self.consumed = 0  # rows trained on
+        self.window_loss, self.window_count = 0.0, 0
+        self.metrics: dict[str, float] = {}
+        self.template: Any = None
 
 
 class MultiLoraTransformersModel:
-    """Adapters trained on the server's base model (``model_id`` None: whatever it serves)."""
+    """Adapters trained on the server's base model (``model_id`` None: whatever it serves; a
+    model id other than the served one is refused)."""
 
-    def __init__(self, model_id: str | None = None, client: Connection | None = None, **kwargs: Any):
+    def __init__(self, model_id: str | None = None, client: Connection | None = None):
         self.client = current_client(client)
-        self.model_id = model_id or self.client.base_model
-        self.runs: dict[str, Any] = {}  # adapter name -> tinker TrainingClient
-        self.adam: dict[str, dict[str, float]] = {}
+        served = self.client.base_model
+        if model_id is not None and model_id != served and model_id.split("://")[-1] != served:
+            raise ValueError(f"the server serves {served!r}, not {model_id!r}")
+        self.model_id = served
+        self.adapters: dict[str, Adapter] = {}
 
-    def _run(self, adapter_name: str | None) -> Any:
-        if adapter_name is None and len(self.runs) == 1:
-            adapter_name = next(iter(self.runs))
-        if adapter_name not in self.runs:
+    @property
+    def runs(self) -> dict[str, Any]:
+        return {name: a.run for name, a in self.adapters.items()}
+
+    def _get(self, adapter_name: str | None) -> Adapter:
+        if adapter_name is None and len(self.adapters) == 1:
+            return next(iter(self.adapters.values()))
+        if adapter_name not in self.adapters:
             raise KeyError(
                 f"no adapter {adapter_name!r}; add_adapter_to_model({adapter_name!r}, config) first"
             )
-        return adapter_name, self.runs[adapter_name]
+        return self.adapters[adapter_name]
 
-    def add_adapter_to_model(self, adapter_name: str, config: Any, **kwargs: Any) -> None:
+    # ---------------------------------------------------------------- set-up
+    def add_adapter_to_model(
+        self,
+        adapter_name: str,
+        config: Any,
+        gradient_accumulation_steps: int = 1,
+        save_dir: str | None = None,
+    ) -> None:
+        """A LoRA run of ``config``'s rank (the server's LoRA: every linear layer, alpha 32, no
+        dropout). ``save_dir``: where ``save`` puts checkpoints is the server's; a folder given
+        here is refused rather than ignored."""
+        if save_dir is not None:
+            raise ValueError(
+                "add_adapter_to_model(save_dir=...): the server keeps checkpoints under its --output-dir"
+            )
         rank = config.get("r", 8) if isinstance(config, dict) else getattr(config, "r", 8)
-        self.runs[adapter_name] = self.client.service.create_lora_training_client(
+        window = _window(gradient_accumulation_steps)
+        run = self.client.service.create_lora_training_client(
             base_model=self.model_id, rank=int(rank)
         ).result()
-        self.adam[adapter_name] = {"learning_rate": 1e-4}
+        self.adapters[adapter_name] = Adapter(run, int(rank), window, save_dir)
+
+    def set_template(self, template_cls: str, adapter_name: str | None = None, **kwargs: Any) -> None:
+        """The template that encodes un-encoded rows (``messages``) here, before they are sent."""
+        from twinkle.template import Template
+
+        kwargs.setdefault("model_id", self.model_id)
+        self._get(adapter_name).template = (template_cls, Template(**kwargs) if template_cls else None)
+
+    def set_processor(self, processor_cls: str, adapter_name: str | None = None, **kwargs: Any) -> None:
+        """Rows travel unpadded, one datum each, so the padding settings change nothing."""
+        self._get(adapter_name)
+        if processor_cls not in PROCESSORS or set(kwargs) - set(PROCESSORS[processor_cls]):
+            raise ValueError(f"set_processor: takes {list(PROCESSORS)} with {PROCESSORS['InputProcessor']}")
+
+    def set_loss(self, loss_cls: str, adapter_name: str | None = None, **kwargs: Any) -> None:
+        from twinkle.loss.registry import build_loss
+
+        a = self._get(adapter_name)
+        a.loss = build_loss(loss_cls, **kwargs)  # the local constructor checks the arguments
+        a.loss_name, a.loss_args = loss_cls, kwargs
 
     def set_optimizer(
-        self, optimizer_cls: str = "AdamW", lr: float = 1e-4, adapter_name: str | None = None, **kw: Any
+        self, optimizer_cls: str = "AdamW", lr: float = 1e-5, adapter_name: str | None = None, **kwargs: Any
     ) -> None:
-        if str(optimizer_cls).lower() not in ("adamw", "adam"):
-            raise ValueError(f"the server's optimizer is AdamW, not {optimizer_cls}")
-        name, _ = self._run(adapter_name)
-        betas = kw.get("betas", (0.9, 0.95))
-        self.adam[name] = {
-            "learning_rate": lr,
-            "beta1": betas[0],
-            "beta2": betas[1],
-            "eps": kw.get("eps", 1e-12),
-            "weight_decay": kw.get("weight_decay", 0.0),
-        }
+        self._get(adapter_name).optim = AdamSettings(optimizer_cls, lr, **kwargs)
 
-    def forward_backward(self, inputs: Any, adapter_name: str | None = None, **kwargs: Any) -> float:
-        _, run = self._run(adapter_name)
-        data, count = datums_of(inputs)
-        out = run.forward_backward(data, "cross_entropy", TOKEN_MEAN).result()
-        return out.metrics["loss:sum"] / max(1.0, count)
+    def set_lr_scheduler(
+        self,
+        scheduler_cls: Any,
+        num_warmup_steps: int = 0,
+        num_training_steps: int | None = None,
+        adapter_name: str | None = None,
+        **kwargs: Any,
+    ) -> None:
+        a = self._get(adapter_name)
+        a.optim.set_schedule(scheduler_cls, num_warmup_steps, num_training_steps, a.window, kwargs)
 
-    def forward_only(self, inputs: Any, adapter_name: str | None = None, **kwargs: Any) -> dict[str, Any]:
-        """``{"loss": mean loss per trained token, "logps": per row, each target's log-prob}``."""
-        _, run = self._run(adapter_name)
-        data, count = datums_of(inputs)
-        out = run.forward(data, "cross_entropy").result()
-        logps = [o["logprobs"].tolist() for o in out.loss_fn_outputs]
-        return {"loss": out.metrics["loss:sum"] / max(1.0, count), "logps": logps}
+    def add_metric(
+        self, metric_cls: str, is_training: bool | None = None, adapter_name: str | None = None, **kwargs: Any
+    ) -> None:
+        """``calculate_metric`` reports the loss, the gradient norm and the learning rate of each
+        window; another metric is refused by name rather than left out of the report."""
+        self._get(adapter_name)
+        if metric_cls != "LossMetric" or kwargs:
+            raise ValueError(
+                f"add_metric({metric_cls!r}): over twinkle server calculate_metric reports loss, grad_norm and lr only"
+            )
+
+    # ---------------------------------------------------------------- steps
+    def _rows(self, a: Adapter, inputs: Any) -> list[dict]:
+        rows = [inputs] if isinstance(inputs, dict) and "messages" in inputs else inputs
+        if isinstance(rows, list) and rows and isinstance(rows[0], dict) and "input_ids" not in rows[0]:
+            if a.template is None:
+                raise ValueError("rows without input_ids need set_template(...) first")
+            rows = [a.template[1].encode(r) for r in rows]
+        return batches.rows_of(rows)
+
+    def _step_values(self, a: Adapter, labels: Any, given: dict[str, Any]) -> dict[str, Any]:
+        reads = set(getattr(a.loss, "extra_inputs", ()))
+        given = {k: v for k, v in given.items() if v is not None}
+        unread = sorted(k for k in given if k not in reads)
+        if unread:
+            raise ValueError(
+                f"{a.loss_name} does not read {', '.join(unread)}; set_loss(...) the loss that does"
+            )
+        missing = sorted(k for k in reads if k in STEP_VALUES and k not in given)
+        if missing:
+            raise ValueError(f"{a.loss_name} needs {', '.join(missing)}")
+        return {STEP_VALUES[k]: batches.per_label(k, v, labels) for k, v in given.items()}
+
+    def _config(self, a: Adapter) -> dict[str, Any]:
+        if a.loss is None or (a.loss_name == "CrossEntropyLoss" and not a.loss_args):
+            return dict(TOKEN_MEAN)
+        config: dict[str, Any] = {"twinkle_loss": a.loss_name, **TOKEN_MEAN}
+        for k, v in a.loss_args.items():
+            if v is None:
+                continue  # the constructor's own default was checked by build_loss
+            if not isinstance(v, int | float | str):
+                raise ValueError(f"{a.loss_name}({k}=...): only numbers and text travel to the server")
+            config[k] = float(v) if isinstance(v, bool | int) else v
+        return config
+
+    def forward_backward(
+        self,
+        inputs: Any,
+        adapter_name: str | None = None,
+        ref_outputs: Any = None,
+        ref_logps: Any = None,
+        old_logps: Any = None,
+        advantages: Any = None,
+    ) -> StepResult:
+        """One micro-batch: its gradient joins the window; returns the mean loss per counted
+        token (per pair for a preference loss) as a float with ``result`` beside it."""
+        a = self._get(adapter_name)
+        rows = self._rows(a, inputs)
+        labels = batches.labels_of(rows)
+        ref = ref_logps if ref_logps is not None else ref_outputs
+        values = self._step_values(
+            a, labels, {"ref_logps": ref, "old_logps": old_logps, "advantages": advantages}
+        )
+        config = self._config(a)
+        out = a.run.forward_backward(batches.datums_of(rows, values), "cross_entropy", config).result()
+        logps = batches.logps_per_label(rows, [o["logprobs"].tolist() for o in out.loss_fn_outputs])
+        total = float(out.metrics["loss:sum"])
+        count = int(out.metrics.get("num_tokens:sum", float((labels[:, 1:] != -100).sum())))
+        a.window_loss, a.window_count = a.window_loss + total, a.window_count + count
+        a.micro, a.cur_step, a.consumed = a.micro + 1, a.cur_step + 1, a.consumed + len(rows)
+        mean = total / max(1, count)
+        return StepResult(mean, {"loss": mean, "logps": logps, "num_tokens": count})
+
+    def forward_only(
+        self, inputs: Any, adapter_name: str | None = None, disable_lora: bool = False
+    ) -> Response:
+        """``result``: ``{"loss": mean cross entropy per trained token, "logps": (B, L) each
+        label's log-prob, 0 where it is -100, "num_tokens"}``; ``disable_lora``: the base
+        model's (a DPO reference: ``forward_backward(ref_outputs=...)`` takes it)."""
+        a = self._get(adapter_name)
+        rows = self._rows(a, inputs)
+        config = {"disable_lora": 1.0} if disable_lora else {}
+        out = a.run.forward(batches.datums_of(rows), "cross_entropy", config).result()
+        logps = batches.logps_per_label(rows, [o["logprobs"].tolist() for o in out.loss_fn_outputs])
+        count = int((batches.labels_of(rows)[:, 1:] != -100).sum())
+        return Response(
+            {"loss": float(out.metrics["loss:sum"]) / max(1, count), "logps": logps, "num_tokens": count}
+        )
 
     def clip_grad_and_step(
-        self, max_grad_norm: float = 1.0, adapter_name: str | None = None, **kwargs: Any
+        self,
+        max_grad_norm: float = 1.0,
+        norm_type: float = 2,
+        adapter_name: str | None = None,
+        gradient_accumulation_steps: int | None = None,
     ) -> bool:
-        from tinker import types
-
-        name, run = self._run(adapter_name)
-        params = types.AdamParams(**self.adam[name], grad_clip_norm=float(max_grad_norm or 0.0))
-        metrics = run.optim_step(params).result().metrics or {}
+        """Once the window holds ``gradient_accumulation_steps`` micro-batches: clip the
+        window's gradient to ``max_grad_norm`` (0 or None: no clipping), AdamW, the schedule's
+        next rate. Before that, False and the window stays open."""
+        if norm_type != 2:
+            raise ValueError(f"clip_grad_and_step: the server clips the L2 norm, not norm_type={norm_type}")
+        a = self._get(adapter_name)
+        if gradient_accumulation_steps is not None:
+            a.window = _window(gradient_accumulation_steps)
+        if a.micro < a.window:
+            return False
+        metrics = a.run.optim_step(a.optim.adam_params(max_grad_norm or 0.0)).result().metrics or {}
+        a.metrics = {
+            "loss": a.window_loss / max(1, a.window_count),
+            "grad_norm": float(metrics.get("grad_norm", float("nan"))),
+            "lr": a.optim.lr,
+        }
+        a.optim.stepped()
+        a.micro, a.window_loss, a.window_count = 0, 0.0, 0
         return bool(metrics.get("stepped", 1.0))
 
-    def step(self, adapter_name: str | None = None, **kwargs: Any) -> bool:
-        return self.clip_grad_and_step(0.0, adapter_name=adapter_name)
-
     def zero_grad(self, adapter_name: str | None = None) -> None:
-        """Nothing to do: the server closes the window at each step."""
+        """Nothing to do: the server closes the window at each optimizer step."""
 
-    def save(self, name: str, adapter_name: str | None = None, **kwargs: Any) -> str:
-        """Adapter and optimizer state; returns its ``tinker://`` path."""
-        _, run = self._run(adapter_name)
-        return run.save_state(name, overwrite=True).result().path  # as the local save replaces it
+    def calculate_metric(self, is_training: bool = True, adapter_name: str | None = None) -> Response:
+        if not is_training:
+            raise ValueError(
+                "calculate_metric(is_training=False): evaluation metrics are not kept over twinkle server"
+            )
+        return Response(dict(self._get(adapter_name).metrics))
+
+    def get_train_configs(self, adapter_name: str | None = None) -> TrainConfigs:
+        a = self._get(adapter_name)
+        configs = {
+            "model_id": self.model_id,
+            "lora_rank": a.rank,
+            "gradient_accumulation_steps": a.window,
+            "loss": a.loss_name,
+            "loss_args": a.loss_args,
+            **a.optim.describe(),
+        }
+        return TrainConfigs(", ".join(f"{k}={v}" for k, v in configs.items()), configs)
+
+    # ---------------------------------------------------------------- checkpoints
+    def save(
+        self,
+        name: str,
+        is_sampler: bool = False,
+        save_optimizer: bool = True,
+        adapter_name: str | None = None,
+    ) -> SaveResponse:
+        """A checkpoint named ``name`` (replacing one of that name, as the local save does):
+        adapter and optimizer state, with the progress ``resume_from_checkpoint`` returns; or,
+        ``is_sampler``, the adapter's weights for sampling. ``save_optimizer=False`` still
+        writes the optimizer state (a checkpoint a later load may leave unread)."""
+        a = self._get(adapter_name)
+        if is_sampler:
+            path = a.run.save_weights_for_sampler(name).result().path
+        else:
+            progress = {"cur_step": str(a.cur_step), "consumed_train_samples": str(a.consumed)}
+            path = a.run.save_state(name, overwrite=True, user_metadata=progress).result().path
+        return SaveResponse(path.replace("tinker://", "twinkle://", 1))
 
     def save_for_sampler(self, name: str, adapter_name: str | None = None) -> str:
-        _, run = self._run(adapter_name)
-        return run.save_weights_for_sampler(name).result().path
+        return self.save(name, is_sampler=True, adapter_name=adapter_name).twinkle_path
 
-    def resume_from_checkpoint(self, path: str, adapter_name: str | None = None, **kwargs: Any) -> None:
-        _, run = self._run(adapter_name)
-        run.load_state_with_optimizer(path).result()
+    def _path(self, a: Adapter, name: str) -> str:
+        if "://" in name:
+            return as_tinker_path(name)
+        return f"tinker://{a.run.model_id}/weights/{name}"
+
+    def load(self, name: str, load_optimizer: bool = False, adapter_name: str | None = None) -> None:
+        a = self._get(adapter_name)
+        path = self._path(a, name)
+        (a.run.load_state_with_optimizer(path) if load_optimizer else a.run.load_state(path)).result()
+
+    def resume_from_checkpoint(
+        self, name: str, resume_only_model: bool = False, adapter_name: str | None = None
+    ) -> dict[str, int]:
+        """Load the checkpoint (with its optimizer state unless ``resume_only_model``) and return
+        its progress ``{"cur_step", "consumed_train_samples"}``, which the counters take up."""
+        a = self._get(adapter_name)
+        path = self._path(a, name)
+        self.load(path, load_optimizer=not resume_only_model, adapter_name=adapter_name)
+        found = [c for c in self.client.list_checkpoints(path.split("/")[2]) if c.tinker_path == path]
+        meta = (found[0].user_metadata or {}) if found else {}
+        a.cur_step = int(meta.get("cur_step", 0))
+        a.consumed = int(meta.get("consumed_train_samples", 0))
+        a.micro = 0
+        return {"cur_step": a.cur_step, "consumed_train_samples": a.consumed}
 
     def remove_adapter(self, adapter_name: str) -> None:
-        self.runs.pop(adapter_name)
-        self.adam.pop(adapter_name, None)
+        self.adapters.pop(adapter_name)
+
+
+def _window(steps: Any) -> int:
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"gradient_accumulation_steps must be a whole number >= 1, got {steps!r}")
+    return steps

@@ -1,17 +1,28 @@
-"""``Sampler`` over a ``twinkle server``: completions of token prompts from a saved adapter (a
-``tinker://.../sampler_weights/...`` path) or from the base model, and prompt log-probs."""
+"""Samplers over a ``twinkle server``: ``Sampler`` (token prompts in, completions out) and
+upstream's ``vLLMSampler`` (rows or trajectories in, each sequence with its log-probs and the
+encoded row of prompt and completion, ``new_input_feature``, ready to train on). Both are served
+by the server's sampler, on a saved adapter (``adapter_uri``/``model_path``, a ``twinkle://`` or
+``tinker://`` path) or the base model."""
 
+from dataclasses import dataclass, field
 from typing import Any
 
 from twinkle_client.connection import Connection, current_client
+from twinkle_client.tinker_patch import as_tinker_path
+
+PARAMS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "num_samples", "logprobs")
 
 
 class Sampler:
     def __init__(self, model_path: str | None = None, client: Connection | None = None):
         self.client = current_client(client)
-        kwargs = {"model_path": model_path} if model_path else {"base_model": self.client.base_model}
+        kwargs = (
+            {"model_path": as_tinker_path(model_path)}
+            if model_path
+            else {"base_model": self.client.base_model}
+        )
         self.sampling = self.client.service.create_sampling_client(**kwargs)
-        if hasattr(self.sampling, "result"):
+        if hasattr(self.sampling, "result"):  # the SDK answers with a future of it
             self.sampling = self.sampling.result()
 
     def sample(
@@ -21,12 +32,16 @@ class Sampler:
         temperature: float = 1.0,
         num_samples: int = 1,
         seed: int = 0,
-        **kw: Any,
+        top_p: float = 1.0,
+        top_k: int = -1,
+        stop: Any = None,
     ) -> list[dict[str, Any]]:
         """``num_samples`` completions: ``{"tokens", "logprobs", "stop_reason"}`` each."""
         from tinker import types
 
-        params = types.SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed, **kw)
+        params = types.SamplingParams(
+            max_tokens=max_tokens, temperature=temperature, seed=seed, top_p=top_p, top_k=top_k, stop=stop
+        )
         prompt = types.ModelInput.from_ints(list(prompt_ids))
         out = self.sampling.sample(prompt, num_samples=num_samples, sampling_params=params).result()
         return [
@@ -38,3 +53,77 @@ class Sampler:
         from tinker import types
 
         return self.sampling.compute_logprobs(types.ModelInput.from_ints(list(ids))).result()
+
+
+@dataclass
+class SampledSequence:
+    tokens: list[int]
+    logprobs: list[list[tuple[int, float]]]  # upstream's shape: [[(token, log-prob)]] per token
+    stop_reason: str
+    decoded: str | None = None
+    new_input_feature: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class SampleResponse:
+    sequences: list[SampledSequence]
+
+
+class vLLMSampler:  # noqa: N801 (upstream's name)
+    """Upstream's client sampler. ``model_id`` None: the served model (another is refused)."""
+
+    def __init__(self, model_id: str | None = None, client: Connection | None = None):
+        self.client = current_client(client)
+        served = self.client.base_model
+        if model_id is not None and model_id.split("://")[-1] != served:
+            raise ValueError(f"the server serves {served!r}, not {model_id!r}")
+        self.template: Any = None
+        self._samplers: dict[str | None, Sampler] = {}
+
+    def set_template(self, template_cls: str, **kwargs: Any) -> None:
+        """The template that encodes trajectory prompts here (``Template(model_id=...)``)."""
+        from twinkle.template import Template
+
+        kwargs.setdefault("model_id", self.client.base_model)
+        self.template = Template(**kwargs)
+
+    def _prompt(self, row: Any) -> list[int]:
+        if isinstance(row, dict) and "input_ids" in row:
+            ids = row["input_ids"]
+            return list(ids.tolist() if hasattr(ids, "tolist") else ids)
+        if self.template is None:
+            raise ValueError("sample: trajectories need set_template(...) first; or pass rows with input_ids")
+        return list(self.template.encode(row, add_generation_prompt=True)["input_ids"])
+
+    def sample(
+        self, inputs: Any, sampling_params: Any = None, adapter_uri: str | None = None
+    ) -> list[SampleResponse]:
+        """One response per input row, each with ``num_samples`` sequences."""
+        params = dict(sampling_params or {})
+        if hasattr(sampling_params, "__dataclass_fields__"):
+            params = {k: getattr(sampling_params, k) for k in sampling_params.__dataclass_fields__}
+        unknown = sorted(k for k, v in params.items() if k not in PARAMS and v is not None)
+        if unknown:
+            raise ValueError(
+                f"sampling_params {unknown} are not supported over twinkle server; use {', '.join(PARAMS)}"
+            )
+        params.pop("logprobs", None)  # every sequence carries its log-probs
+        if adapter_uri not in self._samplers:
+            self._samplers[adapter_uri] = Sampler(adapter_uri, client=self.client)
+        sampler = self._samplers[adapter_uri]
+        rows = inputs if isinstance(inputs, list) else [inputs]
+        out = []
+        for row in rows:
+            prompt = self._prompt(row)
+            given = {k: v for k, v in params.items() if v is not None}
+            sequences = []
+            for s in sampler.sample(prompt, **given):
+                tokens = s["tokens"]
+                feature = {"input_ids": prompt + tokens, "labels": [-100] * len(prompt) + tokens}
+                if isinstance(row, dict) and "messages" in row:
+                    feature["messages"] = row["messages"]
+                decoded = self.template.decode(tokens) if self.template is not None else None
+                pairs = [[(t, float(lp))] for t, lp in zip(tokens, s["logprobs"], strict=True)]
+                sequences.append(SampledSequence(tokens, pairs, s["stop_reason"], decoded, feature))
+            out.append(SampleResponse(sequences))
+        return out

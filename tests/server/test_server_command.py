@@ -37,12 +37,18 @@ def test_help_documents_every_flag(capsys):
     assert "server" in capsys.readouterr().out
 
 
-def test_no_key_is_one_error_line(monkeypatch, capsys):
+def test_no_key_off_loopback_is_one_error_line(monkeypatch, capsys):
     monkeypatch.delenv("TWINKLE_API_KEYS", raising=False)
-    assert main(["server", "--port", "1"]) == 2
+    assert main(["server", "--host", "0.0.0.0", "--port", "1"]) == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1
-    assert err.startswith("error: no API key: pass --api-keys FILE")
+    assert err.startswith("error: --host 0.0.0.0 without API keys")
+
+
+def test_no_key_on_loopback_is_one_local_user(monkeypatch):
+    monkeypatch.delenv("TWINKLE_API_KEYS", raising=False)
+    config = parse_args([])
+    assert config.keyless and config.host == "127.0.0.1" and len(config.keys) == 1
 
 
 def test_key_file_with_limits(tmp_path):

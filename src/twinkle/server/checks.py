@@ -175,7 +175,8 @@ def check_name(value: str, what: str) -> str:
 def checkpoint_parts(path: str, kinds: Any = CHECKPOINT_KINDS, what: str = "checkpoint path") -> list[str]:
     """[run, kind, name] of ``tinker://<run>/<kind>/<name>``: ``NotFound`` when it is not such a
     path, ``BadRequest`` when its run id or name could not be one."""
-    parts = path[len("tinker://") :].split("/") if path.startswith("tinker://") else []
+    prefix = next((p for p in ("tinker://", "twinkle://") if path.startswith(p)), None)  # upstream's both
+    parts = path[len(prefix) :].split("/") if prefix else []
     if len(parts) != 3 or parts[1] not in kinds or not parts[2] or not parts[0]:
         raise NotFound(
             f"{shown(path, 200)} is not a checkpoint path (tinker://<run>/weights|sampler_weights/<name>)"

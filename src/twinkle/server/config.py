@@ -42,6 +42,22 @@ class ServerConfig:
     future_ttl: float = 3600.0  # seconds a finished request's result is kept if never retrieved
     max_queued: int = 256  # requests one key may have waiting or running
     operator_keys: tuple[str, ...] = ()  # keys that may read /metrics (none: /metrics is off)
+    keyless: bool = False  # no keys: one local user, any token, loopback only (``keyless_config``)
+
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+LOCAL_KEY = "tml-local"  # the one tenant of a server without keys
+
+
+def keyless_keys(host: str, defaults: Limits) -> dict[str, Limits]:
+    """The keys of a server started without any: one local user whatever token it sends, which
+    is safe only when nothing but this machine can reach it."""
+    if host not in LOOPBACK:
+        raise UserError(
+            f"--host {host} without API keys would serve anyone who reaches it; pass --api-keys FILE "
+            f"(or set {ENV_KEYS}) or keep --host 127.0.0.1"
+        )
+    return {LOCAL_KEY: defaults}
 
 
 def parse_keys(text: str, where: str, defaults: Limits) -> dict[str, Limits]:
@@ -67,7 +83,8 @@ def parse_keys(text: str, where: str, defaults: Limits) -> dict[str, Limits]:
 
 
 def load_keys(path: str | None, defaults: Limits) -> dict[str, Limits]:
-    """The keys of ``path``, else of ``$TWINKLE_API_KEYS``; ``UserError`` when there are none."""
+    """The keys of ``path``, else of ``$TWINKLE_API_KEYS``; none at all is a server without keys
+    (``keyless_keys``); a file without any is ``UserError``."""
     if path:
         try:
             text = Path(path).read_text(encoding="utf-8")
@@ -76,10 +93,8 @@ def load_keys(path: str | None, defaults: Limits) -> dict[str, Limits]:
         keys = parse_keys(text, path, defaults)
     else:
         keys = parse_keys(os.environ.get(ENV_KEYS, "").replace(",", "\n"), ENV_KEYS, defaults)
-    if not keys:
-        raise UserError(
-            f"no API key: pass --api-keys FILE (one key a line) or set {ENV_KEYS}=tml-key1,tml-key2"
-        )
+    if not keys and path:
+        raise UserError(f"--api-keys {path}: no API key in it (one key a line)")
     return keys
 
 
@@ -133,7 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="FILE",
         help=f"API keys, one a line, each optionally followed by limits such as max_adapters=2 rate=20; "
-        f"default: ${ENV_KEYS} (comma-separated)",
+        f"default: ${ENV_KEYS} (comma-separated); none: one local user with any token, on 127.0.0.1 only",
     )
     p.add_argument(
         "--idle-timeout",
@@ -234,7 +249,11 @@ def parse_args(argv: list[str]) -> ServerConfig:
         )
     if args.future_ttl <= 0:
         raise UserError(f"--future-ttl must be positive, got {args.future_ttl}")
-    keys = load_keys(args.api_keys, Limits(args.max_adapters, args.max_datums, args.max_tokens, args.rate))
+    defaults = Limits(args.max_adapters, args.max_datums, args.max_tokens, args.rate)
+    keys = load_keys(args.api_keys, defaults)
+    keyless = not keys
+    if keyless:
+        keys = keyless_keys(args.host, defaults)
     operators = load_operator_keys(args.operator_keys)
     both = sorted(set(keys) & set(operators))
     if both:
@@ -256,6 +275,7 @@ def parse_args(argv: list[str]) -> ServerConfig:
         future_ttl=args.future_ttl,
         max_queued=args.max_queued,
         operator_keys=tuple(operators),
+        keyless=keyless,
         **ray,
     )
 

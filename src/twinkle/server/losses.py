@@ -34,6 +34,10 @@ class TinkerLoss(HeadLoss):
     def __init__(self, kind: str, config: dict[str, Any]):
         self.kind = kind
         self.reduction = "sum"
+        # a composite step's divisor (``twinkle.server.objectives``): the loss's own count, not
+        # the counted tokens; on rank 0 only, as the model sums the counts over the ranks
+        count = config.get("twinkle_count")
+        self.count = None if count is None else int(count) * int(_rank() == 0)
         if kind == "cross_entropy":
             self.extra_inputs = ("tinker_weights",)
             self.policy = None
@@ -70,7 +74,14 @@ class TinkerLoss(HeadLoss):
         reported[counted] = per_token.detach()
         self.last_logps, self.last_per_token = logps.cpu(), reported.cpu()
         correct = top_is_target(logits.detach(), view.targets[counted])
-        return finish(per_token.sum(), int(counted.sum()), correct, self.reduction)
+        count = int(counted.sum()) if self.count is None else self.count
+        return finish(per_token.sum(), count, correct, self.reduction)
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def _rows(view: LossView, rows: torch.Tensor) -> LossView:

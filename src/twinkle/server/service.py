@@ -10,6 +10,7 @@ parked by a sweeper thread (``park``)."""
 
 import contextlib
 import hmac
+import logging
 import shutil
 import threading
 import time
@@ -50,6 +51,12 @@ class Server:
         self.tenants = {key: Tenant(tenant_id(key), limits) for key, limits in config.keys.items()}
         for t in self.tenants.values():
             t.tokens = t.limits.rate * 4
+        if config.keyless:
+            logging.getLogger("twinkle.server").warning(
+                "twinkle server: no API keys, so one local user on %s takes any token (upstream's "
+                "EMPTY_TOKEN included); pass --api-keys FILE to serve tenants",
+                config.host,
+            )
         config.output_dir.mkdir(parents=True, exist_ok=True)
         self.reporter = None
         if config.report_to:
@@ -134,6 +141,8 @@ class Server:
 
     def identify(self, request: Request) -> Tenant:
         """The caller's tenant (polling a future takes nothing from the rate bucket)."""
+        if self.config.keyless:  # one local user, whatever token it sends (config.keyless_keys)
+            return next(iter(self.tenants.values()))
         given = request.headers.get("x-api-key") or ""
         found = None
         for key, tenant in self.tenants.items():  # every key compared, whichever matches

@@ -10,6 +10,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
+from twinkle.server import objectives
 from twinkle.server.checks import page
 from twinkle.server.core import LOSS_INPUTS
 from twinkle.server.errors import BadRequest
@@ -76,13 +77,20 @@ async def forward_backward(request: Request) -> dict:
         )
     req = decode_forward_backward(await request.body(), tenant.limits.max_datums, tenant.limits.max_tokens)
     run = s.registry.run_of(tenant, req.model_id)
+    composite = objectives.wanted(req.loss_fn, req.loss_config, req.data)
+    objectives.check_config(req.loss_fn, req.loss_config, req.forward_only, composite)
+    loss = objectives.build(req.loss_fn, req.loss_config) if composite else None
 
     def step() -> bytes:
         start = time.perf_counter()
-        check_datums(req.data, req.loss_fn, s.engine.vocab)
-        outs, metrics = s.engine.core.run_datums(
-            run.adapter, req.data, req.loss_fn, req.loss_config, req.forward_only
-        )
+        if loss is not None:
+            check_composite(req.data, loss, s.engine.vocab)
+            outs, metrics = objectives.run(s.engine.core, run.adapter, req.data, loss, req.forward_only)
+        else:
+            check_datums(req.data, req.loss_fn, s.engine.vocab)
+            outs, metrics = s.engine.core.run_datums(
+                run.adapter, req.data, req.loss_fn, req.loss_config, req.forward_only
+            )
         tokens = sum(d.tokens.size for d in req.data)
         s.metrics.counted(tenant.id, "trained", tokens)
         seconds = round(time.perf_counter() - start, 4)
@@ -102,6 +110,19 @@ def check_datums(data: list[Datum], loss_fn: str, vocab: int) -> None:
         raise BadRequest(f"loss_fn {loss_fn!r} is not supported; use one of {', '.join(LOSS_INPUTS)}")
     for i, d in enumerate(data):
         check_datum(d, i, vocab, LOSS_INPUTS[loss_fn])
+        extra = sorted(set(d.inputs) - set(LOSS_INPUTS[loss_fn]))
+        if extra:
+            raise BadRequest(
+                f"datum {i}: loss_fn_inputs {extra[0]!r} is not read by loss_fn {loss_fn!r} "
+                f"(it reads {', '.join(LOSS_INPUTS[loss_fn])})"
+            )
+
+
+def check_composite(data: list[Datum], loss: object, vocab: int) -> None:
+    """Each datum of a twinkle loss (``twinkle.server.objectives``) carries what it reads."""
+    objectives.check_inputs(loss, data)
+    for i, d in enumerate(data):
+        check_datum(d, i, vocab, ("target_tokens", "weights"))
 
 
 @router.post("/optim_step")

@@ -1,0 +1,65 @@
+"""``input_feature_to_datum``: one of twinkle's encoded rows as the Tinker ``Datum`` it means.
+
+Twinkle's row has ``input_ids`` and ``labels`` of the same length, the labels aligned with the
+inputs (``labels[k]`` is the token at position ``k`` when it is trained, -100 where it is not),
+and the model shifts them once. A Tinker datum is already shifted: ``model_input`` ``x`` and
+``target_tokens`` ``y`` with ``y[i]`` predicted at position ``i``. So ``x = input_ids[:-1]``,
+``y = input_ids[1:]`` and ``weights[i] = 1`` exactly where ``labels[i + 1]`` is trained (the
+assistant's tokens, as the template labelled them), 0 elsewhere. The server turns the datum
+back into the same row (``twinkle.server.core.datum_batch``), so the loss is the same.
+
+Light on purpose: a client script imports it with numpy and the Tinker SDK only."""
+
+from typing import Any
+
+import numpy as np
+
+IGNORE = -100
+
+
+def _flat(values: Any, what: str) -> np.ndarray:
+    if hasattr(values, "detach"):
+        values = values.detach().cpu().numpy()
+    array = np.asarray(values)
+    if array.ndim == 2 and array.shape[0] == 1:
+        array = array[0]
+    if array.ndim != 1:
+        raise ValueError(f"input_feature_to_datum: {what} must be one row of tokens, got shape {array.shape}")
+    return array.astype(np.int64)
+
+
+def shifted(input_ids: Any, labels: Any) -> tuple[list[int], list[int], list[float]]:
+    """(model input, targets, weights) of one row: targets shifted once, weight 1 where trained."""
+    ids, lab = _flat(input_ids, "input_ids"), _flat(labels, "labels")
+    if ids.size != lab.size or ids.size < 2:
+        raise ValueError(
+            f"input_feature_to_datum: input_ids ({ids.size}) and labels ({lab.size}) must have the same "
+            "length, at least 2"
+        )
+    weights = (lab[1:] != IGNORE).astype(np.float32)
+    return ids[:-1].tolist(), ids[1:].tolist(), weights.tolist()
+
+
+def input_feature_to_datum(input_feature: dict[str, Any]) -> Any:
+    """The Tinker ``Datum`` of an encoded row (``input_ids``, ``labels``; other keys such as
+    ``attention_mask`` or ``position_ids`` of one unpadded row carry nothing more). A row
+    without labels trains every next token."""
+    from tinker import types
+
+    ids = input_feature["input_ids"]
+    labels = input_feature.get("labels")
+    if labels is None:
+        labels = ids
+    if any(k in input_feature for k in ("pixel_values", "image_grid_thw")):
+        raise ValueError("input_feature_to_datum: images are not supported by twinkle server")
+    model_input, targets, weights = shifted(ids, labels)
+    return types.Datum(
+        model_input=types.ModelInput.from_ints(model_input),
+        loss_fn_inputs={
+            "target_tokens": types.TensorData.from_numpy(np.asarray(targets, dtype=np.int64)),
+            "weights": types.TensorData.from_numpy(np.asarray(weights, dtype=np.float32)),
+        },
+    )
+
+
+__all__ = ["input_feature_to_datum", "shifted"]

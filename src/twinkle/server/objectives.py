@@ -1,0 +1,195 @@
+"""Twinkle's own losses (the DPO and GRPO families, any ``twinkle.loss`` name that needs only the
+targets' log-probabilities) over the Tinker ``forward_backward`` route.
+
+Such a loss is a function ``C(logp)`` of the per-token log-probabilities of the targets (and of
+the request's reference log-probs, old log-probs and advantages). Its gradient is
+``dC/dtheta = sum_t dC/dlogp_t * dlogp_t/dtheta``, which is the gradient of the token-weighted
+cross entropy ``-sum_t w_t * logp_t`` with ``w_t = -dC/dlogp_t``. So the server runs it in three
+moves on the model it already has: a forward pass for ``logp`` (no graph), ``C`` and its
+gradient in ``logp`` on the CPU, and one ``cross_entropy`` backward with those weights. The
+step's divisor is the loss's own count (tokens or pairs, ``twinkle_count``), so a window of
+several calls is normalised as the local ``forward_backward`` normalises it.
+
+Requests name the loss two ways:
+
+- ``loss_fn_config={"twinkle_loss": "<name in twinkle.loss.LOSSES>", <its arguments>}``
+  (what ``twinkle_client`` sends); text values come as text, numbers as floats, a float that
+  is a whole number goes to an integer argument as an integer;
+- upstream's Tinker DPO: ``importance_sampling`` with ``ref_logps`` in every datum's
+  ``loss_fn_inputs`` is ``DPOLoss(beta=dpo_beta, sft_weight=dpo_sft_weight)``.
+
+The per-token inputs are each datum's ``weights`` (1 on the trained tokens), ``ref_logps``,
+``logprobs`` (the sampler's, the loss's ``old_logps``) and ``advantages``."""
+
+import inspect
+from typing import Any
+
+import numpy as np
+import torch
+
+from twinkle.server.errors import BadRequest
+from twinkle.server.wire import Datum
+
+LOSS_KEY = "twinkle_loss"
+COUNT_KEY = "twinkle_count"  # the divisor a composite step hands the cross-entropy pass
+STEP_INPUTS = {"ref_logps": "ref_logps", "logprobs": "old_logps", "advantages": "advantages"}
+UPSTREAM_DPO = {"dpo_beta": "beta", "dpo_sft_weight": "sft_weight"}  # upstream's Tinker DPO keys
+IGNORE = -100
+
+
+def wanted(loss_fn: str, config: dict[str, Any], data: list[Datum]) -> bool:
+    """Whether the request asks for a twinkle loss rather than one of the Tinker losses."""
+    if LOSS_KEY in config:
+        return True
+    return loss_fn == "importance_sampling" and any("ref_logps" in d.inputs for d in data)
+
+
+def build(loss_fn: str, config: dict[str, Any]) -> Any:
+    """The loss the request names, built with its arguments; ``BadRequest`` names what is wrong."""
+    from twinkle.loss.registry import LOSSES
+    from twinkle.utils.errors import UserError
+
+    if LOSS_KEY in config:
+        name = config[LOSS_KEY]
+        args = {k: v for k, v in config.items() if k not in (LOSS_KEY, "twinkle_reduction")}
+    else:
+        name = "DPOLoss"
+        args = {UPSTREAM_DPO[k]: v for k, v in config.items() if k in UPSTREAM_DPO}
+    if name not in LOSSES:
+        raise BadRequest(f"loss_fn_config[{LOSS_KEY!r}]: unknown loss {name!r}; valid: {', '.join(LOSSES)}")
+    cls = LOSSES[name]
+    params = inspect.signature(cls).parameters
+    unknown = sorted(k for k in args if k not in params)
+    if unknown:
+        raise BadRequest(f"loss_fn_config: {name} takes no argument {', '.join(map(repr, unknown))}")
+    args = {k: _typed(v, params[k]) for k, v in args.items()}
+    try:
+        loss = cls(**args)
+    except (UserError, TypeError, ValueError) as exc:
+        raise BadRequest(f"loss_fn_config: {exc}") from None
+    if getattr(loss, "consumes", None) != "rows" or loss.require_logits or loss.require_entropy:
+        raise BadRequest(
+            f"loss_fn_config: {name} with these arguments needs the logits or their entropy, not only "
+            "the targets' log-probabilities; the server computes it from log-probabilities only"
+        )
+    return loss
+
+
+def _typed(value: Any, param: inspect.Parameter) -> Any:
+    """A float that is a whole number, for an argument whose default is an int or a bool."""
+    default = param.default
+    if isinstance(value, float) and isinstance(default, bool):
+        return bool(value)
+    if isinstance(value, float) and isinstance(default, int) and value.is_integer():
+        return int(value)
+    return value
+
+
+def check_inputs(loss: Any, data: list[Datum]) -> None:
+    """Every datum carries ``weights`` and each input the loss declares."""
+    needed = ["weights"] + [k for k, v in STEP_INPUTS.items() if v in loss.extra_inputs]
+    for i, d in enumerate(data):
+        missing = [k for k in needed if k not in d.inputs]
+        if missing:
+            raise BadRequest(
+                f"datum {i}: loss_fn_inputs lacks {', '.join(map(repr, missing))} ({loss.name} needs them)"
+            )
+        extra = sorted(set(d.inputs) - set(needed) - {"target_tokens"})
+        if extra:
+            raise BadRequest(
+                f"datum {i}: loss_fn_inputs {', '.join(map(repr, extra))} is not read by {loss.name}"
+            )
+
+
+def per_label(data: list[Datum], values: list[np.ndarray], fill: float) -> torch.Tensor:
+    """(B, L + 1) rows of per-token values aligned with twinkle's labels (``[fill] + values``)."""
+    width = max(d.tokens.size for d in data) + 1
+    out = torch.full((len(data), width), fill, dtype=torch.float32)
+    for b, v in enumerate(values):
+        out[b, 1 : 1 + v.size] = torch.from_numpy(v.astype(np.float32))
+    return out
+
+
+def objective(loss: Any, data: list[Datum], logps: list[np.ndarray]) -> tuple[float, int, list[np.ndarray]]:
+    """(summed loss, its count, ``-dC/dlogp`` per datum) at the policy's log-probs ``logps``."""
+    from twinkle.loss.base import rows_view_of
+
+    mask = per_label(data, [d.inputs["weights"] != 0 for d in data], 0.0) != 0
+    targets = per_label(data, [d.inputs["target_tokens"].astype(np.float32) for d in data], IGNORE)
+    labels = torch.where(mask, targets.long(), torch.full_like(targets, IGNORE).long())
+    policy = per_label(data, logps, 0.0).requires_grad_(True)
+    batch: dict[str, Any] = {"labels": labels}
+    for wire, name in STEP_INPUTS.items():
+        if name in loss.extra_inputs:
+            batch[name] = per_label(data, [d.inputs[wire] for d in data], 0.0)
+    batch = loss.upstream_batch(batch, {"logps": policy})
+    out = loss.compute(rows_view_of(loss, batch, {"logps": policy}))
+    (grad,) = torch.autograd.grad(out.loss_sum, policy, allow_unused=True)
+    grad = torch.zeros_like(policy) if grad is None else grad
+    weights = [(-grad[b, 1 : 1 + d.tokens.size]).numpy() for b, d in enumerate(data)]
+    return float(out.loss_sum.detach()), max(1, int(out.num_tokens)), weights
+
+
+def run(core: Any, adapter: str, data: list[Datum], loss: Any, forward_only: bool) -> tuple[list, dict]:
+    """The composite step on ``core`` (a ``ModelCore`` or its proxy): per datum its targets'
+    ``logprobs``; metrics ``loss:sum``, ``loss:mean`` and ``num_tokens:sum`` (the loss's count)."""
+    plain = [
+        Datum(d.tokens, {"target_tokens": d.inputs["target_tokens"], "weights": d.inputs["weights"]})
+        for d in data
+    ]
+    outs, _ = core.run_datums(adapter, plain, "cross_entropy", {}, True)
+    logps = [np.asarray(o["logprobs"], dtype=np.float32) for o in outs]
+    total, count, weights = objective(loss, data, logps)
+    if not forward_only:
+        weighted = [
+            Datum(d.tokens, {"target_tokens": d.inputs["target_tokens"], "weights": w})
+            for d, w in zip(data, weights, strict=True)
+        ]
+        config = {"twinkle_reduction": "token_mean", COUNT_KEY: float(count)}
+        core.run_datums(adapter, weighted, "cross_entropy", config, False)
+    metrics = {"loss:sum": total, "loss:mean": total / count, "num_tokens:sum": float(count)}
+    return [{"logprobs": lp} for lp in logps], metrics
+
+
+# the loss_fn_config keys each Tinker loss honours (besides those of every request, ``COMMON``)
+TINKER_KEYS = {
+    "cross_entropy": (),
+    "importance_sampling": (),
+    "ppo": ("clip_low_threshold", "clip_high_threshold"),
+}
+COMMON = ("twinkle_reduction", "disable_lora")
+
+
+def check_config(loss_fn: str, config: dict[str, Any], forward_only: bool, composite: bool) -> None:
+    """Every ``loss_fn_config`` key is one the request's loss honours; ``BadRequest`` names the
+    first that is not (a key the server would otherwise ignore). A composite loss's own
+    arguments are checked against its signature when it is built (``build``)."""
+    if COUNT_KEY in config:
+        raise BadRequest(f"loss_fn_config[{COUNT_KEY!r}] is the server's own; leave it out")
+    if config.get("disable_lora") and not forward_only:
+        raise BadRequest(
+            "loss_fn_config['disable_lora'] is for forward (a reference pass over the base model); "
+            "a forward_backward with the adapter off would train nothing"
+        )
+    if config.get("disable_lora") and composite:
+        raise BadRequest("loss_fn_config['disable_lora'] takes the cross_entropy loss (it returns log-probs)")
+    if composite:
+        if LOSS_KEY not in config:
+            extra = sorted(set(config) - set(UPSTREAM_DPO) - set(COMMON))
+            if extra:
+                raise BadRequest(
+                    f"loss_fn_config key {extra[0]!r} is not read by the DPO loss of importance_sampling with "
+                    f"ref_logps; it reads {', '.join(UPSTREAM_DPO)}"
+                )
+        if config.get("twinkle_reduction", "token_mean") != "token_mean":
+            raise BadRequest(
+                "loss_fn_config['twinkle_reduction']: a twinkle loss is averaged by its own count"
+            )
+        return
+    honoured = TINKER_KEYS.get(loss_fn, ()) + COMMON
+    extra = sorted(set(config) - set(honoured))
+    if extra:
+        raise BadRequest(
+            f"loss_fn_config key {extra[0]!r} is not read by loss_fn {loss_fn!r}; it reads "
+            f"{', '.join(honoured)}"
+        )

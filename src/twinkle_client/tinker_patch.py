@@ -1,0 +1,52 @@
+"""What ``init_tinker_client`` changes in the Tinker SDK so that its unchanged ``ServiceClient``
+talks to a ``twinkle server`` as upstream Twinkle's scripts expect:
+
+- any API key is sent as it is: the SDK refuses a key without its ``tml-`` prefix before a
+  request leaves, while a ``twinkle server`` started without keys takes any token (upstream's
+  default ``EMPTY_TOKEN`` included), and one started with keys answers 401 to a wrong one;
+- a sampler may be made from a ``twinkle://`` path (the SDK accepts only ``tinker://``): it is
+  the same checkpoint, so it is sent as its ``tinker://`` form.
+
+Both are changes to the SDK's classes, made once; calling it again changes nothing."""
+
+import functools
+import math
+from typing import Any
+
+_DONE = False
+TWINKLE, TINKER = "twinkle://", "tinker://"
+
+
+def as_tinker_path(path: str | None) -> str | None:
+    """``twinkle://x`` as ``tinker://x``; any other value unchanged."""
+    if isinstance(path, str) and path.startswith(TWINKLE):
+        return TINKER + path[len(TWINKLE) :]
+    return path
+
+
+def patch_tinker() -> None:
+    global _DONE
+    if _DONE:
+        return
+    from tinker.lib import _auth_token_provider, internal_client_holder
+
+    provider = _auth_token_provider.ApiKeyAuthProvider
+
+    def any_key(self: Any, api_key: str) -> None:
+        self._token = api_key
+        self._expires_at = (
+            math.inf if not api_key.startswith("eyJ") else _auth_token_provider._credential_expiry(api_key)
+        )
+
+    provider.__init__ = any_key
+    holder = internal_client_holder.InternalClientHolder
+    original = holder._create_sampling_session
+
+    @functools.wraps(original)
+    async def sampling_session(
+        self: Any, model_path: str | None = None, base_model: str | None = None
+    ) -> str:
+        return await original(self, as_tinker_path(model_path), base_model)
+
+    holder._create_sampling_session = sampling_session
+    _DONE = True

@@ -1,0 +1,180 @@
+"""Client scripts of the shapes of upstream's client cookbooks (SFT with gradient accumulation,
+DPO with the reference from ``disable_lora``, GRPO with advantages and the sampler's log-probs,
+sampling), run through ``twinkle_client`` against a server without keys (upstream's default
+``EMPTY_TOKEN``), each checked against the same steps computed in-process.
+
+The bound: the server and the local model compute the same sums of fp32 terms, in orders that
+may differ (the server's loss is ``C(logp)`` chained through ``-sum(w * logp)``; padding and
+row order differ). Reordering a sum of ``n`` terms moves it by at most ``n * eps * sum|terms|``;
+here ``n`` is at most the batch's tokens times the hidden size (64 x 64), so a loss or a
+gradient entry of size ~1 moves by ~``4096 * 1.2e-7 ~ 5e-4`` relative in the worst case, and by
+``sqrt(n) * eps ~ 1e-5`` in the usual random-walk case, which is the bound taken (on the loss,
+relative; on the adapter, absolute after steps of ``lr = 1e-2``, whose Adam updates are of size
+``lr``)."""
+
+import numpy as np
+import pytest
+import torch
+from peft import LoraConfig
+from serving import Running, free_port
+
+from twinkle.model import MultiLoraTransformersModel as LocalModel
+
+EPS_BOUND = 1e-5
+LR = 1e-2
+PAIRS = [  # [chosen, rejected] of two prompts: labels on the answer only
+    {"input_ids": [5, 6, 7, 8, 9], "labels": [-100, -100, 7, 8, 9]},
+    {"input_ids": [5, 6, 17, 18], "labels": [-100, -100, 17, 18]},
+    {"input_ids": [11, 12, 13, 14, 15], "labels": [-100, -100, -100, 14, 15]},
+    {"input_ids": [11, 12, 13, 24, 25, 26], "labels": [-100, -100, -100, 24, 25, 26]},
+]
+
+
+@pytest.fixture
+def keyless(tiny_model_dir, tmp_path):
+    from twinkle.server import ServerConfig, create_app
+    from twinkle.server.config import keyless_keys
+    from twinkle.server.state import Limits
+
+    torch.manual_seed(0)
+    config = ServerConfig(
+        model_id=str(tiny_model_dir),
+        max_loras=4,
+        max_r=8,
+        output_dir=tmp_path / "srv",
+        keys=keyless_keys("127.0.0.1", Limits()),
+        keyless=True,
+    )
+    running = Running(create_app(config), free_port())
+    yield running
+    running.stop()
+
+
+def _client(server):
+    import twinkle
+
+    return twinkle.init_twinkle_client(base_url=server.url, api_key="EMPTY_TOKEN")
+
+
+def _local(tiny_model_dir, adapter: str, loss: str, gas: int = 1, **loss_args) -> LocalModel:
+    model = LocalModel(str(tiny_model_dir), max_loras=2, max_r=8)
+    config = LoraConfig(r=4, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear")
+    model.add_adapter_to_model(adapter, config, gradient_accumulation_steps=gas)
+    model.set_loss(loss, adapter_name=adapter, **loss_args)
+    model.set_optimizer("AdamW", lr=LR, adapter_name=adapter)
+    return model
+
+
+def _adapter(server, remote) -> tuple[str, dict]:
+    s = server.app.state.server
+    run = s.registry.runs[remote.run.model_id]
+    return run.adapter, s.engine.core.adapter_state(run.adapter)
+
+
+def _same_adapter(actual: dict, expected: dict) -> None:
+    assert actual.keys() == expected.keys()
+    for k, v in expected.items():
+        torch.testing.assert_close(actual[k], v, atol=EPS_BOUND, rtol=0, msg=lambda m, k=k: f"{k}: {m}")
+
+
+def test_sft_with_accumulation_matches_in_process(keyless, tiny_model_dir):
+    from twinkle_client.model import MultiLoraTransformersModel
+
+    _client(keyless)
+    model = MultiLoraTransformersModel(model_id=str(tiny_model_dir))
+    model.add_adapter_to_model("default", LoraConfig(r=4), gradient_accumulation_steps=2)
+    model.set_optimizer("AdamW", lr=LR)
+    micro = [PAIRS[:2], PAIRS[2:], PAIRS[1:3], PAIRS[:1]]
+    remote_losses, stepped = [], []
+    for rows in micro:
+        remote_losses.append(float(model.forward_backward(inputs=rows)))
+        stepped.append(model.clip_grad_and_step(max_grad_norm=0.0))
+    assert stepped == [False, True, False, True]  # gradient_accumulation_steps=2 is honoured
+    name, state = _adapter(keyless, model.adapters["default"])
+    local = _local(tiny_model_dir, name, "CrossEntropyLoss", gas=2)
+    local_losses = []
+    for rows in micro:
+        local_losses.append(float(local.forward_backward(inputs=rows, adapter_name=name)))
+        local.clip_grad_and_step(max_grad_norm=0.0, adapter_name=name)
+    np.testing.assert_allclose(remote_losses, local_losses, rtol=EPS_BOUND, atol=0)
+    _same_adapter(state, local.slots.export(name))
+    assert model.calculate_metric(is_training=True).result["lr"] == LR
+
+
+def test_dpo_with_reference_from_disable_lora_matches_in_process(keyless, tiny_model_dir):
+    from twinkle_client.model import MultiLoraTransformersModel
+
+    _client(keyless)
+    model = MultiLoraTransformersModel()
+    model.add_adapter_to_model("default", LoraConfig(r=4))
+    model.set_loss("DPOLoss", beta=0.1, sft_weight=0.5)
+    model.set_optimizer("AdamW", lr=LR)
+    remote = []
+    for _ in range(2):
+        ref = model.forward_only(inputs=PAIRS, disable_lora=True)
+        remote.append(float(model.forward_backward(inputs=PAIRS, ref_outputs=ref.result)))
+        assert model.clip_grad_and_step(max_grad_norm=0.0)
+    name, state = _adapter(keyless, model.adapters["default"])
+    local = _local(tiny_model_dir, name, "DPOLoss", beta=0.1, sft_weight=0.5)
+    expected = []
+    for _ in range(2):
+        ref = local.forward_only(inputs=PAIRS, adapter_name=name, disable_lora=True)
+        expected.append(float(local.forward_backward(inputs=PAIRS, adapter_name=name, ref_outputs=ref)))
+        local.clip_grad_and_step(max_grad_norm=0.0, adapter_name=name)
+    np.testing.assert_allclose(remote, expected, rtol=EPS_BOUND, atol=0)
+    _same_adapter(state, local.slots.export(name))
+    # the reference is the base model's: after training, it differs from the adapter's log-probs
+    after = model.forward_only(inputs=PAIRS).result["logps"]
+    base = model.forward_only(inputs=PAIRS, disable_lora=True).result["logps"]
+    torch.testing.assert_close(base, ref_logps_of(local, name), atol=EPS_BOUND, rtol=0)
+    assert not torch.allclose(after, base)
+
+
+def ref_logps_of(local: LocalModel, name: str) -> torch.Tensor:
+    return local.forward_only(inputs=PAIRS, adapter_name=name, disable_lora=True)["logps"]
+
+
+def test_grpo_with_sampled_rows_matches_in_process(keyless, tiny_model_dir):
+    from twinkle_client.model import MultiLoraTransformersModel
+    from twinkle_client.sampler import vLLMSampler
+
+    _client(keyless)
+    model = MultiLoraTransformersModel()
+    model.add_adapter_to_model("default", LoraConfig(r=4))
+    model.set_loss("GRPOLoss", epsilon=0.2, beta=0.0)
+    model.set_optimizer("AdamW", lr=LR)
+    sampler = vLLMSampler()
+    uri = model.save(name="for-sampler", is_sampler=True).twinkle_path
+    assert uri.startswith("twinkle://")
+    params = {"max_tokens": 4, "temperature": 1.0, "num_samples": 2, "seed": 3, "logprobs": 1}
+    responses = sampler.sample(inputs=[{"input_ids": [5, 6, 7]}], sampling_params=params, adapter_uri=uri)
+    rows = [seq.new_input_feature for seq in responses[0].sequences]
+    old = [[lp[0][1] for lp in seq.logprobs] for seq in responses[0].sequences]
+    advantages = [1.0, -1.0]
+    loss = float(model.forward_backward(inputs=rows, advantages=advantages, old_logps=old))
+    assert model.clip_grad_and_step(max_grad_norm=0.0)
+    name, state = _adapter(keyless, model.adapters["default"])
+    local = _local(tiny_model_dir, name, "GRPOLoss", epsilon=0.2, beta=0.0)
+    expected = float(
+        local.forward_backward(inputs=rows, adapter_name=name, advantages=advantages, old_logps=old)
+    )
+    local.clip_grad_and_step(max_grad_norm=0.0, adapter_name=name)
+    np.testing.assert_allclose(loss, expected, rtol=EPS_BOUND, atol=EPS_BOUND)
+    _same_adapter(state, local.slots.export(name))
+
+
+def test_misread_keywords_are_refused(keyless):
+    from twinkle_client.model import MultiLoraTransformersModel
+
+    _client(keyless)
+    model = MultiLoraTransformersModel()
+    model.add_adapter_to_model("default", LoraConfig(r=4))
+    with pytest.raises(ValueError, match="CrossEntropyLoss does not read ref_logps"):
+        model.forward_backward(inputs=PAIRS, ref_outputs={"logps": torch.zeros(4, 6)})
+    with pytest.raises(ValueError, match="does not read advantages, old_logps"):
+        model.forward_backward(inputs=PAIRS, advantages=[1.0] * 4, old_logps=[[0.0]] * 4)
+    model.set_loss("GRPOLoss")
+    with pytest.raises(ValueError, match="GRPOLoss needs advantages, old_logps"):
+        model.forward_backward(inputs=PAIRS)
+    with pytest.raises(ValueError, match="save_dir"):
+        model.add_adapter_to_model("other", LoraConfig(r=4), save_dir="/tmp/x")
