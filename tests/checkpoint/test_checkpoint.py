@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 import warm
+from batches import padded_batches
 from safetensors.torch import load_file
 from tolerances import adamw_weight_atol, chain_tolerances, tiny_batch_sums
 
@@ -70,7 +71,7 @@ def test_peft_loads_the_adapter(checkpoint, dataset, tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
     model, path = checkpoint
-    batch = next(iter(DataLoader(dataset, batch_size=4)))
+    batch = next(iter(padded_batches(dataset, batch_size=4)))
     inputs = {k: batch[k] for k in ("input_ids", "attention_mask")}
     peft_model = PeftModel.from_pretrained(
         AutoModelForCausalLM.from_pretrained(str(tiny_model_dir)), str(path)

@@ -6,6 +6,7 @@ import json
 import re
 
 import pytest
+from batches import padded_batches
 from shared_data import build_dataset
 
 from twinkle.cli.main import main
@@ -87,7 +88,7 @@ def test_eval_rebuilds_the_recorded_loss_with_its_arguments(tiny_model_dir, make
     """The checkpoint records the loss's class and arguments (here a label left out of the loss);
     ``twinkle eval`` rebuilds that loss, so it prints the model's own metrics under it."""
     model = make_model(init_lora_weights=False)
-    labels = next(iter(DataLoader(dataset=build_dataset(tiny_model_dir, 8), batch_size=8)))["labels"]
+    labels = next(iter(padded_batches(build_dataset(tiny_model_dir, 8), batch_size=8)))["labels"]
     common = int(labels[labels != -100].mode().values)  # the most frequent label: it moves the loss
     default = _own_metrics(model, tiny_model_dir)
     model.set_loss("CrossEntropyLoss", ignore_index=common, reduction="sum")

@@ -173,7 +173,7 @@ def test_replay_keeps_general_answers_close_to_the_base_model(habit_model_dir, t
         ],
     )
     fill = SelfCognitionProcessor("Twinkle", "Acme")
-    filled = [fill(row)["messages"] for row in identity]
+    filled = [fill.preprocess(row)["messages"] for row in identity]
     ident = _sequences(tokenizer, template, [(m[1]["content"], m[2]["content"]) for m in filled])
     base_general, base_ident = _log_probs(base, general), _log_probs(base, ident)
 

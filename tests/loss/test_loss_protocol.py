@@ -8,12 +8,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers
+from batches import padded_batches
 from tiny import TINY_LLAMA_SHAPE
 from tolerances import chain_tolerances, tiny_batch_sums, tiny_llama_sums
 
 import twinkle.loss.liger_fused_linear_cross_entropy as liger_module
 import twinkle.model.transformers_model as tm
-from twinkle.dataloader import DataLoader
 from twinkle.loss import (
     LOSSES,
     CrossEntropyLoss,
@@ -95,7 +95,7 @@ def test_token_weighted_ce_weighs_each_supervised_token(tied):
 def test_token_weighted_ce_trains_through_the_model(make_model, dataset):
     model = make_model()
     model.set_loss(TokenWeightedCrossEntropyLoss)
-    batch = next(iter(DataLoader(dataset, batch_size=2)))
+    batch = next(iter(padded_batches(dataset, batch_size=2)))
     with pytest.raises(UserError, match=r"needs the batch tensor\(s\) \['loss_weights'\]; add them"):
         model.forward_backward(inputs=batch)
     weighted = dict(batch, loss_weights=torch.zeros(batch["labels"].shape))
@@ -136,7 +136,7 @@ def test_fused_lm_ce_swap_is_logged(make_model, dataset, monkeypatch):
     logged = []
     monkeypatch.setattr(tm.logger, "info", lambda msg, *args, **kw: logged.append(msg % args))
     model = make_model()
-    batch = next(iter(DataLoader(dataset, batch_size=2)))
+    batch = next(iter(padded_batches(dataset, batch_size=2)))
     model.forward_backward(inputs=batch, task="fused_lm_ce")
     assert isinstance(model.optimizer_group["default"].loss_fn, FusedLinearCrossEntropyLoss)
     assert [m for m in logged if "replaced by FusedLinearCrossEntropyLoss" in m] == [

@@ -6,9 +6,9 @@ position's target, -100 where none) and ``outputs["logits"]``/``["logps"]``."""
 import pytest
 import torch
 import torch.nn.functional as F
+from batches import padded_batches
 from tolerances import UNIT_ROUNDOFF, assert_within, chain_tolerances, tiny_batch_sums
 
-from twinkle.dataloader import DataLoader
 from twinkle.loss import (
     ChunkedCrossEntropyLoss,
     CrossEntropyLoss,
@@ -244,7 +244,7 @@ def _mean_ce(inputs, outputs):
     ids=["instance", "class", "chunked", "callable-sum", "callable-mean"],
 )
 def test_set_loss_takes_classes_instances_and_callables(make_model, dataset, loss_cls, kwargs, exact):
-    batches = list(DataLoader(dataset, batch_size=4))[:2]
+    batches = list(padded_batches(dataset, batch_size=4))[:2]
     reference, model = make_model(init_lora_weights=False), make_model(init_lora_weights=False)
     model.set_loss(loss_cls, **kwargs)
     first_grads = _first_step_grads(reference)
@@ -308,7 +308,7 @@ def _assert_same_first_step(model, reference, grads: dict, batch, exact: bool) -
 
 
 def test_losses_the_model_cannot_run_say_so(make_model, dataset):
-    batch = next(iter(DataLoader(dataset, batch_size=2)))
+    batch = next(iter(padded_batches(dataset, batch_size=2)))
     model = make_model()
     model.set_loss(MSELoss)
     with pytest.raises(

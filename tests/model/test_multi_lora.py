@@ -8,11 +8,11 @@ import json
 
 import pytest
 import torch
+from batches import padded_batches
 from peft import LoraConfig, PeftModel, set_peft_model_state_dict
 from tolerances import probable_gamma, tiny_batch_sums
 from transformers import AutoModelForCausalLM
 
-from twinkle.dataloader import DataLoader
 from twinkle.loss.cross_entropy import target_logps
 from twinkle.model import MultiLoraTransformersModel, TransformersModel
 from twinkle.model.forward import causal_lm_of
@@ -96,7 +96,7 @@ def label_logps(logits: torch.Tensor, batch) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def batches(dataset):
-    return list(DataLoader(dataset, batch_size=2))[:STEPS]
+    return list(padded_batches(dataset, batch_size=2))[:STEPS]
 
 
 @pytest.fixture(scope="module")
@@ -232,7 +232,7 @@ def test_mixed_adapter_batch_equals_each_row_alone(dataset, interleaved, native,
     real = lora_modes.add_segments
     monkeypatch.setattr(lora_modes, "add_segments", lambda *args: taken.append(real(*args)) or taken[-1])
     model, _ = interleaved
-    batch = next(iter(DataLoader(dataset, batch_size=4)))
+    batch = next(iter(padded_batches(dataset, batch_size=4)))
     with switched({"TWINKLE_NATIVE_LORA_SEGMENTS": native}):
         mixed = _assert_each_row_alone(model, batch, ["a", "b", None, "a"])
     assert not torch.equal(mixed[0], mixed[2])  # the adapters change the rows they run on
@@ -243,7 +243,7 @@ def test_consecutive_rows_of_one_adapter_hold_their_prefix_once(dataset, interle
     """Rows of one adapter next to each other share their prefix (the chat markup every row starts
     with), held once per adapter: fewer tokens in the row, each row's log-probs as alone."""
     model, _ = interleaved
-    batch = next(iter(DataLoader(dataset, batch_size=6)))
+    batch = next(iter(padded_batches(dataset, batch_size=6)))
     names = ["a", "a", "b", "b", None, None]
     segments = pack(batch, share_prefix=names)["twinkle_segments"]
     assert len(segments.blocks) == 3 and all(n > 0 for _, n, _ in segments.blocks)
@@ -260,7 +260,7 @@ def test_mixed_adapter_batch_runs_packed(dataset, interleaved):
     from peft.tuners.lora import LoraLayer
 
     model, _ = interleaved
-    batch = next(iter(DataLoader(dataset, batch_size=4)))
+    batch = next(iter(padded_batches(dataset, batch_size=4)))
     layer = next(m for m in model.model.modules() if isinstance(m, LoraLayer))
     seen = []
     hook = layer.register_forward_pre_hook(lambda module, args: seen.append(tuple(args[0].shape[:-1])))

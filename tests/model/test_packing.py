@@ -3,10 +3,10 @@
 import pytest
 import torch
 import torch.nn.functional as F
+from batches import padded_batches
 from tolerances import attention_sums, chain_tolerances, rounding_tolerances, tiny_batch_sums
 
 import twinkle.model.packing as packing
-from twinkle.dataloader import DataLoader
 from twinkle.kernel import set_switches
 from twinkle.kernel.attention.packed import Segments, segment_attention
 from twinkle.model.packing import pack
@@ -26,7 +26,7 @@ def _loss_and_grads(make_model, batch, padding_free: bool):
 @pytest.mark.parametrize("choice", ["off", "always"])  # flash calls per sample, batched products
 def test_packed_equals_padded(make_model, dataset, monkeypatch, share_prefix, choice):
     set_switches({"TWINKLE_BATCHED_ATTENTION": choice})
-    batch = next(iter(DataLoader(dataset, batch_size=4)))
+    batch = next(iter(padded_batches(dataset, batch_size=4)))
     lengths = batch["attention_mask"].sum(1)
     assert lengths.min() < lengths.max()  # the batch really has padding
     layout = pack(batch)["twinkle_segments"]
@@ -43,7 +43,7 @@ def test_a_scored_shared_prefix_runs_once_and_is_scored_for_every_sample(make_mo
     """Every position labelled (as a Tinker datum is): the shared prefix still runs once, and
     its positions are scored for each sample, in the padded batch's row-major order: the loss,
     the gradients and each label's log-probability equal the padded batch's."""
-    batch = next(iter(DataLoader(dataset, batch_size=4)))
+    batch = next(iter(padded_batches(dataset, batch_size=4)))
     labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, IGNORE)
     batch["labels"] = labels.clone()
     batch["labels"][:, 0] = IGNORE
@@ -297,7 +297,7 @@ def test_bf16_segment_attention_runs_in_fp32_on_cpu(prefix):
 def test_padded_forward_is_unchanged_after_packing(make_model, dataset):
     """The wrapped attention is the model's own without segments (evaluation, generation)."""
     model = make_model(init_lora_weights=False)
-    batch = next(iter(DataLoader(dataset, batch_size=4)))
+    batch = next(iter(padded_batches(dataset, batch_size=4)))
     inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids")}
     before = model.model(**inputs).logits
     name = model.model.config._attn_implementation
@@ -337,7 +337,7 @@ def test_attention_lora_node_on_a_packed_batch(make_model, dataset, monkeypatch,
     from twinkle.kernel.lora import qkv as lora_qkv
 
     set_switches({"TWINKLE_BATCHED_ATTENTION": choice})
-    batch = next(iter(DataLoader(dataset, batch_size=4)))
+    batch = next(iter(padded_batches(dataset, batch_size=4)))
     calls = []
     real = lora_qkv._LoraQKV.apply
     monkeypatch.setattr(lora_qkv._LoraQKV, "apply", lambda *a: calls.append(1) or real(*a))

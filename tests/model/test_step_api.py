@@ -7,9 +7,9 @@ import math
 
 import pytest
 import torch
+from batches import padded_batches
 from tolerances import gamma
 
-from twinkle.dataloader import DataLoader
 from twinkle.template.base import IGNORE_INDEX
 from twinkle.utils.errors import UserError
 
@@ -37,7 +37,7 @@ def test_clip_grad_and_step_is_the_fine_grained_calls_composed(make_model, datas
     the caller's arguments, and no lr_step when the step is skipped (a NaN/inf gradient, no
     supervised token): the schedule follows the optimizer steps, and ``grad_norm`` is the stepped
     window's norm."""
-    b0, b1, b2, b3 = list(DataLoader(dataset, batch_size=4))[:4]
+    b0, b1, b2, b3 = list(padded_batches(dataset, batch_size=4))[:4]
     no_tokens = {**b2, "labels": torch.full_like(b2["labels"], IGNORE_INDEX)}
     model = make_model(gradient_accumulation_steps=2)
     model.set_lr_scheduler("CosineWarmupScheduler", num_warmup_steps=1, num_training_steps=8)
@@ -69,7 +69,7 @@ def test_clip_grad_and_step_is_the_fine_grained_calls_composed(make_model, datas
 
 
 def test_clip_grad_norm_takes_the_norm_type(make_model, dataset):
-    batch = next(iter(DataLoader(dataset, batch_size=4)))
+    batch = next(iter(padded_batches(dataset, batch_size=4)))
     model = make_model(init_lora_weights=False)
     model.forward_backward(inputs=batch)
     grads = [p.grad.clone() for p in model.optimizer_group["default"].optimizer.copies if p.grad is not None]

@@ -4,9 +4,9 @@ import math
 
 import pytest
 import torch
+from batches import padded_batches
 from tolerances import chain_tolerances, tiny_batch_sums
 
-from twinkle.dataloader import DataLoader
 from twinkle.kernel import cpu_gemm as gemm
 from twinkle.kernel import registry, set_switches
 from twinkle.template.base import IGNORE_INDEX
@@ -57,7 +57,7 @@ def assert_same_grads(actual: dict, expected: dict, batch) -> None:
 
 def test_optimizer_steps_after_exactly_the_accumulation_window(make_model, dataset):
     model = make_model(gradient_accumulation_steps=2)
-    dataloader = DataLoader(dataset, batch_size=4)
+    dataloader = padded_batches(dataset, batch_size=4)
     assert len(dataloader) == 5  # two full windows, then a partial one at the end of the data
     model.set_lr_scheduler("CosineWarmupScheduler", num_warmup_steps=1, num_training_steps=len(dataloader))
     group = model.optimizer_group["default"]
@@ -80,8 +80,8 @@ def test_optimizer_steps_after_exactly_the_accumulation_window(make_model, datas
 
 def test_window_gradient_is_the_mean_over_all_its_supervised_tokens(make_model, dataset):
     """Two micro-batches with different token counts give the gradient of ONE mean loss over both."""
-    halves = list(DataLoader(dataset, batch_size=2))[:2]
-    whole = next(iter(DataLoader(dataset, batch_size=4)))  # the same four rows, padded together
+    halves = list(padded_batches(dataset, batch_size=2))[:2]
+    whole = next(iter(padded_batches(dataset, batch_size=4)))  # the same four rows, padded together
     assert supervised_tokens(halves[0]) != supervised_tokens(halves[1])
 
     accumulated = make_model(gradient_accumulation_steps=2, init_lora_weights=False)
@@ -110,7 +110,7 @@ def test_schedule_horizon_is_the_data_whatever_the_accumulation(
     make_model, dataset, scheduler, expected_factors
 ):
     model = make_model(gradient_accumulation_steps=2)
-    dataloader = DataLoader(dataset, batch_size=4)
+    dataloader = padded_batches(dataset, batch_size=4)
     model.set_lr_scheduler(scheduler, num_warmup_steps=0, num_training_steps=len(dataloader))
     lrs = []
     for batch in dataloader:
@@ -125,7 +125,7 @@ def test_schedule_horizon_is_the_data_whatever_the_accumulation(
 def test_training_metrics_are_numbers(make_model, dataset):
     model = make_model()
     model.set_lr_scheduler("CosineWarmupScheduler", num_warmup_steps=1, num_training_steps=2)
-    batches = list(DataLoader(dataset, batch_size=4))[:2]
+    batches = list(padded_batches(dataset, batch_size=4))[:2]
     losses = []
     for batch in batches:
         losses.append(model.forward_backward(inputs=batch))
@@ -146,7 +146,7 @@ def test_training_metrics_are_numbers(make_model, dataset):
 def test_eval_metrics(make_model, dataset):
     model = make_model()
     before = lora_weights(model)
-    for batch in DataLoader(dataset, batch_size=8):
+    for batch in padded_batches(dataset, batch_size=8):
         model.forward_only(inputs=batch)
         assert math.isfinite(model.calculate_loss())
     metric = model.calculate_metric(is_training=False)
@@ -159,7 +159,7 @@ def test_eval_metrics(make_model, dataset):
 
 def test_forward_only_evaluates_and_forward_backward_trains_again(make_model, dataset):
     model = make_model()
-    batch = next(iter(DataLoader(dataset, batch_size=2)))
+    batch = next(iter(padded_batches(dataset, batch_size=2)))
     model.forward_backward(inputs=batch)
     assert all(m.training for m in model.model.modules())
     model.forward_only(inputs=batch)
@@ -170,7 +170,7 @@ def test_forward_only_evaluates_and_forward_backward_trains_again(make_model, da
 
 def test_forward_backward_trains_again_after_the_script_calls_eval(make_model, dataset):
     model = make_model()
-    batch = next(iter(DataLoader(dataset, batch_size=2)))
+    batch = next(iter(padded_batches(dataset, batch_size=2)))
     model.forward_backward(inputs=batch)
     model.model.eval()  # the script's own evaluation, not forward_only
     model.forward_backward(inputs=batch)
@@ -181,14 +181,14 @@ def test_calculate_loss_needs_forward_only(make_model, dataset):
     model = make_model()
     with pytest.raises(UserError, match="forward_only"):
         model.calculate_loss()
-    model.forward_only(inputs=next(iter(DataLoader(dataset, batch_size=2))))
+    model.forward_only(inputs=next(iter(padded_batches(dataset, batch_size=2))))
     model.calculate_loss()
     with pytest.raises(UserError, match="forward_only"):  # each forward is recorded once
         model.calculate_loss()
 
 
 def test_training_lowers_the_loss(make_model, dataset):
-    batch = next(iter(DataLoader(dataset, batch_size=8)))
+    batch = next(iter(padded_batches(dataset, batch_size=8)))
     model = make_model(lr=LR)
     losses = []
     for _ in range(30):
@@ -203,7 +203,7 @@ def test_training_lowers_the_loss(make_model, dataset):
     [(None, None), ("LigerFusedLinearCrossEntropyLoss", "sum"), ("FusedLinearCrossEntropyLoss", "mean")],
 )
 def test_fused_task_matches_causal_lm(make_model, dataset, loss_name, reduction):
-    batch = next(iter(DataLoader(dataset, batch_size=4)))
+    batch = next(iter(padded_batches(dataset, batch_size=4)))
     results = []
     for task in ("causal_lm", "fused_lm_ce"):
         model = make_model(init_lora_weights=False)
@@ -223,7 +223,7 @@ def test_fused_task_matches_causal_lm(make_model, dataset, loss_name, reduction)
 
 def test_unknown_task_and_loss(make_model, dataset):
     model = make_model()
-    batch = next(iter(DataLoader(dataset, batch_size=2)))
+    batch = next(iter(padded_batches(dataset, batch_size=2)))
     with pytest.raises(UserError) as err:
         model.forward_backward(inputs=batch, task="seq_cls")
     assert "causal_lm" in str(err.value) and "fused_lm_ce" in str(err.value)
@@ -254,7 +254,7 @@ def test_dtype_flag_sets_the_base_weights_and_keeps_lora_fp32(
     original = lora_linear._LoraLinear.apply
     monkeypatch.setattr(lora_linear._LoraLinear, "apply", lambda *a: fused.append(1) or original(*a))
     before = lora_weights(model)
-    batch = next(iter(DataLoader(dataset=dataset, batch_size=4)))
+    batch = next(iter(padded_batches(dataset, batch_size=4)))
     loss = model.forward_backward(inputs=batch)
     model.clip_grad_and_step()
     assert math.isfinite(float(loss)) and fused  # the one-node LoRA ran, in both dtypes
@@ -275,7 +275,7 @@ def test_a_cpu_model_packs_its_frozen_weights_and_trains_the_same(make_model, da
     set_switches({"TWINKLE_ONEDNN": "1"})  # every shape to oneDNN, whichever is faster here
     registry.forget()
     monkeypatch.setattr(gemm, "_packed", {})
-    batches = list(DataLoader(dataset, batch_size=4))[:3]
+    batches = list(padded_batches(dataset, batch_size=4))[:3]
     model = make_model()
     linears = [m.weight for m in model.model.modules() if isinstance(m, torch.nn.Linear)]
     frozen = [w for w in linears if not w.requires_grad]

@@ -145,8 +145,13 @@ class Preprocessor:
             f"{type(self).__name__} implements neither preprocess(row, index=None) nor __call__(rows)"
         )
 
-    def __call__(self, rows: dict[str, list]) -> dict[str, list]:
+    def __call__(self, rows: dict[str, list], index: int | None = None) -> Any:
+        """``processor(columns)``: upstream's shape, columns in and out. ``processor(row, index)``
+        (the index given) is one row through ``preprocess``: a row's values may be lists, so
+        without the index a dict is always read as columns."""
         core = row_core(self)
+        if index is not None:
+            return core(rows, index)
         out = [new for row in self.map_col_to_row(rows) if (new := core(row, None)) is not None]
         return self.map_row_to_col(out)
 
