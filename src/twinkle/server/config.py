@@ -125,6 +125,13 @@ def build_parser() -> argparse.ArgumentParser:
         "through the Tinker SDK (ServiceClient(base_url=..., api_key=...)).",
     )
     p.add_argument(
+        "--config",
+        default=None,
+        metavar="FILE",
+        help="upstream's server_config.yaml: host, port, model id, per-key adapter limit, rate, adapter "
+        "timeout (twinkle.server.yaml_config); flags given as well win; an unsupported key is refused by name",
+    )
+    p.add_argument(
         "--model-id", default=None, help="base model (local folder or hub id); default: the bundled model"
     )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
@@ -236,6 +243,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse_args(argv: list[str]) -> ServerConfig:
     args = build_parser().parse_args(argv)
+    if args.config:
+        from twinkle.server.yaml_config import read_config
+
+        flags, inert = read_config(args.config)
+        if inert:
+            print(f"twinkle server: --config keys with no effect here: {', '.join(inert)}", flush=True)
+        args = build_parser().parse_args(flags + list(argv))  # the command line's flags come last and win
     for name in ("port", "max_loras", "max_r", "max_adapters", "max_datums", "max_tokens", "max_queued"):
         if getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
