@@ -71,10 +71,10 @@ def main() -> None:
     together = build(args.model_id, ["a", "b"])
     same_probe = True
     for i, batch in enumerate(batches):
-        together.forward_only(batches[0], adapter_names=["b"] * batches[0]["input_ids"].shape[0])
+        together.forward_only(batches[0], adapter_names=["b"] * len(batches[0]))
         before = together.last_outputs["logps"].clone()
         step(together, "a", batch)
-        together.forward_only(batches[0], adapter_names=["b"] * batches[0]["input_ids"].shape[0])
+        together.forward_only(batches[0], adapter_names=["b"] * len(batches[0]))
         same_probe = same_probe and torch.equal(before, together.last_outputs["logps"])
         step(together, "b", batches[-1 - i])
     diffs = {}

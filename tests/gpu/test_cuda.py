@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from batches import padded_batches
 from nets import TwoLinear
 from peft import LoraConfig, get_peft_model
 
-from twinkle.dataloader import DataLoader
 from twinkle.dataset import Dataset, DatasetMeta
 from twinkle.kernel.lora.linear import FusedLoraLinear, fuse_lora_linears
 from twinkle.model import TransformersModel
@@ -60,7 +60,7 @@ def batch(tiny_model_dir):
     dataset.set_template("Template", model_id=str(tiny_model_dir), max_length=128)
     dataset.map(SelfCognitionProcessor("Twinkle", "Acme"))
     dataset.encode()
-    return next(iter(DataLoader(dataset, batch_size=4)))
+    return next(iter(padded_batches(dataset, batch_size=4)))
 
 
 def test_model_lands_on_the_gpu_in_the_asked_dtype(tiny_model_dir):
