@@ -80,7 +80,7 @@ def test_requests_joining_one_batch_at_different_steps_draw_the_tokens_they_draw
         assert [t for t, _, _ in got] == [t for t, _, _ in want]
         assert [r for _, _, r in got] == [r for _, _, r in want]
         for (_, g, _), (_, w, _) in zip(got, want, strict=True):
-            np.testing.assert_allclose(g, w, rtol=0, atol=1e-5)  # another summation order at most
+            np.testing.assert_allclose(g, w, rtol=0, atol=1e-4)  # another summation order at most
     assert {r for seqs in alone for _, _, r in seqs} == {"stop", "length"}  # both endings were met
 
 

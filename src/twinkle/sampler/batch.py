@@ -15,8 +15,9 @@ run's by the summation order of a wider product at most.
 The KV rows (``BatchCache``) are right-aligned in one buffer per layer, the columns before a
 row's first position padding that the attention mask hides; each row keeps its own positions.
 Columns that are padding in every row are dropped when rows leave, so a batch that never empties
-is no wider than the longest request in it. A step that fails fails every request in the batch
-(the batch starts empty again): their rows were in the same forward."""
+is no wider than the longest request in it. A prefill that fails fails its request alone; a step
+that fails fails every request in the batch (the batch starts empty again): their rows were in
+the same forward."""
 
 import collections
 import time
@@ -134,8 +135,10 @@ class DecodeBatch:
     # ------------------------------------------------------------------ requests
     def add(self, adapter: str, prompt: list[int], params: SamplingParams, seed: int) -> Stream:
         """A request that joins at the next chunk (``run``)."""
-        if params.repetition_penalty != 1 or params.prompt_logprobs is not None:
-            raise UserError("a shared decoding batch takes no repetition_penalty and no prompt_logprobs")
+        if params.repetition_penalty != 1 or params.prompt_logprobs is not None or params.max_tokens == 0:
+            raise UserError(
+                "a shared decoding batch generates: no repetition_penalty, prompt_logprobs or max_tokens=0"
+            )
         if self.limit is not None and len(prompt) + 1 > self.limit:
             raise UserError(
                 f"the prompt has {len(prompt)} tokens, but the model takes at most {self.limit} positions"
@@ -173,7 +176,11 @@ class DecodeBatch:
         try:
             with torch.no_grad(), self.adapters.session():
                 while self.pending:
-                    self._admit(self.pending.popleft())
+                    stream = self.pending.popleft()
+                    try:
+                        self._admit(stream)
+                    except Exception as exc:  # noqa: BLE001 (its prefill ran alone: it fails alone)
+                        stream.error, stream.done = exc, True
                 while self.streams:
                     start, present = time.perf_counter(), list(self.streams)
                     self._step()

@@ -6,11 +6,13 @@ request's prefill, and every step of a batch whose rows all share an adapter, is
 sample's computation. ``rows(runs)`` gives each LoRA layer a forward for the step (an instance
 attribute, removed afterwards) that computes the frozen product once for every row and then each
 adapter's rank-r product on its own rows only (segmented LoRA, as S-LoRA and Punica serve many
-adapters). A run's product is the one a lone sample computes for those rows (the same module
-forwards on the same number of rows, added the same way), so a row's output differs from its
-lone run's only by the summation order of the wider frozen product. Each layer adds only the
-runs of adapters that target it: a slot is zero elsewhere and a lone sample runs no adapter
-there. The layers' active adapters are emptied meanwhile, so no fused node takes the call, and
+adapters). Where several adapters meet in a layer, their products go to one call of call op
+``lora_segments`` (``twinkle.kernel.lora.segments``: fp32 CPU tensors; two library calls per
+adapter and layer would cost more than their arithmetic), another summation order than a lone
+sample's; elsewhere a run's product is the lone sample's own (the same module forwards on the
+same rows, added the same way). Either way a row's output differs from its lone run's by
+summation order at most. Each layer adds only the runs of adapters that target it: a slot is
+zero elsewhere and a lone sample runs no adapter there. The layers' active adapters are emptied meanwhile, so no fused node takes the call, and
 put back afterwards: training between decoding chunks finds them as it left them."""
 
 import contextlib
@@ -19,6 +21,7 @@ from typing import Any
 
 import torch
 
+from twinkle.kernel.lora.segments import add_segments
 from twinkle.model.adapters import set_active
 from twinkle.model.forward import causal_lm_of
 from twinkle.sampler import linears
@@ -60,7 +63,7 @@ class SlotRowAdapters:
         targets = {name: set(table.targets[name]) for _, _, name in runs}
         saved = []
         for key, layer in table.layers.items():
-            mine = [(s, e, table.holder[n]) for s, e, n in runs if key in targets[n]]
+            mine = [(s, e, table.holder[n], table.ranks[n]) for s, e, n in runs if key in targets[n]]
             saved.append((layer, layer.active_adapters))
             layer.forward = _rows_forward(layer, mine)  # an instance attribute, removed below
             set_active(layer, [])
@@ -72,16 +75,25 @@ class SlotRowAdapters:
                 set_active(layer, active)
 
 
-def _rows_forward(layer: Any, runs: list[tuple[int, int, str]]) -> Any:
+def _rows_forward(layer: Any, runs: list[tuple[int, int, str, int]]) -> Any:
     """``layer``'s forward for one decoding step: its base layer's forward on every row, plus each
-    run's ``scaling * B(A(x))`` on the run's rows (the slot's modules' own forwards)."""
+    run ``(start, end, slot, rank)``'s ``scaling * B(A(x))`` on the run's rows: all runs in one
+    ``add_segments`` call where there are several and it takes them, else the slot's modules' own
+    forwards run by run."""
     base = layer.base_layer
 
     def forward(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         out = base.forward(x)
         flat_x = x.reshape(-1, x.shape[-1])
         flat = out.reshape(-1, out.shape[-1])
-        for start, end, slot in runs:
+        if len(runs) > 1:
+            weights = [
+                (s, e, layer.lora_A[slot].weight[:r], layer.lora_B[slot].weight[:, :r], layer.scaling[slot])
+                for s, e, slot, r in runs
+            ]
+            if add_segments(flat, flat_x.contiguous(), weights):
+                return flat.view(out.shape)
+        for start, end, slot, _ in runs:
             lora_a, lora_b = layer.lora_A[slot], layer.lora_B[slot]
             low = lora_a.forward(flat_x[start:end].to(lora_a.weight.dtype))
             flat[start:end] += (lora_b.forward(low) * layer.scaling[slot]).to(out.dtype)
