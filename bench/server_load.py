@@ -2,6 +2,7 @@
 
     python bench/server_load.py --tenants 1,4,16 --seconds 60 --out bench/results/server-load-MACHINE-DATE.md
     python bench/server_load.py --model tiny --tenants 1,2 --seconds 5 --out /tmp/load.md   # checks the script
+    python bench/server_load.py --sample-only --tenants 1,4,16 --seconds 60 --out bench/results/server-sampling-MACHINE-DATE.md
 
 For each N of ``--tenants``, a fresh ``twinkle server`` (its own process, started as
 ``bench/server.py`` starts it) with N API keys, ``--max-loras`` ``--slots-per-tenant`` x N,
@@ -20,7 +21,9 @@ one sample), waits for the others, then until ``--seconds`` have passed loops: `
 builds them) and ``optim_step`` (AdamW at 1e-4) make a step; every ``--sample-every`` steps a
 ``sample`` from the sampler saved at the start (``num_samples`` 4, ``max_tokens`` 32, temperature
 1, a seed per call, the prompt of the first bundled row). Each SDK call is timed end to end, from
-the call to its ``.result()``.
+the call to its ``.result()``. With ``--sample-only`` the timed loop only samples, back to back:
+the tenants' samples then meet in the server's shared decoding batch (each row through its own
+tenant's adapter), and sampled tokens/s from 1 to N tenants measures what that batching gains.
 
 Reported per N:
 
@@ -154,7 +157,16 @@ class Tenant(threading.Thread):
 
     def _loop(self, deadline: float) -> None:
         opts, wait, in_a_row = self.opts, self.opts.call_timeout, 0
-        while time.perf_counter() < deadline and in_a_row < MAX_ERRORS:
+        while opts.sample_only and time.perf_counter() < deadline and in_a_row < MAX_ERRORS:
+            seed = opts.seed + 100_000 * self.index + len(self.calls)
+            ok = self._call(
+                "sample",
+                lambda s=seed: self.sampler.sample(self.model_input, opts.num_samples, self.params(s)).result(
+                    timeout=wait
+                ),
+            )
+            in_a_row = 0 if ok else in_a_row + 1
+        while not opts.sample_only and time.perf_counter() < deadline and in_a_row < MAX_ERRORS:
             batch = self.data[(self.index + self.steps) % len(self.data)]
             ok = self._call(
                 "forward_backward",
@@ -665,6 +677,13 @@ def conclusion(results: list[dict], sums: list[dict]) -> str:
             f"({_ratio(st1['per_s'], st0['per_s']):.2f}x) and `forward_backward` p99 {fb0['p99']:.3f} -> "
             f"{fb1['p99']:.3f} s ({_ratio(fb1['p99'], fb0['p99']):.1f}x, {n1 / n0:g}x the tenants)"
         ]
+    sm0, sm1 = first["types"]["sample"], last["types"]["sample"]
+    tok0, tok1 = first["sampled"] / results[0]["wall_s"], last["sampled"] / results[-1]["wall_s"]
+    if n0 != n1:
+        parts.append(
+            f"sampled tokens/s {tok0:,.0f} -> {tok1:,.0f} ({_ratio(tok1, tok0):.2f}x) and `sample` p99 "
+            f"{sm0['p99']:.3f} -> {sm1['p99']:.3f} s (the tenants' samples share one decoding batch)"
+        )
     fair = last["fairness"]
     if fair["during_samples"]["count"] and fair["no_sample"]["count"]:
         parts.append(
@@ -696,22 +715,29 @@ def report(opts, results: list[dict], sums: list[dict], load: tuple[float, float
         command,
         "```",
         "",
-        f"Each tenant: a LoRA run (r 8), steps of `forward_backward` on {opts.batch} W1 rows + `optim_step` "
-        f"(AdamW 1e-4), a sample every {opts.sample_every} steps (`num_samples` {opts.num_samples}, "
-        f"`max_tokens` {opts.max_tokens}, temperature 1) for {opts.seconds:g} s; latency per SDK call "
+        (
+            f"Each tenant: a LoRA run (r 8) and its sampler; samples back to back (`num_samples` "
+            f"{opts.num_samples}, `max_tokens` {opts.max_tokens}, temperature 1) for {opts.seconds:g} s; "
+            if opts.sample_only
+            else f"Each tenant: a LoRA run (r 8), steps of `forward_backward` on {opts.batch} W1 rows + "
+            f"`optim_step` (AdamW 1e-4), a sample every {opts.sample_every} steps (`num_samples` "
+            f"{opts.num_samples}, `max_tokens` {opts.max_tokens}, temperature 1) for {opts.seconds:g} s; "
+        )
+        + "latency per SDK call "
         f"from the call to its `.result()`; `--max-loras` {opts.slots_per_tenant} x tenants, `--rate` "
         f"{opts.rate:g}, `--idle-timeout 0`.",
         "",
         "| tenants | steps/s | fwd_bwd p50 s | fwd_bwd p99 s | sample p50 s | sample p99 s | trained tokens/s "
-        "| lost | queues empty, slots back | RSS growth MiB (second half) |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| sampled tokens/s | lost | queues empty, slots back | RSS growth MiB (second half) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r, s in zip(results, sums, strict=True):
         t = s["types"]
         lines.append(
             f"| {r['tenants']} | {t['step']['per_s']:.2f} | {f3(t['forward_backward']['p50'])} | "
             f"{f3(t['forward_backward']['p99'])} | {f3(t['sample']['p50'])} | {f3(t['sample']['p99'])} | "
-            f"{s['tokens'] / r['wall_s']:,.0f} | {'none' if s['lost']['ok'] else '**yes**'} | "
+            f"{s['tokens'] / r['wall_s']:,.0f} | {s['sampled'] / r['wall_s']:,.0f} | "
+            f"{'none' if s['lost']['ok'] else '**yes**'} | "
             f"{_yes(s['leaked']['queues_empty'] and s['leaked']['slots_back'])} | "
             f"{s['leaked']['rss_growth_mib']:+.0f} ({s['leaked']['rss_late_growth_mib']:+.0f}) |"
         )
@@ -756,6 +782,11 @@ def main() -> None:
     p.add_argument("--rate", type=float, default=1000.0, help="the server's --rate, requests/s per key")
     p.add_argument("--call-timeout", type=float, default=300.0, help="seconds one SDK call may take")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--sample-only",
+        action="store_true",
+        help="the timed loop only samples, back to back (the shared decoding batch's throughput)",
+    )
     p.add_argument("--out", type=Path, required=True, help="the markdown report; the .json beside it")
     opts = p.parse_args()
     counts = sorted({int(x) for x in opts.tenants.split(",") if x.strip()})

@@ -7,7 +7,8 @@ they take and return plain values, so the two placements behave the same. ``Engi
 only the server's process can know about that placement, read without a call to the ranks:
 
 - the model's constants (``vocab``, ``pad_id``, ``context``) and whether sampling on it runs in
-  slices (``sliced``: in this process only);
+  slices (``sliced``: in this process only, where every sample joins the model's shared decoding
+  batch, ``ModelCore.sample_steps``);
 - the adapter slots in use (``add``, ``remove``, ``in_use``; the metrics read them);
 - the sampler group (``--sampler-ranks`` > 0): its own copy of the base model, and the checkpoint
   each of its adapters holds, so ``sample_checkpoint`` sends a checkpoint's LoRA weights there
@@ -39,7 +40,8 @@ class Engine:
         self.vocab, self.pad_id = int(core.vocab), int(core.pad_id)
         context = core.context
         self.context: int | None = None if context is None else int(context)  # the model's positions
-        # sampling on the model in this process runs in slices (``ModelCore.sample_steps``)
+        # sampling on the model in this process runs in slices of one shared decoding batch
+        # (``ModelCore.sample_steps``)
         self.sliced = isinstance(core, ModelCore)
         # the sampler group's adapter of each LoRA rank -> the checkpoint it holds (folder, mtime)
         self.held: dict[str, tuple[str, int]] = {}
