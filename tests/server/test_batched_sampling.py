@@ -174,3 +174,19 @@ def test_two_tenants_sampling_at_once_through_the_server_get_what_each_gets_alon
     together = [ask(*a) for a in asks]
     assert [tokens(f) for f in together] == one_by_one
     assert max(widest) == 2  # the two requests decoded in one batch
+
+
+def test_a_failed_prefill_fails_its_request_alone(tiny_model_dir):
+    core = _core(tiny_model_dir)
+    params = {"max_tokens": 10, "temperature": 0.0}
+    good = core.sample_steps("a", [5, 6, 7], params, 1, 0, slice_seconds=0.0)
+    next(good)
+    bad = core.sample_steps("no-such-adapter", [8, 9], params, 1, 0, slice_seconds=0.0)
+    with pytest.raises(KeyError):
+        next(bad)
+    while True:
+        try:
+            next(good)
+        except StopIteration as end:
+            assert end.value == core.sample("a", [5, 6, 7], params, 1, 0)
+            break
