@@ -87,10 +87,10 @@ class Batch:
     and its supervised tokens (weight 1)."""
 
     def __init__(self, rows):
-        from twinkle_client.model import datums_of
+        from twinkle_client.batches import datums_of
 
-        self.datums, supervised = datums_of(rows)
-        self.supervised = int(supervised)
+        self.datums = datums_of(rows)
+        self.supervised = int(sum(d.loss_fn_inputs["weights"].to_numpy().sum() for d in self.datums))
         self.tokens = sum(d.model_input.length for d in self.datums)
 
 
