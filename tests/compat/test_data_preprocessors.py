@@ -69,6 +69,10 @@ def test_a_builtin_processor_takes_columns_too():
         {"query": ["Who?", "Hi"], "response": ["{{NAME}}", "{{AUTHOR}}"]}
     )
     assert [m[-1]["content"] for m in out["messages"]] == ["Twinkle", "Acme"]
+    one = SelfCognitionProcessor("Twinkle", "Acme")
+    assert one({"query": "Who?", "response": "{{NAME}}"}, 0)["messages"][-1]["content"] == "Twinkle"
+    with pytest.raises(UserError, match=r"called with columns .*, got a row; call preprocess\(row\)"):
+        one({"query": "Who?", "response": "{{NAME}}"})
 
 
 def test_map_by_name_and_class_with_init_args_agree():

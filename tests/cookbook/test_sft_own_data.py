@@ -20,14 +20,16 @@ ROWS = [
 
 def test_alpaca_rows_become_messages():
     row = {"instruction": "Translate.", "input": "bonjour", "output": "hello", "system": "Be brief."}
-    assert AlpacaProcessor()(row) == {
+    assert AlpacaProcessor().preprocess(row) == {
         "messages": [
             {"role": "system", "content": "Be brief."},
             {"role": "user", "content": "Translate.\n\nbonjour"},
             {"role": "assistant", "content": "hello"},
         ]
     }
-    assert AlpacaProcessor()({"instruction": "Hi", "input": "", "output": "Hello"})["messages"][0] == {
+    assert AlpacaProcessor().preprocess({"instruction": "Hi", "input": "", "output": "Hello"})["messages"][
+        0
+    ] == {
         "role": "user",
         "content": "Hi",
     }

@@ -121,6 +121,11 @@ class Preprocessor:
             return rows
         if not rows:
             return []
+        if not all(isinstance(values, list | tuple) for values in rows.values()):
+            raise UserError(
+                "a Preprocessor is called with columns ({'key': [value, ...]}), got a row; "
+                "call preprocess(row) or processor(row, index) for one row"
+            )
         lengths = {len(values) for values in rows.values()}
         if len(lengths) != 1:
             raise UserError(
