@@ -84,9 +84,7 @@ def test_torch_loss_mapping_names_upstreams_classes():
     assert torch_loss_mapping["sapo"] is SAPOLoss and torch_loss_mapping["bnpo"] is BNPOLoss
     assert torch_loss_mapping["dpo"] is DPOLoss and torch_loss_mapping["grpo"] is GRPOLoss
     assert LOSSES["SAPOLoss"] is SAPOLoss
-    for name in ("gkd", "infonce"):
-        with pytest.raises(UserError, match="not supported yet"):
-            torch_loss_mapping[name]()
+    assert torch_loss_mapping["gkd"] is GKDLoss and torch_loss_mapping["infonce"] is InfonceLoss
 
 
 def test_dpo_and_grpo_take_upstreams_keywords():
@@ -102,8 +100,8 @@ def test_dpo_and_grpo_take_upstreams_keywords():
         (lambda: DPOLoss(ignore_index=0), "not supported yet: ignore_index=0"),
         (lambda: GRPOLoss(entropy_coef=0.01), "not supported yet: entropy_coef=0.01"),
         (lambda: SAPOLoss(tau_pos=0), "SAPOLoss: tau_pos must be a number above 0"),
-        (lambda: GKDLoss(beta=0.5), "GKDLoss: not supported yet"),
-        (lambda: InfonceLoss(), "InfonceLoss: not supported yet"),
+        (lambda: GKDLoss(beta=2.0), "GKDLoss: beta must be in"),
+        (lambda: InfonceLoss(include_qq=True), "InfonceLoss: not supported yet: include_qq=True"),
         (lambda: call(GRPOLoss(), advantages=ADV, old=OLD), "unexpected keyword"),
     ],
 )

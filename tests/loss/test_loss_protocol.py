@@ -128,7 +128,9 @@ def test_set_loss_wraps_a_callable_once_and_keeps_a_loss(make_model):
     class Odd(Loss):
         consumes = "everything"
 
-    with pytest.raises(UserError, match=r"Odd.consumes='everything'; use 'rows' or 'positions'"):
+    with pytest.raises(
+        UserError, match=r"Odd.consumes='everything'; use 'rows', 'positions' or 'embeddings'"
+    ):
         as_loss(Odd())
 
 

@@ -42,6 +42,7 @@ from twinkle.utils.errors import UserError
 
 ROWS = "rows"
 POSITIONS = "positions"
+EMBEDDINGS = "embeddings"  # pooled rows, task='embedding' (twinkle.loss.infonce)
 # the step's values upstream passes a loss as keywords (``HeadLoss.__call__``)
 STEP_KEYWORDS = ("old_logps", "advantages", "ref_logps", "ref_outputs")
 
@@ -123,10 +124,12 @@ class HeadLoss(Loss):
         ``{"loss", "num_tokens"}`` as ``upstream_result``. The step's values may come as
         keywords, as upstream passes them (``old_logps=``, ``advantages=``, ``ref_logps=``, or
         ``ref_outputs=`` whose ``logps`` are the reference's); another keyword is refused."""
-        unknown = sorted(set(step) - set(STEP_KEYWORDS))
+        # a loss's own inputs and the keywords it turns into them (``step_keywords``) come too
+        allowed = (*STEP_KEYWORDS, *self.extra_inputs, *getattr(self, "step_keywords", ()))
+        unknown = sorted(set(step) - set(allowed))
         if unknown:
             raise UserError(
-                f"{self.name}: unexpected keyword(s) {unknown}; the step's values are {', '.join(STEP_KEYWORDS)}"
+                f"{self.name}: unexpected keyword(s) {unknown}; the step's values are {', '.join(allowed)}"
             )
         batch = dict(inputs)
         ref_outputs = step.pop("ref_outputs", None)
@@ -197,7 +200,12 @@ def extra_at_rows(
         raise UserError(
             f"{loss.name} needs inputs[{name!r}]; pass one value per label ({rows}, {length}) or per row ({rows},)"
         )
-    tensor = torch.as_tensor(align_completion_values(name, value, labels, dtype), dtype=dtype)
+    tensor = torch.as_tensor(align_completion_values(name, value, labels, dtype))
+    if tensor.dim() == 3 and tuple(tensor.shape[:2]) == (rows, length):  # several values per label
+        return tensor.to(labels.device)[
+            mask
+        ]  # as given: ids stay integers, a float64 reference stays float64
+    tensor = tensor.to(dtype)
     if tuple(tensor.shape) not in ((rows, length), (rows,)):
         raise UserError(
             f"inputs[{name!r}] has shape {tuple(tensor.shape)}, but the labels are {rows} x {length}; pass "
@@ -286,8 +294,10 @@ class UpstreamLoss(Loss):
 def as_loss(fn: Any) -> Loss:
     """``fn`` itself if it is a ``Loss``, else a callable wrapped into one."""
     if isinstance(fn, Loss):
-        if fn.consumes not in (ROWS, POSITIONS):
-            raise UserError(f"{fn.name}.consumes={fn.consumes!r}; use {ROWS!r} or {POSITIONS!r}")
+        if fn.consumes not in (ROWS, POSITIONS, EMBEDDINGS):
+            raise UserError(
+                f"{fn.name}.consumes={fn.consumes!r}; use {ROWS!r}, {POSITIONS!r} or {EMBEDDINGS!r}"
+            )
         return fn
     if not callable(fn):
         raise UserError(f"the loss {fn!r} is not callable; pass a loss name, class or callable")

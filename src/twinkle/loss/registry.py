@@ -13,10 +13,11 @@ from twinkle.loss.chunked_cross_entropy import ChunkedCrossEntropyLoss
 from twinkle.loss.cross_entropy import CrossEntropyLoss
 from twinkle.loss.dpo import DPOLoss
 from twinkle.loss.fused_linear_ce import FusedLinearCrossEntropyLoss
+from twinkle.loss.gkd import GKDLoss
 from twinkle.loss.grpo import BNPOLoss, CISPOLoss, DRGRPOLoss, GRPOLoss, GSPOLoss
+from twinkle.loss.infonce import InfonceLoss
 from twinkle.loss.liger_fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
 from twinkle.loss.mse import MSELoss
-from twinkle.loss.not_built import GKDLoss, InfonceLoss
 from twinkle.loss.preference import CPOLoss, ORPOLoss, SimPOLoss
 from twinkle.loss.sapo import SAPOLoss
 from twinkle.utils.errors import UserError
@@ -38,10 +39,11 @@ LOSSES: dict[str, type] = {
     "CISPOLoss": CISPOLoss,
     "SAPOLoss": SAPOLoss,
     "BNPOLoss": BNPOLoss,
+    "GKDLoss": GKDLoss,  # distillation from a teacher's token distributions (twinkle.loss.gkd)
+    "InfonceLoss": InfonceLoss,  # contrastive loss over embeddings (task='embedding')
 }
 
-# upstream's names for the same classes (``twinkle.loss.torch_loss_mapping``); ``gkd`` and
-# ``infonce`` name losses not built yet, whose constructors say so in one line
+# upstream's names for the same classes (``twinkle.loss.torch_loss_mapping``)
 torch_loss_mapping: dict[str, type] = {
     "mse": MSELoss,
     "chunked_cross_entropy": ChunkedCrossEntropyLoss,

@@ -6,6 +6,7 @@ from twinkle.metric.accuracy import Accuracy
 from twinkle.metric.base import Metric
 from twinkle.metric.completion_reward import CompletionRewardMetric
 from twinkle.metric.dpo import DPOMetric
+from twinkle.metric.embedding import EmbeddingMetric
 from twinkle.metric.grpo import CISPOMetric, GRPOMetric, GSPOMetric
 from twinkle.metric.loss import LossMetric
 from twinkle.metric.train_metric import TrainMetric
@@ -20,6 +21,7 @@ METRICS: dict[str, type[Metric]] = {
     "GRPOMetric": GRPOMetric,
     "GSPOMetric": GSPOMetric,
     "CISPOMetric": CISPOMetric,
+    "EmbeddingMetric": EmbeddingMetric,
 }
 
 

@@ -19,14 +19,14 @@ import torch
 
 from twinkle.kernel.lora.linear import plain_linear
 from twinkle.loss import FusedLinearCrossEntropyLoss, HeadLoss, LossOutput
-from twinkle.loss.base import POSITIONS, Loss, LossView, as_loss
+from twinkle.loss.base import EMBEDDINGS, POSITIONS, Loss, LossView, as_loss
 from twinkle.loss.cross_entropy import target_logps
 from twinkle.model.packing import can_pack, pack, shifted_targets
 from twinkle.template.base import IGNORE_INDEX
 from twinkle.utils.errors import UserError
 from twinkle.utils.logger import get_logger
 
-TASKS = ("causal_lm", "fused_lm_ce")
+TASKS = ("causal_lm", "fused_lm_ce", "embedding")  # embedding: twinkle.model.embedding
 logger = get_logger()
 
 
@@ -224,6 +224,15 @@ def task_loss(group: Any, task: str) -> Any:
     if task not in TASKS:
         raise UserError(f"unknown task {task!r}; valid tasks: {', '.join(TASKS)}")
     loss = group.loss_fn
+    over_embeddings = getattr(loss, "consumes", None) == EMBEDDINGS
+    if (task == "embedding") != over_embeddings:
+        name = getattr(loss, "name", type(loss).__name__)
+        raise UserError(
+            f"{name} trains embeddings; run the step with task='embedding'"
+            if over_embeddings
+            else f"task='embedding' needs a loss over embeddings (InfonceLoss), but the loss is {name}; "
+            "model.set_loss(InfonceLoss(...))"
+        )
     if task == "fused_lm_ce" and not isinstance(loss, FusedLinearCrossEntropyLoss):
         # the fused loss computes plain cross-entropy on every supervised token, nothing else
         unfusable = not isinstance(loss, HeadLoss) or getattr(loss, "dft", False)

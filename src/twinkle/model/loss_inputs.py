@@ -56,7 +56,8 @@ def keyword_inputs(loss: Any, ref_outputs: Any, given: Mapping[str, Any]) -> dic
         if "ref_logps" in given:
             raise UserError("pass ref_outputs= or ref_logps=, not both")
         given["ref_logps"] = _from_ref_outputs(ref_outputs)
-    declared = tuple(getattr(loss, "extra_inputs", ()))
+    # ``step_keywords``: keywords a loss turns into its inputs itself (``batch_inputs``)
+    declared = tuple(getattr(loss, "extra_inputs", ())) + tuple(getattr(loss, "step_keywords", ()))
     for name in given:
         if name not in declared:
             via = (
@@ -87,9 +88,17 @@ def with_loss_inputs(loss: Any, batch: Mapping[str, Any], extras: Mapping[str, A
     if rows == 0:  # this rank's empty share of a short last batch runs one unlabelled pad
         return dict(batch)
     out = dict(batch)
+    fit = getattr(loss, "batch_inputs", None)  # a loss's own inputs of another shape (GKD's (B, L, k))
+    wide = ()
+    if fit is not None:
+        extras = fit(extras, labels)
+        wide = tuple(getattr(loss, "extra_inputs", ()))
     for name, value in extras.items():
         value = align_completion_values(name, value, labels)  # one ragged list per row: its completion
         tensor = value if torch.is_tensor(value) else torch.as_tensor(value, dtype=torch.float32)
+        if name in wide and tensor.dim() == 3 and tuple(tensor.shape[:2]) == (rows, length):
+            out[name] = tensor  # per label, several values each
+            continue
         if tuple(tensor.shape) not in ((rows, length), (rows,)):
             raise UserError(
                 f"{name} has shape {tuple(tensor.shape)}, but the batch is {rows} x {length}; pass one value "

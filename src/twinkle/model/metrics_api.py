@@ -19,6 +19,8 @@ import torch
 from twinkle.loss import LossOutput
 from twinkle.metric import build_metric, report
 from twinkle.model import health
+from twinkle.model.embedding import TASK as EMBEDDING_TASK
+from twinkle.model.embedding import embed_for_eval, embedding_batch
 from twinkle.model.eval_parts import forward_only_in_parts
 from twinkle.model.forward import batch_on_device, loss_and_view, task_loss
 from twinkle.model.inputs import prepare_inputs
@@ -79,6 +81,19 @@ class MetricsAPI:
         ``calculate_loss()`` has nothing to record; ``logps`` is there all the same.
 
         ``micro_batch_size``: run the rows that many at a time (``twinkle.model.eval_parts``)."""
+        if task == EMBEDDING_TASK:  # pooled rows (twinkle.model.embedding): a dict with embeddings
+            group = self._group(adapter_name)
+            loss_fn = (
+                task_loss(group, task) if getattr(group.loss_fn, "consumes", None) == "embeddings" else None
+            )
+            self.adapters.activate(group.adapter_name)
+            if any_training(self.model):
+                set_training(self.model, False)
+            self._in_train_mode = False
+            batch = embedding_batch(inputs, self.tokenizer.pad_token_id or 0, marks=False)
+            batch = {k: v.to(self.device) for k, v in batch.items()}
+            with adapters_off(self.model) if disable_lora else contextlib.nullcontext():
+                return embed_for_eval(self.model, batch, loss_fn)
         if micro_batch_size is not None:
             if adapter_names is not None:
                 raise UserError("forward_only: pass adapter_names=[...] or micro_batch_size=, not both")
@@ -253,6 +268,16 @@ def record_metric_batch(
     if not group.added_metrics[is_training]:
         return
     flush_metric_batch(group, is_training)
+    embeddings = getattr(out, "embeddings", None)
+    if embeddings is not None:  # task='embedding': the pooled rows and their group marks
+        outputs = {
+            "loss": loss_sum,
+            "num_tokens": out.num_tokens,
+            "num_correct": correct,
+            "embeddings": embeddings,
+        }
+        group.pending_metric_batch[is_training] = (dict(inputs), outputs)
+        return
     shifted = {**inputs, "labels": shifted_targets(inputs["labels"], inputs["attention_mask"])}
     outputs = {"loss": loss_sum, "num_tokens": out.num_tokens, "num_correct": correct, "logits": None}
     outputs.update(metric_logps(out, inputs, shifted["labels"]))

@@ -22,6 +22,8 @@ from twinkle.model.activation_checkpointing import LayerCheckpointing
 from twinkle.model.adapters import Adapters, PeftAdapters
 from twinkle.model.attention_choice import resolve_attn_implementation
 from twinkle.model.checkpoints import Checkpoints, save_and_exit
+from twinkle.model.embedding import TASK as EMBEDDING_TASK
+from twinkle.model.embedding import embedding_batch, embedding_loss
 from twinkle.model.forward import batch_on_device, causal_lm_of, loss_and_view, task_loss
 from twinkle.model.inputs import InputsAPI, prepare_inputs
 from twinkle.model.loading import load_causal_lm, resolve_dtype
@@ -252,6 +254,8 @@ class TransformersModel(InputsAPI, MetricsAPI, Checkpoints):
         preemption.loop_started()  # a SIGTERM from here on saves at the next step boundary
         loss_fn = task_loss(group, task)
         extras = keyword_inputs(loss_fn, ref_outputs, loss_inputs)
+        if task == EMBEDDING_TASK:  # pooled rows, never packed (twinkle.model.embedding)
+            return group, loss_fn, embedding_batch(inputs, self.tokenizer.pad_token_id or 0)
         prepared = prepare_inputs(group, inputs, self.tokenizer)
         return group, loss_fn, with_loss_inputs(loss_fn, prepared, extras, required=True)
 
@@ -265,9 +269,13 @@ class TransformersModel(InputsAPI, MetricsAPI, Checkpoints):
             self._in_train_mode = True
         # positions the layers may run: the padded batch (a packed row is never longer)
         self.checkpointing.decide(batch["input_ids"].numel(), self.device)
-        out, view = loss_and_view(self.model, batch, loss_fn, self.padding_free)
-        self._pending_backward = (group, out, inputs)
-        self._step_logps = step_logps(out, view, batch, loss_fn, self.runtime.is_distributed)
+        if batch["labels"].dim() == 1:  # task='embedding': one group mark per row
+            out = embedding_loss(self.model, batch, loss_fn)
+            self._pending_backward, self._step_logps = (group, out, inputs), None
+        else:
+            out, view = loss_and_view(self.model, batch, loss_fn, self.padding_free)
+            self._pending_backward = (group, out, inputs)
+            self._step_logps = step_logps(out, view, batch, loss_fn, self.runtime.is_distributed)
         loss_sum = float(out.loss_sum.detach())
         return {"loss": loss_sum / max(1, out.num_tokens), "num_tokens": out.num_tokens}
 
@@ -327,6 +335,10 @@ class TransformersModel(InputsAPI, MetricsAPI, Checkpoints):
             out = self.forward(inputs, task=task, adapter_name=adapter_name, **loss_inputs)
             logps = self._step_logps
             return StepOutputs(self.backward(), out["num_tokens"], logps)
+        if task == EMBEDDING_TASK:
+            raise UserError(
+                "micro_batch_size= with task='embedding' would split the in-batch negatives; leave it out"
+            )
         group, loss_fn, inputs = self._training_inputs(inputs, task, adapter_name, ref_outputs, loss_inputs)
         parts = split_rows(inputs, micro_batch_size, loss_fn)
         loss_sum, tokens, logps = 0.0, 0, []
