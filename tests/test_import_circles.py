@@ -27,7 +27,7 @@ import ast
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src"
-PACKAGES = ("twinkle", "twinkle_client")
+PACKAGES = ("twinkle", "twinkle_client", "twinkle_agentic")
 
 
 def _modules(src: Path, packages: tuple[str, ...]) -> dict[str, Path]:

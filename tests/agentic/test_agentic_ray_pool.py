@@ -1,0 +1,49 @@
+"""``EnvPool`` on Ray workers plays the same episodes as in-process for the same seed."""
+
+import pytest
+from conftest import ScriptedSampler, call
+
+from twinkle.data_format import SamplingParams
+from twinkle_agentic.envs import ArithmeticEnv, EnvPool, EnvTool
+from twinkle_agentic.rollout import MultiTurnRollout
+from twinkle_agentic.tools import ToolManager
+
+pytestmark = pytest.mark.cluster
+pytest.importorskip("ray")
+
+
+def play(pool: EnvPool, template, env_name: str) -> list[dict]:
+    adapters = pool.get_adapters(pool.pool_size)
+    starts = [a.reset() for a in adapters]
+    managers = [ToolManager(EnvTool.from_env(a)) for a in adapters]
+    script = (
+        [call("calculator", expression="6 * 7"), "done"]
+        if env_name == "arithmetic"
+        else [call("play", action="hit"), call("play", action="hit"), call("play", action="stand"), "done"]
+    )
+    rollout = MultiTurnRollout(
+        ScriptedSampler(template, script), template, sampling_params=SamplingParams(max_tokens=8)
+    )
+    prompts = [{"messages": [{"role": "user", "content": s.observation}]} for s in starts]
+    return rollout(prompts, tool_manager=managers)
+
+
+@pytest.mark.parametrize("env_name", ["arithmetic", "blackjack"])
+def test_ray_workers_give_the_in_process_trajectories(template, env_name):
+    import ray
+
+    if env_name == "blackjack":
+        pytest.importorskip("pyspiel")
+        env_cls, kwargs = "twinkle_agentic.envs.openspiel:OpenSpielEnv", {"game_name": "blackjack"}
+    else:
+        env_cls, kwargs = ArithmeticEnv, {}
+    local = play(EnvPool(6, kwargs, env_cls, num_workers=0, seed=11), template, env_name)
+    remote_pool = EnvPool(6, kwargs, env_cls, num_workers=2, seed=11)
+    try:
+        remote = play(remote_pool, template, env_name)
+    finally:
+        remote_pool.close()
+        ray.shutdown()
+    keys = ("input_ids", "labels", "reward", "turn_rewards", "stop_reason", "messages")
+    assert [{k: r[k] for k in keys} for r in remote] == [{k: r[k] for k in keys} for r in local]
+    assert len({str(r["messages"][1]) for r in local}) > 1  # the slots' episodes differ
