@@ -300,8 +300,9 @@ def test_training_raises_the_margin_and_the_metrics_reach_metrics_jsonl(tiny_mod
     assert metrics[0]["reward_margin"] == pytest.approx(0.0, abs=1e-3)  # step 0: the policy is the reference
     assert metrics[-1]["reward_margin"] > 0.05 and metrics[-1]["reward_accuracy"] == 1.0
     assert metrics[-1]["chosen_reward"] > metrics[-1]["rejected_reward"]
-    # the built-in numbers count pairs: the loss is the mean pair loss, accuracy the reward accuracy
-    assert metrics[-1]["supervised_tokens"] == 2 and metrics[-1]["accuracy"] == metrics[-1]["reward_accuracy"]
+    # the built-in numbers count pairs, named so: the loss is the mean pair loss, accuracy the reward accuracy
+    assert metrics[-1]["pairs"] == 2 and "supervised_tokens" not in metrics[-1]
+    assert metrics[-1]["accuracy"] == metrics[-1]["reward_accuracy"]
     ref = model.forward_only(inputs=batch, disable_lora=True)
     held_out = model.forward_only(inputs=batch, ref_outputs=ref)
     assert held_out["loss"] == model.calculate_loss() < math.log(2)

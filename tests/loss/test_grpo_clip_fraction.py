@@ -56,3 +56,5 @@ def test_the_model_reports_clip_fraction_not_accuracy(make_model):
     metrics = model.calculate_metric(is_training=True)
     assert "accuracy" not in metrics
     assert metrics["clip_fraction"] == pytest.approx(0.5, abs=1e-12)
+    # the loss is a mean over completions, and its count is reported as what it counts
+    assert metrics["completions"] == 4 and "supervised_tokens" not in metrics

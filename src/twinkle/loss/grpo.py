@@ -64,6 +64,7 @@ class GRPOLoss(HeadLoss):
     require_samples = True
     reduction = "sum"  # the summed per-completion loss; the model divides by the completions
     correct_metric = "clip_fraction"  # the name the model reports num_correct / num_tokens under
+    count_metric = "completions"  # the name the model reports num_tokens under
 
     def __init__(
         self,
@@ -271,6 +272,8 @@ class CISPOLoss(GRPOLoss):
     the weight is clipped), plus the KL term when ``beta > 0``; the mean over every completion
     token of the global batch (``num_tokens`` counts tokens)."""
 
+    count_metric = "supervised_tokens"
+
     def token_terms(self, logps: torch.Tensor, old: torch.Tensor, adv: torch.Tensor) -> torch.Tensor:
         weight = torch.exp((logps - old).clamp(-20.0, 20.0)).clamp(max=1 + self.epsilon_high).detach()
         return -weight * adv * logps
@@ -289,6 +292,8 @@ class CISPOLoss(GRPOLoss):
 class BNPOLoss(GRPOLoss):
     """GRPO's token terms (clip and KL alike), the mean over every completion token of the global
     batch (``num_tokens`` counts tokens, and so does the clipped count)."""
+
+    count_metric = "supervised_tokens"
 
     def clip_count(self, logps, old, adv, samples, rows):
         return self.clipped(logps, old, adv).sum()

@@ -93,6 +93,7 @@ class PreferenceLoss(HeadLoss):
     consumes = ROWS
     require_samples = True
     reduction = "sum"  # the summed pair loss; the model divides by the pairs of the global batch
+    count_metric = "pairs"  # the name the model reports num_tokens under
 
     def pair_losses(self, pairs: Pairs) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError

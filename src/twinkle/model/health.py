@@ -48,12 +48,18 @@ def check_last_window_finite(group: OptimizerGroup) -> None:
         )
 
 
+def count_metric(loss_fn: Any) -> str:
+    """The name ``calculate_metric`` gives the loss's count: supervised tokens, or the loss's own
+    unit (``pairs`` for the preference losses, ``completions`` for GRPO's per-completion mean)."""
+    return getattr(loss_fn, "count_metric", "supervised_tokens")
+
+
 def check_eval(group: OptimizerGroup, metrics: dict[str, Any]) -> None:
     """Called with the eval numbers of ``calculate_metric(is_training=False)``."""
     loss = metrics.get("loss")
     if not metrics.get("samples") or not isinstance(loss, float) or math.isfinite(loss):
         return  # no eval batch since the last call, or a finite loss
-    if not metrics.get("supervised_tokens"):
+    if not metrics.get(count_metric(group.loss_fn)):
         raise UserError(
             f"the eval at step {group.cur_step} saw no supervised token in {metrics['samples']} rows, so its "
             "loss is undefined; raise --max-length, use --truncation-strategy right, or check the eval rows"

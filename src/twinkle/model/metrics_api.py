@@ -228,6 +228,9 @@ class MetricsAPI:
         name = getattr(group.loss_fn, "correct_metric", "accuracy")  # what the loss's num_correct counts
         if name != "accuracy" and "accuracy" in metrics:
             metrics[name] = metrics.pop("accuracy")
+        count = health.count_metric(group.loss_fn)  # what the loss's num_tokens counts (pairs, completions)
+        if count != "supervised_tokens" and "supervised_tokens" in metrics:
+            metrics[count] = metrics.pop("supervised_tokens")
         flush_metric_batch(group, is_training)
         for metric in group.added_metrics[is_training]:
             metrics.update(metric.calculate())
