@@ -20,12 +20,12 @@ from pathlib import Path
 import pytest
 import torch
 import warm
+from batches import padded_batches
 from harness import run_script, script_command, script_env
 from peft import LoraConfig
 
 from twinkle.cli.evaluate import read_run_args
 from twinkle.cli.main import main
-from twinkle.dataloader import DataLoader
 from twinkle.dataset import Dataset, DatasetMeta
 from twinkle.model import TransformersModel
 from twinkle.model.health import NO_TOKEN_WINDOWS
@@ -54,7 +54,7 @@ def _batches(model_dir: Path, rows_file: Path, max_length: int, n: int) -> list[
     data.set_template("Template", model_id=str(model_dir), max_length=max_length, truncation_strategy="left")
     data.map(SelfCognitionProcessor("Twinkle", "Acme"))
     data.encode()
-    return list(DataLoader(data, batch_size=2, world_size=1, rank=0))
+    return list(padded_batches(data, batch_size=2, world_size=1, rank=0))
 
 
 @pytest.fixture(scope="module")
