@@ -314,7 +314,10 @@ def test_other_parallel_sizes_are_planned_not_refused(name):
 
 
 def test_other_sizes_are_checked():
-    assert DeviceMesh.from_sizes(sequence_parallel=True).unimplemented() == ["sequence_parallel=True"]
+    assert DeviceMesh.from_sizes(tp_size=2, sequence_parallel=True).unimplemented() == [
+        "tp_size=2",
+        "sequence_parallel=True",
+    ]
     with pytest.raises(UserError, match="ulysses_size=3 does not divide the 4 data ranks"):
         DeviceMesh(mesh=np.arange(4), mesh_dim_names=("dp",), ulysses_size=3)
     with pytest.raises(UserError, match="tp_size must be at least 1, got 0"):

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from twinkle.utils.errors import UserError
+from twinkle.utils.logger import get_logger
 from twinkle.utils.platform import Platform
 
 # the parallel dimensions a mesh plans; Twinkle's models run dp and fsdp, the others are refused
@@ -250,7 +251,9 @@ class DeviceMesh:
             for n in ("etp", "vpp")
             if (getattr(self, f"{n}_size") or 1) > 1
         ]
-        return out + (["sequence_parallel=True"] if self.sequence_parallel else [])
+        # Megatron's sequence parallelism splits activations between tensor-parallel ranks: with
+        # one tensor-parallel rank there is nothing to split (Megatron turns it off there too)
+        return out + (["sequence_parallel=True"] if self.sequence_parallel and self.tp_size > 1 else [])
 
     def describe(self) -> str:
         if self.world_size == 1:
@@ -344,7 +347,14 @@ class DeviceMesh:
 
 
 def refuse_unimplemented(mesh: DeviceMesh, who: str) -> None:
-    """One line when ``who`` is asked to run a planned dimension it does not implement."""
+    """One line when ``who`` is asked to run a planned dimension it does not implement.
+    ``sequence_parallel=True`` with ``tp_size=1`` has nothing to split: one warning, then it runs."""
+    if mesh.sequence_parallel and mesh.tp_size == 1:
+        get_logger().warning(
+            "%s: sequence_parallel=True with tp_size=1 has no effect (Megatron sequence parallelism "
+            "splits activations between tensor-parallel ranks); ignored",
+            who,
+        )
     planned = mesh.unimplemented()
     if planned:
         name = planned[0].split("_size")[0].split("=")[0]

@@ -6,6 +6,7 @@ checked by ``twinkle.distributed.mesh.refuse_unimplemented``.)"""
 from typing import Any
 
 from twinkle.utils.errors import UserError
+from twinkle.utils.logger import get_logger
 
 # flag -> (what it is, what runs instead)
 ALTERNATIVES = {
@@ -32,6 +33,9 @@ def refuse_cli_sizes(run_args: dict[str, Any] | None, who: str) -> None:
                 f"(or drop --{name.replace('_', '-')})"
             )
     if infra.get("sequence_parallel"):
-        raise UserError(
-            f"--sequence-parallel: {who} does not run Megatron sequence parallelism; drop the flag"
+        # reached with --tp-size 1 only: Megatron's sequence parallelism has nothing to split
+        get_logger().warning(
+            "--sequence-parallel: %s ignores it with --tp-size 1 (it splits activations between "
+            "tensor-parallel ranks)",
+            who,
         )
