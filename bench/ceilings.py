@@ -215,19 +215,20 @@ def main() -> None:
 
 
 def _dpo_batch(model_id: str | None) -> dict:
-    """The first DPO bench batch: 4 bundled self-cognition preference pairs (8 rows)."""
+    """The first DPO bench batch: 4 bundled self-cognition preference pairs (8 rows, padded)."""
     import datasets
 
     from twinkle.dataloader import DataLoader
     from twinkle.dataset import Dataset, DatasetMeta
     from twinkle.preprocessor import SelfCognitionDPOProcessor
+    from twinkle.processor import collate
 
     datasets.disable_progress_bars()
     dataset = Dataset(DatasetMeta("self-cognition-dpo", data_slice=range(4)))
     dataset.set_template("Template", model_id=model_id, max_length=1024)
     dataset.map(SelfCognitionDPOProcessor("twinkle大模型", "ModelScope社区"))
     dataset.encode()
-    return next(iter(DataLoader(dataset=dataset, batch_size=4)))
+    return collate(next(iter(DataLoader(dataset=dataset, batch_size=4))), dataset.pad_token_id)
 
 
 def _cpu() -> str:

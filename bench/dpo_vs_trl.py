@@ -118,7 +118,11 @@ def twinkle_side(opts: argparse.Namespace, work: Path) -> dict:
         policy = time.perf_counter()
         model.clip_grad_and_step(max_grad_norm=1.0)
         end = time.perf_counter()
-        tokens = int((batch["labels"] != -100).sum())
+        tokens = sum(
+            sum(1 for t in side["labels"] if t != -100)
+            for row in batch
+            for side in (row["positive"], row["negative"])
+        )
         steps.append({"loss": loss, "s": end - start, "ref_s": mid - start, "policy_s": policy - mid,
                       "supervised_tokens": tokens})  # fmt: skip
     return {"steps": steps}

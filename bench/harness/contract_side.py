@@ -32,6 +32,7 @@ from twinkle_side import count_packed
 
 from twinkle.dataloader import DataLoader
 from twinkle.model import TransformersModel
+from twinkle.processor import collate
 
 SIDE = "twinkle"
 SCRIPT = Path(__file__).resolve().parents[2] / "cookbook" / "transformers" / "fsdp2.py"
@@ -62,8 +63,9 @@ def main() -> None:
     digest = samples_digest([dataset[i] for i in range(len(dataset))])
     records = []
     for batch in DataLoader(dataset=dataset, batch_size=spec.batch_size, world_size=1, rank=0):
-        record = batch_record(batch["input_ids"], batch["labels"], batch["attention_mask"], "supervised")
-        count_packed(record, batch)
+        padded = collate(batch, dataset.pad_token_id)  # the rows as the script's model collates them
+        record = batch_record(padded["input_ids"], padded["labels"], padded["attention_mask"], "supervised")
+        count_packed(record, padded)
         records.append(record)
 
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
