@@ -1,5 +1,6 @@
 """Load a causal LM and its tokenizer from any id the hub resolves."""
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,26 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name not in DTYPES:
         raise UserError(f"unknown dtype {name!r}; use auto, {', '.join(DTYPES)}")
     return DTYPES[name]
+
+
+def _check_model_type(model_cls: Any, path: Path) -> None:
+    """One line when ``model_cls`` is written for another architecture than the checkpoint's:
+    transformers would only warn, then build the class's default-sized model with random weights.
+    A ``*_text`` class loading its multimodal family's checkpoint (or the reverse) is the same
+    architecture."""
+    wanted = getattr(getattr(model_cls, "config_class", None), "model_type", None)  # None: an Auto class
+    config_file = Path(path) / "config.json"
+    if not wanted or not config_file.is_file():
+        return
+    try:
+        found = json.loads(config_file.read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return
+    if found and wanted.removesuffix("_text") != found.removesuffix("_text"):
+        raise UserError(
+            f"model_cls={model_cls.__name__} builds {wanted!r} models, but {path} holds a {found!r} "
+            "checkpoint; pass a class for that checkpoint (e.g. AutoModelForCausalLM) or a matching model_id"
+        )
 
 
 def load_causal_lm(
@@ -53,6 +74,8 @@ def load_causal_lm(
             raise UserError(f"--model-cls {name}: transformers has no such class; e.g. AutoModelForCausalLM")
     if not hasattr(model_cls, "from_pretrained"):
         raise UserError(f"model_cls={model_cls!r} has no from_pretrained(); pass a transformers model class")
+    if config is None:
+        _check_model_type(model_cls, path)
     extra = pretrained_options()
     if config is not None:
         extra["config"] = config
