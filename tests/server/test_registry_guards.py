@@ -200,7 +200,7 @@ def _result(http: httpx.Client, response: httpx.Response) -> dict:
     assert response.status_code == 200, response.text
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
-        r = http.post(f"{V1}/retrieve_future", json=response.json())
+        r = http.post(f"{V1}/retrieve_future", json={"request_id": response.json()["request_id"]})
         if r.status_code != 408:
             assert r.status_code == 200 and "error" not in r.json(), r.text
             return r.json()

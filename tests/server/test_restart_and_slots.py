@@ -76,7 +76,9 @@ def test_a_run_without_a_saved_state_is_a_clear_404_after_a_restart(tiny_model_d
         r = optim_step(never)
         assert r.status_code == 404 and "no saved state to resume from" in r.json()["detail"]
         r = optim_step(once)  # queued: restoring it fails in the worker, and its future says why
-        fut = httpx.post(f"{running.url}/api/v1/retrieve_future", json=r.json(), headers=head).json()
+        fut = httpx.post(
+            f"{running.url}/api/v1/retrieve_future", json={"request_id": r.json()["request_id"]}, headers=head
+        ).json()
         assert "no saved state left to resume from" in fut["error"]
     finally:
         running.stop()

@@ -10,11 +10,35 @@ back into the same row (``twinkle.server.core.datum_batch``), so the loss is the
 
 Light on purpose: a client script imports it with numpy and the Tinker SDK only."""
 
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 IGNORE = -100
+BUNDLED_SERVED = "bundled:SmolLM2-135M-Instruct"  # how a server of the bundled model names it
+
+
+def serves(served: str, asked: str) -> bool:
+    """Whether a server serving ``served`` serves ``asked``: the same id (a hub prefix such as
+    upstream's ``ms://`` aside), or any name of the bundled model when that is the one served."""
+    from twinkle.hub.gguf import BUNDLED_MODEL_NAMES
+
+    bare = asked.split("://", 1)[1] if asked.startswith(("ms://", "hf://")) else asked
+    if served in (asked, bare):
+        return True
+    if served != BUNDLED_SERVED:
+        return False
+    if asked in BUNDLED_MODEL_NAMES:
+        return True
+    from twinkle.hub import resolve_model  # the bundled model's folder on this machine
+
+    return Path(asked).expanduser().resolve() == resolve_model(None).resolve()
+
+
+def local_model_id(served: str) -> str | None:
+    """The id this machine loads the served model's tokenizer by (None: the bundled model)."""
+    return None if served == BUNDLED_SERVED else served
 
 
 def _flat(values: Any, what: str) -> np.ndarray:

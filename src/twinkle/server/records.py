@@ -79,7 +79,8 @@ def parse_json(raw: bytes) -> Any:
 
 
 def parse_notes(raw: bytes) -> dict[str, dict[str, Any]]:
-    """A ``checkpoints.json``: ``{"<kind>/<name>": {"expires_at": number, "user_metadata": {...}}}``."""
+    """A ``checkpoints.json``: ``{"<kind>/<name>": {"expires_at": number, "user_metadata": {...},
+    "public": true}}``."""
     notes = parse_json(raw)
     if not isinstance(notes, dict):
         raise ValueError(f"a JSON {type(notes).__name__}, not an object")
@@ -91,6 +92,8 @@ def parse_notes(raw: bytes) -> dict[str, dict[str, Any]]:
             raise ValueError(f"entry {key!r}: expires_at is not a number")
         if "user_metadata" in entry and not isinstance(entry["user_metadata"], dict):
             raise ValueError(f"entry {key!r}: user_metadata is not an object")
+        if "public" in entry and entry["public"] is not True:
+            raise ValueError(f"entry {key!r}: public is not true")
     return notes
 
 

@@ -10,6 +10,7 @@ from fastapi import Request
 
 from twinkle.server.checks import IDS, Fields, check_float, check_id, check_int, load_json
 from twinkle.server.errors import BadRequest
+from twinkle.server.fields import FIELDS, check_fields
 from twinkle.server.service import Server
 
 PROTO = "application/x-protobuf"
@@ -25,13 +26,17 @@ def server_of(request: Request) -> Server:
 
 async def body(request: Request) -> Fields:
     """The request's JSON object (``checks.load_json``: at most ``MAX_JSON_BYTES``, nested at most
-    ``checks.MAX_DEPTH`` deep)."""
+    ``checks.MAX_DEPTH`` deep), its fields those its route takes (``fields.FIELDS``: any other
+    is a 400 naming it)."""
     raw = await request.body()
     if len(raw) > MAX_JSON_BYTES:
         raise BadRequest(
             f"request body of {len(raw)} bytes is over the limit of {MAX_JSON_BYTES}", status=413
         )
-    return load_json(raw)
+    data = load_json(raw)
+    route = request.scope["route"].path
+    check_fields(data, FIELDS[route], route.removeprefix("/api/v1/"))
+    return data
 
 
 def field(data: dict, name: str, kind: type | tuple, default: Any = ..., required: bool = False) -> Any:

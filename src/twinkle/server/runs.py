@@ -3,10 +3,14 @@ limits, start a run, and show a checkpoint's record as the SDK reads it."""
 
 from datetime import UTC, datetime
 
+from twinkle.server.common import serves
 from twinkle.server.errors import BadRequest, NotFound, TooMany
 from twinkle.server.requests import field
 from twinkle.server.service import Server
 from twinkle.server.state import Run, Tenant
+
+# the user_metadata key naming a folder that also receives a run's checkpoints (save_dir)
+SAVE_DIR = "twinkle_save_dir"
 
 
 def iso(t: float) -> str:
@@ -20,9 +24,10 @@ def checkpoint_json(c: dict) -> dict:
 
 
 def check_base(s: Server, data: dict) -> str:
-    """The request's ``base_model`` (default: the served one); another is ``NotFound``."""
+    """The request's ``base_model`` (default: the served one; ``common.serves``: another name of
+    it); another model is ``NotFound``."""
     base = field(data, "base_model", str, default=s.base_model)
-    if base != s.base_model:
+    if not serves(s.base_model, base):
         raise NotFound(f"base_model {base!r} is not served here; this server serves {s.base_model!r}")
     return base
 
@@ -48,13 +53,19 @@ def open_run(s: Server, tenant: Tenant, rank: int) -> int:
 
 
 def start_run(
-    s: Server, tenant: Tenant, base: str, rank: int, seed: int = 0, run_id: str | None = None
+    s: Server,
+    tenant: Tenant,
+    base: str,
+    rank: int,
+    seed: int = 0,
+    run_id: str | None = None,
+    user_metadata: dict | None = None,
 ) -> Run:
     """A new live run with its adapter on the model (in the worker: the limit is checked again; when
     every slot is taken, the least recently used run is parked for it)."""
     open_run(s, tenant, rank)
     s.make_room()
-    run = s.registry.new_run(tenant, base, rank, seed, run_id)
+    run = s.registry.new_run(tenant, base, rank, seed, run_id, user_metadata)
     try:
         s.engine.add(run.adapter, rank)
     except Exception:  # no slot for it (or a bad config): the run never existed

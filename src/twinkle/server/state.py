@@ -110,6 +110,7 @@ class Run:
     live: bool = False  # its adapter holds a slot in this process
     parked: str | None = None  # saved here and its slot freed; reloaded on its next request
     parked_optimizer: bool = True  # the reload restores the AdamW state too (a ``weights`` save)
+    user_metadata: dict | None = None  # the client's own labels, listed with the run
 
 
 class Registry:
@@ -142,7 +143,11 @@ class Registry:
                 if real_dir(folder) and (meta.exists() or meta.is_symlink()):
                     data = read_run(self.root, folder, self.runs)
                     if data is not None:
-                        self.runs[data["id"]] = Run(**{k: data[k] for k in PERSISTED})
+                        meta = data.get("user_metadata")
+                        self.runs[data["id"]] = Run(
+                            **{k: data[k] for k in PERSISTED},
+                            user_metadata=meta if isinstance(meta, dict) else None,
+                        )
         for run in list(self.runs.values()):
             self.purge_expired(run)
             run.parked, run.parked_optimizer = self.restore_point(run)
@@ -222,7 +227,13 @@ class Registry:
         return self.root / run.tenant / run.id
 
     def new_run(
-        self, tenant: Tenant, base_model: str, rank: int, seed: int = 0, run_id: str | None = None
+        self,
+        tenant: Tenant,
+        base_model: str,
+        rank: int,
+        seed: int = 0,
+        run_id: str | None = None,
+        user_metadata: dict | None = None,
     ) -> Run:
         """A new run; its adapter is named after the tenant, the LoRA ``seed`` and how many
         runs the tenant made with that seed before, so the same requests start from the same
@@ -240,10 +251,14 @@ class Registry:
                 now,
                 f"{stem}{count}",
                 live=True,
+                user_metadata=user_metadata,
             )
             folder = self.folder(run)
             folder.mkdir(parents=True, exist_ok=True)
-            atomic_write_text(folder / "run.json", json.dumps({k: getattr(run, k) for k in PERSISTED}))
+            record = {k: getattr(run, k) for k in PERSISTED}
+            if user_metadata is not None:
+                record["user_metadata"] = user_metadata
+            atomic_write_text(folder / "run.json", json.dumps(record))
             fsync_dir(folder)
             self.runs[run.id] = run
         return run
@@ -282,13 +297,17 @@ class Registry:
             ]
         return []
 
-    def checkpoint(self, tenant: Tenant, path: str) -> tuple[Run, str, Path]:
-        """(run, kind, folder) of ``tinker://<run>/<kind>/<name>``; ``NotFound`` unless it is this
-        tenant's and saved whole (its completion marker is there), and neither it nor its kind's
-        folder is a link."""
+    def checkpoint(self, tenant: Tenant, path: str, read: bool = False) -> tuple[Run, str, Path]:
+        """(run, kind, folder) of ``tinker://<run>/<kind>/<name>`` (or ``twinkle://``);
+        ``NotFound`` unless it is this tenant's (or, to ``read`` it, another's that its owner
+        published) and saved whole (its completion marker is there), and neither it nor its
+        kind's folder is a link."""
         parts = checkpoint_parts(path, KINDS)  # NotFound, or BadRequest for a name no save makes
         run = self.runs.get(parts[0])
-        if run is None or run.tenant != tenant.id:
+        if run is not None and run.tenant != tenant.id:
+            published = self.notes(run).get(f"{parts[1]}/{parts[2]}", {}).get("public")
+            run = run if read and published else None
+        if run is None:
             raise NotFound(f"checkpoint {path!r} does not exist for this key")
         self.purge_expired(run)
         folder = self.folder(run) / parts[1] / parts[2]
@@ -360,7 +379,7 @@ class Registry:
                     status=500,
                 ) from None
             shutil.rmtree(aside, onerror=self._left_over)
-        self.annotate(run, checkpoint_id, expires_at=None, user_metadata=None)
+        self.annotate(run, checkpoint_id, expires_at=None, user_metadata=None, public=None)
 
     @staticmethod
     def _left_over(fn: Any, path: str, exc_info: Any) -> None:
@@ -375,7 +394,7 @@ class Registry:
                 try:
                     self.forget(run, checkpoint_id)
                 except NotFound:  # a link there: not a checkpoint, its note is stale
-                    self.annotate(run, checkpoint_id, expires_at=None, user_metadata=None)
+                    self.annotate(run, checkpoint_id, expires_at=None, user_metadata=None, public=None)
                 except ServerError as exc:
                     logger.warning(f"twinkle server: expired {exc.message}")
 
@@ -402,6 +421,7 @@ class Registry:
                         "size_bytes": size,
                         "expires_at": note.get("expires_at"),
                         "user_metadata": note.get("user_metadata"),
+                        "public": bool(note.get("public")),
                     }
                 )
         return out

@@ -3,7 +3,9 @@
 key (listing, delete, TTL, ``weights_info``). Another tenant's run or checkpoint is a 404, as an
 unknown one."""
 
+import shutil
 import time
+from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -11,7 +13,7 @@ from fastapi import APIRouter, Request
 from twinkle.server.checks import check_name, page
 from twinkle.server.errors import BadRequest
 from twinkle.server.requests import body, field, future, new_id, server_of
-from twinkle.server.runs import check_base, checkpoint_json, open_run, start_run
+from twinkle.server.runs import SAVE_DIR, check_base, checkpoint_json, open_run, start_run
 from twinkle.server.service import Server
 from twinkle.server.state import Run
 
@@ -56,10 +58,13 @@ async def load_weights(request: Request) -> dict:
     s = server_of(request)
     tenant = s.auth(request)
     data = await body(request)
-    src, kind, folder = s.registry.checkpoint(tenant, field(data, "path", str, required=True))
+    src, kind, folder = s.registry.checkpoint(tenant, field(data, "path", str, required=True), read=True)
     optimizer = field(data, "optimizer", bool, default=False)
     model_id = field(data, "model_id", str, default=None)
     run = s.registry.run_of(tenant, model_id) if model_id else None
+    meta = field(data, "user_metadata", dict, default=None)
+    if run is not None and meta is not None:
+        raise BadRequest("user_metadata labels a new training run; this load goes into an existing one")
     new_run_id = None
     if run is None:  # a new training client from the checkpoint: the SDK names it
         check_base(s, data)
@@ -71,7 +76,7 @@ async def load_weights(request: Request) -> dict:
             raise BadRequest(f"model {new_run_id!r} exists already; use a new model_seq_id")
 
     def job() -> dict:
-        target = run or start_run(s, tenant, src.base_model, src.rank, run_id=new_run_id)
+        target = run or start_run(s, tenant, src.base_model, src.rank, run_id=new_run_id, user_metadata=meta)
         s.engine.core.load(target.adapter, folder, optimizer and kind == "weights")
         return {"path": data["path"], "model_id": target.id, "type": "load_weights"}
 
@@ -96,9 +101,31 @@ async def delete_checkpoint(request: Request, run_id: str, kind: str, name: str)
 @router.put("/training_runs/{run_id}/checkpoints/{kind}/{name}/ttl")
 async def set_ttl(request: Request, run_id: str, kind: str, name: str) -> dict:
     s = server_of(request)
-    run, _, _ = s.registry.checkpoint(s.auth(request), f"tinker://{run_id}/{kind}/{name}")
-    ttl = check_ttl(field(await body(request), "ttl_seconds", int, default=None))
+    tenant = s.auth(request)
+    data = await body(request)
+    run, _, _ = s.registry.checkpoint(tenant, f"tinker://{run_id}/{kind}/{name}")
+    ttl = check_ttl(field(data, "ttl_seconds", int, default=None))
     s.registry.set_ttl(run, f"{kind}/{name}", ttl)
+    return {}
+
+
+@router.post("/training_runs/{run_id}/checkpoints/{kind}/{name}/publish")
+async def publish(request: Request, run_id: str, kind: str, name: str) -> dict:
+    """Tinker's publishing: every key of this server may then load the checkpoint, sample from
+    it and read its ``weights_info`` by its path (its owner alone deletes it or sets its TTL).
+    Nothing leaves the server: upstream's upload to a model hub is ``twinkle export`` and the
+    hub's own client."""
+    s = server_of(request)
+    run, _, _ = s.registry.checkpoint(s.auth(request), f"tinker://{run_id}/{kind}/{name}")
+    s.registry.annotate(run, f"{kind}/{name}", public=True)
+    return {}
+
+
+@router.delete("/training_runs/{run_id}/checkpoints/{kind}/{name}/publish")
+async def unpublish(request: Request, run_id: str, kind: str, name: str) -> dict:
+    s = server_of(request)
+    run, _, _ = s.registry.checkpoint(s.auth(request), f"tinker://{run_id}/{kind}/{name}")
+    s.registry.annotate(run, f"{kind}/{name}", public=None)
     return {}
 
 
@@ -118,7 +145,7 @@ async def weights_info(request: Request) -> dict:
     s = server_of(request)
     tenant = s.auth(request)
     path = field(await body(request), "tinker_path", str, required=True)
-    run, _, _ = s.registry.checkpoint(tenant, path)
+    run, _, _ = s.registry.checkpoint(tenant, path, read=True)
     return {"base_model": run.base_model, "is_lora": True, "lora_rank": run.rank}
 
 
@@ -165,6 +192,9 @@ def save(
             f"checkpoint {kind}/{name} exists already; pass overwrite=True or choose another name"
         )
     s.engine.core.save(run.adapter, folder, optimizer)
+    copy_to = (run.user_metadata or {}).get(SAVE_DIR)
+    if copy_to:  # checked at the run's start: a keyless server's own folder
+        shutil.copytree(folder, Path(copy_to) / kind / name, dirs_exist_ok=True)
     s.registry.annotate(
         run,
         f"{kind}/{name}",

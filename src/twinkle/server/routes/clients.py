@@ -31,12 +31,14 @@ async def healthz() -> dict:
 @router.post("/client/config")
 async def client_config(request: Request) -> dict:
     server_of(request).identify(request)
+    await body(request)
     return CLIENT_CONFIG
 
 
 @router.post("/client/dynamic_config")
 async def dynamic_config(request: Request) -> dict:
     server_of(request).identify(request)
+    await body(request)
     return {}
 
 
@@ -53,12 +55,14 @@ async def register_client(request: Request) -> dict:
 @router.post("/session_heartbeat")
 async def heartbeat(request: Request) -> dict:
     server_of(request).identify(request)
+    await body(request)
     return {"type": "session_heartbeat"}
 
 
 @router.post("/telemetry")
 async def telemetry(request: Request) -> dict:
     server_of(request).identify(request)
+    await body(request)
     return {"status": "accepted"}
 
 
@@ -94,5 +98,6 @@ async def finish_client(request: Request, client_id: str) -> dict:
     """The SDK's ``ServiceClient.close()``: the client's runs and samplers stay usable."""
     s = server_of(request)
     tenant = s.identify(request)
+    await body(request)
     s.registry.check_client(tenant, client_id)
     return {}

@@ -39,7 +39,7 @@ async def create_sampling_session(request: Request) -> dict:
     if path is None:
         check_base(s, data)
     else:
-        s.registry.checkpoint(tenant, path)
+        s.registry.checkpoint(tenant, path, read=True)
     sampler_id = new_id()
     s.registry.remember_sampler(tenant.id, sampler_id, path)
     return {"type": "create_sampling_session", "sampling_session_id": sampler_id}
@@ -63,7 +63,7 @@ async def asample(request: Request) -> dict:
         path = s.registry.sampler_path(tenant, sampler_id)
     else:
         path = field(data, "model_path", str, default=None)
-    folder = s.registry.checkpoint(tenant, path) if path else None
+    folder = s.registry.checkpoint(tenant, path, read=True) if path else None
     prompt = _prompt_tokens(field(data, "prompt", dict, required=True), s.engine.vocab)
     params = field(data, "sampling_params", dict, default={})
     n = field(data, "num_samples", int, default=1)

@@ -6,6 +6,7 @@ fails the future, as Tinker's does."""
 
 import math
 import time
+from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -15,7 +16,7 @@ from twinkle.server.checks import page
 from twinkle.server.core import LOSS_INPUTS
 from twinkle.server.errors import BadRequest
 from twinkle.server.requests import PROTO, body, field, future, server_of
-from twinkle.server.runs import check_base, checkpoint_json, iso, open_run, start_run
+from twinkle.server.runs import SAVE_DIR, check_base, checkpoint_json, iso, open_run, start_run
 from twinkle.server.service import Server
 from twinkle.server.state import Run
 from twinkle.server.wire import Datum, check_datum, decode_forward_backward, encode_forward_backward_output
@@ -32,8 +33,14 @@ async def create_model(request: Request) -> dict:
     lora = field(data, "lora_config", dict, default={"rank": 32})
     rank = open_run(s, tenant, field(lora, "rank", int, required=True))
     seed = field(lora, "seed", int, default=0)
+    meta = field(data, "user_metadata", dict, default=None)
+    check_save_dir(s, meta)
     rid = s.queue.submit(
-        tenant.id, lambda: {"model_id": start_run(s, tenant, base, rank, seed).id, "type": "create_model"}
+        tenant.id,
+        lambda: {
+            "model_id": start_run(s, tenant, base, rank, seed, user_metadata=meta).id,
+            "type": "create_model",
+        },
     )
     return future(rid)
 
@@ -101,6 +108,23 @@ async def forward_backward(request: Request) -> dict:
         return encode_forward_backward_output(outs, metrics)
 
     return future(s.on_run(tenant, run, step), run.id)
+
+
+def check_save_dir(s: Server, meta: dict | None) -> None:
+    """``user_metadata[SAVE_DIR]`` (``twinkle_client``'s ``add_adapter_to_model(save_dir=)``,
+    upstream's folder on the server for a run's checkpoints): an existing folder, taken only by a
+    server without keys (its one local user owns the machine's files; a tenant may not write
+    where it likes)."""
+    where = (meta or {}).get(SAVE_DIR)
+    if where is None:
+        return
+    if not s.config.keyless:
+        raise BadRequest(
+            f"user_metadata[{SAVE_DIR!r}] (save_dir) writes to the server's files; only a server "
+            "started without keys takes it; leave save_dir out"
+        )
+    if not isinstance(where, str) or not Path(where).is_absolute() or not Path(where).is_dir():
+        raise BadRequest(f"save_dir {where!r} must be an absolute path to an existing folder on the server")
 
 
 def check_datums(data: list[Datum], loss_fn: str, vocab: int) -> None:
@@ -192,4 +216,5 @@ def run_json(s: Server, run: Run) -> dict:
         "last_request_time": iso(run.last_request),
         "last_checkpoint": last.get("training"),
         "last_sampler_checkpoint": last.get("sampler"),
+        "user_metadata": run.user_metadata,
     }

@@ -28,7 +28,6 @@ ROUTES = [
     (["PUT"], "/sessions/{client_id}/project", "projects"),
     (["GET"], "/sessions/{client_id}/trace_export", "trace export"),
     (["GET"], CHECKPOINT + "/external_weights_urls", "external weights URLs"),
-    (["POST", "DELETE"], CHECKPOINT + "/publish", "publishing checkpoints"),
 ]
 WHAT = {V1 + route: what for _, route, what in ROUTES}
 
