@@ -15,10 +15,18 @@ datums (``twinkle_client.batches``). The step is the local one:
   that is missing, is a ``ValueError`` naming it;
 - ``gradient_accumulation_steps=N`` (``add_adapter_to_model`` or ``clip_grad_and_step``): the
   optimizer steps after exactly N ``forward_backward`` calls, the window's gradient averaged
-  over all of them, as the local window is."""
+  over all of them, as the local window is;
+- metrics added by name (``add_metric('DPOMetric', beta=0.1)``, the GRPO family, ``TrainMetric``)
+  are the local classes, fed here with what the local model feeds them: each micro-batch's
+  shifted labels and per-label log-probs (the server returns them), the step's values, and the
+  optimizer step's learning rate and gradient norm."""
 
+import os
 from typing import Any
 
+import torch
+
+from twinkle.server.common import local_model_id, serves
 from twinkle_client import batches
 from twinkle_client.connection import Connection, current_client
 from twinkle_client.optim import AdamSettings
@@ -27,7 +35,14 @@ from twinkle_client.tinker_patch import as_tinker_path
 
 TOKEN_MEAN = {"twinkle_reduction": "token_mean"}
 STEP_VALUES = {"ref_logps": "ref_logps", "old_logps": "logprobs", "advantages": "advantages"}
+LOCAL_NAMES = {wire: name for name, wire in STEP_VALUES.items()}
 PROCESSORS = {"InputProcessor": ("padding_side", "padding_free")}
+# metrics that need what the server does not return (the logits' argmax) or that the model
+# never sees (rewards): refused by name rather than reported empty
+NO_METRIC = {
+    "Accuracy": "it counts the logits' argmax, which the server does not return",
+    "CompletionRewardMetric": "its rewards never reach the model; call its accumulate(...) yourself",
+}
 
 
 class Adapter:
@@ -43,6 +58,10 @@ class Adapter:
         self.window_loss, self.window_count = 0.0, 0
         self.metrics: dict[str, float] = {}
         self.template: Any = None
+        self.added: list[tuple[Any, bool | None]] = []  # (metric, is_training) from add_metric
+        self.pending: list[tuple[dict, dict, dict]] = []  # the window's micro-batches, for them
+        self.eval_loss, self.eval_count = 0.0, 0
+        self.saved_weights_only: set[str] = set()  # names saved with save_optimizer=False
 
 
 class MultiLoraTransformersModel:
@@ -52,7 +71,7 @@ class MultiLoraTransformersModel:
     def __init__(self, model_id: str | None = None, client: Connection | None = None):
         self.client = current_client(client)
         served = self.client.base_model
-        if model_id is not None and model_id != served and model_id.split("://")[-1] != served:
+        if model_id is not None and not serves(served, model_id):
             raise ValueError(f"the server serves {served!r}, not {model_id!r}")
         self.model_id = served
         self.adapters: dict[str, Adapter] = {}
@@ -79,25 +98,27 @@ class MultiLoraTransformersModel:
         save_dir: str | None = None,
     ) -> None:
         """A LoRA run of ``config``'s rank (the server's LoRA: every linear layer, alpha 32, no
-        dropout). ``save_dir``: where ``save`` puts checkpoints is the server's; a folder given
-        here is refused rather than ignored."""
-        if save_dir is not None:
-            raise ValueError(
-                "add_adapter_to_model(save_dir=...): the server keeps checkpoints under its --output-dir"
-            )
+        dropout). ``save_dir``, upstream's folder on the server: each ``save`` also writes the
+        checkpoint there (``<save_dir>/weights|sampler_weights/<name>``); only a server started
+        without keys takes it (it writes to the server's files), and the folder must exist."""
         rank = config.get("r", 8) if isinstance(config, dict) else getattr(config, "r", 8)
         window = _window(gradient_accumulation_steps)
+        meta = (
+            None if save_dir is None else {"twinkle_save_dir": os.path.abspath(os.path.expanduser(save_dir))}
+        )
         run = self.client.service.create_lora_training_client(
-            base_model=self.model_id, rank=int(rank)
+            base_model=self.model_id, rank=int(rank), user_metadata=meta
         ).result()
         self.adapters[adapter_name] = Adapter(run, int(rank), window, save_dir)
 
     def set_template(self, template_cls: str, adapter_name: str | None = None, **kwargs: Any) -> None:
-        """The template that encodes un-encoded rows (``messages``) here, before they are sent."""
-        from twinkle.template import Template
+        """The template (a ``twinkle.template`` name or class, built with ``kwargs``; one it does
+        not take is refused by name) that encodes un-encoded rows (``messages``) here, before
+        they are sent."""
+        from twinkle.template.registry import get_template
 
-        kwargs.setdefault("model_id", self.model_id)
-        self._get(adapter_name).template = (template_cls, Template(**kwargs) if template_cls else None)
+        kwargs.setdefault("model_id", local_model_id(self.model_id))
+        self._get(adapter_name).template = (template_cls, get_template(template_cls, **kwargs))
 
     def set_processor(self, processor_cls: str, adapter_name: str | None = None, **kwargs: Any) -> None:
         """Rows travel unpadded, one datum each, so the padding settings change nothing."""
@@ -109,7 +130,13 @@ class MultiLoraTransformersModel:
         from twinkle.loss.registry import build_loss
 
         a = self._get(adapter_name)
-        a.loss = build_loss(loss_cls, **kwargs)  # the local constructor checks the arguments
+        loss = build_loss(loss_cls, **kwargs)  # the local constructor checks the arguments
+        if getattr(loss, "consumes", "rows") != "rows":
+            raise ValueError(
+                f"set_loss({loss_cls!r}): not supported over twinkle server yet: it trains on the "
+                f"model's {loss.consumes} (embedding training through the client is a later issue)"
+            )
+        a.loss = loss
         a.loss_name, a.loss_args = loss_cls, kwargs
 
     def set_optimizer(
@@ -131,13 +158,44 @@ class MultiLoraTransformersModel:
     def add_metric(
         self, metric_cls: str, is_training: bool | None = None, adapter_name: str | None = None, **kwargs: Any
     ) -> None:
-        """``calculate_metric`` reports the loss, the gradient norm and the learning rate of each
-        window; another metric is refused by name rather than left out of the report."""
-        self._get(adapter_name)
-        if metric_cls != "LossMetric" or kwargs:
-            raise ValueError(
-                f"add_metric({metric_cls!r}): over twinkle server calculate_metric reports loss, grad_norm and lr only"
-            )
+        """A local metric by name (``twinkle.metric.METRICS``), built with ``kwargs`` (its
+        constructor refuses one it does not take); ``is_training`` True: training steps, False:
+        ``forward_only`` calls, None: both. ``LossMetric`` is already in every report. A metric
+        that needs what never reaches the client is refused by name (``NO_METRIC``)."""
+        from twinkle.metric.registry import build_metric
+
+        a = self._get(adapter_name)
+        name = (
+            metric_cls if isinstance(metric_cls, str) else getattr(metric_cls, "__name__", repr(metric_cls))
+        )
+        if name in NO_METRIC:
+            raise ValueError(f"add_metric({name!r}): not available over twinkle server: {NO_METRIC[name]}")
+        metric = build_metric(metric_cls, **kwargs)
+        if name != "LossMetric":  # calculate_metric reports the loss of every window
+            a.added.append((metric, is_training))
+
+    def _feed(self, a: Adapter, training: bool, context: dict[str, Any]) -> None:
+        """Hand the metrics of ``training`` (or evaluation) the micro-batches seen since the
+        last feed, as the local model does once the step that used them is known."""
+        for inputs, outputs, values in a.pending:
+            for metric, when in a.added:
+                if when is None or when == training:
+                    metric.accumulate(inputs, outputs, **values, **context)
+        a.pending = []
+
+    @staticmethod
+    def _seen(
+        rows: list[dict], logps: torch.Tensor, values: dict[str, Any], loss: float, count: int
+    ) -> tuple:
+        """One micro-batch as the local model hands it to a metric: labels shifted (position
+        ``i`` predicts label ``i + 1``), each label's log-prob at the same place, the step's
+        values aligned the same."""
+        labels = batches.labels_of(rows)[:, 1:]
+        shifted = {k: v[:, 1:] if torch.is_tensor(v) and v.ndim == 2 else v for k, v in values.items()}
+        outputs = {"logps": logps[:, 1:], "loss": loss, "num_tokens": count}
+        if "ref_logps" in shifted:
+            outputs["ref_logps"] = shifted.pop("ref_logps")
+        return {"labels": labels}, outputs, shifted
 
     # ---------------------------------------------------------------- steps
     def _rows(self, a: Adapter, inputs: Any) -> list[dict]:
@@ -181,9 +239,17 @@ class MultiLoraTransformersModel:
         ref_logps: Any = None,
         old_logps: Any = None,
         advantages: Any = None,
+        task: str | None = None,
     ) -> StepResult:
         """One micro-batch: its gradient joins the window; returns the mean loss per counted
-        token (per pair for a preference loss) as a float with ``result`` beside it."""
+        token (per pair for a preference loss) as a float with ``result`` beside it. ``task``:
+        upstream's choice of head; the language model's (None, ``'causal_lm'``) is the one
+        served."""
+        if task not in (None, "causal_lm"):
+            raise ValueError(
+                f"forward_backward(task={task!r}): not supported over twinkle server yet: embedding "
+                "training through the client is a later issue"
+            )
         a = self._get(adapter_name)
         rows = self._rows(a, inputs)
         labels = batches.labels_of(rows)
@@ -198,6 +264,9 @@ class MultiLoraTransformersModel:
         count = int(out.metrics.get("num_tokens:sum", float((labels[:, 1:] != -100).sum())))
         a.window_loss, a.window_count = a.window_loss + total, a.window_count + count
         a.micro, a.cur_step, a.consumed = a.micro + 1, a.cur_step + 1, a.consumed + len(rows)
+        if a.added:
+            local = {LOCAL_NAMES[k]: v for k, v in values.items()}
+            a.pending.append(self._seen(rows, logps, local, total, count))
         mean = total / max(1, count)
         return StepResult(mean, {"loss": mean, "logps": logps, "num_tokens": count})
 
@@ -213,9 +282,13 @@ class MultiLoraTransformersModel:
         out = a.run.forward(batches.datums_of(rows), "cross_entropy", config).result()
         logps = batches.logps_per_label(rows, [o["logprobs"].tolist() for o in out.loss_fn_outputs])
         count = int((batches.labels_of(rows)[:, 1:] != -100).sum())
-        return Response(
-            {"loss": float(out.metrics["loss:sum"]) / max(1, count), "logps": logps, "num_tokens": count}
-        )
+        total = float(out.metrics["loss:sum"])
+        if not disable_lora:  # the adapter's evaluation; a reference pass is not one
+            a.eval_loss, a.eval_count = a.eval_loss + total, a.eval_count + count
+            if a.added:
+                a.pending.append(self._seen(rows, logps, {}, total, count))
+                self._feed(a, False, {})
+        return Response({"loss": total / max(1, count), "logps": logps, "num_tokens": count})
 
     def clip_grad_and_step(
         self,
@@ -240,6 +313,8 @@ class MultiLoraTransformersModel:
             "grad_norm": float(metrics.get("grad_norm", float("nan"))),
             "lr": a.optim.lr,
         }
+        context = {"lr": a.optim.lr, "step": a.cur_step, "gradient_accumulation_steps": a.window}
+        self._feed(a, True, {**context, "grad_norm": a.metrics["grad_norm"]})
         a.optim.stepped()
         a.micro, a.window_loss, a.window_count = 0, 0.0, 0
         return bool(metrics.get("stepped", 1.0))
@@ -248,11 +323,20 @@ class MultiLoraTransformersModel:
         """Nothing to do: the server closes the window at each optimizer step."""
 
     def calculate_metric(self, is_training: bool = True, adapter_name: str | None = None) -> Response:
-        if not is_training:
-            raise ValueError(
-                "calculate_metric(is_training=False): evaluation metrics are not kept over twinkle server"
-            )
-        return Response(dict(self._get(adapter_name).metrics))
+        """Training: the last optimizer step's ``loss`` (mean per counted token of its window),
+        ``grad_norm`` and ``lr``, and the added metrics' numbers over the steps since the last
+        call. Evaluation (``is_training=False``): the mean loss of the ``forward_only`` calls
+        since the last call, and the evaluation metrics' numbers."""
+        a = self._get(adapter_name)
+        if is_training:
+            out = dict(a.metrics)
+        else:
+            out = {"loss": a.eval_loss / a.eval_count} if a.eval_count else {}
+            a.eval_loss, a.eval_count = 0.0, 0
+        for metric, when in a.added:
+            if when is None or when == is_training:
+                out.update(metric.calculate())
+        return Response(out)
 
     def get_train_configs(self, adapter_name: str | None = None) -> TrainConfigs:
         a = self._get(adapter_name)
@@ -272,18 +356,27 @@ class MultiLoraTransformersModel:
         name: str,
         is_sampler: bool = False,
         save_optimizer: bool = True,
+        consumed_train_samples: int | None = None,
         adapter_name: str | None = None,
     ) -> SaveResponse:
-        """A checkpoint named ``name`` (replacing one of that name, as the local save does):
-        adapter and optimizer state, with the progress ``resume_from_checkpoint`` returns; or,
-        ``is_sampler``, the adapter's weights for sampling. ``save_optimizer=False`` still
-        writes the optimizer state (a checkpoint a later load may leave unread)."""
+        """A checkpoint named ``name`` (replacing one of that name, as the local save does) with
+        the progress ``resume_from_checkpoint`` returns (``consumed_train_samples`` given here
+        replaces the client's count of trained rows): the adapter and its optimizer state, or
+        with ``save_optimizer=False`` the adapter alone (a ``sampler_weights`` checkpoint on the
+        server: ``load`` and ``resume_from_checkpoint`` find it by the same name and restore the
+        weights, a fresh optimizer). ``is_sampler``: the adapter's weights for sampling."""
         a = self._get(adapter_name)
+        if consumed_train_samples is not None:
+            a.consumed = int(consumed_train_samples)
+        progress = {"cur_step": str(a.cur_step), "consumed_train_samples": str(a.consumed)}
         if is_sampler:
             path = a.run.save_weights_for_sampler(name).result().path
+        elif not save_optimizer:
+            path = a.run.save_weights_for_sampler(name, user_metadata=progress).result().path
+            a.saved_weights_only.add(name)
         else:
-            progress = {"cur_step": str(a.cur_step), "consumed_train_samples": str(a.consumed)}
             path = a.run.save_state(name, overwrite=True, user_metadata=progress).result().path
+            a.saved_weights_only.discard(name)
         return SaveResponse(path.replace("tinker://", "twinkle://", 1))
 
     def save_for_sampler(self, name: str, adapter_name: str | None = None) -> str:
@@ -292,26 +385,36 @@ class MultiLoraTransformersModel:
     def _path(self, a: Adapter, name: str) -> str:
         if "://" in name:
             return as_tinker_path(name)
-        return f"tinker://{a.run.model_id}/weights/{name}"
+        kind = "sampler_weights" if name in a.saved_weights_only else "weights"
+        return f"tinker://{a.run.model_id}/{kind}/{name}"
 
     def load(self, name: str, load_optimizer: bool = False, adapter_name: str | None = None) -> None:
+        """The checkpoint's adapter weights, and with ``load_optimizer`` its optimizer state (a
+        checkpoint saved without one is refused rather than loaded with a fresh optimizer)."""
         a = self._get(adapter_name)
         path = self._path(a, name)
+        if load_optimizer and "/sampler_weights/" in path:
+            raise ValueError(
+                f"load({name!r}, load_optimizer=True): that checkpoint holds no optimizer state "
+                "(saved with save_optimizer=False or is_sampler=True); pass load_optimizer=False"
+            )
         (a.run.load_state_with_optimizer(path) if load_optimizer else a.run.load_state(path)).result()
 
     def resume_from_checkpoint(
         self, name: str, resume_only_model: bool = False, adapter_name: str | None = None
     ) -> dict[str, int]:
-        """Load the checkpoint (with its optimizer state unless ``resume_only_model``) and return
-        its progress ``{"cur_step", "consumed_train_samples"}``, which the counters take up."""
+        """Load the checkpoint (with its optimizer state unless ``resume_only_model`` or it has
+        none) and return its progress ``{"cur_step", "consumed_train_samples"}``, which the
+        counters take up."""
         a = self._get(adapter_name)
         path = self._path(a, name)
-        self.load(path, load_optimizer=not resume_only_model, adapter_name=adapter_name)
+        weights_only = resume_only_model or "/sampler_weights/" in path
+        self.load(path, load_optimizer=not weights_only, adapter_name=adapter_name)
         found = [c for c in self.client.list_checkpoints(path.split("/")[2]) if c.tinker_path == path]
         meta = (found[0].user_metadata or {}) if found else {}
         a.cur_step = int(meta.get("cur_step", 0))
         a.consumed = int(meta.get("consumed_train_samples", 0))
-        a.micro = 0
+        a.micro, a.pending = 0, []
         return {"cur_step": a.cur_step, "consumed_train_samples": a.consumed}
 
     def remove_adapter(self, adapter_name: str) -> None:

@@ -7,6 +7,7 @@ by the server's sampler, on a saved adapter (``adapter_uri``/``model_path``, a `
 from dataclasses import dataclass, field
 from typing import Any
 
+from twinkle.server.common import local_model_id, serves
 from twinkle_client.connection import Connection, current_client
 from twinkle_client.tinker_patch import as_tinker_path
 
@@ -75,17 +76,18 @@ class vLLMSampler:  # noqa: N801 (upstream's name)
     def __init__(self, model_id: str | None = None, client: Connection | None = None):
         self.client = current_client(client)
         served = self.client.base_model
-        if model_id is not None and model_id.split("://")[-1] != served:
+        if model_id is not None and not serves(served, model_id):
             raise ValueError(f"the server serves {served!r}, not {model_id!r}")
         self.template: Any = None
         self._samplers: dict[str | None, Sampler] = {}
 
     def set_template(self, template_cls: str, **kwargs: Any) -> None:
-        """The template that encodes trajectory prompts here (``Template(model_id=...)``)."""
-        from twinkle.template import Template
+        """The template (a ``twinkle.template`` name or class, built with ``kwargs``) that encodes
+        trajectory prompts here."""
+        from twinkle.template.registry import get_template
 
-        kwargs.setdefault("model_id", self.client.base_model)
-        self.template = Template(**kwargs)
+        kwargs.setdefault("model_id", local_model_id(self.client.base_model))
+        self.template = get_template(template_cls, **kwargs)
 
     def _prompt(self, row: Any) -> list[int]:
         if isinstance(row, dict) and "input_ids" in row:

@@ -4,8 +4,9 @@ talks to a ``twinkle server`` as upstream Twinkle's scripts expect:
 - any API key is sent as it is: the SDK refuses a key without its ``tml-`` prefix before a
   request leaves, while a ``twinkle server`` started without keys takes any token (upstream's
   default ``EMPTY_TOKEN`` included), and one started with keys answers 401 to a wrong one;
-- a sampler may be made from a ``twinkle://`` path (the SDK accepts only ``tinker://``): it is
-  the same checkpoint, so it is sent as its ``tinker://`` form.
+- a ``twinkle://`` path is taken wherever the SDK takes a ``tinker://`` one (a sampler's
+  ``model_path``, and every ``RestClient`` call that parses a path: publish, unpublish, delete,
+  TTL, a run's lookup): it is the same checkpoint, so it is sent as its ``tinker://`` form.
 
 Both are changes to the SDK's classes, made once; calling it again changes nothing."""
 
@@ -49,4 +50,12 @@ def patch_tinker() -> None:
         return await original(self, as_tinker_path(model_path), base_model)
 
     holder._create_sampling_session = sampling_session
+    from tinker import types
+
+    parse = types.ParsedCheckpointTinkerPath.from_tinker_path.__func__
+
+    def from_path(cls: Any, tinker_path: str) -> Any:
+        return parse(cls, as_tinker_path(tinker_path))
+
+    types.ParsedCheckpointTinkerPath.from_tinker_path = classmethod(from_path)
     _DONE = True

@@ -176,5 +176,78 @@ def test_misread_keywords_are_refused(keyless):
     model.set_loss("GRPOLoss")
     with pytest.raises(ValueError, match="GRPOLoss needs advantages, old_logps"):
         model.forward_backward(inputs=PAIRS)
-    with pytest.raises(ValueError, match="save_dir"):
-        model.add_adapter_to_model("other", LoraConfig(r=4), save_dir="/tmp/x")
+    with pytest.raises(Exception, match="save_dir .* must be an absolute path to an existing folder"):
+        model.add_adapter_to_model("other", LoraConfig(r=4), save_dir="/nonexistent/twinkle-save-dir")
+    with pytest.raises(TypeError, match="'bogus'"):
+        model.save("x", bogus=1)
+    with pytest.raises(ValueError, match="Accuracy.*argmax"):
+        model.add_metric("Accuracy")
+
+
+def test_dpo_metric_added_by_name_matches_in_process(keyless, tiny_model_dir):
+    from twinkle_client.model import MultiLoraTransformersModel
+
+    _client(keyless)
+    model = MultiLoraTransformersModel()
+    model.add_adapter_to_model("default", LoraConfig(r=4))
+    model.set_loss("DPOLoss", beta=0.1)
+    model.add_metric("DPOMetric", beta=0.1)
+    model.set_optimizer("AdamW", lr=LR)
+    for _ in range(2):
+        ref = model.forward_only(inputs=PAIRS, disable_lora=True)
+        model.forward_backward(inputs=PAIRS, ref_outputs=ref.result)
+        model.clip_grad_and_step(max_grad_norm=0.0)
+        remote = model.calculate_metric(is_training=True).result
+    name, _ = _adapter(keyless, model.adapters["default"])
+    local = _local(tiny_model_dir, name, "DPOLoss", beta=0.1)
+    local.add_metric("DPOMetric", adapter_name=name, beta=0.1)
+    for _ in range(2):
+        ref = local.forward_only(inputs=PAIRS, adapter_name=name, disable_lora=True)
+        local.forward_backward(inputs=PAIRS, adapter_name=name, ref_outputs=ref)
+        local.clip_grad_and_step(max_grad_norm=0.0, adapter_name=name)
+        expected = local.calculate_metric(is_training=True, adapter_name=name)
+    for key in ("chosen_logps", "rejected_logps", "reward_margin", "reward_accuracy", "pairs"):
+        np.testing.assert_allclose(remote[key], expected[key], rtol=EPS_BOUND, atol=EPS_BOUND, err_msg=key)
+    assert remote["reward_margin"] != 0.0  # the second step's policy is not the reference
+
+
+def test_save_without_optimizer_and_progress_and_save_dir_are_honoured(keyless, tmp_path):
+    from twinkle_client.model import MultiLoraTransformersModel
+
+    client = _client(keyless)
+    (tmp_path / "mine").mkdir()  # upstream's rule: the folder exists on the server
+    model = MultiLoraTransformersModel()
+    model.add_adapter_to_model("default", LoraConfig(r=4), save_dir=str(tmp_path / "mine"))
+    model.set_optimizer("AdamW", lr=LR)
+    model.forward_backward(inputs=PAIRS)
+    model.clip_grad_and_step()
+    light = model.save("light", save_optimizer=False, consumed_train_samples=40)
+    full = model.save("full")
+    assert "/sampler_weights/light" in light.twinkle_path and "/weights/full" in full.twinkle_path
+    kinds = {
+        c.tinker_path.rsplit("/", 2)[-2] + "/" + c.checkpoint_id.split("/")[-1]
+        for c in client.list_checkpoints()
+    }
+    assert {"sampler_weights/light", "weights/full"} <= kinds
+    with pytest.raises(ValueError, match="holds no optimizer state"):
+        model.load("light", load_optimizer=True)
+    assert model.resume_from_checkpoint("light") == {"cur_step": 1, "consumed_train_samples": 40}
+    assert model.resume_from_checkpoint(full.twinkle_path) == {"cur_step": 1, "consumed_train_samples": 40}
+    # save_dir: each checkpoint is also written to the folder given (a keyless server's own)
+    assert (tmp_path / "mine" / "weights" / "full" / "adapter_model.safetensors").is_file()
+    assert (tmp_path / "mine" / "sampler_weights" / "light").is_dir()
+
+
+def test_what_the_client_cannot_serve_yet_is_refused_naming_it(keyless):
+    from twinkle_client.model import MultiLoraTransformersModel
+    from twinkle_client.rollout import ClientMultiTurnRollout
+
+    _client(keyless)
+    model = MultiLoraTransformersModel()
+    model.add_adapter_to_model("default", LoraConfig(r=4))
+    with pytest.raises(ValueError, match="task='embedding'.*embedding training"):
+        model.forward_backward(inputs=PAIRS, task="embedding")
+    with pytest.raises(ValueError, match="CompletionRewardMetric"):
+        model.add_metric("CompletionRewardMetric")
+    with pytest.raises(NotImplementedError, match="multi-turn agentic rollouts"):
+        ClientMultiTurnRollout(sampler=None)

@@ -23,9 +23,7 @@ def test_the_local_names_over_the_server_train_as_the_local_api(server, tiny_mod
 
     model = MultiLoraTransformersModel()
     model.add_adapter_to_model("mine", LoraConfig(r=4))
-    model.set_optimizer(
-        "AdamW", lr=1e-2, adapter_name="mine", betas=(0.9, 0.95), eps=1e-12, weight_decay=0.0
-    )
+    model.set_optimizer("AdamW", lr=1e-2, adapter_name="mine", betas=(0.9, 0.95), eps=1e-12, weight_decay=0.0)
     losses = []
     for _ in range(3):
         losses.append(model.forward_backward(inputs=ROWS, adapter_name="mine"))
