@@ -12,6 +12,9 @@ process (``twinkle server``) on a local port; the SDK client runs here.
   ``optim_step`` through the SDK, against ``forward_backward`` + ``clip_grad_and_step`` of a
   ``MultiLoraTransformersModel`` here, the same batches; arms alternate round by round, medians
   reported. Target: SDK / in-process <= 1.10.
+- ``client``: the same, the step being ``forward_backward`` + ``clip_grad_and_step`` of
+  ``twinkle_client.model.MultiLoraTransformersModel`` (upstream's client class) over the server,
+  against the same calls in-process. Target: client / in-process <= 1.10.
 - ``tenants``: two tenants training at once (a thread each, ``--steps`` steps each) against one
   tenant doing the same ``2 x --steps`` steps, each on a fresh server: combined throughput
   (steps/s) and the server's peak resident memory (``VmHWM``). Targets: throughput ratio >= 0.9,
@@ -121,9 +124,9 @@ def sdk_step(tc, data) -> None:
 
 def part_sdk(opts, rows, tmp: Path) -> list[str]:
     from twinkle.model import MultiLoraTransformersModel
-    from twinkle_client.model import datums_of
+    from twinkle_client.batches import datums_of, rows_of
 
-    data = [datums_of(b)[0] for b in rows]
+    data = [datums_of(rows_of(b)) for b in rows]
     local = MultiLoraTransformersModel(opts.model_id, max_loras=1, max_r=8)
     local.add_adapter_to_model("a", lora(8, dropout=0.0))
     local.set_optimizer("AdamW", lr=1e-4, adapter_name="a")
@@ -154,15 +157,53 @@ def part_sdk(opts, rows, tmp: Path) -> list[str]:
     ]
 
 
+def part_client(opts, rows, tmp: Path) -> list[str]:
+    from twinkle.model import MultiLoraTransformersModel
+    from twinkle_client import init_twinkle_client
+    from twinkle_client.model import MultiLoraTransformersModel as ClientModel
+
+    local = MultiLoraTransformersModel(opts.model_id, max_loras=1, max_r=8)
+    local.add_adapter_to_model("a", lora(8, dropout=0.0))
+    local.set_optimizer("AdamW", lr=1e-4, adapter_name="a")
+    server = Server(opts.model_id, tmp / "client")
+    try:
+        init_twinkle_client(server.url, KEYS[0])
+        remote = ClientModel()
+        remote.add_adapter_to_model("a", lora(8, dropout=0.0))
+        remote.set_optimizer("AdamW", lr=1e-4, adapter_name="a")
+        arms = {
+            "in-process": lambda: [_local_step(local, b) for b in rows],
+            "twinkle_client": lambda: [_local_step(remote, b) for b in rows],
+        }
+        arms["in-process"](), arms["twinkle_client"]()  # warm-up
+        times = {k: [] for k in arms}
+        for r in range(opts.rounds):
+            for name in list(arms) if r % 2 == 0 else list(arms)[::-1]:
+                times[name].append(timed(arms[name]) / len(rows))
+    finally:
+        server.stop()
+    med = {k: statistics.median(v) for k, v in times.items()}
+    return [
+        "## twinkle_client step vs in-process step",
+        "",
+        "| arm | median s/step | rounds |",
+        "| --- | --- | --- |",
+        *[f"| {k} | {med[k]:.4f} | {', '.join(f'{t:.4f}' for t in times[k])} |" for k in arms],
+        "",
+        f"twinkle_client / in-process: **{med['twinkle_client'] / med['in-process']:.3f}** (target <= 1.10)",
+        "",
+    ]
+
+
 def _local_step(model, batch) -> None:
     model.forward_backward(inputs=batch, adapter_name="a")
     model.clip_grad_and_step(adapter_name="a")
 
 
 def _tenants(opts, rows, tmp: Path, count: int) -> tuple[float, float]:
-    from twinkle_client.model import datums_of
+    from twinkle_client.batches import datums_of, rows_of
 
-    data = [datums_of(b)[0] for b in rows]
+    data = [datums_of(rows_of(b)) for b in rows]
     server = Server(opts.model_id, tmp / f"tenants-{count}")
     try:
         trainers = [sdk_trainer(server.url, KEYS[i], opts.base) for i in range(count)]
@@ -210,7 +251,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=16, help="steps per round and arm")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--batch", type=int, default=8, help="rows per step (W1 rows)")
-    p.add_argument("--parts", default="sdk,tenants")
+    p.add_argument("--parts", default="sdk,client,tenants")
     p.add_argument("--out", type=Path, required=True)
     opts = p.parse_args()
     with tempfile.TemporaryDirectory() as folder:
@@ -228,6 +269,8 @@ def main() -> None:
         parts = opts.parts.split(",")
         if "sdk" in parts:
             lines += part_sdk(opts, rows, tmp)
+        if "client" in parts:
+            lines += part_client(opts, rows, tmp)
         if "tenants" in parts:
             lines += part_tenants(opts, rows, tmp)
     text = "\n".join(lines)
