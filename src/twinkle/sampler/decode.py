@@ -254,13 +254,16 @@ class CacheState:
         if self.lean is not None:
             self.lean.select(index)
         else:
-            self.cache.batch_select_indices(index)
+            self.cache.reorder_cache(index)  # a row gather (see ``repeat``)
         self.mask = self.mask[index]
         self.next_positions = self.next_positions[index]
         if self.padded and bool(self.mask.all()):
             self.padded = False  # the rows left have no pads: no mask needed from here on
 
     def repeat(self, n: int) -> None:
-        self.cache.batch_repeat_interleave(n)
+        # a row gather through ``reorder_cache``: the linear-attention (recurrent) cache layers of
+        # hybrid models (Qwen3.5, Qwen3-Next) implement it and not ``batch_repeat_interleave``
+        rows = torch.arange(self.mask.shape[0], device=self.mask.device).repeat_interleave(n)
+        self.cache.reorder_cache(rows)
         self.mask = self.mask.repeat_interleave(n, dim=0)
         self.next_positions = self.next_positions.repeat_interleave(n, dim=0)
