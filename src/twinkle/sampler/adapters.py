@@ -53,6 +53,15 @@ def split_name(saved: str) -> tuple[str, str]:
     )
 
 
+def text_key(key: str) -> str:
+    """``key`` as a text-only model names it: a multimodal model keeps its language model under
+    ``model.language_model.``, the causal LM of the same family (what ``AutoModelForCausalLM``
+    loads from that checkpoint, as a sampler does) under ``model.``, so a multimodal trainer's
+    adapter reaches a text sampler's layers."""
+    head = "model.language_model."
+    return "model." + key[len(head) :] if key.startswith(head) else key
+
+
 def read_folder(path: str | Path) -> tuple[Any, dict[str, torch.Tensor]]:
     """A PEFT adapter folder -> (its ``LoraConfig``, its weights under their saved names)."""
     from peft import LoraConfig
@@ -105,8 +114,11 @@ def write(lm: Any, name: str, tensors: dict[str, torch.Tensor]) -> int:
     for layer_key, layer in _named_lora_layers(lm):
         if name in layer.lora_A:
             for kind in KINDS:
-                targets[(layer_key, kind)] = getattr(layer, kind)[name].weight
-    given = {split_name(k): v for k, v in tensors.items()}
+                targets[(text_key(layer_key), kind)] = getattr(layer, kind)[name].weight
+    given = {}
+    for saved, value in tensors.items():
+        key, kind = split_name(saved)
+        given[(text_key(key), kind)] = value
     missing = sorted(set(targets) - set(given))
     extra = sorted(set(given) - set(targets))
     if missing or extra:
