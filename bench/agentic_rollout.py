@@ -43,14 +43,17 @@ sys.path.insert(0, str(ROOT / "cookbook" / "rl"))  # noqa: E402
 
 
 def cpu_name() -> str:
+    """lscpu's model name with its family and model numbers (a name alone, 'AMD EPYC', does not
+    tell the generations apart)."""
     try:
         out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-        for line in out.splitlines():
-            if line.startswith("Model name:"):
-                return line.split(":", 1)[1].strip()
     except OSError:
-        pass
-    return platform.processor() or "unknown"
+        return platform.processor() or "unknown"
+    fields = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
+    name = fields.get("Model name", "unknown").strip()
+    return (
+        f"{name} (family {fields.get('CPU family', '?').strip()}, model {fields.get('Model', '?').strip()})"
+    )
 
 
 class GenerateSampler:
@@ -143,6 +146,7 @@ def main() -> None:
         args.trajectories, args.rounds, args.max_tokens = 2, 1, 12
     if args.threads:
         torch.set_num_threads(args.threads)
+    args.command = " ".join(sys.argv[1:])
     sys.argv = sys.argv[:1]  # the cookbook module parses its own (empty) command line on import
     import multi_turn_grpo as task
 
@@ -227,7 +231,7 @@ def write(args, results, steps, same: int) -> None:
         "cookbook's fresh LoRA adapter (zero: the base model's outputs) on every side.",
         f"Task: {args.trajectories} `ArithmeticEnv` episodes (fixed seeds), at most {args.max_turns} replies "
         f"of {args.max_tokens} tokens, greedy; median of {args.rounds} rounds after a warm-up.",
-        "Command: `python bench/agentic_rollout.py " + " ".join(sys.argv[1:]) + "`",
+        f"Command: `python bench/agentic_rollout.py {args.command}`",
         "",
         "| side | seconds | turns | generated tokens | turns/s | tokens/s | twinkle's speed-up | success |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
