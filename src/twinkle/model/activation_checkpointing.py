@@ -26,6 +26,7 @@ def activation_bytes(config: Any, tokens: int, dtype: torch.dtype) -> int:
     MLP's gate, up and product, the inputs the LoRA matrices need). Measured on SmolLM2-135M
     (fp32, 3k tokens): 55 KB per token and layer; this gives 58 KB. The one-node LoRA MLP
     (``kernel/lora/mlp.py``) keeps these same four ``intermediate``-wide values on the CPU."""
+    config = config.get_text_config()  # a multimodal model's sizes are its language model's
     hidden = config.hidden_size
     inter = getattr(config, "intermediate_size", 4 * hidden)
     per_token_layer = 12 * hidden + 5 * inter
