@@ -1,6 +1,8 @@
 """The pooled CPU attention: the per-sample SDPA calls' results, backward on one-thread workers."""
 
 import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -111,6 +113,26 @@ def test_workers_that_cannot_start_leave_every_call_on_the_calling_thread(monkey
         pooled = segment_attention(*leaves, segments)
         pooled.sum().backward()
     _assert_same(pooled, out, leaves)
+
+
+def test_a_worker_failing_before_the_last_submit_still_gives_no_pool(monkeypatch, two_threads):
+    """The pool breaks as soon as one worker's start fails: a later submit raises, which must
+    read as "no pool", not escape to the caller."""
+
+    def fail(barrier):
+        raise RuntimeError("no thread for you")
+
+    class SlowSubmit(ThreadPoolExecutor):
+        def submit(self, *args, **kwargs):
+            time.sleep(0.2)  # the first worker has failed by the second submit
+            return super().submit(*args, **kwargs)
+
+    monkeypatch.setattr(cpu_attention, "_single_threaded", fail)
+    monkeypatch.setattr(cpu_attention, "ThreadPoolExecutor", SlowSubmit)
+    monkeypatch.setattr(cpu_attention, "_pool", None)
+    monkeypatch.setattr(cpu_attention, "_pool_threads", 0)
+    assert cpu_attention.pool(2) is None
+    assert torch.get_num_threads() == 2
 
 
 def test_an_unused_output_gets_a_zero_gradient(two_threads):

@@ -16,6 +16,7 @@ import os
 import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures.thread import BrokenThreadPool
 from typing import Any
 
 import torch
@@ -68,11 +69,12 @@ def pool(threads: int) -> ThreadPoolExecutor | None:
                 _pool.shutdown(wait=True)
             barrier = threading.Barrier(threads + 1)
             new = ThreadPoolExecutor(threads, "twinkle-attention", _single_threaded, (barrier,))
-            for _ in range(threads):  # every worker starts now (each waits in the barrier)
-                new.submit(lambda: None)
             try:
+                for _ in range(threads):  # every worker starts now (each waits in the barrier)
+                    new.submit(lambda: None)
                 barrier.wait(timeout=START_SECONDS)
-            except threading.BrokenBarrierError:
+            except (threading.BrokenBarrierError, BrokenThreadPool):
+                # BrokenThreadPool: a worker's start already failed before the last submit
                 # a worker could not start: every call runs on the calling thread from now on
                 barrier.abort()
                 new.shutdown(wait=False)
