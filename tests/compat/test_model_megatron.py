@@ -86,3 +86,12 @@ def test_megatron_optimizer_keywords(tiny_model_dir):
         model.set_optimizer("default", lr=1e-3, overlap_param_gather=True)
     with pytest.raises(UserError, match="min_lr belongs to the schedule"):
         model.set_optimizer("default", lr=1e-3, min_lr=1e-5)
+
+
+def test_a_model_without_an_adapter_refuses_full_parameter_training_in_one_line(tiny_model_dir):
+    # upstream's dpo_full.py: set_optimizer on a model it never gave an adapter
+    model = MegatronModel(model_id=str(tiny_model_dir), mixed_precision="no")
+    with pytest.raises(
+        UserError, match="MegatronModel has no adapter: full-parameter training is not supported yet"
+    ):
+        model.set_optimizer("default", lr=1e-5, weight_decay=0.01)

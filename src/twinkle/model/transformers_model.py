@@ -124,9 +124,15 @@ class TransformersModel(InputsAPI, MetricsAPI, Checkpoints):
     # ----------------------------------------------------------------- set-up
     def _group(self, adapter_name: str | None) -> OptimizerGroup:
         if adapter_name is None:
+            if not self.optimizer_group:  # upstream trains every weight here; Twinkle trains adapters
+                raise UserError(
+                    f"{type(self).__name__} has no adapter: full-parameter training is not supported "
+                    "yet; add a LoRA adapter first (add_adapter_to_model)"
+                )
             if len(self.optimizer_group) != 1:
-                names = ", ".join(self.optimizer_group) or "none yet"
-                raise UserError(f"name the adapter (adapter_name=...); adapters: {names}")
+                raise UserError(
+                    f"name the adapter (adapter_name=...); adapters: {', '.join(self.optimizer_group)}"
+                )
             return next(iter(self.optimizer_group.values()))
         if adapter_name not in self.optimizer_group:
             raise UserError(
