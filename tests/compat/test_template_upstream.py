@@ -42,6 +42,14 @@ def test_prompt_encoding_ends_with_the_generation_prompt_and_supervises_nothing(
     assert template.encode(empty, add_generation_prompt=True)["input_ids"] == row["input_ids"]
 
 
+def test_encoded_ids_answer_tolist_as_upstream_arrays_do(tiny_model_dir):
+    template = Template(str(tiny_model_dir))
+    row = template.encode(TRAJ)
+    ids, labels = row["input_ids"].tolist(), row["labels"].tolist()
+    assert type(ids) is list and ids == list(row["input_ids"]) and labels == list(row["labels"])
+    assert type(row["input_ids"] + [0]) is list  # still a list: concatenation, not addition
+
+
 def test_training_encoding_of_a_trajectory_supervises_the_reply(tiny_model_dir):
     template = Template(str(tiny_model_dir))
     row = template.encode(CHAT)

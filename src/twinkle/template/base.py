@@ -20,6 +20,15 @@ TRUNCATION_STRATEGIES = ("raise", "left", "right", "delete")
 Segment = tuple[str, bool]  # (text, supervised)
 
 
+class TokenIds(list):
+    """A row's ``input_ids`` or ``labels`` from ``Template.encode``: a plain list that also
+    answers ``tolist()``, because upstream's encode returns numpy arrays and scripts written
+    against it call ``feature['input_ids'].tolist()``; everything a list does still works."""
+
+    def tolist(self) -> list[int]:
+        return list(self)
+
+
 class Template:
     """Encode chat messages with ``tokenizer.apply_chat_template``.
 
@@ -201,9 +210,14 @@ class Template:
         else:
             input_ids, labels = self.tokenize(self.with_default_system(messages))
         feature = self._truncate(input_ids, labels, index)
-        if feature is None or carried is None:
-            return feature
-        return {**carried, **feature}
+        if feature is None:
+            return None
+        feature = {
+            **feature,
+            "input_ids": TokenIds(feature["input_ids"]),
+            "labels": TokenIds(feature["labels"]),
+        }
+        return feature if carried is None else {**carried, **feature}
 
     def batch_encode(
         self, trajectories: Any, add_generation_prompt: bool = False
