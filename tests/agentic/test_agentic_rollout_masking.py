@@ -109,6 +109,9 @@ def test_the_token_limit_ends_a_trajectory(template):
     out, _, rollout = play(template, [call("add", n=1), "x" * 50], goal=None, max_trajectory_tokens=limit)
     assert out["stop_reason"] == "max_tokens" and out["truncated"] and len(out["input_ids"]) <= limit
     assert rollout.metrics.token_limit == 1
+    short, sampler, rollout = play(template, ["x"], max_trajectory_tokens=5)  # the prompt alone is longer
+    assert short["stop_reason"] == "max_tokens" and short["turns"] == 0 and not sampler.calls
+    assert short["old_logps"] == [] and rollout.metrics.token_limit == 1
     assert len(out["old_logps"]) == sum(label != -100 for label in out["labels"])
 
 

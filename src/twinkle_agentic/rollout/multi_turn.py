@@ -94,6 +94,10 @@ class MultiTurnRollout(Rollout):
         episodes = [self._start(t, m) for t, m in zip(trajectories, managers, strict=True)]
         with ThreadPoolExecutor(max_workers=max(1, min(self.max_threads, len(episodes)))) as pool:
             for turn in range(self.max_turns):
+                for e in episodes:
+                    if not e.done and self._room(e) <= 0:  # a prompt already at the token limit
+                        metrics.token_limit += 1
+                        e.finish("max_tokens", truncated=True)
                 live = [e for e in episodes if not e.done]
                 if not live:
                     break
