@@ -1,11 +1,27 @@
 """Attach a PEFT LoRA adapter."""
 
+import copy
 import warnings
 from typing import Any
 
 from twinkle.utils.errors import UserError
 
 DEPRECATED_ALIAS = "`is_gradient_checkpointing` is deprecated"
+
+
+def all_linear_alone(config: Any) -> Any:
+    """``config`` with ``target_modules=['all-linear']`` (upstream's scripts write the shortcut in a
+    list, which PEFT would look for as a module name) as the shortcut itself; others unchanged."""
+    targets = getattr(config, "target_modules", None)
+    if isinstance(targets, (list, tuple, set, frozenset)) and "all-linear" in targets:
+        if len(targets) > 1:
+            raise UserError(
+                f"target_modules={sorted(targets)}: 'all-linear' already names every linear layer; "
+                "give it alone or list the module names"
+            )
+        config = copy.copy(config)
+        config.target_modules = "all-linear"
+    return config
 
 
 def add_lora(model: Any, adapter_name: str, config: Any) -> Any:

@@ -27,6 +27,7 @@ from twinkle.model.embedding import embedding_batch, embedding_loss
 from twinkle.model.forward import batch_on_device, causal_lm_of, loss_and_view, task_loss
 from twinkle.model.inputs import InputsAPI, prepare_inputs
 from twinkle.model.loading import load_causal_lm, resolve_dtype
+from twinkle.model.lora import all_linear_alone
 from twinkle.model.loss_inputs import keyword_inputs, split_rows, with_loss_inputs
 from twinkle.model.metrics_api import MetricsAPI, record_metric_batch
 from twinkle.model.optim_setup import attach_scheduler, optimizer_builder, set_window
@@ -152,7 +153,7 @@ class TransformersModel(InputsAPI, MetricsAPI, Checkpoints):
         if not isinstance(adapter_name, str) or re.fullmatch(r"[A-Za-z0-9_-]+", adapter_name) is None:
             # PEFT makes the name a module attribute, which cannot hold '.'
             raise UserError(f"adapter name must be letters, digits, '_' and '-', got {adapter_name!r}")
-        self.model = self.adapters.add(self.model, adapter_name, config)
+        self.model = self.adapters.add(self.model, adapter_name, all_linear_alone(config))
         if self.adapters.place_on_add:
             self._place_adapters()
         self.optimizer_group[adapter_name] = OptimizerGroup(
