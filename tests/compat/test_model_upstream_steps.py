@@ -183,7 +183,7 @@ def test_flash_attention_on_a_cpu_runs_with_our_attention(tiny_model_dir):
 def test_step_keywords_upstream_passes(make_model):
     model = make_model()
     model.forward_only(inputs=ROWS[:2], temperature=1.0, return_logits=False)  # neutral: accepted
-    with pytest.raises(UserError, match="router_replay_action=.* not supported yet"):
+    with pytest.raises(UserError, match="router_replay_action='R3': expected a RouterReplayAction"):
         model.forward_backward(inputs=ROWS[:2], router_replay_action="R3")
     with pytest.raises(UserError, match="temperature=0.7 is not supported yet"):
         model.forward_only(inputs=ROWS[:2], temperature=0.7)

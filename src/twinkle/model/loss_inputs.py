@@ -13,8 +13,10 @@ import torch
 from twinkle.distributed.collectives import all_reduce_max
 from twinkle.loss.base import align_completion_values
 from twinkle.loss.preference import PreferenceLoss
+from twinkle.model.transformers.moe.router_replay import RouterReplayAction
 from twinkle.template.base import IGNORE_INDEX
 from twinkle.utils.errors import UserError
+from twinkle.utils.logger import get_logger
 
 REF_HINT = "ref_outputs=model.forward_only(inputs=batch, disable_lora=True)"
 
@@ -33,13 +35,27 @@ def _from_ref_outputs(ref_outputs: Any) -> torch.Tensor:
 STEP_KEYWORDS: dict[str, tuple[Any, str]] = {
     "temperature": (1.0, "the step's log-probabilities are the model's own (temperature 1)"),
     "return_logits": (False, "the step never builds full logits; read outputs['logps']"),
-    "router_replay_action": (None, "MoE routing replay is not built yet"),
     "router_replay_manual_cleanup": (False, "MoE routing replay is not built yet"),
 }
+_said_replay_off: list[bool] = []  # the router_replay_action warning, once per process
 
 
 def refuse_step_keywords(given: dict[str, Any]) -> None:
-    """Pop upstream's step keywords from ``given``: accepted at their neutral value, else one line."""
+    """Pop upstream's step keywords from ``given``: accepted at their neutral value, else one line.
+    ``router_replay_action`` acts on a model built with ``enable_router_replay=True``, which is
+    refused here, so on every model it has nothing to act on, as on upstream's model without
+    replay: accepted with one warning (``twinkle.model.transformers.moe.router_replay``)."""
+    action = given.pop("router_replay_action", None)
+    if action is not None:
+        if not isinstance(action, RouterReplayAction):
+            raise UserError(f"router_replay_action={action!r}: expected a RouterReplayAction or None")
+        if not _said_replay_off:
+            _said_replay_off.append(True)
+            get_logger().warning(
+                "router_replay_action=%s: nothing to replay, the model was built without "
+                "enable_router_replay (MoE routing replay is not supported yet); ignored, as upstream does",
+                action.name,
+            )
     for name, (neutral, why) in STEP_KEYWORDS.items():
         if name in given:
             value = given.pop(name)

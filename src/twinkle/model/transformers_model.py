@@ -71,6 +71,7 @@ class TransformersModel(InputsAPI, MetricsAPI, Checkpoints):
         fsdp_config: dict[str, Any] | None = None,
         grad_scaler_config: dict[str, Any] | None = None,
         attn_implementation: str | None = None,
+        enable_router_replay: bool = False,
     ):
         """``dtype``: the weights' dtype; None takes the run defaults' (``--dtype``; ``auto``: bf16
         on accelerators, fp32 on CPU). ``padding_free``: run each batch packed into one row (same
@@ -86,7 +87,14 @@ class TransformersModel(InputsAPI, MetricsAPI, Checkpoints):
         gradient scaler), ``attn_implementation`` (``twinkle.model.attention_choice``: flash attention where
         the device supports it, else sdpa with a warning), ``strategy`` (None takes the run defaults', ``--strategy``; ``native_fsdp`` and
         ``accelerate`` are FSDP2; ``ddp`` keeps a whole model per rank and needs
-        ``--fsdp-size 1``), ``ddp_config``, ``fsdp_config`` (``twinkle.model.options``)."""
+        ``--fsdp-size 1``), ``ddp_config``, ``fsdp_config`` (``twinkle.model.options``),
+        ``enable_router_replay`` (MoE routing replay: not built, True is refused;
+        ``twinkle.model.transformers.moe.router_replay``)."""
+        if enable_router_replay:
+            raise UserError(
+                "enable_router_replay=True: MoE routing replay is not supported yet; build the model "
+                "without it (enable_router_replay=False)"
+            )
         refuse_unimplemented(device_mesh or get_runtime().mesh, type(self).__name__)  # tp/pp/...: one line
         runtime = get_runtime()
         refuse_cli_sizes(runtime.defaults.run_args, type(self).__name__)  # --tp-size 2 the mesh left out

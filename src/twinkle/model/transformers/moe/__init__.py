@@ -1,0 +1,1 @@
+"""Mixture-of-experts names upstream's scripts import: ``router_replay.RouterReplayAction``."""
