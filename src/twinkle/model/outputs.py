@@ -152,16 +152,25 @@ class StepOutputs(float):
     (``outputs["logps"]``) would be a sequence to torch and numpy, and ``torch.tensor(losses)``
     of a list of losses would fail.
 
-    It leaves its process (pickled: Ray) with what it holds: logps not yet computed stay behind,
-    and reading them there says so."""
+    It leaves its process (pickled: Ray) with what it holds. ``ship_logps`` (a step whose loss
+    takes extra inputs: RL and preference scripts read the logps) computes them as it leaves;
+    otherwise logps not yet computed stay behind, and reading them there says so."""
 
-    def __new__(cls, loss: float, num_tokens: int, logps: Any = None) -> "StepOutputs":
+    def __new__(
+        cls, loss: float, num_tokens: int, logps: Any = None, ship_logps: bool = False
+    ) -> "StepOutputs":
         out = super().__new__(cls, loss)
         out._values = {"loss": float(loss), "num_tokens": num_tokens, "logps": logps}
+        out._ship_logps = ship_logps
         return out
 
     def __reduce__(self) -> tuple:
         logps = self._values["logps"]
+        if callable(logps) and self._ship_logps:
+            try:
+                logps = self.get("logps")
+            except UserError:  # a step that did not keep them: reading says so on the other side
+                logps = None
         values = {k: v for k, v in self._values.items() if k not in ("loss", "num_tokens", "logps")}
         kept = None if callable(logps) else logps
         return (_rebuilt, (float(self), self._values["num_tokens"], kept, values))
@@ -219,6 +228,12 @@ def joined_logps(parts: list[Any]) -> Any:
     return join
 
 
+def reads_logps(loss: Any) -> bool:
+    """Whether the scripts of ``loss`` read a step's logps: a loss with extra inputs (RL,
+    preference) or one that needs the samples."""
+    return bool(getattr(loss, "extra_inputs", ()) or getattr(loss, "require_samples", False))
+
+
 def step_logps(
     out: Any, view: LossView, batch: Mapping[str, torch.Tensor], loss: Any, distributed: bool
 ) -> Any:
@@ -236,7 +251,7 @@ def step_logps(
         logps=None if view.logps is None else view.logps.detach(),
     )
     if distributed and view.hidden is not None and getattr(out, "logps", None) is None:
-        if not (getattr(loss, "extra_inputs", ()) or getattr(loss, "require_samples", False)):
+        if not reads_logps(loss):
             return refused_logps(" (under FSDP a cross-entropy step does not run the head for them)")
     with torch.no_grad():
         return label_logps(out, detached, batch, lazy=not distributed)

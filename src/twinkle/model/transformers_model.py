@@ -32,7 +32,7 @@ from twinkle.model.loss_inputs import keyword_inputs, split_rows, with_loss_inpu
 from twinkle.model.metrics_api import MetricsAPI, record_metric_batch
 from twinkle.model.optim_setup import attach_scheduler, optimizer_builder, set_window
 from twinkle.model.options import resolve_precision, resolve_strategy
-from twinkle.model.outputs import StepOutputs, joined_logps, step_logps
+from twinkle.model.outputs import StepOutputs, joined_logps, reads_logps, step_logps
 from twinkle.model.parallel_sizes import refuse_cli_sizes
 from twinkle.model.step import clip_gradients
 from twinkle.model.train_state import OptimizerGroup
@@ -348,8 +348,8 @@ class TransformersModel(InputsAPI, MetricsAPI, Checkpoints):
             if ref_outputs is not None:
                 loss_inputs["ref_outputs"] = ref_outputs
             out = self.forward(inputs, task=task, adapter_name=adapter_name, **loss_inputs)
-            logps = self._step_logps
-            return StepOutputs(self.backward(), out["num_tokens"], logps)
+            logps, ship = self._step_logps, reads_logps(self._group(adapter_name).loss_fn)
+            return StepOutputs(self.backward(), out["num_tokens"], logps, ship_logps=ship)
         if task == EMBEDDING_TASK:
             raise UserError(
                 "micro_batch_size= with task='embedding' would split the in-batch negatives; leave it out"
@@ -363,7 +363,9 @@ class TransformersModel(InputsAPI, MetricsAPI, Checkpoints):
                 logps.append(self._step_logps)
             self._backward(counts=i == len(parts) - 1)
             loss_sum, tokens = loss_sum + out["loss"] * out["num_tokens"], tokens + out["num_tokens"]
-        return StepOutputs(loss_sum / max(1, tokens), tokens, joined_logps(logps))
+        return StepOutputs(
+            loss_sum / max(1, tokens), tokens, joined_logps(logps), ship_logps=reads_logps(loss_fn)
+        )
 
     def _reduce_window(self, group: OptimizerGroup) -> tuple[float, float, float]:
         """Once per window: ``(supervised tokens, NaN/inf seen, SIGTERM seen)`` over all ranks, and
