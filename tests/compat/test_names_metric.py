@@ -97,3 +97,15 @@ def test_dpo_metric_takes_beta_through_add_metric_and_reads_ref_outputs():
     out = m.calculate()
     assert out["chosen_reward"] == pytest.approx(0.5) and out["rejected_reward"] == pytest.approx(-0.5)
     assert out["reward_margin"] == pytest.approx(1.0) and out["reward_accuracy"] == 1.0
+
+
+def test_grpo_metric_reads_a_steps_outputs_as_upstreams_routing_replay_script_passes_them():
+    from twinkle.model.outputs import StepOutputs
+
+    out = StepOutputs(0.5, 3, NEW)
+    out["logps"] = [NEW[i : i + 1] for i in range(NEW.shape[0])]  # the script's per-row split
+    by_step, by_dict = GRPOMetric(), GRPOMetric()
+    rows = [{"labels": LABELS[:1]}, {"labels": LABELS[1:]}]
+    by_step.accumulate(rows, out, old_logps=OLD, advantages=ADV)
+    by_dict.accumulate({"labels": LABELS}, {"logps": NEW}, old_logps=OLD, advantages=ADV)
+    assert by_step.calculate() == by_dict.calculate()

@@ -75,9 +75,9 @@ class GRPOMetric(Metric):
     ) -> None:
         """One step's micro-batches (see the module docstring). ``context`` is what the model
         passes every metric (``lr``, ``step``, ...): not read here."""
-        if outputs is None or outputs.get("logps") is None:
+        logps = None if outputs is None else outputs.get("logps")  # a dict, or a step's StepOutputs
+        if logps is None:
             return
-        logps = outputs["logps"]
         batches = inputs if isinstance(inputs, list) and isinstance(logps, list) else [inputs]
         logps = logps if isinstance(logps, list) else [logps]
         entropies = outputs.get("entropies")
