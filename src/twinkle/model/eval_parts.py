@@ -35,6 +35,7 @@ def forward_only_in_parts(
     loss_sum, tokens, logps = 0.0, 0, []
     for part in split_rows(batch, micro_batch_size, loss_fn):
         out = model.forward_only(part, task=task, adapter_name=group.adapter_name, disable_lora=disable_lora)
+        model._pending_eval = None  # a part is not an evaluation batch (module docstring)
         if part["input_ids"].shape[0]:
             logps.append(out["logps"])
         loss_sum, tokens = loss_sum + float(out) * out["num_tokens"], tokens + out["num_tokens"]

@@ -127,7 +127,9 @@ class MetricsAPI:
             with mode:
                 out, view = loss_and_view(self.model, batch, run_fn, self.padding_free)
             logps = label_logps(out, view, batch, lazy=not self.runtime.is_distributed)
+        self._record_pending_eval()  # the batch before, as upstream records it (see calculate_loss)
         self._pending_eval = None if missing else (group.adapter_name, out, inputs)
+        self._pending_auto = adapter_names is None and not disable_lora  # a plain evaluation batch
         self._eval_without = (loss_fn.name, missing) if missing else None
         mean = float(out.loss_sum) / max(1, out.num_tokens)
         self.last_outputs = ModelOutputs(mean, out.num_tokens, logps)
@@ -165,8 +167,18 @@ class MetricsAPI:
             out, view = loss_and_view(self.model, batch, loss_fn, padding_free=True, share_prefix=names)
         return out, label_logps(out, view, batch, lazy=not self.runtime.is_distributed)
 
+    def _record_pending_eval(self) -> None:
+        """Record a ``forward_only`` batch no ``calculate_loss()`` recorded, as upstream's model
+        does when the next ``forward_only`` or ``calculate_metric(is_training=False)`` comes: an
+        evaluation loop that never calls ``calculate_loss`` still reports its batches. A batch of
+        mixed adapters or with the adapters off is recorded only when ``calculate_loss`` asks."""
+        if self._pending_eval is not None and self._pending_auto:
+            self.calculate_loss()
+
     def calculate_loss(self) -> float:
-        """Record the last ``forward_only`` batch in the eval metrics; return its mean token loss."""
+        """Record the last ``forward_only`` batch in the eval metrics; return its mean token loss.
+        Each batch is recorded once: here, or by the next ``forward_only`` or
+        ``calculate_metric(is_training=False)``."""
         if self._pending_eval is None:
             if isinstance(self._eval_without, str):
                 raise UserError(self._eval_without)
@@ -214,6 +226,7 @@ class MetricsAPI:
         recorded (``twinkle.model.health``)."""
         group = self._group(adapter_name)
         if not is_training:
+            self._record_pending_eval()
             metrics = group.eval_metrics.compute()
         else:
             metrics = group.train_metrics.compute()

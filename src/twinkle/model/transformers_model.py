@@ -126,6 +126,7 @@ class TransformersModel(InputsAPI, MetricsAPI, Checkpoints):
         self.adapters: Adapters = PeftAdapters(self.optimizer_group, runtime)
         self.template_defaults: dict[str, Any] = {}  # keywords set_template gives a template it builds
         self._pending_eval: tuple[str, Any, Any] | None = None
+        self._pending_auto = False  # the pending batch is a plain evaluation (metrics_api)
         self._pending_backward: tuple[OptimizerGroup, Any, dict[str, torch.Tensor]] | None = None
         self._in_train_mode = False  # set by forward_backward's train(), cleared by forward_only's eval()
         self._step_logps: Any = None  # the last training forward's logps entry (``outputs.step_logps``)
