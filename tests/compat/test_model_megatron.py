@@ -95,3 +95,18 @@ def test_a_model_without_an_adapter_refuses_full_parameter_training_in_one_line(
         UserError, match="MegatronModel has no adapter: full-parameter training is not supported yet"
     ):
         model.set_optimizer("default", lr=1e-5, weight_decay=0.01)
+
+
+def test_save_merge_lora_writes_the_merged_model_beside_the_checkpoint(tiny_model_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model = MegatronModel(model_id=str(tiny_model_dir), mixed_precision="no")
+    _two_steps(model, "default")
+    path = model.save("last", output_dir=str(tmp_path), merge_lora=True)
+    assert (path / "adapter_model.safetensors").is_file()  # the checkpoint still resumes
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "last-merged").float()
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir).float()
+    lora = model.model.base_model.model.model.layers[0].self_attn.q_proj
+    delta = (lora.lora_B["default"].weight @ lora.lora_A["default"].weight) * lora.scaling["default"]
+    want = base.model.layers[0].self_attn.q_proj.weight + delta.detach().float()
+    torch.testing.assert_close(merged.model.layers[0].self_attn.q_proj.weight, want, atol=1e-5, rtol=0)

@@ -9,6 +9,7 @@ GPUs, which Twinkle does not run: one line says so. Upstream's Megatron keywords
 where they describe what the Transformers model does anyway, and refused by name otherwise
 (``megatron_model_args``)."""
 
+from pathlib import Path
 from typing import Any
 
 from twinkle.model.multi_lora import MultiLoraTransformersModel
@@ -97,7 +98,8 @@ def megatron_model_args(
 
 
 class _MegatronNames:
-    """Upstream's Megatron ``set_optimizer`` names: ``'Adam'`` is its default optimizer there."""
+    """Upstream's Megatron ``set_optimizer`` names (``'Adam'`` is its default optimizer there) and
+    ``save(merge_lora=)``."""
 
     def set_optimizer(
         self, optimizer_cls: Any, lr: float = 1e-4, adapter_name: str | None = None, **kwargs: Any
@@ -108,6 +110,18 @@ class _MegatronNames:
         if isinstance(optimizer_cls, str) and optimizer_cls in MEGATRON_OPTIMIZERS:
             optimizer_cls = "default"
         return super().set_optimizer(optimizer_cls, lr=lr, adapter_name=adapter_name, **kwargs)
+
+    def save(self, *args: Any, merge_lora: bool = False, **kwargs: Any) -> Path | None:
+        """As ``TransformersModel.save`` (same arguments); ``merge_lora=True``, upstream's Megatron
+        keyword, also writes the base model with the adapter merged in as a Hugging Face folder
+        ``<checkpoint>-merged`` beside the checkpoint (``twinkle.export``, rank 0). The checkpoint
+        itself keeps the adapter, so training can resume from it."""
+        path = super().save(*args, **kwargs)
+        if merge_lora and path is not None and get_runtime().rank == 0:
+            from twinkle.export import export_checkpoint
+
+            export_checkpoint(str(path), str(path.parent / f"{path.name}-merged"), overwrite=True)
+        return path
 
 
 @remote_class
