@@ -8,6 +8,20 @@ from twinkle.template.qwen import Qwen3_5Template
 from twinkle.utils.errors import UserError
 
 TEMPLATES: dict[str, type[Template]] = {"Template": Template, "Qwen3_5Template": Qwen3_5Template}
+# template names upstream's cookbooks use that name a capability not built here
+NOT_YET = {
+    "Qwen2_5VLTemplate": "multimodal templates (images in messages, through the model's AutoProcessor)",
+    "Gemma4Template": "multimodal templates (images in messages, through the model's AutoProcessor)",
+    "DeepseekV4Template": "DeepSeek-V4's chat format",
+}
+
+
+def refuse_not_yet(name: Any) -> None:
+    """One line for a template name of ``NOT_YET``, naming what it needs."""
+    if isinstance(name, str) and name in NOT_YET:
+        raise UserError(
+            f"--template-cls: {name} is not supported yet: {NOT_YET[name]}; valid names: {', '.join(TEMPLATES)}"
+        )
 
 
 def get_template(name_or_class: str | type[Template], model_id: Any = None, **kwargs: Any) -> Template:
@@ -19,6 +33,7 @@ def get_template(name_or_class: str | type[Template], model_id: Any = None, **kw
     elif isinstance(name_or_class, str) and name_or_class in TEMPLATES:
         cls = TEMPLATES[name_or_class]
     else:
+        refuse_not_yet(name_or_class)
         raise UserError(
             f"--template-cls: unknown template {name_or_class!r}; valid names: {', '.join(TEMPLATES)}"
         )

@@ -1,0 +1,34 @@
+"""Template names upstream's cookbooks use for capabilities not built here (multimodal models,
+DeepSeek-V4's format) are refused in one line that names the capability; an unknown name lists
+the valid ones."""
+
+import pytest
+
+from twinkle.template import get_template
+from twinkle.utils.errors import UserError
+
+
+@pytest.mark.parametrize(
+    ("name", "what"),
+    [
+        ("Qwen2_5VLTemplate", "multimodal templates"),
+        ("Gemma4Template", "multimodal templates"),
+        ("DeepseekV4Template", "DeepSeek-V4's chat format"),
+    ],
+)
+def test_a_planned_template_names_its_capability(name, what):
+    with pytest.raises(UserError, match=f"{name} is not supported yet: {what}") as info:
+        get_template(name)
+    assert "valid names: Template, Qwen3_5Template" in str(info.value) and "\n" not in str(info.value)
+
+
+def test_an_unknown_name_lists_the_valid_ones():
+    with pytest.raises(UserError, match="unknown template 'NoSuch'; valid names: Template, Qwen3_5Template"):
+        get_template("NoSuch")
+
+
+def test_the_command_line_says_the_same():
+    from twinkle.cli import CLI
+
+    with pytest.raises(UserError, match="Gemma4Template is not supported yet: multimodal templates"):
+        CLI.from_args(["--template-cls", "Gemma4Template"], env={})
