@@ -46,7 +46,7 @@ from twinkle_agentic.tools import ToolManager
 
 SYSTEM = "You answer arithmetic questions with the calculator tool: call it, then reply with its result."
 # Defaults sized for a CPU: a step plays 4 questions x 4 trajectories of at most 3 replies of 40 tokens
-DEFAULTS = {"max_steps": 12, "max_tokens": 40, "batch_size": 4, "num_generations": 4, "warmup": 2}
+DEFAULTS = {"max_steps": 6, "max_tokens": 40, "batch_size": 4, "num_generations": 4, "warmup": 2}
 MAX_TURNS = 3
 ENV_NUM_WORKERS = int(os.environ.get("ENV_NUM_WORKERS", "0"))  # upstream's switch: Ray workers for the envs
 
