@@ -35,7 +35,16 @@ class Dataset:
     few. ``skip_bad_rows=None`` takes the run's configuration (``--skip-bad-rows`` once
     ``twinkle.initialize()`` applied the command line; else False)."""
 
-    def __init__(self, dataset_meta: DatasetMeta | None = None, skip_bad_rows: bool | None = None):
+    def __init__(
+        self, dataset_meta: DatasetMeta | None = None, skip_bad_rows: bool | None = None, features: Any = None
+    ):
+        """``features``: upstream's ``datasets`` schema for the loaded rows, which its cookbooks give
+        for image columns; not supported yet (one line)."""
+        if features is not None:
+            raise UserError(
+                "Dataset(features=...) is not supported yet: a datasets schema for the loaded rows "
+                "(image columns: multimodal data); leave it out for text rows"
+            )
         self.template: Template | None = None
         from twinkle.runtime import run_defaults
 

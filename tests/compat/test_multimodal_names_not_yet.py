@@ -1,6 +1,6 @@
-"""Template names upstream's cookbooks use for capabilities not built here (multimodal models,
-DeepSeek-V4's format) are refused in one line that names the capability; an unknown name lists
-the valid ones."""
+"""What upstream's multimodal cookbooks name and Twinkle does not build yet is refused in one line
+that names the capability: their template names (and DeepSeek-V4's format), ``Dataset(features=)``
+for image columns; an unknown template name lists the valid ones."""
 
 import pytest
 
@@ -32,3 +32,10 @@ def test_the_command_line_says_the_same():
 
     with pytest.raises(UserError, match="Gemma4Template is not supported yet: multimodal templates"):
         CLI.from_args(["--template-cls", "Gemma4Template"], env={})
+
+
+def test_a_dataset_schema_for_image_columns_is_one_line():
+    from twinkle.dataset import Dataset
+
+    with pytest.raises(UserError, match=r"Dataset\(features=...\) is not supported yet: .*multimodal"):
+        Dataset(features={"image": "Image"})
