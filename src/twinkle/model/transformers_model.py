@@ -137,7 +137,8 @@ class TransformersModel(InputsAPI, MetricsAPI, Checkpoints):
             if not self.optimizer_group:  # upstream trains every weight here; Twinkle trains adapters
                 raise UserError(
                     f"{type(self).__name__} has no adapter: full-parameter training is not supported "
-                    "yet; add a LoRA adapter first (add_adapter_to_model)"
+                    "yet, and the loss, processor and optimizer live on an adapter; add a LoRA adapter "
+                    "first (add_adapter_to_model)"
                 )
             if len(self.optimizer_group) != 1:
                 raise UserError(
