@@ -33,6 +33,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -147,7 +148,8 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     args.command = " ".join(sys.argv[1:])
-    sys.argv = sys.argv[:1]  # the cookbook module parses its own (empty) command line on import
+    # the cookbook module parses its own command line on import: only a run folder of the bench's
+    sys.argv = [sys.argv[0], "--output-dir", tempfile.mkdtemp(prefix="agentic-bench-")]
     import multi_turn_grpo as task
 
     from twinkle.data_format import SamplingParams
