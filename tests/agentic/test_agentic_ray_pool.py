@@ -47,3 +47,24 @@ def test_ray_workers_give_the_in_process_trajectories(template, env_name):
     keys = ("input_ids", "labels", "reward", "turn_rewards", "stop_reason", "messages")
     assert [{k: r[k] for k in keys} for r in remote] == [{k: r[k] for k in keys} for r in local]
     assert len({str(r["messages"][1]) for r in local}) > 1  # the slots' episodes differ
+
+
+@pytest.mark.slow
+def test_the_cookbook_runs_its_environments_on_ray_workers(tmp_path, tiny_model_dir):
+    import json
+    import shutil
+    from pathlib import Path
+
+    import warm
+    from harness import script_env
+
+    script = Path(__file__).resolve().parents[2] / "cookbook" / "rl" / "multi_turn_grpo.py"
+    model_dir = shutil.copytree(tiny_model_dir, tmp_path / "tiny")
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 4096}))
+    argv = [str(script), "--model-id", str(model_dir), "--output-dir", str(tmp_path / "out"), "--max-steps", "1",
+            "--batch-size", "2", "--num-generations", "2", "--max-tokens", "4", "--eval-samples", "2"]  # fmt: skip
+    env = {**script_env(tmp_path), "ENV_NUM_WORKERS": "2", "RAY_AUTH_MODE": "disabled"}
+    result = warm.run(argv, cwd=tmp_path, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "held-out greedy success:" in result.stderr
