@@ -1,16 +1,15 @@
-"""``ClientMultiTurnRollout``: upstream's multi-turn agentic rollout driven through the client
-(sample, act in an environment, observe, sample again). Not served yet: building it refuses in
-one line, so an upstream script gets past its imports and learns what is missing."""
+"""``ClientMultiTurnRollout`` at upstream's import path: the multi-turn agentic rollout of
+``twinkle_agentic`` (sample through the client, act in an environment, observe, sample again).
+
+It is looked up when asked for, so importing ``twinkle_client`` does not import
+``twinkle_agentic`` (which imports ``twinkle_client``'s sampler shapes itself)."""
 
 from typing import Any
 
 
-class ClientMultiTurnRollout:
-    def __init__(self, *args: Any, **kwargs: Any):
-        raise NotImplementedError(
-            "ClientMultiTurnRollout: not supported yet: multi-turn agentic rollouts through "
-            "twinkle_client are a later issue (twinkle_agentic)"
-        )
+def __getattr__(name: str) -> Any:
+    if name == "ClientMultiTurnRollout":
+        from twinkle_agentic.rollout import ClientMultiTurnRollout
 
-
-__all__ = ["ClientMultiTurnRollout"]
+        return ClientMultiTurnRollout
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

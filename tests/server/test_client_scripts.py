@@ -249,5 +249,7 @@ def test_what_the_client_cannot_serve_yet_is_refused_naming_it(keyless):
         model.forward_backward(inputs=PAIRS, task="embedding")
     with pytest.raises(ValueError, match="CompletionRewardMetric"):
         model.add_metric("CompletionRewardMetric")
-    with pytest.raises(NotImplementedError, match="multi-turn agentic rollouts"):
-        ClientMultiTurnRollout(sampler=None)
+    # upstream's import path gives twinkle_agentic's rollout, loaded only when asked for
+    from twinkle_agentic.rollout import ClientMultiTurnRollout as agentic_rollout
+
+    assert ClientMultiTurnRollout is agentic_rollout
