@@ -26,7 +26,7 @@ import threading
 PREEMPTED_EXIT_CODE = 75
 BEFORE_LOOP_MESSAGE = "error: stopped by SIGTERM before the first training step (nothing to save)"
 
-_state = {"requested": False, "installed": False, "in_loop": False, "pid": 0}
+_state = {"requested": False, "installed": False, "in_loop": False, "pid": 0, "say": True}
 
 
 def _die_by_sigterm() -> None:
@@ -39,7 +39,8 @@ def _on_sigterm(signum: int, frame: object) -> None:
         _die_by_sigterm()
     if not _state["in_loop"]:
         try:
-            os.write(2, (BEFORE_LOOP_MESSAGE + "\n").encode())
+            if _state["say"]:
+                os.write(2, (BEFORE_LOOP_MESSAGE + "\n").encode())
         except OSError:  # stderr closed: the exit status still says SIGTERM
             pass
         _die_by_sigterm()
@@ -53,10 +54,14 @@ def _default_in_child() -> None:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
-def install() -> None:
-    """Catch SIGTERM for this process (once; a no-op outside the main thread)."""
+def install(say_before_loop: bool = True) -> None:
+    """Catch SIGTERM for this process (once; a no-op outside the main thread).
+    ``say_before_loop=False``: a SIGTERM before the loop ends the process without the line, for a
+    Ray group's worker, whose driver reports the job and ends the groups that never train (a
+    sampler) with SIGTERM when the job is done."""
     if _state["installed"] or threading.current_thread() is not threading.main_thread():
         return
+    _state["say"] = say_before_loop
     _state["pid"] = os.getpid()
     signal.signal(signal.SIGTERM, _on_sigterm)
     os.register_at_fork(after_in_child=_default_in_child)

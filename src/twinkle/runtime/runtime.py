@@ -183,7 +183,7 @@ def _start(
         atexit.register(shutdown)
     seed = run.seed if seed is None else seed
     seed_everything(seed)
-    preemption.install()
+    preemption.install(say_before_loop=not ray_worker)  # a Ray job's driver reports for its workers
     if _RUNTIME is not None and _RUNTIME.report is not None:  # the previous run in this process ends
         _RUNTIME.report.finish()
     _RUNTIME = Runtime(mode, mesh, rank, local_rank, device, seed, run)
