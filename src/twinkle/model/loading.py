@@ -54,6 +54,7 @@ def load_causal_lm(
     model_cls: Any = None,
     config: Any = None,
     attn: str | None = None,
+    ignore_mismatched_sizes: bool = False,
 ) -> tuple[Any, Any, Path]:
     """``model_cls.from_pretrained`` (default ``AutoModelForCausalLM``) on the folder the hub
     resolves ``model_id`` to, optionally with ``config``; the tokenizer from the same folder;
@@ -81,6 +82,8 @@ def load_causal_lm(
         extra["config"] = config
     if attn is not None:  # attn_implementation= (twinkle.model.attention_choice)
         extra["attn_implementation"] = attn
+    if ignore_mismatched_sizes:  # upstream's TransformersModel keyword, from_pretrained's meaning
+        extra["ignore_mismatched_sizes"] = True
     try:
         model = model_cls.from_pretrained(str(path), dtype=dtype, **extra)
     except (OSError, ValueError) as exc:

@@ -72,6 +72,8 @@ class TransformersModel(InputsAPI, MetricsAPI, Checkpoints):
         grad_scaler_config: dict[str, Any] | None = None,
         attn_implementation: str | None = None,
         enable_router_replay: bool = False,
+        memory_efficient_init: bool = False,
+        ignore_mismatched_sizes: bool = False,
     ):
         """``dtype``: the weights' dtype; None takes the run defaults' (``--dtype``; ``auto``: bf16
         on accelerators, fp32 on CPU). ``padding_free``: run each batch packed into one row (same
@@ -89,7 +91,10 @@ class TransformersModel(InputsAPI, MetricsAPI, Checkpoints):
         ``accelerate`` are FSDP2; ``ddp`` keeps a whole model per rank and needs
         ``--fsdp-size 1``), ``ddp_config``, ``fsdp_config`` (``twinkle.model.options``),
         ``enable_router_replay`` (MoE routing replay: not built, True is refused;
-        ``twinkle.model.transformers.moe.router_replay``)."""
+        ``twinkle.model.transformers.moe.router_replay``), ``memory_efficient_init`` (upstream loads
+        the weights on one rank and broadcasts them; here every rank loads them, the same weights:
+        True says so once), ``ignore_mismatched_sizes`` (``from_pretrained``'s: weights of another
+        shape than the config's are initialised anew instead of refused)."""
         if enable_router_replay:
             raise UserError(
                 "enable_router_replay=True: MoE routing replay is not supported yet; build the model "
@@ -118,8 +123,19 @@ class TransformersModel(InputsAPI, MetricsAPI, Checkpoints):
         self.device = runtime.device
         self.model_id = model_id
         attn = resolve_attn_implementation(attn_implementation, self.device, dtype)  # upstream's keyword
+        if memory_efficient_init:
+            logger.warning(
+                "memory_efficient_init=True: every rank loads the weights here (the same weights; "
+                "upstream loads them on one rank and broadcasts them)"
+            )
         self.model, self.tokenizer, self.model_path = load_causal_lm(
-            model_id, self.device, dtype, model_cls=model_cls or defaults.model_cls, config=config, attn=attn
+            model_id,
+            self.device,
+            dtype,
+            model_cls=model_cls or defaults.model_cls,
+            config=config,
+            attn=attn,
+            ignore_mismatched_sizes=ignore_mismatched_sizes,
         )
         self.checkpointing = LayerCheckpointing(self.model, activation_checkpointing)
         self.optimizer_group: dict[str, OptimizerGroup] = {}
