@@ -27,6 +27,7 @@ UPSTREAM_ENGINE_ARGS = {
     "max_lora_rank": 32,
     "enable_lora": True,
     "enable_tower_connector_lora": True,
+    "max_logprobs": 64,  # upstream's off-policy GKD script
 }
 TRAJS = [
     {"messages": [{"role": "user", "content": "What is 2 + 3?"}], "user_data": [["answer", "5"]]},
@@ -57,8 +58,8 @@ def twinkle_records(caplog) -> list[str]:
 def test_upstream_engine_args_are_accepted_and_named_in_one_warning(tiny_model_dir, caplog):
     TorchSampler(str(tiny_model_dir), engine_args=UPSTREAM_ENGINE_ARGS)
     assert twinkle_records(caplog) == [
-        "TorchSampler: engine_args gpu_memory_utilization, max_lora_rank, enable_lora, enable_tower_connector_lora "
-        "are vLLM engine settings with nothing to set in a PyTorch sampler; ignored"
+        "TorchSampler: engine_args gpu_memory_utilization, max_lora_rank, enable_lora, enable_tower_connector_lora, "
+        "max_logprobs are vLLM engine settings with nothing to set in a PyTorch sampler; ignored"
     ]
 
 

@@ -44,6 +44,7 @@ NO_EFFECT = (
     "trust_remote_code",
     "load_format",
     "logprobs_mode",
+    "max_logprobs",  # vLLM's cap on logprobs per token; this sampler returns as many as asked
     *PARALLEL,
 )
 
