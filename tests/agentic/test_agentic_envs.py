@@ -7,7 +7,7 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
-from conftest import CountingEnv
+from scripted import CountingEnv
 
 from twinkle.utils.errors import UserError
 from twinkle_agentic.envs import ArithmeticEnv, EnvPool, EnvTool, OpenEnv, answer_reward, calculate

@@ -1,7 +1,9 @@
 """``EnvPool`` on Ray workers plays the same episodes as in-process for the same seed."""
 
+import os
+
 import pytest
-from conftest import ScriptedSampler, call
+from scripted import ScriptedSampler, call
 
 from twinkle.data_format import SamplingParams
 from twinkle_agentic.envs import ArithmeticEnv, EnvPool, EnvTool
@@ -28,8 +30,18 @@ def play(pool: EnvPool, template, env_name: str) -> list[dict]:
     return rollout(prompts, tool_manager=managers)
 
 
+@pytest.fixture
+def own_environment():
+    """``ray.init`` in this process sets ``RAY_AUTH_MODE`` and friends in ``os.environ``; every
+    later test's subprocess (a ``ray start`` cluster, a ``--mode ray`` job) would inherit them."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
 @pytest.mark.parametrize("env_name", ["arithmetic", "blackjack"])
-def test_ray_workers_give_the_in_process_trajectories(template, env_name):
+def test_ray_workers_give_the_in_process_trajectories(template, env_name, own_environment):
     import ray
 
     if env_name == "blackjack":

@@ -3,7 +3,7 @@ for exactly those, every prompt the model saw a prefix of the final row; bad inp
 observation, counted in the metrics."""
 
 import pytest
-from conftest import CountingEnv, ScriptedSampler, call
+from scripted import CountingEnv, ScriptedSampler, call
 
 from twinkle.data_format import SamplingParams
 from twinkle.utils.errors import UserError
