@@ -10,110 +10,77 @@ maps to exactly one field, and a flat YAML config needs no group prefix.
 from __future__ import annotations
 
 import dataclasses
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from twinkle.data_format.sampling import SamplingParams
-from twinkle.runtime.runtime import MAX_SEED
 from twinkle.template.base import TRUNCATION_STRATEGIES
 from twinkle.template.registry import TEMPLATES
 from twinkle.utils.errors import UserError
 
+from .declare import ADAPTER_NAME, AT_LEAST_0, AT_LEAST_1, POSITIVE, SEED, opt
+from .post_training_args import CheckpointArgs, RLArgs, SamplerArgs, SamplingArgs
+
 # The CLI rejects a typo before any model or tokenizer is loaded.
 TEMPLATE_NAMES: tuple[str, ...] = tuple(TEMPLATES)
-
-_AT_LEAST_1 = (lambda v: v >= 1, ">= 1")
-_AT_LEAST_0 = (lambda v: v >= 0, ">= 0")
-_POSITIVE = (lambda v: v > 0, "> 0")
-# torch.manual_seed takes a seed below 2**64, and each rank of a distributed run seeds itself with
-# seed + 1_000_003 * rank: a seed below 2**63 leaves that offset room for any number of ranks.
-_SEED = (
-    lambda v: 0 <= v <= MAX_SEED,
-    f"in [0, {MAX_SEED}] (2**63 - 1: torch seeds are 64-bit and each rank adds an offset)",
-)
-# PEFT makes the adapter name a module name (no '.', not empty); names limited to these characters
-# also stay valid in the checkpoint's state-dict keys and in file and log names.
-_ADAPTER_NAME_RE = re.compile(r"[A-Za-z0-9_-]+")
-_ADAPTER_NAME = (
-    lambda v: _ADAPTER_NAME_RE.fullmatch(v) is not None,
-    "a name of letters, digits, '_' and '-' (PEFT makes it a module name, which cannot hold '.')",
-)
-
-
-def _opt(
-    default: Any,
-    help: str,
-    *,
-    choices: tuple[str, ...] | None = None,
-    check: tuple | None = None,
-    flag: str | None = None,
-    aliases: tuple[str, ...] = (),
-) -> Any:
-    """Declare a field with the metadata the parser and ``--help`` read."""
-    meta = {"help": help, "choices": choices, "check": check, "flag": flag, "aliases": aliases}
-    return field(default=default, metadata=meta)
 
 
 @dataclass
 class InfraArgs:
-    fsdp_size: int | None = _opt(
-        None, "FSDP shard group size; None infers it from the world size", check=_AT_LEAST_1
+    fsdp_size: int | None = opt(
+        None, "FSDP shard group size; None infers it from the world size", check=AT_LEAST_1
     )
-    dp_size: int | None = _opt(None, "data-parallel replicate size; None infers it", check=_AT_LEAST_1)
-    mode: str = _opt("local", "runtime backend", choices=("local", "ray"))
-    seed: int = _opt(42, "random seed, the same on every rank (so LoRA weights start identical)", check=_SEED)
-    debug: bool = _opt(False, "show the full traceback of an error instead of one line")
-    process_group_timeout: int = _opt(600, "collective timeout in seconds", check=_AT_LEAST_1)
-    max_restarts: int = _opt(
+    dp_size: int | None = opt(None, "data-parallel replicate size; None infers it", check=AT_LEAST_1)
+    mode: str = opt("local", "runtime backend", choices=("local", "ray"))
+    seed: int = opt(42, "random seed, the same on every rank (so LoRA weights start identical)", check=SEED)
+    debug: bool = opt(False, "show the full traceback of an error instead of one line")
+    process_group_timeout: int = opt(600, "collective timeout in seconds", check=AT_LEAST_1)
+    max_restarts: int = opt(
         0,
         "--mode ray: relaunch the workers this often after one dies, resuming from the latest checkpoint",
-        check=_AT_LEAST_0,
+        check=AT_LEAST_0,
     )
-    ray_address: str | None = _opt(
+    ray_address: str | None = opt(
         None,
         "--mode ray: the cluster to join (host:port or auto); None starts a local one (also $RAY_ADDRESS)",
     )
-    ray_placement: str = _opt(
+    ray_placement: str = opt(
         "pack",
         "--mode ray: place the workers on as few nodes as possible, or across nodes",
         choices=("pack", "spread"),
     )
-    model_gpus: int | None = _opt(
-        None, "devices of the model group when a script places trainer and sampler apart", check=_AT_LEAST_1
+    model_gpus: int | None = opt(
+        None, "devices of the model group when a script places trainer and sampler apart", check=AT_LEAST_1
     )
-    sampler_gpus: int | None = _opt(
-        None, "devices of the sampler group when a script places trainer and sampler apart", check=_AT_LEAST_1
+    sampler_gpus: int | None = opt(
+        None, "devices of the sampler group when a script places trainer and sampler apart", check=AT_LEAST_1
     )
-    ref_model_gpus: int | None = _opt(
-        None, "devices of a separate reference model's group (a script's DPO placement)", check=_AT_LEAST_1
+    ref_model_gpus: int | None = opt(
+        None, "devices of a separate reference model's group (a script's DPO placement)", check=AT_LEAST_1
     )
     # Upstream's parallel sizes. The parser accepts them so that a script can build its mesh from
     # them; a model that cannot run a size above 1 refuses it in one line
     # (``twinkle.model.parallel_sizes``), whether the script put it in its mesh or not.
-    tp_size: int | None = _opt(
-        None, "tensor-parallel size (MegatronModel with megatron-core)", check=_AT_LEAST_1
+    tp_size: int | None = opt(
+        None, "tensor-parallel size (MegatronModel with megatron-core)", check=AT_LEAST_1
     )
-    pp_size: int | None = _opt(None, "pipeline stages (MegatronModel with megatron-core)", check=_AT_LEAST_1)
-    cp_size: int | None = _opt(
-        None, "context-parallel size (MegatronModel with megatron-core)", check=_AT_LEAST_1
+    pp_size: int | None = opt(None, "pipeline stages (MegatronModel with megatron-core)", check=AT_LEAST_1)
+    cp_size: int | None = opt(
+        None, "context-parallel size (MegatronModel with megatron-core)", check=AT_LEAST_1
     )
-    ep_size: int | None = _opt(None, "expert-parallel size", check=_AT_LEAST_1)
-    ulysses_size: int | None = _opt(None, "Ulysses sequence-parallel size", check=_AT_LEAST_1)
-    sequence_parallel: bool = _opt(False, "Megatron sequence parallelism (with tensor parallelism)")
-    lazy_collect: bool = _opt(
+    ep_size: int | None = opt(None, "expert-parallel size", check=AT_LEAST_1)
+    ulysses_size: int | None = opt(None, "Ulysses sequence-parallel size", check=AT_LEAST_1)
+    sequence_parallel: bool = opt(False, "Megatron sequence parallelism (with tensor parallelism)")
+    lazy_collect: bool = opt(
         True, "--mode ray: leave outputs on the ranks until the driver reads them (initialize(lazy_collect=))"
     )
 
 
 @dataclass
 class DatasetArgs:
-    dataset_id: str | None = _opt(
-        None, "dataset path or ms:// / hf:// id; None = bundled self-cognition data"
-    )
-    subset_name: str | None = _opt(None, "dataset subset (config) name")
-    split: str = _opt("train", "dataset split")
-    skip_bad_rows: bool = _opt(
+    dataset_id: str | None = opt(None, "dataset path or ms:// / hf:// id; None = bundled self-cognition data")
+    subset_name: str | None = opt(None, "dataset subset (config) name")
+    split: str = opt("train", "dataset split")
+    skip_bad_rows: bool = opt(
         False,
         "drop the rows that cannot be trained on (wrong value types, empty text, unknown roles, no assistant turn) and log how many and which, instead of stopping at the first",
     )
@@ -121,46 +88,46 @@ class DatasetArgs:
 
 @dataclass
 class TemplateArgs:
-    template_cls: str = _opt("Template", "chat template class", choices=TEMPLATE_NAMES)
-    max_length: int = _opt(1024, "maximum tokens per sample", check=_AT_LEAST_1)
-    truncation_strategy: str = _opt(
+    template_cls: str = opt("Template", "chat template class", choices=TEMPLATE_NAMES)
+    max_length: int = opt(1024, "maximum tokens per sample", check=AT_LEAST_1)
+    truncation_strategy: str = opt(
         "right",
         "what to do with samples longer than max_length",
         choices=TRUNCATION_STRATEGIES,
     )
-    default_system: str | None = _opt(
+    default_system: str | None = opt(
         None, "system prompt added to conversations that have none (dataset.set_template(default_system=...))"
     )
 
 
 @dataclass
 class ModelArgs:
-    model_id: str | None = _opt(None, "model path or ms:// / hf:// id; None = bundled SmolLM2-135M-Instruct")
-    enable_liger: bool = _opt(
+    model_id: str | None = opt(None, "model path or ms:// / hf:// id; None = bundled SmolLM2-135M-Instruct")
+    enable_liger: bool = opt(
         False,
         "use the fused linear cross-entropy loss (Liger's name; our chunked version runs on every device); per-layer kernels come from kernelize regardless",
     )
-    enable_fused_ce: bool = _opt(
+    enable_fused_ce: bool = opt(
         True, "fused linear cross-entropy when Liger is enabled", aliases=("fused-ce",)
     )
-    dtype: str = _opt(
+    dtype: str = opt(
         "auto",
         "the model weights' dtype: auto (bfloat16 on GPU/NPU, float32 on CPU), float32, or bfloat16 (also on a CPU with native bf16 matmuls, AVX512-BF16 or AMX; LoRA weights stay float32)",
         choices=("auto", "float32", "bfloat16"),
     )
-    activation_checkpointing: str = _opt(
+    activation_checkpointing: str = opt(
         "auto",
         "recompute decoder layers in backward: auto (only for a batch whose activations would not fit in free memory), on, off",
         choices=("auto", "on", "off"),
     )
     # native_fsdp is the default because upstream's scripts choose their Megatron path with
     # ``args.model.strategy != 'native_fsdp'``; by default they take the Transformers path.
-    strategy: str = _opt(
+    strategy: str = opt(
         "native_fsdp",
         "how several processes hold the model: native_fsdp or fsdp (FSDP2 over the mesh; also upstream's accelerate) or ddp (a whole model per rank, --fsdp-size 1)",
         choices=("fsdp", "native_fsdp", "accelerate", "ddp"),
     )
-    model_cls: str | None = _opt(
+    model_cls: str | None = opt(
         None,
         "transformers class the weights load into, e.g. Qwen3_5ForConditionalGeneration; None = AutoModelForCausalLM",
         check=(str.isidentifier, "a transformers class name such as AutoModelForCausalLM"),
@@ -169,65 +136,65 @@ class ModelArgs:
 
 @dataclass
 class TrainingArgs:
-    batch_size: int = _opt(
-        4, "global batch size per micro-step (split across data-parallel ranks)", check=_AT_LEAST_1
+    batch_size: int = opt(
+        4, "global batch size per micro-step (split across data-parallel ranks)", check=AT_LEAST_1
     )
-    gradient_accumulation_steps: int = _opt(1, "micro-batches per optimizer step", check=_AT_LEAST_1)
-    train_samples: int | None = _opt(
-        None, "number of training samples; None = script default", check=_AT_LEAST_1
+    gradient_accumulation_steps: int = opt(1, "micro-batches per optimizer step", check=AT_LEAST_1)
+    train_samples: int | None = opt(
+        None, "number of training samples; None = script default", check=AT_LEAST_1
     )
-    eval_samples: int | None = _opt(
-        None, "number of evaluation samples; None = script default", check=_AT_LEAST_1
+    eval_samples: int | None = opt(
+        None, "number of evaluation samples; None = script default", check=AT_LEAST_1
     )
-    log_interval: int = _opt(5, "log metrics every N steps", check=_AT_LEAST_1)
-    eval_interval: int | None = _opt(None, "evaluate every N steps; None = script default", check=_AT_LEAST_1)
-    output_dir: str = _opt("output", "where checkpoints, metrics.jsonl and curves.png are written")
-    report_to: str = _opt(
+    log_interval: int = opt(5, "log metrics every N steps", check=AT_LEAST_1)
+    eval_interval: int | None = opt(None, "evaluate every N steps; None = script default", check=AT_LEAST_1)
+    output_dir: str = opt("output", "where checkpoints, metrics.jsonl and curves.png are written")
+    report_to: str = opt(
         "none",
         "where metrics go besides OUTPUT_DIR/metrics.jsonl: none, tensorboard, wandb, swanlab (a comma list)",
     )
-    resume_from_checkpoint: str | None = _opt(
+    resume_from_checkpoint: str | None = opt(
         None,
         "checkpoint folder to resume from, or auto|latest for the newest complete one under --output-dir",
     )
-    resume_only_model: bool = _opt(False, "restore adapter weights only, not optimizer/scheduler/RNG")
-    ignore_data_skip: bool = _opt(False, "on resume, restart the data from the beginning")
-    max_steps: int | None = _opt(
+    resume_only_model: bool = opt(False, "restore adapter weights only, not optimizer/scheduler/RNG")
+    ignore_data_skip: bool = opt(False, "on resume, restart the data from the beginning")
+    max_steps: int | None = opt(
         None,
         "stop after N optimizer steps; None = one pass (read by the script's loop: sft_own_data.py, not fsdp2.py)",
-        check=_AT_LEAST_1,
+        check=AT_LEAST_1,
     )
-    save_steps: int | None = _opt(
+    save_steps: int | None = opt(
         None,
         "save a checkpoint every N optimizer steps (read by the script's loop: sft_own_data.py, not fsdp2.py)",
-        check=_AT_LEAST_1,
+        check=AT_LEAST_1,
     )
-    padding_free: bool = _opt(
+    padding_free: bool = opt(
         True,
         "batches run packed into one row where the model allows it, with the padded loss; only true is accepted",
     )
-    mini_batch_size: int | None = _opt(
+    mini_batch_size: int | None = opt(
         None,
         "RL: samples per optimizer step within one batch of rollouts; None = the whole batch",
-        check=_AT_LEAST_1,
+        check=AT_LEAST_1,
     )
-    micro_batch_size: int | None = _opt(
+    micro_batch_size: int | None = opt(
         None,
         "RL: samples per forward/backward within a mini-batch; None = the whole mini-batch",
-        check=_AT_LEAST_1,
+        check=AT_LEAST_1,
     )
 
 
 @dataclass
 class LoraArgs:
-    adapter_name: str = _opt(
-        "default", "name of the LoRA adapter: letters, digits, '_' and '-'", check=_ADAPTER_NAME
+    adapter_name: str = opt(
+        "default", "name of the LoRA adapter: letters, digits, '_' and '-'", check=ADAPTER_NAME
     )
-    lora_r: int = _opt(8, "LoRA rank r", check=_AT_LEAST_1, aliases=("r", "lora-rank"))
-    lora_alpha: int = _opt(32, "LoRA alpha (scaling = alpha / r)", check=_AT_LEAST_1)
-    lora_dropout: float = _opt(0.05, "dropout on the LoRA input", check=(lambda v: 0 <= v < 1, "in [0, 1)"))
-    target_modules: str = _opt("all-linear", "comma-separated module names, or 'all-linear'")
-    lora_path: str | None = _opt(None, "a saved LoRA adapter folder a script loads (e.g. to sample with it)")
+    lora_r: int = opt(8, "LoRA rank r", check=AT_LEAST_1, aliases=("r", "lora-rank"))
+    lora_alpha: int = opt(32, "LoRA alpha (scaling = alpha / r)", check=AT_LEAST_1)
+    lora_dropout: float = opt(0.05, "dropout on the LoRA input", check=(lambda v: 0 <= v < 1, "in [0, 1)"))
+    target_modules: str = opt("all-linear", "comma-separated module names, or 'all-linear'")
+    lora_path: str | None = opt(None, "a saved LoRA adapter folder a script loads (e.g. to sample with it)")
 
     @property
     def lora_rank(self) -> int:
@@ -243,136 +210,47 @@ class LoraArgs:
 class OptimizerArgs:
     # 1e-3 suits LoRA on the small default model: at 1e-4 SmolLM2-135M had not learnt its new
     # name after 1000 self-cognition samples (eval loss 1.47). Lower it for larger models.
-    learning_rate: float = _opt(
-        1e-3, "peak learning rate", check=_POSITIVE, flag="lr", aliases=("learning-rate",)
+    learning_rate: float = opt(
+        1e-3, "peak learning rate", check=POSITIVE, flag="lr", aliases=("learning-rate",)
     )
-    optimizer_cls: str = _opt(
+    optimizer_cls: str = opt(
         "AdamW", "optimizer for scripts that take it from the command line: a torch.optim name"
     )
-    max_grad_norm: float = _opt(
-        1.0, "clip the gradients' global norm to this before each optimizer step", check=_POSITIVE
+    max_grad_norm: float = opt(
+        1.0, "clip the gradients' global norm to this before each optimizer step", check=POSITIVE
     )
 
 
 @dataclass
 class SchedulerArgs:
-    scheduler_cls: str = _opt("CosineWarmupScheduler", "learning-rate scheduler class")
-    num_warmup_steps: int = _opt(
+    scheduler_cls: str = opt("CosineWarmupScheduler", "learning-rate scheduler class")
+    num_warmup_steps: int = opt(
         5,
         "linear warm-up, in optimizer steps (one per --gradient-accumulation-steps micro-batches)",
-        check=_AT_LEAST_0,
+        check=AT_LEAST_0,
     )
 
 
 @dataclass
 class LossArgs:
-    loss_type: str = _opt(
+    loss_type: str = opt(
         "sigmoid", "DPOLoss's form: sigmoid (DPO), hinge (SLiC) or ipo", choices=("sigmoid", "hinge", "ipo")
     )
-    beta: float = _opt(0.1, "preference/KL strength: DPO's beta, GRPO's KL coefficient", check=_AT_LEAST_0)
-    sft_weight: float = _opt(
-        0.0, "DPO: weight of the chosen replies' cross-entropy added to the loss", check=_AT_LEAST_0
+    beta: float = opt(0.1, "preference/KL strength: DPO's beta, GRPO's KL coefficient", check=AT_LEAST_0)
+    sft_weight: float = opt(
+        0.0, "DPO: weight of the chosen replies' cross-entropy added to the loss", check=AT_LEAST_0
     )
-    label_smoothing: float = _opt(
+    label_smoothing: float = opt(
         0.0,
         "DPO: the share of pairs taken as mislabelled (conservative DPO)",
         check=(lambda v: 0 <= v < 0.5, "in [0, 0.5)"),
     )
-    epsilon: float = _opt(
-        0.2, "GRPO: the ratio's clip range below 1 (and above 1 without --epsilon-high)", check=_POSITIVE
+    epsilon: float = opt(
+        0.2, "GRPO: the ratio's clip range below 1 (and above 1 without --epsilon-high)", check=POSITIVE
     )
-    epsilon_high: float | None = _opt(
-        None, "GRPO: the ratio's clip range above 1; None = --epsilon", check=_POSITIVE
+    epsilon_high: float | None = opt(
+        None, "GRPO: the ratio's clip range above 1; None = --epsilon", check=POSITIVE
     )
-
-
-# ``SamplingParams`` fields upstream's CLI has that declare no flag there: (help, rule).
-_MORE_SAMPLING_FLAGS = {"num_samples": ("sequences sampled per prompt", "an integer >= 1")}
-
-
-def _sampling_flag(f: dataclasses.Field) -> tuple[str, Any, Any]:
-    """A ``SamplingParams`` field as a flag: its default, and its values checked by building a
-    ``SamplingParams`` with it, so the command line accepts exactly what the sampler does."""
-
-    def valid(value: Any) -> bool:
-        try:
-            SamplingParams(**{f.name: value})
-        except UserError:
-            return False
-        return True
-
-    meta = f.metadata
-    if "flag_help" not in meta:
-        help_text, rule = _MORE_SAMPLING_FLAGS[f.name]
-        meta = {"flag_help": help_text, "flag_rule": rule, "flag_aliases": ()}
-    option = _opt(
-        f.default, meta["flag_help"], check=(valid, meta["flag_rule"]), aliases=meta["flag_aliases"]
-    )
-    return f.name, f.type, option
-
-
-# The sampling flags: the fields of ``SamplingParams`` that declare a flag (``_flag`` there), so a
-# new sampling option reaches the command line from its one definition.
-SamplingArgs = dataclasses.make_dataclass(
-    "SamplingArgs",
-    [
-        _sampling_flag(f)
-        for f in dataclasses.fields(SamplingParams)
-        if "flag_help" in f.metadata or f.name in _MORE_SAMPLING_FLAGS
-    ],
-)
-SamplingArgs.__module__ = __name__
-
-
-@dataclass
-class RLArgs:
-    num_generations: int = _opt(
-        8, "completions sampled per prompt (the group GRPO compares)", check=_AT_LEAST_1
-    )
-    advantage_scale: str = _opt(
-        "group",
-        "GRPO advantages divided by the group's std, the batch's, or none",
-        choices=("group", "batch", "none"),
-    )
-    advantage_type: str = _opt("GRPOAdvantage", "the advantage a script builds (twinkle.advantage)")
-    reward_fns: str | None = _opt(None, "comma-separated reward names a script builds (twinkle.reward)")
-    student_model_id: str | None = _opt(None, "GKD: the student model's path or id")
-    teacher_model_id: str | None = _opt(None, "GKD: the teacher model's path or id")
-    gkd_beta: float = _opt(
-        0.5,
-        "GKD: the generalized JSD's mix of student and teacher",
-        check=(lambda v: 0 <= v <= 1, "in [0, 1]"),
-    )
-    gkd_temperature: float = _opt(1.0, "GKD: the distributions' temperature", check=_POSITIVE)
-    gkd_topk: int = _opt(64, "GKD: the teacher's top-k log-probabilities per token", check=_AT_LEAST_1)
-    router_replay_mode: str = _opt(
-        "disabled", "MoE routing replay: disabled, R2 or R3", choices=("disabled", "R2", "R3")
-    )
-
-
-@dataclass
-class CheckpointArgs:
-    save_optimizer: bool = _opt(True, "model.save(save_optimizer=): keep the optimizer state to resume from")
-    merge_and_sync: bool = _opt(
-        True,
-        "CheckpointEngineManager.sync_weights(merge_and_sync=): merge LoRA into the weights the sampler gets",
-    )
-    lora_sync_dir: str | None = _opt(
-        None, "where a script saves LoRA snapshots for a sampler to load (model.save(output_dir=))"
-    )
-
-
-@dataclass
-class SamplerArgs:
-    sampler_type: str = _opt("vLLMSampler", "the sampler class a script builds (twinkle.sampler)")
-    gpu_memory_utilization: float = _opt(
-        0.8, "vLLM: share of GPU memory the engine may take", check=(lambda v: 0 < v <= 1, "in (0, 1]")
-    )
-    max_model_len: int | None = _opt(None, "vLLM: the longest prompt + completion", check=_AT_LEAST_1)
-    tensor_parallel_size: int | None = _opt(None, "vLLM: GPUs one engine spans", check=_AT_LEAST_1)
-    enable_lora: bool = _opt(False, "vLLM: serve LoRA adapters")
-    max_lora_rank: int = _opt(32, "vLLM: the largest LoRA rank served", check=_AT_LEAST_1)
-    enforce_eager: bool = _opt(False, "vLLM: no CUDA graphs")
 
 
 # Group name -> dataclass; the order is the order of ``--help``.

@@ -28,7 +28,7 @@ MIN_TEMPERATURE = 1e-6
 def _flag(help: str, rule: str, aliases: tuple[str, ...] = ()) -> dict[str, Any]:
     """The metadata of a field the command line offers as a flag: its help, the rule its values
     follow (for the error message; ``SamplingParams`` itself checks them) and other flag names.
-    ``twinkle.cli.args.SamplingArgs`` is made of exactly these fields."""
+    ``twinkle.cli.post_training_args.SamplingArgs`` is made of exactly these fields."""
     return {"flag_help": help, "flag_rule": rule, "flag_aliases": aliases}
 
 
