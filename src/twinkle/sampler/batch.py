@@ -117,7 +117,7 @@ class BatchCache(LeanCache):
 
 class DecodeBatch:
     """The shared batch over ``lm`` (a causal LM module). ``adapters`` runs the model's adapters:
-    ``session()`` around each chunk of decoding, ``one(name)`` for one adapter on every row,
+    ``decoding_chunk()`` around each chunk of decoding, ``one(name)`` for one adapter on every row,
     ``rows(runs)`` for runs ``(start, end, name)`` of rows (``twinkle.sampler.row_adapters``)."""
 
     def __init__(self, lm: Any, tokenizer: Any, adapters: Any):
@@ -174,7 +174,7 @@ class DecodeBatch:
         no limit) or until the batch is empty or ``until`` is done."""
         end = None if seconds is None else time.perf_counter() + seconds
         try:
-            with torch.no_grad(), self.adapters.session():
+            with torch.no_grad(), self.adapters.decoding_chunk():
                 while self.pending:
                     stream = self.pending.popleft()
                     try:

@@ -39,7 +39,7 @@ class SlotRowAdapters:
         self.lm = causal_lm_of(model.model)
 
     @contextlib.contextmanager
-    def session(self) -> Iterator[None]:
+    def decoding_chunk(self) -> Iterator[None]:
         """A decoding chunk: eval mode (the model's next ``forward`` turns training mode back on)
         and, on the CPU in one process, the plain linear layers routed to the decoding products,
         as a lone sample runs them (``twinkle.sampler.linears``)."""
