@@ -14,7 +14,7 @@ from peft import LoraConfig
 
 from twinkle.loss import DPOLoss
 from twinkle.metric import DPOMetric
-from twinkle.model import TransformersModel, transformers_model
+from twinkle.model import TransformersModel, optimizer_step
 from twinkle.model.inputs import prepare_inputs
 from twinkle.utils.errors import UserError
 
@@ -81,9 +81,9 @@ def test_the_default_optimizer_and_schedule(make_model, monkeypatch):
     cosine = [0.5 * (1 + math.cos(math.pi * r)) for r in (0, 1 / 3, 2 / 3)]
     assert _lrs(model, 4) == pytest.approx([1e-3] + [1e-3 * c for c in cosine], rel=1e-12)
     clipped_at = []
-    real = transformers_model.clip_gradients
+    real = optimizer_step.clip_gradients
     monkeypatch.setattr(
-        transformers_model, "clip_gradients", lambda p, norm, t: clipped_at.append(norm) or real(p, norm, t)
+        optimizer_step, "clip_gradients", lambda p, norm, t: clipped_at.append(norm) or real(p, norm, t)
     )
     model.forward_backward(inputs=ROWS[:2])
     model.clip_grad_and_step()

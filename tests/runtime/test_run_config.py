@@ -5,7 +5,7 @@ through ``initialize(run=...)`` in a script that parses none."""
 import pytest
 
 import twinkle
-import twinkle.model.transformers_model as facade
+import twinkle.model.optimizer_step as facade
 from twinkle.cli import CLI
 from twinkle.dataloader import DataLoader
 from twinkle.model import TransformersModel

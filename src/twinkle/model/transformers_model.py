@@ -11,17 +11,15 @@ from typing import Any
 
 import torch
 
-from twinkle.distributed.collectives import all_reduce_sum
 from twinkle.distributed.fsdp import apply_fsdp2
 from twinkle.distributed.mesh import refuse_unimplemented
 from twinkle.kernel import cpu_gemm as gemm
 from twinkle.loss import as_loss, build_loss, resolve_loss
 from twinkle.metric import report
-from twinkle.model import health
 from twinkle.model.activation_checkpointing import LayerCheckpointing
 from twinkle.model.adapters import Adapters, PeftAdapters
 from twinkle.model.attention_choice import resolve_attn_implementation
-from twinkle.model.checkpoints import Checkpoints, save_and_exit
+from twinkle.model.checkpoints import Checkpoints
 from twinkle.model.embedding import TASK as EMBEDDING_TASK
 from twinkle.model.embedding import embedding_batch, embedding_loss
 from twinkle.model.forward import batch_on_device, causal_lm_of, loss_and_view, task_loss
@@ -30,11 +28,11 @@ from twinkle.model.loading import load_causal_lm, resolve_dtype
 from twinkle.model.lora import all_linear_alone
 from twinkle.model.loss_inputs import keyword_inputs, split_rows, with_loss_inputs
 from twinkle.model.metrics_api import MetricsAPI, record_metric_batch
-from twinkle.model.optim_setup import attach_scheduler, optimizer_builder, set_window
+from twinkle.model.optim_setup import attach_scheduler, optimizer_builder
+from twinkle.model.optimizer_step import OptimizerStepAPI
 from twinkle.model.options import resolve_precision, resolve_strategy
 from twinkle.model.outputs import StepOutputs, joined_logps, reads_logps, step_logps
 from twinkle.model.parallel_sizes import refuse_cli_sizes
-from twinkle.model.step import clip_gradients
 from twinkle.model.train_state import OptimizerGroup
 from twinkle.runtime import get_runtime, preemption
 from twinkle.runtime.remote import remote_class  # remote_group= hook
@@ -46,7 +44,7 @@ logger = get_logger()
 
 
 @remote_class  # remote_group=: built on a device group's ranks (twinkle.runtime.remote)
-class TransformersModel(InputsAPI, MetricsAPI, Checkpoints):
+class TransformersModel(InputsAPI, MetricsAPI, OptimizerStepAPI, Checkpoints):
     """The model, its adapters and their training pieces; the methods come in groups: set-up and
     the training step here, raw inputs in ``twinkle.model.inputs``, evaluation and metrics in
     ``twinkle.model.metrics_api``, checkpoints in ``twinkle.model.checkpoints``. Where an adapter's
@@ -384,120 +382,3 @@ class TransformersModel(InputsAPI, MetricsAPI, Checkpoints):
         return StepOutputs(
             loss_sum / max(1, tokens), tokens, joined_logps(logps), ship_logps=reads_logps(loss_fn)
         )
-
-    def _reduce_window(self, group: OptimizerGroup) -> tuple[float, float, float]:
-        """Once per window: ``(supervised tokens, NaN/inf seen, SIGTERM seen)`` over all ranks, and
-        the gradients rescaled to the mean over every supervised token of the window on all ranks
-        (they are per-rank sums; FSDP averages them over the ranks). A SIGTERM on any rank rides
-        along, so every rank saves the same step."""
-        if group.optimizer is None:
-            raise UserError("call set_optimizer(...) before the optimizer step")
-        if group.reduced is None:
-            total, nonfinite, preempted = all_reduce_sum(
-                [group.window_tokens, float(group.window_nonfinite), float(preemption.requested())]
-            )
-            if total:
-                group.optimizer.gather_grads(scale=self.runtime.world_size / total)
-            group.reduced = (total, nonfinite, preempted)
-        return group.reduced
-
-    def clip_grad_norm(
-        self, max_grad_norm: float | None = None, norm_type: float = 2, adapter_name: str | None = None
-    ) -> float:
-        """Clip the window's gradients (their global ``norm_type`` norm, after the rescale to the
-        token mean) to ``max_grad_norm`` (default: ``--max-grad-norm``, 1.0; 0 measures without
-        clipping); returns the norm before clipping, which ``step`` reports as ``grad_norm``."""
-        group = self._group(adapter_name)
-        if max_grad_norm is None:
-            max_grad_norm = group.max_grad_norm
-        if max_grad_norm is None:
-            max_grad_norm = self.runtime.defaults.max_grad_norm
-        total, _, _ = self._reduce_window(group)
-        if total == 0:
-            return 0.0
-        group.window_grad_norm = clip_gradients(group.optimizer.copies, max_grad_norm, norm_type)
-        return group.window_grad_norm
-
-    def step(self, max_nonfinite_steps: int = 5, adapter_name: str | None = None) -> bool:
-        """The optimizer step on the window's gradients (rescaled, clipped if ``clip_grad_norm``
-        ran); returns whether it stepped. ``zero_grad()`` closes the window.
-
-        The step is skipped when the window has no supervised token on any rank, or a NaN/inf
-        loss or gradient (counted in the ``nonfinite_steps`` metric); ``max_nonfinite_steps`` such
-        windows in a row stop training, and so does such a window at the end of the data, or a
-        run without any supervised token (``twinkle.model.health``)."""
-        group = self._group(adapter_name)
-        total, nonfinite, _ = self._reduce_window(group)
-        if total == 0:
-            group.skipped_without_tokens()
-            logger.warning("no supervised token in this accumulation window; the optimizer step is skipped")
-            health.check_window_without_tokens(group)
-            return False
-        norm = group.window_grad_norm
-        if norm is None:  # clip_grad_norm did not run: measure only, without clipping
-            norm = clip_gradients(group.optimizer.copies, math.inf)
-        if nonfinite or not math.isfinite(norm):
-            self._drop_nonfinite_window(group, max_nonfinite_steps)
-            return False
-        lr = group.optimizer.param_groups[0]["lr"]
-        group.optimizer.step()
-        group.stepped(norm, lr)
-        return True
-
-    def zero_grad(self, adapter_name: str | None = None) -> None:
-        """Drop the gradients and close the accumulation window. After a SIGTERM, this is the step
-        boundary where the run saves and exits (``twinkle.runtime.preemption``)."""
-        group = self._group(adapter_name)
-        preempted = group.reduced is not None and group.reduced[2]
-        if group.optimizer is not None:
-            group.optimizer.zero_grad(set_to_none=True)
-        group.close_window()
-        if preempted:
-            save_and_exit(self, group)
-
-    def lr_step(self, adapter_name: str | None = None) -> None:
-        """Advance the learning-rate schedule by one optimizer step."""
-        group = self._group(adapter_name)
-        if group.lr_scheduler is None:
-            raise UserError("call set_lr_scheduler(...) before lr_step()")
-        group.lr_scheduler.step()
-
-    def clip_grad_and_step(
-        self,
-        max_grad_norm: float | None = None,
-        norm_type: float = 2,
-        max_nonfinite_steps: int = 5,
-        adapter_name: str | None = None,
-        gradient_accumulation_steps: int | None = None,
-    ) -> bool:
-        """Once the accumulation window is full: ``clip_grad_norm``, ``step``, ``lr_step`` (when it
-        stepped and a schedule is set) and ``zero_grad``; returns whether it stepped. Before
-        that, returns False and leaves the window open. ``max_grad_norm``/``norm_type`` and
-        ``max_nonfinite_steps`` go to ``clip_grad_norm`` and ``step``. ``gradient_accumulation_steps``
-        (upstream's per-call keyword) sets the adapter's window length (``optim_setup.set_window``)."""
-        group = self._group(adapter_name)
-        if group.optimizer is None:
-            raise UserError("call set_optimizer(...) before clip_grad_and_step()")
-        set_window(group, gradient_accumulation_steps)
-        if not group.window_is_full():
-            return False
-        name = group.adapter_name
-        self.clip_grad_norm(max_grad_norm, norm_type, adapter_name=name)
-        stepped = self.step(max_nonfinite_steps, adapter_name=name)
-        if stepped and group.lr_scheduler is not None:
-            self.lr_step(adapter_name=name)
-        self.zero_grad(adapter_name=name)
-        return stepped
-
-    def _drop_nonfinite_window(self, group: OptimizerGroup, limit: int) -> None:
-        group.skipped_nonfinite()
-        logger.warning(
-            f"NaN/inf loss or gradient at step {group.cur_step}: update skipped "
-            f"({group.consecutive_nonfinite} in a row, {group.nonfinite_steps} in all)"
-        )
-        if group.consecutive_nonfinite >= limit:
-            raise UserError(
-                f"training diverged: {limit} optimizer steps in a row had a NaN/inf loss or gradient "
-                f"(last at step {group.cur_step}); lower --lr, check the data, or resume from an earlier checkpoint"
-            )
-        health.check_last_window_finite(group)
