@@ -36,11 +36,14 @@ from twinkle.runtime.ray_cluster import (
     passed_environment,
     place,
 )
+from twinkle.runtime.ray_logs import DRAIN_SECONDS, Drain, end_streams
+from twinkle.runtime.ray_logs import ENV as LOG_END_ENV
 from twinkle.utils.errors import UserError
 from twinkle.utils.logger import get_logger
 
 # How long the other ranks may take to report after one rank's script failed (see ``wait``)
 DEATH_GRACE_SECONDS = 10
+FAILED_DRAIN_SECONDS = 2.0  # the surviving ranks' tracebacks, after a rank died and wrote no end line
 CHECKPOINT_PREFIXES = ("checkpoint-", "last-checkpoint")
 
 
@@ -92,15 +95,23 @@ class Rank:
         return address, port, os.getpid(), ray.get_runtime_context().get_node_id()
 
     def run(self, script: str, argv: list[str], env: dict[str, str]) -> tuple[int, str]:
-        import runpy
-        import traceback
-
         from twinkle.utils import logger
 
         os.environ.update(env)
         logger.reset()  # this process is a rank only from here: the rank's prefix and level
         sys.argv = [script, *argv]
         sys.path.insert(0, str(Path(script).resolve().parent))
+        try:
+            return self._run(script)
+        finally:
+            if os.environ.get(LOG_END_ENV):
+                end_streams(self.rank)
+
+    @staticmethod
+    def _run(script: str) -> tuple[int, str]:
+        import runpy
+        import traceback
+
         try:
             runpy.run_path(script, run_name="__main__")
         except SystemExit as exc:
@@ -133,7 +144,7 @@ def _worker_env(rank: int, world: int, local: tuple[int, int], master: tuple[str
 class Attempt:
     """One launch of the group: its actors and their running scripts."""
 
-    def __init__(self, ray: Any, group: Any, world: int, argv: list[str]) -> None:
+    def __init__(self, ray: Any, group: Any, world: int, argv: list[str], log_end: bool = False) -> None:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         self.ray = ray
@@ -152,8 +163,9 @@ class Attempt:
         master = (places[0][0], places[0][1])
         locals_ = _local_ranks([place[3] for place in places])
         script = str(Path(sys.argv[0]).resolve())
+        extra = {LOG_END_ENV: "1"} if log_end else {}
         self.runs = {
-            a.run.remote(script, argv, _worker_env(i, world, locals_[i], master)): i
+            a.run.remote(script, argv, {**_worker_env(i, world, locals_[i], master), **extra}): i
             for i, a in enumerate(self.actors)
         }
 
@@ -224,6 +236,7 @@ def run_job(mesh: DeviceMesh, defaults: Any) -> int:
     logger = get_logger()
     started = time.time()
     local = _connect(ray, defaults.ray_address)
+    drain = Drain.install()  # the ranks' last lines are printed before the job ends
     attempt = None
     previous = signal.getsignal(signal.SIGTERM)
     terminated = {"yes": False}
@@ -238,9 +251,15 @@ def run_job(mesh: DeviceMesh, defaults: Any) -> int:
         signal.signal(signal.SIGTERM, on_sigterm)
         argv = list(sys.argv[1:])
         for restart in range(defaults.max_restarts + 1):
-            attempt = Attempt(ray, group, mesh.world_size, argv)
+            if drain is not None:
+                drain.reset()
+            attempt = Attempt(ray, group, mesh.world_size, argv, log_end=drain is not None)
             logger.info(f"ray: {mesh.world_size} workers on {attempt.nodes} node(s) ({mesh.describe()})")
             outcome = attempt.wait()
+            if drain is not None:  # a dead rank writes no end: a failed group gets a short wait
+                drain.wait(
+                    mesh.world_size, timeout=DRAIN_SECONDS if outcome is None else FAILED_DRAIN_SECONDS
+                )
             attempt.stop()
             if outcome is None:
                 return 0
@@ -262,6 +281,8 @@ def run_job(mesh: DeviceMesh, defaults: Any) -> int:
         signal.signal(signal.SIGTERM, previous)
         if attempt is not None:
             attempt.stop()
+        if drain is not None:
+            drain.remove()
         ray.shutdown()
         if local:
             logger.info("ray: the local cluster is stopped")
