@@ -88,7 +88,10 @@ def teacher_topk(
             ).float()
     finally:
         lm.train(was_training)
-    values, indices = torch.log_softmax(logits, dim=-1).topk(k, dim=-1)
+    # top-k of the logits less their log-sum-exp: log_softmax's values at those tokens, without
+    # writing a second (positions, vocab) tensor
+    values, indices = logits.topk(k, dim=-1)
+    values = values - torch.logsumexp(logits, dim=-1, keepdim=True)
     logps = torch.zeros((*ids.shape, k), device=device)
     index = torch.zeros((*ids.shape, k), dtype=torch.long, device=device)
     logps[where], index[where] = values, indices
