@@ -29,7 +29,14 @@ from twinkle.distributed.device_group import DeviceGroup
 from twinkle.distributed.mesh import DeviceMesh
 from twinkle.runtime import controller_restarts
 from twinkle.runtime.actors import GroupWorker
-from twinkle.runtime.ray_cluster import connect, import_ray, local_ranks, passed_environment, place
+from twinkle.runtime.ray_cluster import (
+    connect,
+    import_ray,
+    local_cpus,
+    local_ranks,
+    passed_environment,
+    place,
+)
 from twinkle.utils.errors import UserError
 from twinkle.utils.logger import get_logger
 
@@ -261,7 +268,13 @@ def start(
     if controller_restarts.supervising(run):  # --max-restarts: this process runs the attempts
         raise SystemExit(controller_restarts.supervise(run))
     ray = import_ray()
-    local = connect(ray, run.ray_address)
+    cpus = local_cpus(sum(len(g.ranks) for g in groups))
+    local = connect(ray, run.ray_address, cpus)
+    if local and cpus is not None:
+        get_logger().warning(
+            f"ray: the groups' {cpus} ranks share this machine's {os.cpu_count()} cores (a local cluster of "
+            f"{cpus} CPU slots); they run, more slowly than on a core each"
+        )
     controller = Controller(ray, local, nproc_per_node, lazy_collect)
     _CONTROLLER = controller
     atexit.register(controller.shutdown)

@@ -16,6 +16,9 @@ from twinkle.utils.errors import UserError
 
 PLACEMENT_SECONDS = 30  # to reserve the workers' resources; Ray itself would wait forever
 CONNECT_SECONDS = 5  # for an address to answer
+# a local cluster may give ranks up to this many CPU slots per core (an upstream script's three
+# one-rank groups on a 2-core machine); more would only thrash
+OVERSUBSCRIBE = 2
 # what the workers get from the driver's environment, besides every TWINKLE_ variable
 PASSED = ("PYTHONPATH", "HF_HOME", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE")
 
@@ -56,8 +59,17 @@ def temp_dir() -> str:
     return str(folder)
 
 
-def connect(ray: Any, address: str | None) -> bool:
-    """Join ``address`` (or ``$RAY_ADDRESS``), else start a local cluster; returns whether local."""
+def local_cpus(ranks: int) -> int | None:
+    """CPU slots of a local cluster for ``ranks`` ranks of one CPU each: the machine's cores, or
+    the ranks when they need more and at most ``OVERSUBSCRIBE`` times the cores (they then share
+    cores); None leaves Ray's own count."""
+    cores = os.cpu_count() or 1
+    return ranks if cores < ranks <= OVERSUBSCRIBE * cores else None
+
+
+def connect(ray: Any, address: str | None, cpus: int | None = None) -> bool:
+    """Join ``address`` (or ``$RAY_ADDRESS``), else start a local cluster (of ``cpus`` CPU slots
+    where given); returns whether local."""
     address = address or os.environ.get("RAY_ADDRESS") or None
     if address:
         check_address(address)
@@ -70,7 +82,8 @@ def connect(ray: Any, address: str | None) -> bool:
                 "authentication needs RAY_AUTH_MODE=token and its token here (`ray get-auth-token`)"
             ) from exc
         return False
-    ray.init(include_dashboard=False, _temp_dir=temp_dir(), configure_logging=False)
+    slots = {} if cpus is None else {"num_cpus": cpus}
+    ray.init(include_dashboard=False, _temp_dir=temp_dir(), configure_logging=False, **slots)
     return True
 
 
