@@ -346,8 +346,9 @@ class DeviceMesh:
             )
 
 
-def refuse_unimplemented(mesh: DeviceMesh, who: str) -> None:
-    """One line when ``who`` is asked to run a planned dimension it does not implement.
+def refuse_unimplemented(mesh: DeviceMesh, who: str, runs: tuple[str, ...] = ()) -> None:
+    """One line when ``who`` is asked to run a planned dimension it does not implement (``runs``:
+    the dimensions beyond dp x fsdp it does run, e.g. ``("ulysses",)``).
     ``sequence_parallel=True`` with ``tp_size=1`` has nothing to split: one warning, then it runs."""
     if mesh.sequence_parallel and mesh.tp_size == 1:
         get_logger().warning(
@@ -355,7 +356,7 @@ def refuse_unimplemented(mesh: DeviceMesh, who: str) -> None:
             "splits activations between tensor-parallel ranks); ignored",
             who,
         )
-    planned = mesh.unimplemented()
+    planned = [p for p in mesh.unimplemented() if p.split("_size")[0] not in runs]
     if planned:
         name = planned[0].split("_size")[0].split("=")[0]
         raise UserError(

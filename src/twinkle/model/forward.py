@@ -22,6 +22,7 @@ from twinkle.loss import FusedLinearCrossEntropyLoss, HeadLoss, LossOutput
 from twinkle.loss.base import EMBEDDINGS, POSITIONS, Loss, LossView, as_loss
 from twinkle.loss.cross_entropy import target_logps
 from twinkle.model.packing import can_pack, pack, shifted_targets
+from twinkle.model.ulysses import ulysses_of
 from twinkle.template.base import IGNORE_INDEX
 from twinkle.utils.errors import UserError
 from twinkle.utils.logger import get_logger
@@ -115,13 +116,17 @@ def loss_and_view(
     lm = causal_lm_of(model)
     loss = as_loss(loss_fn)
     _extras(loss, batch)
+    ulysses = ulysses_of(lm)
+    if ulysses is not None:  # each rank scores its share of the positions (twinkle.model.ulysses)
+        ulysses.check_loss(loss)
     if loss.consumes == POSITIONS:
         view = positions_view(lm, batch, loss)
     else:
         view = rows_view(lm, batch, padding_free, loss.extra_inputs, share_prefix)
         if loss.require_samples:
             view.samples = supervised_samples(batch)
-    return loss.compute(view), view
+    out = loss.compute(view)
+    return out, view if ulysses is None else ulysses.whole_view(view)
 
 
 def supervised_samples(batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
@@ -162,6 +167,9 @@ def rows_view(
     inputs, targets_2d, gather = _model_inputs(lm, batch, padding_free, share_prefix)
     # the scored positions in the padded batch's row-major order (a scored shared prefix repeats)
     mask = targets_2d != IGNORE_INDEX if gather is None else (0, gather)
+    ulysses = ulysses_of(lm)
+    if ulysses is not None:  # this rank runs its share of the positions
+        inputs, targets_2d, mask, gather = ulysses.share(inputs, targets_2d, mask, gather)
     targets = targets_2d[mask]
     padded = shifted_targets(batch["labels"], batch["attention_mask"]) if extra_inputs else targets_2d
     extras = {k: _rows_of(batch.get(k), padded)[padded != IGNORE_INDEX] for k in extra_inputs}

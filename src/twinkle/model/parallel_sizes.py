@@ -19,14 +19,25 @@ ALTERNATIVES = {
         "shard the model with --fsdp-size and lower --max-length",
     ),
 }
+# flag -> the mesh keyword that runs it, for the sizes a model runs from its mesh
+MESH_KEYWORDS = {"ulysses_size": "ulysses_size"}
 
 
-def refuse_cli_sizes(run_args: dict[str, Any] | None, who: str) -> None:
+def refuse_cli_sizes(run_args: dict[str, Any] | None, who: str, runs: dict[str, int] | None = None) -> None:
     """One ``UserError`` line for the first size above 1 on the command line (``run_args``: the
-    run's parsed arguments, ``RunDefaults.run_args``; None when the script parsed none)."""
+    run's parsed arguments, ``RunDefaults.run_args``; None when the script parsed none).
+    ``runs``: the sizes ``who`` runs, as its mesh holds them (flag name -> size); a command-line
+    size the mesh left out is refused, naming the mesh keyword."""
     infra = (run_args or {}).get("infra") or {}
     for name, (what, instead) in ALTERNATIVES.items():
         size = infra.get(name)
+        if name in (runs or {}):
+            if isinstance(size, int) and size > 1 and size != runs[name]:
+                raise UserError(
+                    f"--{name.replace('_', '-')} {size}: the mesh {who} runs has {name}={runs[name]}; build "
+                    f"it with DeviceMesh.from_sizes(..., {MESH_KEYWORDS[name]}=args.infra.{name})"
+                )
+            continue
         if isinstance(size, int) and size > 1:
             raise UserError(
                 f"--{name.replace('_', '-')} {size}: {who} does not run {what} yet; {instead} "

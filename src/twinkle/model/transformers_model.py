@@ -34,6 +34,8 @@ from twinkle.model.options import resolve_precision, resolve_strategy
 from twinkle.model.outputs import StepOutputs, joined_logps, reads_logps, step_logps
 from twinkle.model.parallel_sizes import refuse_cli_sizes
 from twinkle.model.train_state import OptimizerGroup
+from twinkle.model.ulysses import check_folder as check_ulysses_folder
+from twinkle.model.ulysses import install as install_ulysses
 from twinkle.runtime import get_runtime, preemption
 from twinkle.runtime.remote import remote_class  # remote_group= hook
 from twinkle.utils.errors import UserError
@@ -98,9 +100,12 @@ class TransformersModel(InputsAPI, MetricsAPI, OptimizerStepAPI, Checkpoints):
                 "enable_router_replay=True: MoE routing replay is not supported yet; build the model "
                 "without it (enable_router_replay=False)"
             )
-        refuse_unimplemented(device_mesh or get_runtime().mesh, type(self).__name__)  # tp/pp/...: one line
+        mesh = device_mesh or get_runtime().mesh
+        refuse_unimplemented(mesh, type(self).__name__, runs=("ulysses",))  # tp/pp/...: one line
         runtime = get_runtime()
-        refuse_cli_sizes(runtime.defaults.run_args, type(self).__name__)  # --tp-size 2 the mesh left out
+        # --tp-size 2 (or a --ulysses-size) the mesh left out
+        refuse_cli_sizes(runtime.defaults.run_args, type(self).__name__, {"ulysses_size": mesh.ulysses_size})
+        check_ulysses_folder(model_id, config, mesh.ulysses_size)  # heads, families: before loading
         defaults = runtime.defaults
         if strategy is None and not ddp_config:
             strategy = defaults.strategy
@@ -135,6 +140,8 @@ class TransformersModel(InputsAPI, MetricsAPI, OptimizerStepAPI, Checkpoints):
             attn=attn,
             ignore_mismatched_sizes=ignore_mismatched_sizes,
         )
+        # ulysses_size > 1: each rank runs a share of the positions (twinkle.model.ulysses)
+        self.ulysses = install_ulysses(causal_lm_of(self.model), runtime.mesh, runtime.rank)
         self.checkpointing = LayerCheckpointing(self.model, activation_checkpointing)
         self.optimizer_group: dict[str, OptimizerGroup] = {}
         self.adapters: Adapters = PeftAdapters(self.optimizer_group, runtime)

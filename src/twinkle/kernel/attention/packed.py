@@ -196,7 +196,7 @@ def enable_segment_attention(config: Any) -> bool:
     ``twinkle_segments``. False when the model's implementation cannot be wrapped (``eager``:
     each family has its own). Idempotent."""
     current = config._attn_implementation or "sdpa"
-    if current.startswith(PREFIX):
+    if PREFIX in current:  # this wrapper, alone or inside another (``ulysses``)
         return True
     if current not in ALL_ATTENTION_FUNCTIONS:
         return False
