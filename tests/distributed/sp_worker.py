@@ -1,0 +1,93 @@
+"""A few LoRA steps on one fixed batch, for ``test_sequence_parallel.py``.
+
+Run it as one process, or under torchrun with ``--ulysses-size N`` (``--fsdp-size`` defaults to
+the world size): the N ranks of a Ulysses group read the same rows and each runs a share of the
+positions. The batch is 4 chat samples of unequal length, one of them longer than half of the
+packed row, so a sample straddles the ranks' shares. Each step: forward_backward,
+clip_grad_and_step, the metrics. Rank 0 writes ``OUT/result.json`` (per step the loss, gradient
+norm, this rank's token count; the world size; the logps of an evaluation pass) and the adapter saved after the last step (``OUT/adapter``).
+``--padded`` runs the padded batch instead of the packed row (``padding_free=False``)."""
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+from peft import LoraConfig
+
+import twinkle
+from twinkle import DeviceMesh
+from twinkle.dataloader import collate
+from twinkle.model import TransformersModel
+from twinkle.template import get_template
+
+QUESTIONS = [
+    ("Who are you?", "I am Twinkle, a helpful assistant made by Acme. " * 12),
+    ("What is your name?", "Twinkle"),
+    ("Who made you?", "Acme made me, in Paris France. " * 3),
+    ("Are you a helpful assistant?", "Yes, I am Twinkle, a helpful assistant."),
+]
+
+
+def rows(tokenizer) -> list[dict]:
+    template = get_template("Template", tokenizer)
+    return [
+        template.encode([{"role": "user", "content": q}, {"role": "assistant", "content": a}])
+        for q, a in QUESTIONS
+    ]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model-id", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--ulysses-size", type=int, default=None)
+    p.add_argument("--fsdp-size", type=int, default=None)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--padded", action="store_true")
+    args = p.parse_args()
+    mesh = DeviceMesh.from_sizes(fsdp_size=args.fsdp_size, ulysses_size=args.ulysses_size)
+    runtime = twinkle.initialize(mode="local", global_device_mesh=mesh, timeout_s=30)
+    model = TransformersModel(model_id=args.model_id, dtype=torch.float32, padding_free=not args.padded)
+    layers = {type(m).__name__ for m in model.model.modules() if type(m).__name__.endswith("DecoderLayer")}
+    model.model._no_split_modules = sorted(layers)
+    torch.manual_seed(0)
+    lora = LoraConfig(
+        r=4,
+        lora_alpha=8,
+        lora_dropout=0.0,
+        target_modules="all-linear",
+        init_lora_weights=False,  # B random too: every LoRA weight has a gradient from the first step
+    )
+    model.add_adapter_to_model("default", lora)
+    model.set_optimizer("AdamW", lr=1e-2)
+    encoded = rows(model.tokenizer)
+    # the Ulysses ranks of a group read the same rows: every data rank here reads all of them
+    share = len(encoded) // mesh.data_world_size
+    mine = encoded[mesh.data_rank * share : (mesh.data_rank + 1) * share]
+    batch = collate(mine, model.tokenizer.pad_token_id)
+    steps = []
+    for _ in range(args.steps):
+        out = model.forward_backward(inputs=batch)
+        model.clip_grad_and_step()
+        metric = model.calculate_metric(is_training=True)
+        steps.append(
+            {"loss": metric["loss"], "grad_norm": metric["grad_norm"], "rank_tokens": out.get("num_tokens")}
+        )
+    model.save("adapter", output_dir=args.out, save_optimizer=False)
+    # an evaluation pass: every rank's logps cover the whole batch
+    logps = model.forward_only(inputs=batch)["logps"]
+    if runtime.rank == 0:
+        lengths = [len(r["input_ids"]) for r in encoded]
+        result = {
+            "world_size": runtime.world_size,
+            "steps": steps,
+            "lengths": lengths,
+            "logps": logps.tolist(),
+        }
+        Path(args.out, "result.json").write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
+    twinkle.runtime.shutdown()

@@ -1,0 +1,84 @@
+"""Ulysses sequence parallelism on 2 gloo ranks equals one process on the same batch.
+
+``sp_worker.py`` runs 3 LoRA steps on 4 chat samples of unequal length (one longer than half of
+the packed row, so it straddles the ranks' shares) with ``ulysses_size=2`` over 2 FSDP2 ranks:
+both ranks read all 4 rows, each runs half of the positions, attention all-to-alls heads for
+positions. The loss is the mean over every supervised token either way, so the per-step losses
+and gradient norms, and the logps of an evaluation pass, agree up to summation order: within
+``run_loss_rtol`` of the tiny model's chain over the batch and the ranks' reduction
+(``tests/assets/tolerances.py``), relative. The adapter saved after the steps is within
+``adamw_weight_atol`` of one process's. A rank attending only to its own share, a position id
+counted from the share's start, or a loss normalised per rank moves the first loss by far more.
+
+Packed (one row, per-sample attention) and padded (``padding_free=False``: each row attends to
+its real tokens) batches both run; a model whose heads the size does not divide is refused in
+one line before its weights load."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+from tolerances import adamw_weight_atol, run_loss_rtol
+
+pytestmark = [pytest.mark.slow, pytest.mark.cluster]  # 2-process runs, with the other `-m cluster` suites
+
+WORKER = Path(__file__).with_name("sp_worker.py")
+STEPS, LR = 3, 1e-2  # as sp_worker.py runs them
+
+
+def _run(launcher, model_dir, out: Path, nproc: int, extra: list[str]) -> dict:
+    out.mkdir()
+    args = ["--model-id", str(model_dir), "--out", str(out), "--steps", str(STEPS), *extra]
+    if nproc > 1:
+        args += ["--ulysses-size", str(nproc)]
+    job = launcher.run(WORKER, args, nproc=nproc)
+    assert job.returncode == 0, job.output[-6000:]
+    result = json.loads((out / "result.json").read_text())
+    result["adapter"] = load_file(out / "adapter" / "adapter_model.safetensors")
+    return result
+
+
+@pytest.mark.parametrize("layout", ["packed", "padded"])
+def test_ulysses_on_two_ranks_equals_one_process(tiny_model_dir, tmp_path, launcher, layout):
+    extra = ["--padded"] if layout == "padded" else []
+    one = _run(launcher, tiny_model_dir, tmp_path / "one", 1, extra)
+    two = _run(launcher, tiny_model_dir, tmp_path / "two", 2, extra)
+    assert two["world_size"] == 2
+    lengths = one["lengths"]
+    assert max(lengths) > sum(lengths) / 2  # a sample longer than a rank's share of the row
+    rtol = run_loss_rtol(len(lengths), max(lengths), 2)
+    print(
+        f"\n[ulysses 2, {layout}] losses {[s['loss'] for s in one['steps']]} vs {[s['loss'] for s in two['steps']]}"
+    )
+    assert one["steps"][-1]["loss"] < one["steps"][0]["loss"]  # it trained
+    for a, b in zip(one["steps"], two["steps"], strict=True):
+        # each rank scored a share of the tokens, not all of them
+        assert 0 < b["rank_tokens"] < a["rank_tokens"]
+        for key in ("loss", "grad_norm"):
+            assert abs(a[key] - b[key]) <= rtol * max(1.0, abs(a[key])), (key, a[key], b[key], rtol)
+    for row_a, row_b in zip(one["logps"], two["logps"], strict=True):
+        for x, y in zip(row_a, row_b, strict=True):
+            assert abs(x - y) <= rtol * max(1.0, abs(x)), (x, y, rtol)
+    atol = adamw_weight_atol(LR, STEPS)
+    assert one["adapter"].keys() == two["adapter"].keys() and one["adapter"]
+    for name, weight in one["adapter"].items():
+        assert (weight - two["adapter"][name]).abs().max() <= atol, name
+
+
+def test_heads_the_size_does_not_divide_are_one_line(tiny_model_dir, tmp_path, launcher):
+    folder = tmp_path / "one-kv-head"
+    shutil.copytree(tiny_model_dir, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["num_key_value_heads"] = 1  # 4 query heads, 1 key/value head: 2 does not divide it
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "model.safetensors").unlink()  # refused before the weights load
+    out = tmp_path / "out"
+    out.mkdir()
+    job = launcher.run(WORKER, ["--model-id", str(folder), "--out", str(out), "--ulysses-size", "2"], nproc=2)
+    assert job.returncode != 0
+    needle = "ulysses_size=2 does not divide the model's heads (num_attention_heads=4, num_key_value_heads=1)"
+    lines = [line for line in job.output.splitlines() if needle in line]
+    assert lines, job.output[-4000:]
+    assert not (out / "result.json").exists()
