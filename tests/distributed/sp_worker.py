@@ -5,7 +5,8 @@ the world size): the N ranks of a Ulysses group read the same rows and each runs
 positions. The batch is 4 chat samples of unequal length, one of them longer than half of the
 packed row, so a sample straddles the ranks' shares. Each step: forward_backward,
 clip_grad_and_step, the metrics. Rank 0 writes ``OUT/result.json`` (per step the loss, gradient
-norm, this rank's token count; the world size; the logps of an evaluation pass) and the adapter saved after the last step (``OUT/adapter``).
+norm, the samples and tokens counted, this rank's token count; the world size; the logps of an
+evaluation pass) and the adapter saved after the last step (``OUT/adapter``).
 ``--padded`` runs the padded batch instead of the packed row (``padding_free=False``)."""
 
 import argparse
@@ -72,7 +73,10 @@ def main() -> None:
         model.clip_grad_and_step()
         metric = model.calculate_metric(is_training=True)
         steps.append(
-            {"loss": metric["loss"], "grad_norm": metric["grad_norm"], "rank_tokens": out.get("num_tokens")}
+            {
+                **{k: metric[k] for k in ("loss", "grad_norm", "samples", "tokens", "supervised_tokens")},
+                "rank_tokens": out.get("num_tokens"),
+            }
         )
     model.save("adapter", output_dir=args.out, save_optimizer=False)
     # an evaluation pass: every rank's logps cover the whole batch

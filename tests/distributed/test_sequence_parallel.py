@@ -56,6 +56,9 @@ def test_ulysses_on_two_ranks_equals_one_process(tiny_model_dir, tmp_path, launc
     for a, b in zip(one["steps"], two["steps"], strict=True):
         # each rank scored a share of the tokens, not all of them
         assert 0 < b["rank_tokens"] < a["rank_tokens"]
+        # the group's ranks hold the same rows: counted once
+        for key in ("samples", "tokens", "supervised_tokens"):
+            assert a[key] == b[key], (key, a[key], b[key])
         for key in ("loss", "grad_norm"):
             assert abs(a[key] - b[key]) <= rtol * max(1.0, abs(a[key])), (key, a[key], b[key], rtol)
     for row_a, row_b in zip(one["logps"], two["logps"], strict=True):

@@ -35,6 +35,7 @@ from twinkle.model.outputs import StepOutputs, joined_logps, reads_logps, step_l
 from twinkle.model.parallel_sizes import refuse_cli_sizes
 from twinkle.model.train_state import OptimizerGroup
 from twinkle.model.ulysses import check_folder as check_ulysses_folder
+from twinkle.model.ulysses import counted as counted_rows
 from twinkle.model.ulysses import install as install_ulysses
 from twinkle.runtime import get_runtime, preemption
 from twinkle.runtime.remote import remote_class  # remote_group= hook
@@ -337,17 +338,12 @@ class TransformersModel(InputsAPI, MetricsAPI, OptimizerStepAPI, Checkpoints):
             group.cur_step += 1
             report.on_backward(self.runtime, group)  # progress (twinkle.metric.report)
         finite = math.isfinite(loss_sum)
-        group.add_micro_batch(inputs["input_ids"].shape[0], out.num_tokens, finite, counts)
+        rows, seen = counted_rows(self.ulysses, inputs)  # a Ulysses group's rows count once
+        group.add_micro_batch(rows, out.num_tokens, finite, counts)
         if not finite:
             return loss_sum  # kept out of the metrics, whose loss would otherwise read low
         correct = float(out.num_correct)  # a count, or summed shares (GRPOLoss: clipped tokens)
-        group.train_metrics.update(
-            loss_sum,
-            out.num_tokens,
-            correct,
-            int(inputs["attention_mask"].sum()),
-            inputs["input_ids"].shape[0],
-        )
+        group.train_metrics.update(loss_sum, out.num_tokens, correct, seen, rows)
         record_metric_batch(group, True, inputs, out, loss_sum, correct)
         return loss_sum / max(1, out.num_tokens)
 

@@ -202,3 +202,12 @@ def install(lm: Any, mesh: DeviceMesh, rank: int) -> Ulysses | None:
 def ulysses_of(lm: Any) -> Ulysses | None:
     """The Ulysses set up on ``lm`` (a ``*ForCausalLM``), or None."""
     return getattr(lm, ATTRIBUTE, None)
+
+
+def counted(ulysses: Ulysses | None, inputs: dict[str, Any]) -> tuple[int, int]:
+    """``(rows, tokens)`` of a training batch that this rank counts (samples consumed, tokens
+    seen): the whole batch, or under Ulysses on the group's first rank only, as every rank of a
+    group holds the same rows."""
+    if ulysses is not None and ulysses.group.rank:
+        return 0, 0
+    return inputs["input_ids"].shape[0], int(inputs["attention_mask"].sum())
