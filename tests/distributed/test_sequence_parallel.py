@@ -1,4 +1,5 @@
-"""Ulysses sequence parallelism on 2 gloo ranks equals one process on the same batch.
+"""Ulysses sequence parallelism on 2 gloo ranks (and on 4: dp 2 x fsdp 2, two Ulysses groups of
+2) equals one process on the same batch.
 
 ``sp_worker.py`` runs 3 LoRA steps on 4 chat samples of unequal length (one longer than half of
 the packed row, so it straddles the ranks' shares) with ``ulysses_size=2`` over 2 FSDP2 ranks:
@@ -32,7 +33,7 @@ def _run(launcher, model_dir, out: Path, nproc: int, extra: list[str]) -> dict:
     out.mkdir()
     args = ["--model-id", str(model_dir), "--out", str(out), "--steps", str(STEPS), *extra]
     if nproc > 1:
-        args += ["--ulysses-size", str(nproc)]
+        args += ["--ulysses-size", "2"]
     job = launcher.run(WORKER, args, nproc=nproc)
     assert job.returncode == 0, job.output[-6000:]
     result = json.loads((out / "result.json").read_text())
@@ -40,15 +41,29 @@ def _run(launcher, model_dir, out: Path, nproc: int, extra: list[str]) -> dict:
     return result
 
 
-@pytest.mark.parametrize("layout", ["packed", "padded"])
-def test_ulysses_on_two_ranks_equals_one_process(tiny_model_dir, tmp_path, launcher, layout):
+@pytest.mark.parametrize(
+    ("layout", "ranks"),
+    [
+        ("packed", 2),
+        ("padded", 2),
+        # dp 2 x fsdp 2, Ulysses groups {0, 1} and {2, 3}: each group reads 2 of the 4 rows
+        ("packed", 4),
+    ],
+)
+def test_ulysses_equals_one_process(tiny_model_dir, tmp_path, launcher, layout, ranks):
     extra = ["--padded"] if layout == "padded" else []
     one = _run(launcher, tiny_model_dir, tmp_path / "one", 1, extra)
-    two = _run(launcher, tiny_model_dir, tmp_path / "two", 2, extra)
-    assert two["world_size"] == 2
+    two = _run(
+        launcher,
+        tiny_model_dir,
+        tmp_path / "two",
+        ranks,
+        extra + (["--fsdp-size", "2"] if ranks == 4 else []),
+    )
+    assert two["world_size"] == ranks
     lengths = one["lengths"]
     assert max(lengths) > sum(lengths) / 2  # a sample longer than a rank's share of the row
-    rtol = run_loss_rtol(len(lengths), max(lengths), 2)
+    rtol = run_loss_rtol(len(lengths), max(lengths), ranks)
     print(
         f"\n[ulysses 2, {layout}] losses {[s['loss'] for s in one['steps']]} vs {[s['loss'] for s in two['steps']]}"
     )
@@ -61,8 +76,10 @@ def test_ulysses_on_two_ranks_equals_one_process(tiny_model_dir, tmp_path, launc
             assert a[key] == b[key], (key, a[key], b[key])
         for key in ("loss", "grad_norm"):
             assert abs(a[key] - b[key]) <= rtol * max(1.0, abs(a[key])), (key, a[key], b[key], rtol)
-    for row_a, row_b in zip(one["logps"], two["logps"], strict=True):
-        for x, y in zip(row_a, row_b, strict=True):
+    # rank 0's rows (all 4 on 2 ranks, the first 2 on 4), each padded to its batch's length
+    assert len(two["logps"]) == 4 * 2 // ranks
+    for row_a, row_b in zip(one["logps"], two["logps"], strict=False):
+        for x, y in zip(row_a, row_b, strict=False):
             assert abs(x - y) <= rtol * max(1.0, abs(x)), (x, y, rtol)
     atol = adamw_weight_atol(LR, STEPS)
     assert one["adapter"].keys() == two["adapter"].keys() and one["adapter"]
