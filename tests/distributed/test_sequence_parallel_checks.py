@@ -84,3 +84,17 @@ def test_masked_attention_of_a_padded_batch_equals_attention_row_by_row():
         torch.testing.assert_close(
             out[row, :n], expected, **chain_tolerances(attention_sums(n, 8, 2), expected)
         )
+
+
+def test_the_embedding_task_is_refused():
+    from twinkle.model.embedding import final_hidden
+    from twinkle.model.ulysses import ATTRIBUTE
+
+    class Model:  # a model set up for Ulysses: the attribute ``install`` sets
+        pass
+
+    lm = Model()
+    setattr(lm, ATTRIBUTE, Ulysses(SequenceGroup(2, 0, None)))
+    with pytest.raises(UserError, match="does not run with ulysses_size > 1") as info:
+        final_hidden(lm, {})
+    _one_line(info)

@@ -14,6 +14,7 @@ import torch
 
 from twinkle.loss.output import LossOutput
 from twinkle.model.forward import causal_lm_of, head_as_identity
+from twinkle.model.ulysses import ulysses_of
 from twinkle.utils.errors import UserError
 
 TASK = "embedding"
@@ -70,6 +71,8 @@ def embedding_batch(inputs: Any, pad_id: int, marks: bool = True) -> dict[str, t
 def final_hidden(model: Any, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
     """The last layer's hidden states ``(B, L, H)``, after the final norm, without the head."""
     lm = causal_lm_of(model)
+    if ulysses_of(lm) is not None:  # every rank of a group would pool, and count, the same rows
+        raise UserError("task='embedding' pools whole sequences and does not run with ulysses_size > 1")
     args = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids")}
     head = lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else None
     if head is not None:
