@@ -7,7 +7,8 @@ packed row, so a sample straddles the ranks' shares. Each step: forward_backward
 clip_grad_and_step, the metrics. Rank 0 writes ``OUT/result.json`` (per step the loss, gradient
 norm, the samples and tokens counted, this rank's token count; the world size; the logps of an
 evaluation pass) and the adapter saved after the last step (``OUT/adapter``).
-``--padded`` runs the padded batch instead of the packed row (``padding_free=False``)."""
+``--padded`` runs the padded batch instead of the packed row (``padding_free=False``);
+``--activation-checkpointing on`` recomputes each layer (and its all-to-alls) in the backward."""
 
 import argparse
 import json
@@ -46,10 +47,16 @@ def main() -> None:
     p.add_argument("--fsdp-size", type=int, default=None)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--padded", action="store_true")
+    p.add_argument("--activation-checkpointing", default="off")
     args = p.parse_args()
     mesh = DeviceMesh.from_sizes(fsdp_size=args.fsdp_size, ulysses_size=args.ulysses_size)
     runtime = twinkle.initialize(mode="local", global_device_mesh=mesh, timeout_s=30)
-    model = TransformersModel(model_id=args.model_id, dtype=torch.float32, padding_free=not args.padded)
+    model = TransformersModel(
+        model_id=args.model_id,
+        dtype=torch.float32,
+        padding_free=not args.padded,
+        activation_checkpointing=args.activation_checkpointing,
+    )
     layers = {type(m).__name__ for m in model.model.modules() if type(m).__name__.endswith("DecoderLayer")}
     model.model._no_split_modules = sorted(layers)
     torch.manual_seed(0)

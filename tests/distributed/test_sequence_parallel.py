@@ -12,7 +12,7 @@ and gradient norms, and the logps of an evaluation pass, agree up to summation o
 counted from the share's start, or a loss normalised per rank moves the first loss by far more.
 
 Packed (one row, per-sample attention) and padded (``padding_free=False``: each row attends to
-its real tokens) batches both run; a model whose heads the size does not divide is refused in
+its real tokens) batches both run, a packed one with activation checkpointing, and a tiny Qwen3; a model whose heads the size does not divide is refused in
 one line before its weights load."""
 
 import json
@@ -41,6 +41,28 @@ def _run(launcher, model_dir, out: Path, nproc: int, extra: list[str]) -> dict:
     return result
 
 
+def _tiny_qwen3(tiny_model_dir: Path, out: Path) -> Path:
+    """A 2-layer Qwen3 of the tiny Llama's shape, with its tokenizer."""
+    import torch
+    from tiny import TINY_LLAMA_SHAPE
+    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    config = Qwen3Config(
+        vocab_size=len(tokenizer),
+        **TINY_LLAMA_SHAPE,
+        head_dim=8,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(0)
+    Qwen3ForCausalLM(config).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
 @pytest.mark.parametrize(
     ("layout", "ranks"),
     [
@@ -48,14 +70,19 @@ def _run(launcher, model_dir, out: Path, nproc: int, extra: list[str]) -> dict:
         ("padded", 2),
         # dp 2 x fsdp 2, Ulysses groups {0, 1} and {2, 3}: each group reads 2 of the 4 rows
         ("packed", 4),
+        # each layer recomputed in the backward, its all-to-alls with it
+        ("checkpointed", 2),
+        # Qwen3: q and k normalised per head before the exchange
+        ("qwen3", 2),
     ],
 )
 def test_ulysses_equals_one_process(tiny_model_dir, tmp_path, launcher, layout, ranks):
-    extra = ["--padded"] if layout == "padded" else []
-    one = _run(launcher, tiny_model_dir, tmp_path / "one", 1, extra)
+    extra = {"padded": ["--padded"], "checkpointed": ["--activation-checkpointing", "on"]}.get(layout, [])
+    model_dir = _tiny_qwen3(tiny_model_dir, tmp_path / "qwen3") if layout == "qwen3" else tiny_model_dir
+    one = _run(launcher, model_dir, tmp_path / "one", 1, extra)
     two = _run(
         launcher,
-        tiny_model_dir,
+        model_dir,
         tmp_path / "two",
         ranks,
         extra + (["--fsdp-size", "2"] if ranks == 4 else []),
