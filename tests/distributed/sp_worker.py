@@ -8,10 +8,13 @@ clip_grad_and_step, the metrics. Rank 0 writes ``OUT/result.json`` (per step the
 norm, the samples and tokens counted, this rank's token count; the world size; the logps of an
 evaluation pass) and the adapter saved after the last step (``OUT/adapter``).
 ``--padded`` runs the padded batch instead of the packed row (``padding_free=False``);
-``--activation-checkpointing on`` recomputes each layer (and its all-to-alls) in the backward."""
+``--activation-checkpointing on`` recomputes each layer (and its all-to-alls) in the backward;
+``--mixed`` builds a ``MultiLoraTransformersModel`` with a second adapter and evaluates each row
+through its own adapter."""
 
 import argparse
 import json
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -20,7 +23,7 @@ from peft import LoraConfig
 import twinkle
 from twinkle import DeviceMesh
 from twinkle.dataloader import collate
-from twinkle.model import TransformersModel
+from twinkle.model import MultiLoraTransformersModel, TransformersModel
 from twinkle.template import get_template
 
 QUESTIONS = [
@@ -48,10 +51,12 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--padded", action="store_true")
     p.add_argument("--activation-checkpointing", default="off")
+    p.add_argument("--mixed", action="store_true")
     args = p.parse_args()
     mesh = DeviceMesh.from_sizes(fsdp_size=args.fsdp_size, ulysses_size=args.ulysses_size)
     runtime = twinkle.initialize(mode="local", global_device_mesh=mesh, timeout_s=30)
-    model = TransformersModel(
+    model_cls = partial(MultiLoraTransformersModel, max_loras=2, max_r=4) if args.mixed else TransformersModel
+    model = model_cls(
         model_id=args.model_id,
         dtype=torch.float32,
         padding_free=not args.padded,
@@ -65,10 +70,13 @@ def main() -> None:
         lora_alpha=8,
         lora_dropout=0.0,
         target_modules="all-linear",
-        init_lora_weights=False,  # B random too: every LoRA weight has a gradient from the first step
     )
+    if not args.mixed:  # B random too: every LoRA weight has a gradient from the first step (slots: zero)
+        lora.init_lora_weights = False
     model.add_adapter_to_model("default", lora)
-    model.set_optimizer("AdamW", lr=1e-2)
+    if args.mixed:
+        model.add_adapter_to_model("other", lora)
+    model.set_optimizer("AdamW", lr=1e-2, adapter_name="default")
     encoded = rows(model.tokenizer)
     # the Ulysses ranks of a group read the same rows: every data rank here reads all of them
     share = len(encoded) // mesh.data_world_size
@@ -76,18 +84,22 @@ def main() -> None:
     batch = collate(mine, model.tokenizer.pad_token_id)
     steps = []
     for _ in range(args.steps):
-        out = model.forward_backward(inputs=batch)
-        model.clip_grad_and_step()
-        metric = model.calculate_metric(is_training=True)
+        out = model.forward_backward(inputs=batch, adapter_name="default")
+        model.clip_grad_and_step(adapter_name="default")
+        metric = model.calculate_metric(is_training=True, adapter_name="default")
         steps.append(
             {
                 **{k: metric[k] for k in ("loss", "grad_norm", "samples", "tokens", "supervised_tokens")},
                 "rank_tokens": out.get("num_tokens"),
             }
         )
-    model.save("adapter", output_dir=args.out, save_optimizer=False)
+    model.save("adapter", output_dir=args.out, adapter_name="default", save_optimizer=False)
     # an evaluation pass: every rank's logps cover the whole batch
-    logps = model.forward_only(inputs=batch)["logps"]
+    if args.mixed:  # each row through its own adapter (None: the base model)
+        names = ["default", "other", "default", None][: batch["input_ids"].shape[0]]
+        logps = model.forward_only(inputs=batch, adapter_names=names)["logps"]
+    else:
+        logps = model.forward_only(inputs=batch, adapter_name="default")["logps"]
     if runtime.rank == 0:
         lengths = [len(r["input_ids"]) for r in encoded]
         result = {

@@ -12,8 +12,9 @@ and gradient norms, and the logps of an evaluation pass, agree up to summation o
 counted from the share's start, or a loss normalised per rank moves the first loss by far more.
 
 Packed (one row, per-sample attention) and padded (``padding_free=False``: each row attends to
-its real tokens) batches both run, a packed one with activation checkpointing, and a tiny Qwen3; a model whose heads the size does not divide is refused in
-one line before its weights load."""
+its real tokens) batches both run, a packed one with activation checkpointing, a tiny Qwen3, and
+a ``MultiLoraTransformersModel`` whose evaluation runs each row through its own adapter; a model
+whose heads the size does not divide is refused in one line before its weights load."""
 
 import json
 import shutil
@@ -74,10 +75,17 @@ def _tiny_qwen3(tiny_model_dir: Path, out: Path) -> Path:
         ("checkpointed", 2),
         # Qwen3: q and k normalised per head before the exchange
         ("qwen3", 2),
+        # adapter slots; the evaluation runs each row through its own adapter (or none)
+        ("mixed", 2),
     ],
 )
 def test_ulysses_equals_one_process(tiny_model_dir, tmp_path, launcher, layout, ranks):
-    extra = {"padded": ["--padded"], "checkpointed": ["--activation-checkpointing", "on"]}.get(layout, [])
+    extra = {
+        "padded": ["--padded"],
+        "checkpointed": ["--activation-checkpointing", "on"],
+        "mixed": ["--mixed"],
+    }
+    extra = extra.get(layout, [])
     model_dir = _tiny_qwen3(tiny_model_dir, tmp_path / "qwen3") if layout == "qwen3" else tiny_model_dir
     one = _run(launcher, model_dir, tmp_path / "one", 1, extra)
     two = _run(

@@ -158,7 +158,8 @@ class MetricsAPI:
         evaluation would pack (``lora_modes.adapter_per_span``), else row by row."""
         names = self._lora_mode(disable_lora, adapter_names, batch["input_ids"].shape[0])
         layers, runs = lora_layers(self.model), None
-        if self.padding_free and can_segment(layers):
+        # under Ulysses a rank holds a share of the row's tokens: the rows keep their adapters
+        if self.padding_free and self.ulysses is None and can_segment(layers):
             runs = token_runs(batch, names)
         if runs is None:
             with adapter_per_row(self.model, names):
