@@ -98,3 +98,40 @@ def test_the_embedding_task_is_refused():
     with pytest.raises(UserError, match="does not run with ulysses_size > 1") as info:
         final_hidden(lm, {})
     _one_line(info)
+
+
+def test_a_rank_takes_its_share_of_a_packed_row_padded_to_a_multiple_of_the_size():
+    from twinkle.kernel.attention.packed import Segments
+
+    # two groups, each a 2-token prefix then one sample: 7 positions, padded to 8 for 2 ranks
+    segments = Segments(((2, 4), (6, 7)), 0, ((0, 2, 1), (4, 2, 1)))
+    ids = torch.arange(10, 17)[None]
+    inputs = {
+        "input_ids": ids,
+        "position_ids": torch.tensor([[0, 1, 2, 3, 0, 1, 2]]),
+        "attention_mask": torch.ones_like(ids),
+        "twinkle_segments": segments,
+    }
+    targets = torch.tensor([[-100, -100, 5, 6, -100, -100, 7]])
+    shares = []
+    for rank in (0, 1):
+        ulysses = Ulysses(SequenceGroup(2, rank, None))
+        local, local_targets, mask, gather = ulysses.share(dict(inputs), targets, targets != -100, None)
+        assert local["input_ids"].shape == (1, 4) and gather is None
+        assert local["twinkle_ulysses"].key_mask is None  # a packed row: its segments say who sees whom
+        shares.append((local, local_targets[mask], ulysses._ordinals))
+    (zero, zero_targets, zero_order), (one, one_targets, one_order) = shares
+    assert one["input_ids"].tolist() == [[14, 15, 16, 0]] and one["position_ids"].tolist() == [[0, 1, 2, 0]]
+    # the pad is a sample of its own, after the last block
+    whole = one["twinkle_segments"]
+    assert whole.spans == ((2, 4), (6, 7), (7, 8)) and whole.blocks[-1] == (7, 0, 1) and whole.length == 8
+    assert zero_targets.tolist() == [5, 6] and one_targets.tolist() == [7]
+    assert zero_order.tolist() == [0, 1] and one_order.tolist() == [2]  # places in the whole list
+    # the gathered row attends as the row without the pad did
+    from twinkle.kernel.attention.packed import segment_attention
+
+    torch.manual_seed(0)
+    q, k, v = torch.randn(1, 2, 8, 4), torch.randn(1, 1, 8, 4), torch.randn(1, 1, 8, 4)
+    out = segment_attention(q, k, v, whole)
+    expected = segment_attention(q[:, :, :7], k[:, :, :7], v[:, :, :7], segments)
+    torch.testing.assert_close(out[:, :7], expected, **chain_tolerances(attention_sums(7, 4, 2), expected))
