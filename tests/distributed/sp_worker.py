@@ -100,6 +100,8 @@ def main() -> None:
         logps = model.forward_only(inputs=batch, adapter_names=names)["logps"]
     else:
         logps = model.forward_only(inputs=batch, adapter_name="default")["logps"]
+        model.calculate_loss()
+        evaluation = model.calculate_metric(is_training=False, adapter_name="default")
     if runtime.rank == 0:
         lengths = [len(r["input_ids"]) for r in encoded]
         result = {
@@ -107,6 +109,7 @@ def main() -> None:
             "steps": steps,
             "lengths": lengths,
             "logps": logps.tolist(),
+            "eval": {k: evaluation[k] for k in ("loss", "samples", "tokens")} if not args.mixed else None,
         }
         Path(args.out, "result.json").write_text(json.dumps(result))
 

@@ -111,6 +111,12 @@ def test_ulysses_equals_one_process(tiny_model_dir, tmp_path, launcher, layout, 
             assert a[key] == b[key], (key, a[key], b[key])
         for key in ("loss", "grad_norm"):
             assert abs(a[key] - b[key]) <= rtol * max(1.0, abs(a[key])), (key, a[key], b[key], rtol)
+    if one["eval"] is not None:  # the evaluation's loss, and its rows and tokens counted once
+        assert abs(one["eval"]["loss"] - two["eval"]["loss"]) <= rtol * one["eval"]["loss"]
+        assert (one["eval"]["samples"], one["eval"]["tokens"]) == (
+            two["eval"]["samples"],
+            two["eval"]["tokens"],
+        )
     # rank 0's rows (all 4 on 2 ranks, the first 2 on 4), each padded to its batch's length
     assert len(two["logps"]) == 4 * 2 // ranks
     for row_a, row_b in zip(one["logps"], two["logps"], strict=False):

@@ -38,6 +38,7 @@ from twinkle.model.loss_inputs import keyword_inputs, missing_inputs, with_loss_
 from twinkle.model.outputs import LogpsOnly, ModelOutputs, label_logps, metric_logps
 from twinkle.model.packing import shifted_targets
 from twinkle.model.train_state import OptimizerGroup
+from twinkle.model.ulysses import counted as counted_rows
 from twinkle.utils.errors import UserError
 from twinkle.utils.modules import any_training, set_training
 
@@ -195,13 +196,8 @@ class MetricsAPI:
         group = self.optimizer_group[name]
         loss_sum = float(out.loss_sum)
         correct = float(out.num_correct)  # a count, or summed shares (GRPOLoss: clipped tokens)
-        group.eval_metrics.update(
-            loss_sum,
-            out.num_tokens,
-            correct,
-            int(inputs["attention_mask"].sum()),
-            inputs["input_ids"].shape[0],
-        )
+        rows, seen = counted_rows(self.ulysses, inputs)  # a Ulysses group's rows count once
+        group.eval_metrics.update(loss_sum, out.num_tokens, correct, seen, rows)
         if math.isfinite(loss_sum):
             record_metric_batch(group, False, inputs, out, loss_sum, correct)
         return loss_sum / max(1, out.num_tokens)
