@@ -10,7 +10,8 @@ evaluation pass) and the adapter saved after the last step (``OUT/adapter``).
 ``--padded`` runs the padded batch instead of the packed row (``padding_free=False``);
 ``--activation-checkpointing on`` recomputes each layer (and its all-to-alls) in the backward;
 ``--mixed`` builds a ``MultiLoraTransformersModel`` with a second adapter and evaluates each row
-through its own adapter."""
+through its own adapter; ``--long-prompt`` trains on one sample whose targets all lie in the last
+rank's share."""
 
 import argparse
 import json
@@ -34,11 +35,15 @@ QUESTIONS = [
 ]
 
 
-def rows(tokenizer) -> list[dict]:
+# one sample whose targets all lie in the last rank's share: the first rank scores nothing
+LONG_PROMPT = [("Who are you? " * 40, "Twinkle")]
+
+
+def rows(tokenizer, questions=QUESTIONS) -> list[dict]:
     template = get_template("Template", tokenizer)
     return [
         template.encode([{"role": "user", "content": q}, {"role": "assistant", "content": a}])
-        for q, a in QUESTIONS
+        for q, a in questions
     ]
 
 
@@ -52,6 +57,7 @@ def main() -> None:
     p.add_argument("--padded", action="store_true")
     p.add_argument("--activation-checkpointing", default="off")
     p.add_argument("--mixed", action="store_true")
+    p.add_argument("--long-prompt", action="store_true")
     args = p.parse_args()
     mesh = DeviceMesh.from_sizes(fsdp_size=args.fsdp_size, ulysses_size=args.ulysses_size)
     runtime = twinkle.initialize(mode="local", global_device_mesh=mesh, timeout_s=30)
@@ -77,7 +83,7 @@ def main() -> None:
     if args.mixed:
         model.add_adapter_to_model("other", lora)
     model.set_optimizer("AdamW", lr=1e-2, adapter_name="default")
-    encoded = rows(model.tokenizer)
+    encoded = rows(model.tokenizer, LONG_PROMPT if args.long_prompt else QUESTIONS)
     # the Ulysses ranks of a group read the same rows: every data rank here reads all of them
     share = len(encoded) // mesh.data_world_size
     mine = encoded[mesh.data_rank * share : (mesh.data_rank + 1) * share]

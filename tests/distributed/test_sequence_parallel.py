@@ -13,8 +13,9 @@ counted from the share's start, or a loss normalised per rank moves the first lo
 
 Packed (one row, per-sample attention) and padded (``padding_free=False``: each row attends to
 its real tokens) batches both run, a packed one with activation checkpointing, a tiny Qwen3, and
-a ``MultiLoraTransformersModel`` whose evaluation runs each row through its own adapter; a model
-whose heads the size does not divide is refused in one line before its weights load."""
+a ``MultiLoraTransformersModel`` whose evaluation runs each row through its own adapter, and one
+long prompt whose targets all lie in the last rank's share; a model whose heads the size does not
+divide is refused in one line before its weights load."""
 
 import json
 import shutil
@@ -77,6 +78,8 @@ def _tiny_qwen3(tiny_model_dir: Path, out: Path) -> Path:
         ("qwen3", 2),
         # adapter slots; the evaluation runs each row through its own adapter (or none)
         ("mixed", 2),
+        # one sample, its targets all in rank 1's share: rank 0 scores nothing, still runs backward
+        ("long-prompt", 2),
     ],
 )
 def test_ulysses_equals_one_process(tiny_model_dir, tmp_path, launcher, layout, ranks):
@@ -84,8 +87,8 @@ def test_ulysses_equals_one_process(tiny_model_dir, tmp_path, launcher, layout, 
         "padded": ["--padded"],
         "checkpointed": ["--activation-checkpointing", "on"],
         "mixed": ["--mixed"],
-    }
-    extra = extra.get(layout, [])
+        "long-prompt": ["--long-prompt"],
+    }.get(layout, [])
     model_dir = _tiny_qwen3(tiny_model_dir, tmp_path / "qwen3") if layout == "qwen3" else tiny_model_dir
     one = _run(launcher, model_dir, tmp_path / "one", 1, extra)
     two = _run(
@@ -98,14 +101,15 @@ def test_ulysses_equals_one_process(tiny_model_dir, tmp_path, launcher, layout, 
     assert two["world_size"] == ranks
     lengths = one["lengths"]
     assert max(lengths) > sum(lengths) / 2  # a sample longer than a rank's share of the row
+    long_prompt = layout == "long-prompt"
     rtol = run_loss_rtol(len(lengths), max(lengths), ranks)
     print(
         f"\n[ulysses 2, {layout}] losses {[s['loss'] for s in one['steps']]} vs {[s['loss'] for s in two['steps']]}"
     )
     assert one["steps"][-1]["loss"] < one["steps"][0]["loss"]  # it trained
     for a, b in zip(one["steps"], two["steps"], strict=True):
-        # each rank scored a share of the tokens, not all of them
-        assert 0 < b["rank_tokens"] < a["rank_tokens"]
+        # each rank scored a share of the tokens, not all of them (rank 0 none of a long prompt's)
+        assert b["rank_tokens"] == 0 if long_prompt else 0 < b["rank_tokens"] < a["rank_tokens"]
         # the group's ranks hold the same rows: counted once
         for key in ("samples", "tokens", "supervised_tokens"):
             assert a[key] == b[key], (key, a[key], b[key])
@@ -118,7 +122,7 @@ def test_ulysses_equals_one_process(tiny_model_dir, tmp_path, launcher, layout, 
             two["eval"]["tokens"],
         )
     # rank 0's rows (all 4 on 2 ranks, the first 2 on 4), each padded to its batch's length
-    assert len(two["logps"]) == 4 * 2 // ranks
+    assert len(two["logps"]) == len(lengths) * 2 // ranks
     for row_a, row_b in zip(one["logps"], two["logps"], strict=False):
         for x, y in zip(row_a, row_b, strict=False):
             assert abs(x - y) <= rtol * max(1.0, abs(x)), (x, y, rtol)
