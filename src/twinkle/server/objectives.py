@@ -19,7 +19,13 @@ Requests name the loss two ways:
   ``loss_fn_inputs`` is ``DPOLoss(beta=dpo_beta, sft_weight=dpo_sft_weight)``.
 
 The per-token inputs are each datum's ``weights`` (1 on the trained tokens), ``ref_logps``,
-``logprobs`` (the sampler's, the loss's ``old_logps``) and ``advantages``."""
+``logprobs`` (the sampler's, the loss's ``old_logps``) and ``advantages``.
+
+A preference loss (the DPO family: datums in pairs, chosen then rejected) also reports
+``twinkle.metric.DPOMetric``'s numbers over the call's pairs, among the call's metrics under the
+SDK's reduction suffixes (``chosen_reward:mean``, ``reward_accuracy:mean``, ``pairs:sum``, ...),
+and over the window at the next ``optim_step`` under the metric's own names with the window's
+mean ``loss`` (``Window``), as upstream's Tinker DPO reports them."""
 
 import inspect
 from typing import Any
@@ -27,6 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from twinkle.metric.dpo import DPOMetric
 from twinkle.server.errors import BadRequest
 from twinkle.server.wire import Datum
 
@@ -110,13 +117,18 @@ def per_label(data: list[Datum], values: list[np.ndarray], fill: float) -> torch
     return out
 
 
+def labels_of(data: list[Datum]) -> torch.Tensor:
+    """(B, L + 1) twinkle labels of the datums: the target where the weight is not 0, else -100."""
+    mask = per_label(data, [d.inputs["weights"] != 0 for d in data], 0.0) != 0
+    targets = per_label(data, [d.inputs["target_tokens"].astype(np.float32) for d in data], IGNORE)
+    return torch.where(mask, targets.long(), torch.full_like(targets, IGNORE).long())
+
+
 def objective(loss: Any, data: list[Datum], logps: list[np.ndarray]) -> tuple[float, int, list[np.ndarray]]:
     """(summed loss, its count, ``-dC/dlogp`` per datum) at the policy's log-probs ``logps``."""
     from twinkle.loss.base import rows_view_of
 
-    mask = per_label(data, [d.inputs["weights"] != 0 for d in data], 0.0) != 0
-    targets = per_label(data, [d.inputs["target_tokens"].astype(np.float32) for d in data], IGNORE)
-    labels = torch.where(mask, targets.long(), torch.full_like(targets, IGNORE).long())
+    labels = labels_of(data)
     policy = per_label(data, logps, 0.0).requires_grad_(True)
     batch: dict[str, Any] = {"labels": labels}
     for wire, name in STEP_INPUTS.items():
@@ -130,9 +142,13 @@ def objective(loss: Any, data: list[Datum], logps: list[np.ndarray]) -> tuple[fl
     return float(out.loss_sum.detach()), max(1, int(out.num_tokens)), weights
 
 
-def run(core: Any, adapter: str, data: list[Datum], loss: Any, forward_only: bool) -> tuple[list, dict]:
+def run(
+    core: Any, adapter: str, data: list[Datum], loss: Any, forward_only: bool, window: "Window | None" = None
+) -> tuple[list, dict]:
     """The composite step on ``core`` (a ``ModelCore`` or its proxy): per datum its targets'
-    ``logprobs``; metrics ``loss:sum``, ``loss:mean`` and ``num_tokens:sum`` (the loss's count)."""
+    ``logprobs``; metrics ``loss:sum``, ``loss:mean`` and ``num_tokens:sum`` (the loss's count),
+    and a preference loss's pair metrics (``pair_metric``). A training call (not
+    ``forward_only``) adds its loss and pairs to ``window`` once its backward has run."""
     plain = [
         Datum(d.tokens, {"target_tokens": d.inputs["target_tokens"], "weights": d.inputs["weights"]})
         for d in data
@@ -148,7 +164,61 @@ def run(core: Any, adapter: str, data: list[Datum], loss: Any, forward_only: boo
         config = {"twinkle_reduction": "token_mean", COUNT_KEY: float(count)}
         core.run_datums(adapter, weighted, "cross_entropy", config, False)
     metrics = {"loss:sum": total, "loss:mean": total / count, "num_tokens:sum": float(count)}
+    pairs = pair_metric(loss, data, logps)
+    if pairs is not None:
+        metrics |= {name + SUFFIX.get(name, ":mean"): value for name, value in pairs.calculate().items()}
+    if window is not None and not forward_only:
+        window.add(loss, total, count, data, logps)
     return [{"logprobs": lp} for lp in logps], metrics
+
+
+SUFFIX = {"pairs": ":sum"}  # how the SDK combines each pair metric over a request's chunks
+
+
+def pair_metric(loss: Any, data: list[Datum], logps: list[np.ndarray], into: Any = None) -> Any:
+    """``DPOMetric`` (``into``, or a new one at the loss's ``beta``) having seen the call's pairs
+    (rows ``2i``, ``2i + 1``: chosen, rejected; the reference's rewards when the loss reads
+    ``ref_logps``); None for a loss that is not a preference loss or fewer than 2 datums."""
+    from twinkle.loss.preference import PreferenceLoss
+
+    if not isinstance(loss, PreferenceLoss) or len(data) < 2:
+        return None
+    metric = into if into is not None else ServerDPOMetric(beta=getattr(loss, "beta", 0.1))
+    metric.beta = float(getattr(loss, "beta", metric.beta))  # the rewards at this call's beta
+    outputs = {"logps": per_label(data, logps, 0.0)}
+    if "ref_logps" in loss.extra_inputs:
+        outputs["ref_logps"] = per_label(data, [d.inputs["ref_logps"] for d in data], 0.0)
+    metric.accumulate({"labels": labels_of(data)}, outputs)
+    return metric
+
+
+class ServerDPOMetric(DPOMetric):
+    """``DPOMetric`` over datums the server holds whole: nothing to gather from other ranks."""
+
+    def gather_results(self, local_results: list[Any]) -> list[Any]:
+        return list(local_results)
+
+
+class Window:
+    """A run's composite training calls since its last ``optim_step``, which reports them: the
+    mean ``loss`` over the losses' counts (pairs for a preference loss, tokens otherwise) and, for a
+    preference loss, ``DPOMetric``'s numbers over the window's pairs (``chosen_logps``,
+    ``rejected_logps``, ``chosen_reward``, ``rejected_reward``, ``reward_margin``,
+    ``reward_accuracy``, ``pairs``), as the local ``calculate_metric`` reports them."""
+
+    def __init__(self) -> None:
+        self.total, self.count, self.pairs = 0.0, 0, None
+
+    def add(self, loss: Any, total: float, count: int, data: list[Datum], logps: list[np.ndarray]) -> None:
+        self.total += total
+        self.count += count
+        self.pairs = pair_metric(loss, data, logps, into=self.pairs) or self.pairs
+
+    def report(self) -> dict[str, float]:
+        out = {"loss": self.total / self.count} if self.count else {}
+        if self.pairs is not None:
+            out |= {k: float(v) for k, v in self.pairs.calculate().items()}
+        return out
 
 
 # the loss_fn_config keys each Tinker loss honours (besides those of every request, ``COMMON``)

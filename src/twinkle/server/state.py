@@ -111,6 +111,9 @@ class Run:
     parked: str | None = None  # saved here and its slot freed; reloaded on its next request
     parked_optimizer: bool = True  # the reload restores the AdamW state too (a ``weights`` save)
     user_metadata: dict | None = None  # the client's own labels, listed with the run
+    # its composite forward_backward calls since its last optim_step, which reports them
+    # (``twinkle.server.objectives.Window``); kept in memory only, like the queue's futures
+    window: Any = None
 
 
 class Registry:

@@ -4,7 +4,10 @@ its ``ForwardBackwardOutput`` and ``SampleResponse`` messages (the SDK accepts n
 those two). Every other body is JSON. The message classes are the SDK's own
 (``tinker.proto.tinker_public_pb2``), so the wire format is the pinned SDK's.
 
-Decoded datums are checked here: each bad field is a ``BadRequest`` naming it."""
+Decoded datums are checked here: each bad field is a ``BadRequest`` naming it. Of the request
+message's fields, ``seq_id`` is not read (each key's requests already run in the order they
+arrive) and a datum's provenance spans are refused (they reference the stability info that
+``record_stability_info`` records, which the sampling route refuses)."""
 
 import math
 from dataclasses import dataclass, field
@@ -80,6 +83,12 @@ def decode_forward_backward(body: bytes, max_datums: int, max_tokens: int) -> Fw
         config[k] = v.text if v.WhichOneof("value") == "text" else float(v.number)
     data, total = [], 0
     for i, datum in enumerate(msg.data):
+        if len(datum.model_input_spans) or len(datum.loss_fn_input_spans):
+            raise BadRequest(
+                f"datum {i}: provenance spans (model_input_spans, loss_fn_input_spans) are not "
+                "supported: they point at the sampler's recorded stability info, which twinkle "
+                "server does not record; send the datum without them"
+            )
         parts = []
         for chunk in datum.model_input:
             if chunk.WhichOneof("chunk") != "encoded_text":

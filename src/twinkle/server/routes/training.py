@@ -68,7 +68,7 @@ async def unload_model(request: Request) -> dict:
 
     def unload() -> dict:
         s.engine.remove(run.adapter)
-        run.live, run.parked = False, None
+        run.live, run.parked, run.window = False, None, None
         return {"model_id": run.id, "type": "unload_model"}
 
     return future(s.on_run(tenant, run, unload), run.id)
@@ -92,12 +92,21 @@ async def forward_backward(request: Request) -> dict:
         start = time.perf_counter()
         if loss is not None:
             check_composite(req.data, loss, s.engine.vocab)
-            outs, metrics = objectives.run(s.engine.core, run.adapter, req.data, loss, req.forward_only)
         else:
             check_datums(req.data, req.loss_fn, s.engine.vocab)
-            outs, metrics = s.engine.core.run_datums(
-                run.adapter, req.data, req.loss_fn, req.loss_config, req.forward_only
-            )
+        run.window = run.window or objectives.Window()
+        try:
+            if loss is not None:
+                outs, metrics = objectives.run(
+                    s.engine.core, run.adapter, req.data, loss, req.forward_only, run.window
+                )
+            else:
+                outs, metrics = s.engine.core.run_datums(
+                    run.adapter, req.data, req.loss_fn, req.loss_config, req.forward_only
+                )
+        except Exception:
+            run.window = None  # a non-finite loss drops the window's gradients (ModelCore._diverged)
+            raise
         tokens = sum(d.tokens.size for d in req.data)
         s.metrics.counted(tenant.id, "trained", tokens)
         seconds = round(time.perf_counter() - start, 4)
@@ -155,17 +164,33 @@ async def optim_step(request: Request) -> dict:
     tenant = s.auth(request)
     data = await body(request)
     run = s.registry.run_of(tenant, field(data, "model_id", str))
-    adam = field(data, "adam_params", dict, default=None) or field(data, "optim_params", dict, default={})
+    adam = optim_params(data)
     for k in adam:
         if k != "type":
             field(adam, k, (int, float))
 
     def step() -> dict:
+        # the window is reported by this step, or dropped with its gradients if the step fails
+        window, run.window = run.window, None
         metrics = s.engine.core.optim_step(run.adapter, *adamw(adam))
         s.registry.log(run, {"op": "optim_step", "lr": adam.get("learning_rate"), **metrics})
-        return {"metrics": metrics}
+        return {"metrics": {**metrics, **(window.report() if window is not None else {})}}
 
     return future(s.on_run(tenant, run, step), run.id)
+
+
+OPTIM_PARAMS = ("adam_params", "optim_params", "optimizer_params")  # the SDK's names for them
+
+
+def optim_params(data: Any) -> Any:
+    """The step's parameters, under whichever of the SDK's three names the request uses (it
+    sends ``adam_params`` for ``AdamParams``, ``optimizer_params`` for another family's, whose
+    ``type`` the field table refuses); ``BadRequest`` when two are sent. None sent: Tinker's
+    defaults."""
+    given = [name for name in OPTIM_PARAMS if name in data]
+    if len(given) > 1:
+        raise BadRequest(f"optim_step: send one of {', '.join(given)}, not several")
+    return field(data, given[0], dict, default={}) if given else {}
 
 
 def adamw(adam: dict[str, Any]) -> tuple[dict[str, Any], float]:
