@@ -1,0 +1,74 @@
+"""An uncaught ``UserError`` prints as one line (``error: <message>``, exit status 2) in any script
+that imports Twinkle, a script that builds no ``CLI`` and a refusal before ``initialize()``
+included; every other exception keeps its traceback, through the hook that was there before."""
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[2] / "src"
+
+
+def _run(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": str(SRC)},
+    )
+
+
+def test_an_uncaught_user_error_is_one_line_with_status_2_and_exit_handlers_run():
+    done = _run(
+        """
+        import atexit, sys
+        import twinkle
+        from twinkle.utils.errors import UserError
+        print("hook untouched by import:", sys.excepthook is sys.__excepthook__)
+        atexit.register(lambda: print("exit handler ran"))
+        raise UserError("the mesh asks for 3\\n  processes")
+        """
+    )
+    assert done.returncode == 2, done.stderr
+    assert done.stderr == "error: the mesh asks for 3 processes\n"
+    assert "Traceback" not in done.stderr
+    assert done.stdout.splitlines() == ["hook untouched by import: True", "exit handler ran"]
+
+
+def test_a_mesh_refused_before_initialize_is_one_line():
+    done = _run(
+        """
+        import twinkle
+        twinkle.DeviceMesh.from_sizes(fsdp_size=0)
+        """
+    )
+    assert (done.returncode, done.stderr) == (2, "error: --fsdp-size must be at least 1, got 0\n")
+
+
+def test_other_exceptions_keep_their_traceback_through_the_previous_hook():
+    done = _run(
+        """
+        import sys
+        import twinkle
+        from twinkle.utils.errors import UserError
+
+        def mine(kind, exc, tb):
+            print("script hook:", kind.__name__, file=sys.stderr)
+            sys.__excepthook__(kind, exc, tb)
+
+        sys.excepthook = mine
+        try:
+            raise UserError("caught, so nothing is printed")
+        except UserError:
+            pass
+        raise ValueError("plain bad value")
+        """
+    )
+    assert done.returncode == 1
+    lines = done.stderr.strip().splitlines()
+    assert lines[0] == "script hook: ValueError"
+    assert lines[1] == "Traceback (most recent call last):"
+    assert lines[-1] == "ValueError: plain bad value"
