@@ -10,7 +10,7 @@ from pathlib import Path
 SRC = Path(__file__).resolve().parents[1] / "src" / "twinkle"
 # lowest first; a package may import its own tier's packages (no cycle) and any lower tier's
 TIERS = [
-    {"utils"},
+    {"utils", "patch"},  # a patch changes the model object it is given; it imports only utils
     {"data_format"},
     {"distributed"},
     {"runtime"},
