@@ -11,5 +11,12 @@ Subpackages (import from them; nothing heavy is imported here):
   ``parse_tool_calls``, ``TOOL_FORMATS``.
 - ``twinkle_agentic.rollout``: ``Rollout``, ``MultiTurnRollout``, ``ClientMultiTurnRollout``,
   ``RolloutMetrics``.
+- ``twinkle_agentic.preprocessor``: quality steps for chat data run by ``QualityPreprocessor``.
+- ``twinkle_agentic.protocol``: ``OpenAI``, a client of OpenAI-compatible chat endpoints.
+- ``twinkle_agentic.reward``: ``F1Reward``, ``CoTReward``, ``ToolExploreReward``.
+- ``twinkle_agentic.chunker`` and ``twinkle_agentic.data_format``: ``NativeChunker``, ``Chunks``.
+- Upstream's condenser experiment (``condenser.ModelCondenser``,
+  ``rollout.multi_turn_condense.MultiTurnCondenseRollout``, ``rollout.APIMultiTurnRollout``,
+  ``tools.extract_condensed.ExtractCondensed``) imports and refuses in one line when built.
 
 The package imports ``twinkle``; ``twinkle`` never imports it (as ``twinkle_client``)."""
