@@ -1,6 +1,6 @@
-"""What upstream's multimodal GRPO cookbook (and the routing-replay one's R3 mode) names and
-Twinkle does not build yet: the OlympiadBench reward names import and refuse in one line when
-built; vLLM engine settings for images in prompts or recorded experts are one line naming it."""
+"""What upstream's multimodal GRPO cookbook names and Twinkle does not build yet: the
+OlympiadBench reward names import and refuse in one line when built; vLLM engine settings for
+images in prompts are one line naming it."""
 
 import pytest
 
@@ -23,7 +23,7 @@ def test_each_refuses_in_one_line(cls):
 
 @pytest.mark.parametrize(
     ("key", "what"),
-    [("limit_mm_per_prompt", "images in prompts"), ("enable_return_routed_experts", "MoE routing replay")],
+    [("limit_mm_per_prompt", "images in prompts"), ("mm_processor_kwargs", "images in prompts")],
 )
 def test_vllm_settings_of_what_is_not_built_are_one_line(key, what):
     from twinkle.sampler.engine_args import read_engine_args

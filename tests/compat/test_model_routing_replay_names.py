@@ -1,7 +1,8 @@
 """Upstream's routing-replay script in its replay-off mode: ``RouterReplayAction`` imports from
 upstream's path, ``TransformersModel(enable_router_replay=False, fsdp_config={'expert_parallel':
 {'enabled': False, ...}})`` builds, and a step's ``router_replay_action`` on such a model changes
-nothing (as upstream's), said once; replay or expert parallelism switched on is one line."""
+nothing (as upstream's), said once; replay on a dense model or expert parallelism switched on is
+one line (replay itself: ``tests/moe/test_router_replay.py``)."""
 
 import logging
 
@@ -48,7 +49,7 @@ def test_an_action_on_a_model_without_replay_changes_nothing_and_is_said_once(
     [
         (
             {"enable_router_replay": True},
-            "enable_router_replay=True: MoE routing replay is not supported yet",
+            r"enable_router_replay=True: the model \(llama\) has no mixture-of-experts router",
         ),
         (
             {"fsdp_config": {"expert_parallel": {"enabled": True}}},

@@ -177,13 +177,17 @@ class SampledSequence:
       ``messages``, the prompt's messages plus the reply as an assistant turn, when the prompt
       has messages: a reward reads them), ready for ``model.forward_backward(inputs=[...])``.
       With ``max_tokens=0`` nothing is generated: ``tokens`` is empty and the row is the scored
-      prompt with its own labels (a conversation given as messages: its assistant replies)."""
+      prompt with its own labels (a conversation given as messages: its assistant replies).
+    - ``routed_experts``: where the sampler records them (``enable_return_routed_experts``), the
+      experts each token ran through, ``(tokens, moe_layers, top_k)`` over the prompt and every
+      sampled token but the last (which the model never ran); also in ``new_input_feature``."""
 
     tokens: list[int]
     logprobs: list[list[tuple[int, float]]]
     decoded: str
     stop_reason: StopReason
     new_input_feature: dict[str, Any] = field(default_factory=dict)
+    routed_experts: Any = None
 
 
 @dataclass

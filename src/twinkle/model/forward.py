@@ -22,6 +22,7 @@ from twinkle.loss import FusedLinearCrossEntropyLoss, HeadLoss, LossOutput
 from twinkle.loss.base import EMBEDDINGS, POSITIONS, Loss, LossView, as_loss
 from twinkle.loss.cross_entropy import target_logps
 from twinkle.model.packing import can_pack, pack, shifted_targets
+from twinkle.model.router_replay import replay_of
 from twinkle.model.ulysses import ulysses_of
 from twinkle.template.base import IGNORE_INDEX
 from twinkle.utils.errors import UserError
@@ -75,8 +76,14 @@ def _model_inputs(
     """The forward's keyword arguments, each position's target (``IGNORE_INDEX`` where none) and
     the packed row's ``gather`` (``twinkle.model.packing``; None: the targeted positions in order)."""
     packed = pack(batch, share_prefix) if padding_free and can_pack(lm) else None
+    replay = replay_of(lm)  # routing replay arms the forward in the layout it runs
     if packed is not None:
+        where = packed.pop("where")
+        if replay is not None:
+            replay.arm(batch, where)
         return packed, packed.pop("targets"), packed.pop("gather")
+    if replay is not None:
+        replay.arm(batch, None)
     inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids")}
     return inputs, shifted_targets(batch["labels"], batch["attention_mask"]), None
 
@@ -202,6 +209,9 @@ def positions_view(lm: Any, batch: dict[str, torch.Tensor], loss: Loss) -> LossV
         )
     targets = shifted_targets(batch["labels"], batch["attention_mask"])
     model_inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids")}
+    replay = replay_of(lm)
+    if replay is not None:  # routing replay: this forward runs the padded batch
+        replay.arm(batch, None)
     logits = lm(**model_inputs, use_cache=False).logits.float()
     logps = target_logps(logits, targets) if loss.require_logps else None
     return LossView(targets=targets, logits=logits, logps=logps, batch=batch)

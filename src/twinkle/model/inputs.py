@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from twinkle.model.router_replay import batch_routes
 from twinkle.processor import InputProcessor
 from twinkle.processor.base import processor_class
 from twinkle.processor.collate import is_pair
@@ -115,6 +116,8 @@ def prepare_inputs(group: Any, inputs: Any, tokenizer: Any) -> Mapping[str, Any]
             samples.append(row)
         elif isinstance(row, Mapping) and "messages" in row:
             encoded = _template(group, tokenizer).encode(row["messages"], index=i)
+            if encoded is not None and "routed_experts" in row:  # twinkle.model.router_replay
+                encoded = {**encoded, "routed_experts": row["routed_experts"]}
             if encoded is not None:  # truncation_strategy='delete' drops a row that is too long
                 samples.append(encoded)
         else:
@@ -122,7 +125,12 @@ def prepare_inputs(group: Any, inputs: Any, tokenizer: Any) -> Mapping[str, Any]
             raise UserError(
                 f"input row {i} has neither 'messages' nor 'input_ids' ({keys}); pass chat or encoded rows"
             )
-    return _batch(group, samples, tokenizer)
+    batch = _batch(group, samples, tokenizer)
+    if "routed_experts" not in batch:  # the rows' recorded experts (twinkle.model.router_replay)
+        routes = batch_routes(samples, batch)
+        if routes is not None:
+            batch = {**batch, "routed_experts": routes}
+    return batch
 
 
 def _template(group: Any, tokenizer: Any) -> Any:

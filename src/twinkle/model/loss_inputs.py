@@ -35,16 +35,17 @@ def _from_ref_outputs(ref_outputs: Any) -> torch.Tensor:
 STEP_KEYWORDS: dict[str, tuple[Any, str]] = {
     "temperature": (1.0, "the step's log-probabilities are the model's own (temperature 1)"),
     "return_logits": (False, "the step never builds full logits; read outputs['logps']"),
-    "router_replay_manual_cleanup": (False, "MoE routing replay is not built yet"),
 }
 _said_replay_off: list[bool] = []  # the router_replay_action warning, once per process
 
 
 def refuse_step_keywords(given: dict[str, Any]) -> None:
     """Pop upstream's step keywords from ``given``: accepted at their neutral value, else one line.
-    ``router_replay_action`` acts on a model built with ``enable_router_replay=True``, which is
-    refused here, so on every model it has nothing to act on, as on upstream's model without
-    replay: accepted with one warning (``twinkle.model.transformers.moe.router_replay``)."""
+    ``router_replay_action`` acts on a model built with ``enable_router_replay=True``, which takes
+    it before this (``twinkle.model.router_replay``); here it reaches a model built without
+    replay, where it has nothing to act on, as on upstream's: accepted with one warning, as is
+    ``router_replay_manual_cleanup``."""
+    given.pop("router_replay_manual_cleanup", None)
     action = given.pop("router_replay_action", None)
     if action is not None:
         if not isinstance(action, RouterReplayAction):
@@ -53,7 +54,7 @@ def refuse_step_keywords(given: dict[str, Any]) -> None:
             _said_replay_off.append(True)
             get_logger().warning(
                 "router_replay_action=%s: nothing to replay, the model was built without "
-                "enable_router_replay (MoE routing replay is not supported yet); ignored, as upstream does",
+                "enable_router_replay; ignored, as upstream does",
                 action.name,
             )
     for name, (neutral, why) in STEP_KEYWORDS.items():

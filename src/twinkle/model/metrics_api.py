@@ -37,6 +37,7 @@ from twinkle.model.lora_modes import (
 from twinkle.model.loss_inputs import keyword_inputs, missing_inputs, with_loss_inputs
 from twinkle.model.outputs import LogpsOnly, ModelOutputs, label_logps, metric_logps
 from twinkle.model.packing import shifted_targets
+from twinkle.model.router_replay import take_action
 from twinkle.model.train_state import OptimizerGroup
 from twinkle.model.ulysses import counted as counted_rows
 from twinkle.utils.errors import UserError
@@ -81,7 +82,14 @@ class MetricsAPI:
         them a loss that declares them is not computed (a reference pass): ``loss`` is NaN and
         ``calculate_loss()`` has nothing to record; ``logps`` is there all the same.
 
-        ``micro_batch_size``: run the rows that many at a time (``twinkle.model.eval_parts``)."""
+        ``micro_batch_size``: run the rows that many at a time (``twinkle.model.eval_parts``).
+
+        ``router_replay_action`` (a model built with ``enable_router_replay=True``):
+        ``RECORD`` returns each token's experts as ``routed_experts``, ``REPLAY_FORWARD`` routes
+        the tokens to the batch's ``routed_experts`` (``twinkle.model.router_replay``)."""
+        replay = getattr(self, "router_replay", None)
+        if replay is not None and micro_batch_size is None:
+            replay.action = take_action(loss_inputs)
         if task == EMBEDDING_TASK:  # pooled rows (twinkle.model.embedding): a dict with embeddings
             group = self._group(adapter_name)
             loss_fn = (
@@ -133,7 +141,8 @@ class MetricsAPI:
         self._pending_auto = adapter_names is None and not disable_lora  # a plain evaluation batch
         self._eval_without = (loss_fn.name, missing) if missing else None
         mean = float(out.loss_sum) / max(1, out.num_tokens)
-        self.last_outputs = ModelOutputs(mean, out.num_tokens, logps)
+        routes = replay.recorded_routes() if replay is not None and replay.action is not None else None
+        self.last_outputs = ModelOutputs(mean, out.num_tokens, logps, routes)
         return self.last_outputs
 
     def _lora_mode(self, disable_lora: bool, adapter_names: Sequence[str | None], rows: int) -> list[str]:

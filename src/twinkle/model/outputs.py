@@ -25,15 +25,23 @@ from twinkle.model.packing import shifted_targets
 from twinkle.template.base import IGNORE_INDEX
 from twinkle.utils.errors import UserError
 
-KEYS = ("loss", "num_tokens", "logps")
-
 
 class ModelOutputs(Mapping):
     """``{"loss": mean loss (float), "num_tokens": the loss's count (int), "logps": (B, L)}``;
-    ``float(outputs)`` is the loss. ``logps`` may be computed on first read (then kept)."""
+    ``float(outputs)`` is the loss. ``logps`` may be computed on first read (then kept). A pass
+    that recorded its routes (``RouterReplayAction.RECORD``) also holds ``routed_experts``
+    ``(B, L, moe_layers, top_k)`` (``twinkle.model.router_replay``)."""
 
-    def __init__(self, loss: float, num_tokens: int, logps: torch.Tensor | Callable[[], torch.Tensor]):
+    def __init__(
+        self,
+        loss: float,
+        num_tokens: int,
+        logps: torch.Tensor | Callable[[], torch.Tensor],
+        routed_experts: torch.Tensor | None = None,
+    ):
         self._values: dict[str, Any] = {"loss": loss, "num_tokens": num_tokens, "logps": logps}
+        if routed_experts is not None:
+            self._values["routed_experts"] = routed_experts
 
     def __getitem__(self, key: str) -> Any:
         value = self._values[key]
@@ -42,10 +50,10 @@ class ModelOutputs(Mapping):
         return value
 
     def __iter__(self) -> Iterator[str]:
-        return iter(KEYS)
+        return iter(self._values)
 
     def __len__(self) -> int:
-        return len(KEYS)
+        return len(self._values)
 
     def __float__(self) -> float:
         return float(self._values["loss"])

@@ -127,8 +127,9 @@ def _prefix_groups(
 def pack(
     batch: dict[str, torch.Tensor], share_prefix: bool | Sequence[Hashable] = True
 ) -> dict[str, Any] | None:
-    """``(B, L)`` right-padded -> model inputs for one row, with ``targets (1, T)`` and ``gather``
-    (None unless a shared prefix holds targets, see the module docstring); None when the batch
+    """``(B, L)`` right-padded -> model inputs for one row, with ``targets (1, T)``, ``gather``
+    (None unless a shared prefix holds targets, see the module docstring) and ``where`` (``(B, L)``:
+    each padded position's place in the row, -1 where left out); None when the batch
     has no target or is not right-padded samples starting at position 0.
 
     ``share_prefix``: True holds the prefix every sample shares once, or where that leaves out
@@ -180,6 +181,11 @@ def pack(
             ]
         )
     one_prefix = len(groups) == 1 or not any(n for _, n, _ in blocks)
+    # each padded position's place in the row (-1: left out); routing replay lays routes out by it
+    where = torch.full(ids.shape, -1, dtype=torch.long, device=ids.device)
+    for i, begin, shared, own in owned:
+        where[i, :shared] = arange[:shared] + begin
+        where[i, shared : keep[i]] = arange[shared : keep[i]] + (own - shared)
     return {
         "input_ids": input_ids,
         "position_ids": position_ids,
@@ -190,4 +196,5 @@ def pack(
             tuple(spans), blocks[0][1] if one_prefix else 0, () if one_prefix else tuple(blocks)
         ),
         "gather": gather,
+        "where": where,
     }

@@ -33,6 +33,7 @@ from twinkle.model.optimizer_step import OptimizerStepAPI
 from twinkle.model.options import resolve_precision, resolve_strategy
 from twinkle.model.outputs import StepOutputs, joined_logps, reads_logps, step_logps
 from twinkle.model.parallel_sizes import refuse_cli_sizes
+from twinkle.model.router_replay import RouterReplay, refuse_dense_folder, take_action
 from twinkle.model.train_state import OptimizerGroup
 from twinkle.model.ulysses import check_folder as check_ulysses_folder
 from twinkle.model.ulysses import counted as counted_rows
@@ -91,18 +92,16 @@ class TransformersModel(InputsAPI, MetricsAPI, OptimizerStepAPI, Checkpoints):
         the device supports it, else sdpa with a warning), ``strategy`` (None takes the run defaults', ``--strategy``; ``native_fsdp`` and
         ``accelerate`` are FSDP2; ``ddp`` keeps a whole model per rank and needs
         ``--fsdp-size 1``), ``ddp_config``, ``fsdp_config`` (``twinkle.model.options``),
-        ``enable_router_replay`` (MoE routing replay: not built, True is refused;
-        ``twinkle.model.transformers.moe.router_replay``), ``memory_efficient_init`` (upstream loads
+        ``enable_router_replay`` (MoE routing replay: a step's ``router_replay_action`` records
+        or replays each token's experts, ``twinkle.model.router_replay``; a model without
+        routers is refused), ``memory_efficient_init`` (upstream loads
         the weights on one rank and broadcasts them; here every rank loads them, the same weights:
         True says so once), ``ignore_mismatched_sizes`` (``from_pretrained``'s: weights of another
         shape than the config's are initialised anew instead of refused)."""
-        if enable_router_replay:
-            raise UserError(
-                "enable_router_replay=True: MoE routing replay is not supported yet; build the model "
-                "without it (enable_router_replay=False)"
-            )
         mesh = device_mesh or get_runtime().mesh
         refuse_unimplemented(mesh, type(self).__name__, runs=("ulysses",))  # tp/pp/...: one line
+        if enable_router_replay:
+            refuse_dense_folder(model_id)  # replay on a dense model: one line before loading
         runtime = get_runtime()
         # --tp-size 2 (or a --ulysses-size) the mesh left out
         refuse_cli_sizes(runtime.defaults.run_args, type(self).__name__, {"ulysses_size": mesh.ulysses_size})
@@ -143,6 +142,8 @@ class TransformersModel(InputsAPI, MetricsAPI, OptimizerStepAPI, Checkpoints):
         )
         # ulysses_size > 1: each rank runs a share of the positions (twinkle.model.ulysses)
         self.ulysses = install_ulysses(causal_lm_of(self.model), runtime.mesh, runtime.rank)
+        # the routers hooked for routing replay (twinkle.model.router_replay); a dense model: one line
+        self.router_replay = RouterReplay.install(self.model) if enable_router_replay else None
         self.checkpointing = LayerCheckpointing(self.model, activation_checkpointing)
         self.optimizer_group: dict[str, OptimizerGroup] = {}
         self.adapters: Adapters = PeftAdapters(self.optimizer_group, runtime)
@@ -292,6 +293,8 @@ class TransformersModel(InputsAPI, MetricsAPI, OptimizerStepAPI, Checkpoints):
         self.adapters.activate(group.adapter_name)
         preemption.loop_started()  # a SIGTERM from here on saves at the next step boundary
         loss_fn = task_loss(group, task)
+        if self.router_replay is not None:  # the step's routes: recorded, replayed or the router's
+            self.router_replay.action = take_action(loss_inputs)
         extras = keyword_inputs(loss_fn, ref_outputs, loss_inputs)
         if task == EMBEDDING_TASK:  # pooled rows, never packed (twinkle.model.embedding)
             return group, loss_fn, embedding_batch(inputs, self.tokenizer.pad_token_id or 0)

@@ -30,6 +30,7 @@ import torch
 from twinkle.data_format.sampling import SamplingParams
 from twinkle.sampler.choose import choose, token_logprobs
 from twinkle.sampler.lean_step import LeanCache, lean_step
+from twinkle.sampler.routes import RouteLog
 from twinkle.sampler.stops import Stops
 
 
@@ -41,6 +42,7 @@ class RowOutput:
     logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     stop_reason: str = "length"
     by_string: bool = False
+    routed_experts: Any = None  # (tokens, moe_layers, top_k) where the decoder keeps a RouteLog
 
 
 def cache_keyword(lm: Any) -> str:
@@ -63,6 +65,7 @@ class Decoder:
         pad_id: int,
         generator: torch.Generator,
         lockstep: Callable[[bool], bool] | None = None,
+        routes: RouteLog | None = None,
     ):
         self.lm, self.params, self.stops, self.pad_id = lm, params, stops, pad_id
         self.generator, self.lockstep = generator, lockstep
@@ -70,7 +73,8 @@ class Decoder:
         self.cache_kw = cache_keyword(lm)
         self.alternatives = max(0, (params.logprobs or 1) - 1)
         # decoding steps written out (``twinkle.sampler.lean_step``) where they reproduce lm's
-        self.lean = lean_step(lm) if lockstep is None else None
+        self.lean = lean_step(lm) if lockstep is None and routes is None else None
+        self.routes = routes  # each forward's experts, per row (``twinkle.sampler.routes``)
 
     def run(self, prompts: list[list[int]], budgets: list[int]) -> list[list[RowOutput]]:
         """Generate ``params.num_samples`` sequences for each prompt; ``budgets[i]``: the most
@@ -106,6 +110,11 @@ class Decoder:
                 alive = [alive[i] for i in keep]
             last = torch.tensor([rows[r].tokens[-1] for r in alive], device=self.device)
             logits = self._forward(last[:, None], state)
+            if self.routes is not None:
+                self.routes.step_ran(alive)
+        if self.routes is not None:
+            for i, row in enumerate(rows):
+                row.routed_experts = self.routes.routes(i)
         return [rows[i * n : (i + 1) * n] for i in range(len(prompts))]
 
     # ------------------------------------------------------------------ steps
@@ -126,12 +135,16 @@ class Decoder:
             )
             head = torch.tensor([prompts[0][:shared]], device=self.device)
             self._forward(head, state, torch.arange(shared, device=self.device)[None])
+            if self.routes is not None:
+                self.routes.prefix_ran()
             state.repeat(len(prompts))
             state.mask, state.padded = torch.cat([state.mask, mask], dim=1), padded
         else:
             state = CacheState(self.lm.config, mask, padded)
         positions = shared + (mask.cumsum(-1) - 1).clamp(min=0)
         logits = self._forward(ids.to(self.device), state, positions)
+        if self.routes is not None:
+            self.routes.prompts_ran([len(p) for p in rests], width)
         n = self.params.num_samples
         if n > 1:
             state.repeat(n)

@@ -5,12 +5,13 @@ Three kinds of key:
 
 - honoured: ``max_model_len`` (prompt plus completion never exceed it, as vLLM caps them),
   ``seed`` (the draws of calls without ``SamplingParams.seed`` follow from it, as a vLLM engine's
-  do), ``dtype`` (the weights' dtype, as ``--dtype``);
+  do), ``dtype`` (the weights' dtype, as ``--dtype``), ``enable_return_routed_experts`` (each
+  sequence's ``routed_experts``, the experts every token ran through: ``twinkle.model.router_replay``);
 - vLLM's memory, batching, LoRA-slot and parallelism settings (``NO_EFFECT``): a PyTorch sampler
   allocates per call and holds any number of adapters of any rank, so they have nothing to
   set; they are accepted and named in one warning. A parallel size above 1 is refused, since
   only vLLM on GPUs splits a model that way;
-- vLLM's settings of what is not built here (``NOT_YET``: images in prompts, routing replay):
+- vLLM's settings of what is not built here (``NOT_YET``: images in prompts):
   one line naming it;
 - anything else: one error line listing the keys this sampler knows."""
 
@@ -21,7 +22,7 @@ from typing import Any
 from twinkle.utils.errors import UserError
 from twinkle.utils.logger import get_logger
 
-HONOURED = ("max_model_len", "seed", "dtype")
+HONOURED = ("max_model_len", "seed", "dtype", "enable_return_routed_experts")
 PARALLEL = ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size")
 NO_EFFECT = (
     "gpu_memory_utilization",
@@ -51,7 +52,6 @@ NO_EFFECT = (
 NOT_YET = {
     "limit_mm_per_prompt": "images in prompts (multimodal sampling)",
     "mm_processor_kwargs": "images in prompts (multimodal sampling)",
-    "enable_return_routed_experts": "MoE routing replay (the sampled tokens' experts)",
 }
 
 
@@ -62,6 +62,7 @@ class EngineArgs:
     max_model_len: int | None = None
     seed: int | None = None
     dtype: str | None = None
+    return_routed_experts: bool = False
 
 
 def read_engine_args(engine_args: Mapping[str, Any] | None, who: str) -> EngineArgs:
@@ -96,7 +97,10 @@ def read_engine_args(engine_args: Mapping[str, Any] | None, who: str) -> EngineA
     dtype = engine_args.get("dtype")
     if dtype is not None and not isinstance(dtype, str):
         dtype = str(dtype).removeprefix("torch.")
-    return EngineArgs(engine_args.get("max_model_len"), engine_args.get("seed"), dtype)
+    routes = engine_args.get("enable_return_routed_experts", False)
+    if not isinstance(routes, bool):
+        raise UserError(f"{who}: engine_args enable_return_routed_experts={routes!r} must be True or False")
+    return EngineArgs(engine_args.get("max_model_len"), engine_args.get("seed"), dtype, routes)
 
 
 def _check_int(engine_args: Mapping[str, Any], key: str, who: str, minimum: int | None) -> None:

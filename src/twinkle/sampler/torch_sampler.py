@@ -32,12 +32,14 @@ from twinkle.model import MultiLoraTransformersModel, TransformersModel
 from twinkle.model.forward import causal_lm_of
 from twinkle.model.loading import load_causal_lm, resolve_dtype
 from twinkle.model.lora_modes import lora_layers
+from twinkle.model.router_replay import RouterReplay, refuse_dense_folder, replay_of
 from twinkle.runtime import get_runtime
 from twinkle.runtime.remote import remote_class  # remote_group= hook
 from twinkle.sampler import adapters, linears
 from twinkle.sampler.decode import Decoder, RowOutput, drain
 from twinkle.sampler.engine_args import read_engine_args
 from twinkle.sampler.prompts import Prompt, new_input_feature, prompts_of
+from twinkle.sampler.routes import RouteLog
 from twinkle.sampler.scoring import score_prompt
 from twinkle.sampler.stops import Stops, eos_token_ids
 from twinkle.template import Template, get_template
@@ -63,6 +65,7 @@ class TorchSampler:
     ):
         engine = read_engine_args(engine_args, type(self).__name__)
         self.max_model_len = engine.max_model_len
+        self.return_routed_experts = engine.return_routed_experts  # twinkle.model.router_replay
         # vLLM's engine seed: the seeds of calls without SamplingParams.seed follow from it
         self._seeds = None if engine.seed is None else torch.Generator().manual_seed(engine.seed)
         self.runtime = get_runtime()
@@ -78,6 +81,7 @@ class TorchSampler:
                 raise UserError("TorchSampler(model): a sampler sharing a model runs its weights; drop dtype")
             self.source = model_id
             self.tokenizer, self.device = model_id.tokenizer, model_id.device
+            self._hook_routers()
             return
         if model_id is not None and not isinstance(model_id, str | Path):
             raise UserError(
@@ -88,16 +92,29 @@ class TorchSampler:
             raise UserError("TorchSampler: pass dtype= or engine_args['dtype'], not both")
         dtype = dtype or resolve_dtype(engine.dtype or self.runtime.defaults.dtype, self.device)
         self.model_id = None if model_id is None else str(model_id)
+        if self.return_routed_experts:  # a dense folder: one line before loading
+            refuse_dense_folder(self.model_id, "engine_args enable_return_routed_experts=True")
         self._own, self.tokenizer, self.model_path = load_causal_lm(
             self.model_id, self.device, dtype, model_cls=model_cls or self.runtime.defaults.model_cls
         )
         self._own.eval()
         self._own.requires_grad_(False)
+        self._hook_routers()
         if self.device.type == "cpu":  # the products training runs (``twinkle.sampler.linears``)
             linears.route(linears.plain_linears(self._own))
             linears.pack(self._own)
 
     # ----------------------------------------------------------------- set-up
+    def _hook_routers(self) -> None:
+        """With ``enable_return_routed_experts``, the model's routers record each forward's
+        experts while it decodes (a model without routers: one line)."""
+        if self.return_routed_experts:
+            RouterReplay.install(self.lm, "engine_args enable_return_routed_experts=True")
+
+    def _recording(self) -> contextlib.AbstractContextManager:
+        replay = replay_of(self.lm) if self.return_routed_experts else None
+        return replay.recording_all() if replay is not None else contextlib.nullcontext()
+
     @property
     def lm(self) -> Any:
         """The causal LM module that generates (the trainer's own when colocated)."""
@@ -333,7 +350,12 @@ class TorchSampler:
         generator = torch.Generator(device=self.device).manual_seed(self._seed(params))
         steps, scores = None, None
         while True:
-            with torch.no_grad(), self._adapter(adapter_name, adapter_path, use_base_model), self._routed():
+            with (
+                torch.no_grad(),
+                self._adapter(adapter_name, adapter_path, use_base_model),
+                self._routed(),
+                self._recording(),
+            ):
                 if scores is None:  # the prompts' scores, under the adapter that samples
                     k = params.prompt_logprobs
                     scores = [None if k is None else score_prompt(self.lm, p.ids, k) for p in prompts]
@@ -342,7 +364,9 @@ class TorchSampler:
                     break
                 if steps is None:
                     pad = _pad_id(self.tokenizer)
-                    decoder = Decoder(self.lm, params, stops, pad, generator, self._lockstep())
+                    replay = replay_of(self.lm) if self.return_routed_experts else None
+                    routes = None if replay is None else RouteLog(replay, params.num_samples)
+                    decoder = Decoder(self.lm, params, stops, pad, generator, self._lockstep(), routes)
                     steps = decoder.steps([p.ids for p in prompts], budgets)
                 end = None if slice_seconds is None else time.perf_counter() + slice_seconds
                 try:
@@ -389,12 +413,16 @@ class TorchSampler:
 
     def _sequence(self, prompt: Prompt, out: Any, stops: Stops) -> SampledSequence:
         decoded = stops.text(out.tokens, out.by_string)
+        row = new_input_feature(prompt, out.tokens, decoded)
+        if out.routed_experts is not None:  # upstream's row carries them as lists
+            row["routed_experts"] = out.routed_experts.tolist()
         return SampledSequence(
             tokens=out.tokens,
             logprobs=out.logprobs,
             decoded=decoded,
             stop_reason=out.stop_reason,
-            new_input_feature=new_input_feature(prompt, out.tokens, decoded),
+            new_input_feature=row,
+            routed_experts=out.routed_experts,
         )
 
     def _budgets(self, prompts: Sequence[Prompt], params: SamplingParams) -> list[int]:
