@@ -33,5 +33,7 @@ def init_twinkle_client(base_url: str | None = None, api_key: str | None = None)
 
 def init_tinker_client() -> None:
     """After it, ``tinker.ServiceClient(base_url=..., api_key=...)`` takes any key the server
-    accepts (the SDK itself sends only ``tml-`` keys) and ``twinkle://`` checkpoint paths."""
+    accepts (the SDK itself sends only ``tml-`` keys) and ``twinkle://`` checkpoint paths, and its
+    ``create_lora_training_client`` defaults to ``train_unembed=False`` (the server's LoRA is never
+    on the unembedding, and it refuses True by name)."""
     patch_tinker()

@@ -22,6 +22,7 @@ datums (``twinkle_client.batches``). The step is the local one:
   optimizer step's learning rate and gradient norm."""
 
 import os
+import warnings
 from typing import Any
 
 import torch
@@ -43,6 +44,34 @@ NO_METRIC = {
     "Accuracy": "it counts the logits' argmax, which the server does not return",
     "CompletionRewardMetric": "its rewards never reach the model; call its accumulate(...) yourself",
 }
+
+
+# the server's LoRA (``twinkle.server.core.lora_config``): what a config may say and still be it
+SERVER_LORA = {
+    "lora_alpha": (32,),
+    "lora_dropout": (0, 0.0),
+    "target_modules": ("all-linear",),
+    "use_rslora": (False,),
+    "bias": ("none",),
+}
+
+
+def _warn_unapplied(adapter_name: str, config: Any) -> None:
+    """One warning naming each field of ``config`` (a ``peft.LoraConfig`` or a dict) that the
+    server's LoRA does not apply: only the rank travels (upstream's client scripts set
+    ``lora_dropout=0.05``, which would stop them if it were refused)."""
+    get = config.get if isinstance(config, dict) else lambda k, d=None: getattr(config, k, d)
+    unapplied = [
+        f"{k}={get(k)!r}"
+        for k, allowed in SERVER_LORA.items()
+        if get(k) is not None and get(k) not in allowed
+    ]
+    if unapplied:
+        warnings.warn(
+            f"add_adapter_to_model({adapter_name!r}): {', '.join(unapplied)} is not applied over twinkle "
+            "server; its LoRA is on every linear layer of the blocks, alpha 32, no dropout, at your rank",
+            stacklevel=3,
+        )
 
 
 class Adapter:
@@ -102,12 +131,13 @@ class MultiLoraTransformersModel:
         checkpoint there (``<save_dir>/weights|sampler_weights/<name>``); only a server started
         without keys takes it (it writes to the server's files), and the folder must exist."""
         rank = config.get("r", 8) if isinstance(config, dict) else getattr(config, "r", 8)
+        _warn_unapplied(adapter_name, config)
         window = _window(gradient_accumulation_steps)
         meta = (
             None if save_dir is None else {"twinkle_save_dir": os.path.abspath(os.path.expanduser(save_dir))}
         )
         run = self.client.service.create_lora_training_client(
-            base_model=self.model_id, rank=int(rank), user_metadata=meta
+            base_model=self.model_id, rank=int(rank), train_unembed=False, user_metadata=meta
         ).result()
         self.adapters[adapter_name] = Adapter(run, int(rank), window, save_dir)
 

@@ -6,11 +6,17 @@ talks to a ``twinkle server`` as upstream Twinkle's scripts expect:
   default ``EMPTY_TOKEN`` included), and one started with keys answers 401 to a wrong one;
 - a ``twinkle://`` path is taken wherever the SDK takes a ``tinker://`` one (a sampler's
   ``model_path``, and every ``RestClient`` call that parses a path: publish, unpublish, delete,
-  TTL, a run's lookup): it is the same checkpoint, so it is sent as its ``tinker://`` form.
+  TTL, a run's lookup): it is the same checkpoint, so it is sent as its ``tinker://`` form;
+- ``create_lora_training_client`` defaults to ``train_unembed=False``: LoRA on a
+  ``twinkle server`` (as on upstream's) is on the linear layers of the blocks, never on the
+  unembedding, and the server refuses ``train_unembed=True`` by name (the SDK's own default)
+  rather than train something else than asked; a script that passes it explicitly still gets
+  that refusal.
 
-Both are changes to the SDK's classes, made once; calling it again changes nothing."""
+All are changes to the SDK's classes, made once; calling it again changes nothing."""
 
 import functools
+import inspect
 import math
 from typing import Any
 
@@ -58,4 +64,21 @@ def patch_tinker() -> None:
         return parse(cls, as_tinker_path(tinker_path))
 
     types.ParsedCheckpointTinkerPath.from_tinker_path = classmethod(from_path)
+    from tinker import ServiceClient
+
+    for name in ("create_lora_training_client", "create_lora_training_client_async"):
+        setattr(ServiceClient, name, _blocks_only(getattr(ServiceClient, name)))
     _DONE = True
+
+
+def _blocks_only(create: Any) -> Any:
+    """``create`` (a ``ServiceClient`` method) with ``train_unembed`` defaulting to False."""
+    signature = inspect.signature(create)
+
+    @functools.wraps(create)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        bound = signature.bind(*args, **kwargs)
+        bound.arguments.setdefault("train_unembed", False)
+        return create(*bound.args, **bound.kwargs)
+
+    return wrapper

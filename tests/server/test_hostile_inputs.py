@@ -33,7 +33,9 @@ def server(tiny_model_dir, tmp_path_factory):
 def trained(server, tiny_model_dir):
     """A training run of key A with a saved state, sampler weights, and its SDK client's id."""
     client = tinker.ServiceClient(base_url=server.url, api_key=KEY_A)
-    tc = client.create_lora_training_client(base_model=str(tiny_model_dir), rank=4).result()
+    tc = client.create_lora_training_client(
+        base_model=str(tiny_model_dir), rank=4, train_unembed=False
+    ).result()
     d = types.Datum(
         model_input=types.ModelInput.from_ints([5, 6, 7, 8]),
         loss_fn_inputs={"target_tokens": [6, 7, 8, 9], "weights": [1.0, 1, 1, 1]},

@@ -81,7 +81,9 @@ def test_another_tenants_step_finishes_within_2_s_of_the_largest_legal_sample(tm
         assert r.status_code == 200, r.text
         big_request = r.json()["request_id"]
         client = tinker.ServiceClient(base_url=server.url, api_key=KEY_B)
-        trainer = client.create_lora_training_client(base_model=str(model), rank=4).result()
+        trainer = client.create_lora_training_client(
+            base_model=str(model), rank=4, train_unembed=False
+        ).result()
         d = datum([5, 6, 7, 8, 9, 10], [0, 1, 1, 1, 1])
         trainer.forward_backward([d], "cross_entropy").result()  # its first step makes the optimizer
         trainer.optim_step(types.AdamParams(learning_rate=1e-3)).result()
@@ -159,7 +161,9 @@ def test_a_sample_is_refused_before_it_queues_when_it_costs_too_much(tiny_model_
 
 def test_a_runaway_learning_rate_is_an_error_and_the_adapter_goes_back(server, tiny_model_dir):
     client = tinker.ServiceClient(base_url=server.url, api_key=KEY_A)
-    tc = client.create_lora_training_client(base_model=str(tiny_model_dir), rank=4).result()
+    tc = client.create_lora_training_client(
+        base_model=str(tiny_model_dir), rank=4, train_unembed=False
+    ).result()
     d = datum([5, 6, 7, 8, 9, 10], [0, 1, 1, 1, 1])
 
     def loss() -> float:
@@ -216,7 +220,9 @@ def test_metrics_are_the_operators_and_usage_is_each_tenants_own(tiny_model_dir,
     try:
         url = running.url
         client = tinker.ServiceClient(base_url=url, api_key=KEY_A)
-        tc = client.create_lora_training_client(base_model=str(tiny_model_dir), rank=4).result()
+        tc = client.create_lora_training_client(
+            base_model=str(tiny_model_dir), rank=4, train_unembed=False
+        ).result()
         tc.forward_backward([datum([5, 6, 7, 8, 9, 10], [0, 1, 1, 1, 1])], "cross_entropy").result()
         for headers in ({}, {"X-API-Key": KEY_A}, {"Authorization": f"Bearer {KEY_A}"}):
             assert httpx.get(f"{url}/metrics", headers=headers).status_code == 401

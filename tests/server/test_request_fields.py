@@ -185,6 +185,8 @@ def test_an_unknown_field_inside_an_object_is_named_by_its_path(server, route, p
     [
         ("/create_model", {"lora_config": {"rank": 4, "train_mlp": False}}, "lora_config.train_mlp"),
         ("/create_model", {"lora_config": {"rank": 4, "train_attn": False}}, "lora_config.train_attn"),
+        ("/create_model", {"lora_config": {"rank": 4, "train_unembed": True}}, "lora_config.train_unembed"),
+        ("/optim_step", {"model_id": "m", "optimizer_params": {"type": "dimuon"}}, "optimizer_params.type"),
         ("/create_model", {"optimizer_config": {"type": "sgd"}}, "optimizer_config.type"),
         ("/create_session", {"project_id": "p1"}, "project_id"),
         (

@@ -25,7 +25,9 @@ def test_a_client_goes_on_with_the_same_ids_after_a_restart(tiny_model_dir, tmp_
     out, port = tmp_path / "srv", free_port()
     running = start(tiny_model_dir, out, port=port)
     client = tinker.ServiceClient(base_url=running.url, api_key=KEY_A)
-    tc = client.create_lora_training_client(base_model=str(tiny_model_dir), rank=4).result()
+    tc = client.create_lora_training_client(
+        base_model=str(tiny_model_dir), rank=4, train_unembed=False
+    ).result()
     losses = [step(tc, ROWS["a"])]
     saved = tc.save_state("s1").result().path
     sampler = tc.save_weights_and_get_sampling_client().result()
@@ -58,8 +60,12 @@ def test_a_run_without_a_saved_state_is_a_clear_404_after_a_restart(tiny_model_d
     out, port = tmp_path / "srv", free_port()
     running = start(tiny_model_dir, out, port=port)
     client = tinker.ServiceClient(base_url=running.url, api_key=KEY_A)
-    never = client.create_lora_training_client(base_model=str(tiny_model_dir), rank=4).result()
-    once = client.create_lora_training_client(base_model=str(tiny_model_dir), rank=4).result()
+    never = client.create_lora_training_client(
+        base_model=str(tiny_model_dir), rank=4, train_unembed=False
+    ).result()
+    once = client.create_lora_training_client(
+        base_model=str(tiny_model_dir), rank=4, train_unembed=False
+    ).result()
     saved = once.save_state("s1").result().path
     running.stop()
     running = start(tiny_model_dir, out, port=port)
@@ -91,7 +97,9 @@ def test_sampling_and_training_when_every_slot_is_taken(tiny_model_dir, tmp_path
     running = start(tiny_model_dir, tmp_path / "srv", max_loras=1)
     try:
         client_a = tinker.ServiceClient(base_url=running.url, api_key=KEY_A)
-        tc_a = client_a.create_lora_training_client(base_model=str(tiny_model_dir), rank=4).result()
+        tc_a = client_a.create_lora_training_client(
+            base_model=str(tiny_model_dir), rank=4, train_unembed=False
+        ).result()
         losses = [step(tc_a, ROWS["a"])]
         base = client_a.create_sampling_client(base_model=str(tiny_model_dir)).result()
         params = types.SamplingParams(max_tokens=3, seed=1, stop=[])
@@ -100,7 +108,9 @@ def test_sampling_and_training_when_every_slot_is_taken(tiny_model_dir, tmp_path
         assert runs[tc_a.model_id].parked is not None  # parked for the sampler's slot
         losses.append(step(tc_a, ROWS["a"]))
         client_b = tinker.ServiceClient(base_url=running.url, api_key=KEY_B)
-        tc_b = client_b.create_lora_training_client(base_model=str(tiny_model_dir), rank=4).result()
+        tc_b = client_b.create_lora_training_client(
+            base_model=str(tiny_model_dir), rank=4, train_unembed=False
+        ).result()
         step(tc_b, ROWS["b"])
         losses.append(step(tc_a, ROWS["a"]))
         assert runs[tc_b.model_id].parked is not None and runs[tc_a.model_id].live

@@ -110,7 +110,7 @@ def test_an_importance_sampling_step_at_ratio_one_is_the_weighted_cross_entropy_
         for running, loss in ((server, "cross_entropy"), (other, "importance_sampling")):
             tc = (
                 tinker.ServiceClient(base_url=running.url, api_key=KEY_A)
-                .create_lora_training_client(base_model=str(tiny_model_dir), rank=4)
+                .create_lora_training_client(base_model=str(tiny_model_dir), rank=4, train_unembed=False)
                 .result()
             )
             d = datum(tokens, adv)
@@ -148,7 +148,7 @@ def test_an_idle_run_is_parked_and_resumes_where_it_was(tiny_model_dir, tmp_path
     try:
         tc = (
             tinker.ServiceClient(base_url=running.url, api_key=KEY_A)
-            .create_lora_training_client(base_model=str(tiny_model_dir), rank=4)
+            .create_lora_training_client(base_model=str(tiny_model_dir), rank=4, train_unembed=False)
             .result()
         )
         losses = []
@@ -188,7 +188,7 @@ def test_report_to_tensorboard_writes_each_runs_metrics(tiny_model_dir, tmp_path
     try:
         tc = (
             tinker.ServiceClient(base_url=running.url, api_key=KEY_A)
-            .create_lora_training_client(base_model=str(tiny_model_dir), rank=4)
+            .create_lora_training_client(base_model=str(tiny_model_dir), rank=4, train_unembed=False)
             .result()
         )
         for _ in range(2):

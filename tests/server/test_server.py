@@ -32,7 +32,7 @@ def sdk_train(url: str, key: str, base: str, rows, steps: int, schedule=None) ->
     """``steps`` cross-entropy steps on ``rows`` (or one step per entry of ``schedule``) through
     the SDK; (model id, loss:sum of each step)."""
     client = tinker.ServiceClient(base_url=url, api_key=key)
-    tc = client.create_lora_training_client(base_model=base, rank=4).result()
+    tc = client.create_lora_training_client(base_model=base, rank=4, train_unembed=False).result()
     losses = []
     for step_rows in schedule or [rows] * steps:
         out = tc.forward_backward([datum(*r) for r in step_rows], "cross_entropy").result()
@@ -120,7 +120,9 @@ def test_sdk_loop_matches_the_local_api(server, tiny_model_dir):
 
 def test_two_tenants_at_once_each_get_their_solo_adapter(server, tiny_model_dir):
     client_b = tinker.ServiceClient(base_url=server.url, api_key=KEY_B)
-    probe_b = client_b.create_lora_training_client(base_model=str(tiny_model_dir), rank=4).result()
+    probe_b = client_b.create_lora_training_client(
+        base_model=str(tiny_model_dir), rank=4, train_unembed=False
+    ).result()
     probe = [datum(*ROWS["b"][0])]
     before = probe_b.forward(probe, "cross_entropy").result().loss_fn_outputs[0]["logprobs"].tolist()
 
@@ -146,7 +148,9 @@ def test_two_tenants_at_once_each_get_their_solo_adapter(server, tiny_model_dir)
 
 def test_samples_log_probs_match_compute_logprobs(server, tiny_model_dir):
     client = tinker.ServiceClient(base_url=server.url, api_key=KEY_A)
-    tc = client.create_lora_training_client(base_model=str(tiny_model_dir), rank=4).result()
+    tc = client.create_lora_training_client(
+        base_model=str(tiny_model_dir), rank=4, train_unembed=False
+    ).result()
     tc.forward_backward([datum(*r) for r in ROWS["a"]], "cross_entropy").result()
     tc.optim_step(types.AdamParams(learning_rate=LR)).result()
     sampler = tc.save_weights_and_get_sampling_client().result()

@@ -166,7 +166,7 @@ def _train(url: str, key: str, base: str) -> tuple[list[float], list[float], lis
     ``save_state``: (loss:sum and gradient norm of each step, each pass's per-datum log-probs,
     the saved checkpoint's path)."""
     client = tinker.ServiceClient(base_url=url, api_key=key)
-    tc = client.create_lora_training_client(base_model=base, rank=4).result()
+    tc = client.create_lora_training_client(base_model=base, rank=4, train_unembed=False).result()
     losses, norms, logprobs = [], [], []
     for rows in SCHEDULE:
         out = tc.forward_backward([datum(*r) for r in rows], "cross_entropy").result()
@@ -235,7 +235,9 @@ def test_the_sampler_group_samples_each_saved_checkpoint(ray_server, tiny_model_
     The base model samples there too."""
     url, _ = ray_server
     client = tinker.ServiceClient(base_url=url, api_key=KEY_A)
-    tc = client.create_lora_training_client(base_model=str(tiny_model_dir), rank=4).result()
+    tc = client.create_lora_training_client(
+        base_model=str(tiny_model_dir), rank=4, train_unembed=False
+    ).result()
     data = [datum(*r) for r in ROWS["a"]]
     tc.forward_backward(data, "cross_entropy").result()
     tc.optim_step(types.AdamParams(learning_rate=LR)).result()
@@ -260,7 +262,9 @@ def test_one_model_rank_samples_itself_with_sampler_ranks_0(cluster, tiny_model_
     )
     try:
         client = tinker.ServiceClient(base_url=_started(proc, tmp_path, port), api_key=KEY_A)
-        tc = client.create_lora_training_client(base_model=str(tiny_model_dir), rank=4).result()
+        tc = client.create_lora_training_client(
+            base_model=str(tiny_model_dir), rank=4, train_unembed=False
+        ).result()
         tc.forward_backward([datum(*r) for r in ROWS["a"]], "cross_entropy").result()
         tc.optim_step(types.AdamParams(learning_rate=LR)).result()
         _sampled_as_scored(tc.save_weights_and_get_sampling_client().result(), seed=3)

@@ -54,7 +54,7 @@ def train_two_tenants(url: str, base: str) -> list[str]:
     ids = []
     for key, steps in ((KEY_A, 2), (KEY_B, 1)):
         tc = tinker.ServiceClient(base_url=url, api_key=key).create_lora_training_client(
-            base_model=base, rank=4
+            base_model=base, rank=4, train_unembed=False
         )
         tc = tc.result()
         for _ in range(steps):

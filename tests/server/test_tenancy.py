@@ -18,7 +18,7 @@ V1 = "/api/v1"
 
 def trained_client(url: str, key: str, base: str):
     client = tinker.ServiceClient(base_url=url, api_key=key)
-    tc = client.create_lora_training_client(base_model=base, rank=4).result()
+    tc = client.create_lora_training_client(base_model=base, rank=4, train_unembed=False).result()
     d = types.Datum(
         model_input=types.ModelInput.from_ints([5, 6, 7, 8]),
         loss_fn_inputs={"target_tokens": [6, 7, 8, 9], "weights": [1.0, 1, 1, 1]},

@@ -48,8 +48,12 @@ ADAM = {"type": Only(("adamw",), "the server's optimizer is AdamW")}
 LORA = {
     "rank": READ,
     "seed": READ,
-    # the SDK sends True by default; LoRA here is on every linear layer of the blocks
-    "train_unembed": Inert("LoRA is on every linear layer of the blocks, never on the unembedding"),
+    # the SDK sends True unless told otherwise (twinkle.init_tinker_client makes False its default)
+    "train_unembed": Only(
+        (False,),
+        "LoRA here is on the linear layers of the blocks, never on the unembedding (lm_head); "
+        "pass train_unembed=False to create_lora_training_client",
+    ),
     "train_mlp": Only((True,), "LoRA is on every linear layer, the MLP's included"),
     "train_attn": Only((True,), "LoRA is on every linear layer, the attention's included"),
 }
