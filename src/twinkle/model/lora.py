@@ -4,6 +4,7 @@ import copy
 import warnings
 from typing import Any
 
+from twinkle.model.expert_lora import check_target_parameters
 from twinkle.utils.errors import UserError
 
 DEPRECATED_ALIAS = "`is_gradient_checkpointing` is deprecated"
@@ -37,6 +38,7 @@ def add_lora(model: Any, adapter_name: str, config: Any) -> Any:
         model.add_adapter(adapter_name, config)
         model.set_adapter(adapter_name)
     else:
+        check_target_parameters(model, config)  # LoRA on experts of a model without them: one line
         try:
             with warnings.catch_warnings():
                 # PEFT 0.21 reads transformers' deprecated alias while wrapping any model: a
@@ -58,4 +60,7 @@ def lora_signature(config: Any) -> dict[str, Any]:
     targets = config.target_modules
     if isinstance(targets, (set, list, tuple)):
         targets = sorted(targets)
-    return {"r": config.r, "lora_alpha": config.lora_alpha, "target_modules": targets}
+    signature = {"r": config.r, "lora_alpha": config.lora_alpha, "target_modules": targets}
+    if getattr(config, "target_parameters", None):  # LoRA on experts (twinkle.model.expert_lora)
+        signature["target_parameters"] = sorted(config.target_parameters)
+    return signature
