@@ -11,7 +11,7 @@ evaluation pass) and the adapter saved after the last step (``OUT/adapter``).
 ``--activation-checkpointing on`` recomputes each layer (and its all-to-alls) in the backward;
 ``--mixed`` builds a ``MultiLoraTransformersModel`` with a second adapter and evaluates each row
 through its own adapter; ``--long-prompt`` trains on one sample whose targets all lie in the last
-rank's share."""
+rank's share; ``--lora-head`` puts LoRA on the head too (the loss then reads the model's logits)."""
 
 import argparse
 import json
@@ -58,6 +58,7 @@ def main() -> None:
     p.add_argument("--activation-checkpointing", default="off")
     p.add_argument("--mixed", action="store_true")
     p.add_argument("--long-prompt", action="store_true")
+    p.add_argument("--lora-head", action="store_true")
     args = p.parse_args()
     mesh = DeviceMesh.from_sizes(fsdp_size=args.fsdp_size, ulysses_size=args.ulysses_size)
     runtime = twinkle.initialize(mode="local", global_device_mesh=mesh, timeout_s=30)
@@ -75,7 +76,7 @@ def main() -> None:
         r=4,
         lora_alpha=8,
         lora_dropout=0.0,
-        target_modules="all-linear",
+        target_modules=["q_proj", "v_proj", "lm_head"] if args.lora_head else "all-linear",
     )
     if not args.mixed:  # B random too: every LoRA weight has a gradient from the first step (slots: zero)
         lora.init_lora_weights = False

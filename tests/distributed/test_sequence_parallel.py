@@ -11,11 +11,11 @@ and gradient norms, and the logps of an evaluation pass, agree up to summation o
 ``adamw_weight_atol`` of one process's. A rank attending only to its own share, a position id
 counted from the share's start, or a loss normalised per rank moves the first loss by far more.
 
-Packed (one row, per-sample attention) and padded (``padding_free=False``: each row attends to
-its real tokens) batches both run, a packed one with activation checkpointing, a tiny Qwen3, and
-a ``MultiLoraTransformersModel`` whose evaluation runs each row through its own adapter, and one
-long prompt whose targets all lie in the last rank's share; a model whose heads the size does not
-divide is refused in one line before its weights load."""
+Cases: packed (one row, per-sample attention) and padded (``padding_free=False``: each row
+attends to its real tokens) batches; activation checkpointing; a tiny Qwen3; a
+``MultiLoraTransformersModel`` whose evaluation runs each row through its own adapter; one long
+prompt whose targets all lie in the last rank's share; LoRA on the head. A model whose heads the
+size does not divide is refused in one line before its weights load."""
 
 import json
 import shutil
@@ -80,6 +80,8 @@ def _tiny_qwen3(tiny_model_dir: Path, out: Path) -> Path:
         ("mixed", 2),
         # one sample, its targets all in rank 1's share: rank 0 scores nothing, still runs backward
         ("long-prompt", 2),
+        # LoRA on the head: the loss reads the logits of each rank's rows
+        ("lora-head", 2),
     ],
 )
 def test_ulysses_equals_one_process(tiny_model_dir, tmp_path, launcher, layout, ranks):
@@ -88,6 +90,7 @@ def test_ulysses_equals_one_process(tiny_model_dir, tmp_path, launcher, layout, 
         "checkpointed": ["--activation-checkpointing", "on"],
         "mixed": ["--mixed"],
         "long-prompt": ["--long-prompt"],
+        "lora-head": ["--lora-head"],
     }.get(layout, [])
     model_dir = _tiny_qwen3(tiny_model_dir, tmp_path / "qwen3") if layout == "qwen3" else tiny_model_dir
     one = _run(launcher, model_dir, tmp_path / "one", 1, extra)

@@ -133,7 +133,10 @@ def loss_and_view(
         if loss.require_samples:
             view.samples = supervised_samples(batch)
     out = loss.compute(view)
-    return out, view if ulysses is None else ulysses.whole_view(view)
+    # a training step over hidden rows keeps no logps of a sum-over-tokens loss (outputs.step_logps)
+    if ulysses is None or (lm.training and view.hidden is not None):
+        return out, view
+    return out, ulysses.whole_view(view)
 
 
 def supervised_samples(batch: Mapping[str, torch.Tensor]) -> torch.Tensor:

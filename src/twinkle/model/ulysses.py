@@ -107,7 +107,8 @@ class Ulysses:
 
     def whole_view(self, view: LossView) -> LossView:
         """``view`` (this rank's scored rows) with every rank's rows, detached, in the whole
-        batch's order: what a step's outputs read (``logps``) after the loss was computed."""
+        batch's order: what an evaluation's outputs read (``logps``) after the loss was computed,
+        and a training step's where the loss read logits (``outputs.step_logps``)."""
         order = torch.cat(gather_rows(self._ordinals, self.group)).argsort()
         whole = {"targets": torch.cat(gather_rows(view.targets, self.group))[order]}
         for name in ("hidden", "logits"):
