@@ -13,10 +13,12 @@ over the global batch's supervised tokens, as without Ulysses. That needs a loss
 over tokens: a loss over whole samples (preference pairs), with per-token inputs, or of
 upstream's positions convention is refused in one line.
 
-What the model refuses before any work, in one line each: heads (query or key/value) that N does
-not divide; hybrid linear-attention families, whose recurrent state runs across the whole
-sequence; families whose attention does not run through Hugging Face's attention interface on
-per-head q, k, v with positions from ``position_ids``."""
+What the model refuses when it is built, in one line each (before the weights load where the
+model is a local folder): heads (query or key/value) that N does not divide; hybrid
+linear-attention families, whose recurrent state runs across the whole sequence; families whose
+attention does not run through Hugging Face's attention interface on per-head q, k, v with
+positions from ``position_ids`` (``PACKABLE_MODEL_TYPES``), and ``eager`` attention. At the first
+step: the losses above, and ``task='embedding'`` (``twinkle.model.embedding``)."""
 
 import dataclasses
 import json
