@@ -1,0 +1,130 @@
+"""Images of a conversation, for a vision-language template: each ``Message.images`` entry read
+into a PIL image, and the images paired with the ``<image>`` tags of the user turns.
+
+A conversation's images are taken in turn order and fill the ``<image>`` tags of its user turns
+in order (upstream Twinkle's placement); images beyond the tags go before the text of the first
+user turn. A tag without an image, an image that cannot be read and a URL (nothing is
+downloaded) are errors naming the row (``BadImage``)."""
+
+import io
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from twinkle.utils.errors import UserError
+from twinkle.utils.values import kind_of
+
+IMAGE_TAG = "<image>"
+_URL_SCHEMES = ("http://", "https://", "ftp://", "s3://", "gs://", "oss://", "ms://", "hf://")
+
+
+class BadImage(UserError):
+    """Row ``index`` cannot be encoded because of an image (``field``, e.g.
+    ``messages[0].images[1]``). The message is ``row <index><text>``; ``twinkle.dataset`` turns
+    it into a bad row (its file and line, or counted and skipped with ``skip_bad_rows``)."""
+
+    def __init__(self, index: int | None, field: str, text: str):
+        self.index, self.field, self.text = index, field, text
+        where = f"row {index}" if index is not None else "a row"
+        super().__init__(f"{where}{text}")
+
+    def __reduce__(self) -> tuple:  # worker processes send it back to the parent
+        return (type(self), (self.index, self.field, self.text))
+
+
+def _open(data: bytes | str | Path, index: int | None, field: str) -> Any:
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        image = Image.open(io.BytesIO(data) if isinstance(data, bytes) else data)
+        image.load()  # decode now: a truncated file fails here, not inside the processor
+    except FileNotFoundError:
+        raise BadImage(index, field, f": {field}: no such image file {str(data)!r}") from None
+    except (UnidentifiedImageError, OSError, ValueError) as exc:
+        what = f"{len(data)} bytes" if isinstance(data, bytes) else repr(str(data))
+        raise BadImage(index, field, f": {field} ({what}) cannot be decoded as an image: {exc}") from None
+    return image.convert("RGB")
+
+
+def load_image(value: Any, index: int | None = None, field: str = "image") -> Any:
+    """An RGB PIL image from a file path, the file's bytes, a PIL image or a ``{'bytes': ...,
+    'path': ...}`` record; ``index`` and ``field`` name the row and the value in an error."""
+    from PIL import Image
+
+    if isinstance(value, Image.Image):
+        return value.convert("RGB")
+    if isinstance(value, Mapping) and ("bytes" in value or "path" in value):
+        value = value.get("bytes") or value.get("path")
+    if isinstance(value, bytearray | memoryview):
+        value = bytes(value)
+    if isinstance(value, bytes):
+        return _open(value, index, field)
+    if isinstance(value, str) and value.lower().startswith(_URL_SCHEMES + ("data:",)):
+        shown = value if len(value) <= 80 else value[:77] + "..."
+        raise BadImage(
+            index,
+            field,
+            f": {field} is a URL ({shown}); images are read from local files, bytes or PIL images "
+            "and nothing is downloaded: save the image and give its path",
+        )
+    if isinstance(value, str | Path):
+        return _open(Path(value), index, field)
+    raise BadImage(
+        index, field, f": {field} is {kind_of(value)}; give a file path, the file's bytes or a PIL image"
+    )
+
+
+def _images_given(messages: list[dict[str, Any]], index: int | None) -> list[tuple[str, Any]]:
+    """``(field, value)`` of every image of the conversation, in turn order."""
+    found = []
+    for i, message in enumerate(messages):
+        images = message.get("images") if isinstance(message, Mapping) else None
+        if images is None:
+            continue
+        if isinstance(images, str | bytes) or not isinstance(images, list | tuple):
+            raise BadImage(
+                index, f"messages[{i}].images", f": messages[{i}].images is {kind_of(images)}, not a list"
+            )
+        found += [(f"messages[{i}].images[{j}]", value) for j, value in enumerate(images)]
+    return found
+
+
+def place_images(
+    messages: list[dict[str, Any]], index: int | None = None
+) -> tuple[list[dict[str, Any]], list[Any]]:
+    """``(turns, images)``: the turns with ``content`` as a list of ``{'type': 'text', 'text':
+    ...}`` and ``{'type': 'image'}`` parts (the shape processors' chat templates read, one image
+    part per image, in order), and the images read, in the same order."""
+    given = _images_given(messages, index)
+    users = [i for i, m in enumerate(messages) if m.get("role") == "user"]
+    tags = sum(messages[i]["content"].count(IMAGE_TAG) for i in users)
+    if tags > len(given):
+        raise BadImage(
+            index,
+            "messages",
+            f": the user turns have {tags} {IMAGE_TAG} tag(s) but the row gives {len(given)} image(s); "
+            f"give one image per tag (Message.images)",
+        )
+    if given and not users:
+        raise BadImage(index, "messages", f": {len(given)} image(s) but no user turn to put them in")
+    images = [load_image(value, index, field) for field, value in given]
+    untagged = len(given) - tags
+    turns = []
+    for i, message in enumerate(messages):
+        text = message["content"]
+        turn = {k: v for k, v in message.items() if k not in ("content", "images")}
+        if i not in users:
+            turn["content"] = [{"type": "text", "text": text}]
+            turns.append(turn)
+            continue
+        if i == users[0]:
+            text = IMAGE_TAG * untagged + text
+        parts: list[dict[str, str]] = []
+        for k, piece in enumerate(text.split(IMAGE_TAG)):
+            if k > 0:
+                parts.append({"type": "image"})
+            if piece:
+                parts.append({"type": "text", "text": piece})
+        turn["content"] = parts
+        turns.append(turn)
+    return turns, images
