@@ -1,9 +1,18 @@
 """Templates turn chat messages into ``input_ids``/``labels`` for one tokenizer.
 
-Public names: ``Template``, ``Qwen3_5Template``, ``TEMPLATES``, ``get_template``, ``TRUNCATION_STRATEGIES``."""
+Public names: ``Template``, ``Qwen3_5Template``, ``Qwen2_5VLTemplate`` (images in messages,
+encoded as the model's own processor encodes them), ``TEMPLATES``, ``get_template``, ``TRUNCATION_STRATEGIES``."""
 
 from twinkle.template.base import TRUNCATION_STRATEGIES, Template
 from twinkle.template.qwen import Qwen3_5Template
 from twinkle.template.registry import TEMPLATES, get_template
+from twinkle.template.vision import Qwen2_5VLTemplate
 
-__all__ = ["Template", "Qwen3_5Template", "TEMPLATES", "get_template", "TRUNCATION_STRATEGIES"]
+__all__ = [
+    "Template",
+    "Qwen3_5Template",
+    "Qwen2_5VLTemplate",
+    "TEMPLATES",
+    "get_template",
+    "TRUNCATION_STRATEGIES",
+]

@@ -5,12 +5,16 @@ from typing import Any
 
 from twinkle.template.base import Template
 from twinkle.template.qwen import Qwen3_5Template
+from twinkle.template.vision import Qwen2_5VLTemplate
 from twinkle.utils.errors import UserError
 
-TEMPLATES: dict[str, type[Template]] = {"Template": Template, "Qwen3_5Template": Qwen3_5Template}
+TEMPLATES: dict[str, type[Template]] = {
+    "Template": Template,
+    "Qwen3_5Template": Qwen3_5Template,
+    "Qwen2_5VLTemplate": Qwen2_5VLTemplate,
+}
 # template names upstream's cookbooks use that name a capability not built here
 NOT_YET = {
-    "Qwen2_5VLTemplate": "multimodal templates (images in messages, through the model's AutoProcessor)",
     "Gemma4Template": "multimodal templates (images in messages, through the model's AutoProcessor)",
     "DeepseekV4Template": "DeepSeek-V4's chat format",
 }
