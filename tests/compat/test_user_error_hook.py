@@ -72,3 +72,31 @@ def test_other_exceptions_keep_their_traceback_through_the_previous_hook():
     assert lines[0] == "script hook: ValueError"
     assert lines[1] == "Traceback (most recent call last):"
     assert lines[-1] == "ValueError: plain bad value"
+
+
+def test_a_twinkle_hook_behind_rays_driver_hook_is_kept(monkeypatch):
+    """Importing Ray puts its driver hook in front of the one it found (the Ray controller's); a
+    UserError created then leaves both in place, so the controller still stops the cluster first."""
+    import types
+
+    from twinkle.utils import errors
+
+    def controller_hook(kind, exc, tb):
+        pass
+
+    controller_hook.__module__ = "twinkle.runtime.controller"
+
+    def ray_hook(kind, exc, tb):
+        controller_hook(kind, exc, tb)
+
+    ray_hook.__module__ = "ray._private.worker"
+    monkeypatch.setitem(
+        sys.modules, "ray._private.worker", types.SimpleNamespace(normal_excepthook=controller_hook)
+    )
+    monkeypatch.setattr(sys, "excepthook", ray_hook)
+    errors.UserError("a refusal")
+    assert sys.excepthook is ray_hook
+
+    monkeypatch.setattr(sys.modules["ray._private.worker"], "normal_excepthook", sys.__excepthook__)
+    errors.UserError("a refusal")
+    assert sys.excepthook.__name__ == "user_error_hook"  # Ray's hook in front of Python's: put in front

@@ -1,14 +1,16 @@
 """``UserError``: bad input from the user (flags, paths, data rows, checkpoints).
 
 It subclasses ``ValueError`` so callers can catch either. An uncaught ``UserError`` prints as one
-line, ``error: <message>``, without a traceback, and the process exits with status 2:
+line, ``error: <message>``, without a traceback:
 
-- in a run whose command line ``twinkle.cli.CLI`` parsed, ``initialize()`` installs the CLI's hook
-  (``--debug`` keeps the traceback);
+- in a run whose command line ``twinkle.cli.CLI`` parsed, by the CLI's hook, which ``initialize()``
+  installs (``--debug`` keeps the traceback), and in a single-controller run by the controller's
+  hook, after the run's summary or the cluster's shutdown; the exit status is then 1;
 - anywhere else (a mesh built from inconsistent sizes before ``initialize()``, a script that builds
-  no ``CLI``), the first ``UserError`` created installs ``user_error_hook`` over whatever
-  ``sys.excepthook`` is set, which keeps handling every other exception. ``import twinkle``
-  itself changes nothing in the process."""
+  no ``CLI``) by ``install_user_error_hook``'s hook, which the first ``UserError`` created puts in
+  front of whatever ``sys.excepthook`` is set, and which keeps handling every other exception;
+  the exit status is 2, a refused command line's. ``import twinkle`` itself changes nothing in
+  the process."""
 
 import atexit
 import os
@@ -38,11 +40,11 @@ def one_line(exc: BaseException) -> str:
 def install_user_error_hook() -> None:
     """Make ``sys.excepthook`` print an uncaught ``UserError`` as one line and exit with status 2.
 
-    A hook of Twinkle's own (this one, the CLI's, the Ray controller's) already prints it so and is
-    kept; any other hook (Python's, or one the script set) becomes the fallback for every other
-    exception."""
+    A hook of Twinkle's own (this one, the CLI's, the Ray controller's, also behind Ray's driver
+    hook) already prints it so and is kept; any other hook (Python's, or one the script set)
+    becomes the fallback for every other exception."""
     previous = sys.excepthook
-    if getattr(previous, "__module__", "").startswith("twinkle."):
+    if _prints_user_errors(previous):
         return
 
     def user_error_hook(kind: type, exc: BaseException, tb: Any) -> None:
@@ -54,6 +56,19 @@ def install_user_error_hook() -> None:
             _exit(EXIT_USER_ERROR)
 
     sys.excepthook = user_error_hook
+
+
+def _prints_user_errors(hook: Any) -> bool:
+    """Whether ``hook`` is one of Twinkle's, or Ray's driver hook in front of one of Twinkle's:
+    importing Ray puts its hook (which records the error for the cluster) in front of the hook
+    found then, and calls that one after it."""
+    module = getattr(hook, "__module__", None) or ""
+    if module.startswith("twinkle."):
+        return True
+    if module == "ray._private.worker":
+        behind = getattr(sys.modules.get(module), "normal_excepthook", None)
+        return behind is not None and behind is not hook and _prints_user_errors(behind)
+    return False
 
 
 def _exit(status: int) -> None:
