@@ -1,7 +1,8 @@
 """``twinkle server`` through the official Tinker SDK against training in-process.
 
     python bench/server.py --steps 16 --rounds 3 --out bench/results/server-MACHINE-DATE.md
-    python bench/server.py --model tiny --steps 2 --rounds 1 --out /tmp/server.md   # checks the script
+    python bench/server.py --parts client --out bench/results/server-client-MACHINE-DATE.md
+    python bench/server.py --quick --out /tmp/server.md   # checks the script end to end in about a minute
 
 Each arm trains a LoRA adapter (r 8, all linear layers, AdamW at 1e-4, no dropout) on W1
 batches (``--batch`` bundled self-cognition rows, as ``bench/multi_lora.py`` builds them) on the
@@ -14,7 +15,8 @@ process (``twinkle server``) on a local port; the SDK client runs here.
   reported. Target: SDK / in-process <= 1.10.
 - ``client``: the same, the step being ``forward_backward`` + ``clip_grad_and_step`` of
   ``twinkle_client.model.MultiLoraTransformersModel`` (upstream's client class) over the server,
-  against the same calls in-process. Target: client / in-process <= 1.10.
+  against the same calls in-process (cross entropy, the mean over the trained tokens, the
+  gradient clipped at the local default). Target: client / in-process <= 1.10.
 - ``tenants``: two tenants training at once (a thread each, ``--steps`` steps each) against one
   tenant doing the same ``2 x --steps`` steps, each on a fresh server: combined throughput
   (steps/s) and the server's peak resident memory (``VmHWM``). Targets: throughput ratio >= 0.9,
@@ -112,7 +114,8 @@ def sdk_trainer(url: str, key: str, base: str):
 
     os.environ["TINKER_TELEMETRY"] = "0"
     client = tinker.ServiceClient(base_url=url, api_key=key)
-    return client.create_lora_training_client(base_model=base, rank=8).result()
+    # LoRA on the blocks only, as the in-process arm's (the server refuses train_unembed=True)
+    return client.create_lora_training_client(base_model=base, rank=8, train_unembed=False).result()
 
 
 def sdk_step(tc, data) -> None:
@@ -167,8 +170,8 @@ def part_client(opts, rows, tmp: Path) -> list[str]:
     local.set_optimizer("AdamW", lr=1e-4, adapter_name="a")
     server = Server(opts.model_id, tmp / "client")
     try:
-        init_twinkle_client(server.url, KEYS[0])
-        remote = ClientModel()
+        init_twinkle_client(base_url=server.url, api_key=KEYS[0])
+        remote = ClientModel(model_id=opts.base)
         remote.add_adapter_to_model("a", lora(8, dropout=0.0))
         remote.set_optimizer("AdamW", lr=1e-4, adapter_name="a")
         arms = {
@@ -253,7 +256,14 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=8, help="rows per step (W1 rows)")
     p.add_argument("--parts", default="sdk,client,tenants")
     p.add_argument("--out", type=Path, required=True)
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="check the script end to end: --model tiny --steps 2 --rounds 1 --batch 2 (its times mean nothing)",
+    )
     opts = p.parse_args()
+    if opts.quick:
+        opts.model, opts.steps, opts.rounds, opts.batch = "tiny", 2, 1, 2
     with tempfile.TemporaryDirectory() as folder:
         tmp = Path(folder)
         opts.model_id = model_path(opts.model, tmp / "model", seed=0)
