@@ -271,6 +271,11 @@ class Dataset:
         reject_unsupported("encode", unsupported)
         if self.template is None:
             raise UserError("call dataset.set_template(...) before dataset.encode()")
+        if getattr(self.template, "encodes_images", False):
+            raise UserError(
+                f"{type(self.template).__name__}: rows with images are encoded when read, so that the "
+                "images never sit in memory whole; use LazyDataset"
+            )
         pairs = holds_pairs(self.data.column_names)
         if "messages" not in self.data.column_names and not (pairs and not add_generation_prompt):
             raise UserError("rows have no 'messages'; call dataset.map(<preprocessor>) before encode()")

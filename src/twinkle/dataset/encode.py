@@ -24,6 +24,7 @@ from twinkle.dataset.origin import RowOrigin, bad_rows_text, located, report_ski
 from twinkle.preprocessor.base import BadRow
 from twinkle.template import Template
 from twinkle.template.base import IGNORE_INDEX
+from twinkle.template.images import BadImage
 from twinkle.utils.errors import UserError
 from twinkle.utils.logger import get_logger
 from twinkle.utils.values import kind_of
@@ -73,6 +74,18 @@ def _check_encodable(messages: Any, index: int) -> None:
                 )
 
 
+def _refuse_images(template: Template, messages: list[dict[str, Any]], index: int) -> None:
+    """A text template would drop a row's images and train on the text alone."""
+    for i, m in enumerate(messages):
+        if m.get("images"):
+            raise BadRow(
+                index,
+                f"messages[{i}].images",
+                f": messages[{i}] has images, but {type(template).__name__} reads text only; "
+                "use a vision-language template (--template-cls Qwen2_5VLTemplate) and model",
+            )
+
+
 def _learns_something(template: Template, messages: list[dict[str, str]]) -> bool:
     _, labels = template.tokenize(template.with_default_system(messages))
     return any(t != IGNORE_INDEX for t in labels)
@@ -83,7 +96,12 @@ def _encode_one(template: Template, messages: list[dict[str, str]], index: int) 
     such a sample costs a forward and backward and teaches nothing). Raises ``BadRow`` when the
     row itself has nothing to learn."""
     _check_encodable(messages, index)
-    out = template.encode(messages, index=index)
+    if not getattr(template, "encodes_images", False):
+        _refuse_images(template, messages, index)
+    try:
+        out = template.encode(messages, index=index)
+    except BadImage as exc:  # a vision template's image: a bad row like any other
+        raise BadRow(exc.index, exc.field, exc.text) from None
     if out is None or any(t != IGNORE_INDEX for t in out["labels"]):
         return out
     # Truncation yields exactly max_length tokens; a shorter sample was never cut.

@@ -96,6 +96,11 @@ class LazyDataset(Dataset):
         reject_unsupported("encode", unsupported)
         if self.template is None:
             raise UserError("call dataset.set_template(...) before dataset.encode()")
+        if add_generation_prompt and getattr(self.template, "encodes_images", False):
+            raise UserError(
+                f"LazyDataset.encode: prompt rows (add_generation_prompt=True) are not supported yet for "
+                f"{type(self.template).__name__}; encode conversations with replies"
+            )
         given = [
             name
             for name, value, default in (
@@ -139,6 +144,13 @@ class LazyDataset(Dataset):
     def _encoded(self, row: dict[str, Any], index: int) -> dict[str, Any] | None:
         if self._encode is None:
             return row
+        if getattr(self.template, "encodes_images", False) and all(
+            side in row for side in pairs_module.SIDES
+        ):
+            raise UserError(
+                f"{type(self.template).__name__}: preference pairs are not supported yet for images; "
+                "encode conversations (messages with replies)"
+            )
         if self._encode == "prompts":
             prompt = encode_prompt(self.template, row.get("messages"), index)
             return None if prompt is None else {**row, **prompt}
