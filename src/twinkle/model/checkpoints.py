@@ -18,6 +18,7 @@ from twinkle.checkpoint.load import load_state_parts
 from twinkle.distributed.collectives import all_reduce_sum
 from twinkle.loss.registry import loss_record
 from twinkle.metric import report
+from twinkle.model.full_parameter import FULL
 from twinkle.model.lora import lora_signature
 from twinkle.model.resume import check_resumable, fast_forward_scheduler
 from twinkle.model.step import local_grad
@@ -41,7 +42,7 @@ class Checkpoints:
             "mesh": [self.runtime.mesh.dp_size, self.runtime.mesh.fsdp_size],
             "model_path": str(self.model_path),
             "base_model": self.model_id or "bundled:SmolLM2-135M-Instruct",
-            "base_dtype": str(next(p.dtype for p in self.model.parameters() if not p.requires_grad)),
+            "base_dtype": str(base_dtype(self.model)),
             "lora": lora_signature(self.adapters.lora_config(group.adapter_name)),
             # the loss it was trained with and its arguments: ``twinkle eval`` rebuilds it
             **(loss_record(group.loss_fn) if group.loss_fn is not None else {}),
@@ -125,6 +126,9 @@ class Checkpoints:
         layout.require_fields(
             folder, state, layout.ONLY_MODEL_FIELDS if resume_only_model else layout.RESUME_FIELDS
         )
+        if group.adapter_name == FULL and not (group.cur_step or resume_only_model):
+            # the implicit group's window is set per call (clip_grad_and_step), never before a resume
+            group.gradient_accumulation_steps = int(state["gradient_accumulation_steps"])
         check_resumable(folder, state, self._trainer_state(group, 0), resume_only_model)
         if group.optimizer is None or group.lr_scheduler is None:
             logger.warning(
@@ -222,6 +226,13 @@ class Checkpoints:
         ``adapter_model.safetensors`` (PEFT's, without the adapter name). Under FSDP every rank
         must call it (the shards are gathered)."""
         return self.adapters.state_dict(self._group(adapter_name).adapter_name)
+
+
+def base_dtype(model: Any) -> torch.dtype:
+    """The dtype of the frozen base weights; of any weight when every weight trains
+    (full-parameter)."""
+    frozen = next((p for p in model.parameters() if not p.requires_grad), None)
+    return (frozen if frozen is not None else next(model.parameters())).dtype
 
 
 def save_and_exit(model: Any, group: OptimizerGroup) -> None:

@@ -56,7 +56,10 @@ def trainable_parameters(model: Any) -> list[Any]:
 
 
 def lora_signature(config: Any) -> dict[str, Any]:
-    """The parts of a LoRA config that must match for a checkpoint to load."""
+    """The parts of a LoRA config that must match for a checkpoint to load; ``{}`` without LoRA
+    (a full-parameter model, ``twinkle.model.full_parameter``)."""
+    if config is None:
+        return {}
     targets = config.target_modules
     if isinstance(targets, (set, list, tuple)):
         targets = sorted(targets)

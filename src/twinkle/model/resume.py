@@ -14,8 +14,8 @@ def check_resumable(folder: Path, saved: dict[str, Any], current: dict[str, Any]
     """``saved`` is the checkpoint's trainer state, ``current`` the same fields for this run."""
     if saved.get("lora", current["lora"]) != current["lora"]:
         raise UserError(
-            f"checkpoint {folder} was trained with LoRA {saved['lora']}, this run uses {current['lora']}; "
-            "use the same LoRA flags"
+            f"checkpoint {folder} was trained with {_training_kind(saved['lora'], 'LoRA ')}, this run uses "
+            f"{_training_kind(current['lora'])}; use the same LoRA flags"
         )
     same_model = saved.get("base_model") == current["base_model"] or (
         saved.get("model_path") is not None and saved.get("model_path") == current["model_path"]
@@ -44,6 +44,10 @@ def check_resumable(folder: Path, saved: dict[str, Any], current: dict[str, Any]
         )
     if not saved.get("saved_optimizer", True):
         logger.warning(f"checkpoint {folder} holds no optimizer state; the optimizer restarts from scratch")
+
+
+def _training_kind(lora: dict, prefix: str = "") -> str:
+    return f"{prefix}{lora}" if lora else "every weight (full-parameter, no adapter)"
 
 
 def fast_forward_scheduler(scheduler: Any, optimizer_steps: int) -> None:

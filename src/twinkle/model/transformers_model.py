@@ -1,4 +1,5 @@
-"""``TransformersModel``: a Hugging Face causal LM with LoRA adapters and an explicit step API.
+"""``TransformersModel``: a Hugging Face causal LM with LoRA adapters and an explicit step API;
+a model given no adapter trains every weight (``twinkle.model.full_parameter``).
 
 The script drives the loop; this class holds the pieces and keeps the step semantics:
 gradients are summed over the micro-batches of an accumulation window and divided by the
@@ -23,6 +24,7 @@ from twinkle.model.checkpoints import Checkpoints
 from twinkle.model.embedding import TASK as EMBEDDING_TASK
 from twinkle.model.embedding import embedding_batch, embedding_loss
 from twinkle.model.forward import batch_on_device, causal_lm_of, loss_and_view, task_loss
+from twinkle.model.full_parameter import FULL, full_parameter_group
 from twinkle.model.inputs import InputsAPI, prepare_inputs
 from twinkle.model.loading import load_causal_lm, resolve_dtype
 from twinkle.model.lora import all_linear_alone
@@ -56,6 +58,8 @@ class TransformersModel(InputsAPI, MetricsAPI, OptimizerStepAPI, Checkpoints):
     slots in ``MultiLoraTransformersModel``. The groups share the model's attributes and
     ``_group`` (an adapter's ``OptimizerGroup`` by name), and call no other private method of one
     another: what they share is ``adapters``, public methods and module functions."""
+
+    full_parameter_training = True  # no adapter: every weight trains (twinkle.model.full_parameter)
 
     def __init__(
         self,
@@ -156,13 +160,9 @@ class TransformersModel(InputsAPI, MetricsAPI, OptimizerStepAPI, Checkpoints):
 
     # ----------------------------------------------------------------- set-up
     def _group(self, adapter_name: str | None) -> OptimizerGroup:
+        if adapter_name == FULL or (adapter_name is None and not self.optimizer_group):
+            return full_parameter_group(self, self._place_adapters)  # no adapter: every weight trains
         if adapter_name is None:
-            if not self.optimizer_group:  # upstream trains every weight here; Twinkle trains adapters
-                raise UserError(
-                    f"{type(self).__name__} has no adapter: full-parameter training is not supported "
-                    "yet, and the loss, processor and optimizer live on an adapter; add a LoRA adapter "
-                    "first (add_adapter_to_model)"
-                )
             if len(self.optimizer_group) != 1:
                 raise UserError(
                     f"name the adapter (adapter_name=...); adapters: {', '.join(self.optimizer_group)}"
@@ -237,7 +237,8 @@ class TransformersModel(InputsAPI, MetricsAPI, OptimizerStepAPI, Checkpoints):
         """``optimizer_cls`` is a class, a ``torch.optim`` name, or upstream's ``'default'``
         (AdamW with Megatron's keywords, ``twinkle.model.optim_setup``); ``kwargs`` reach its
         constructor. It steps the adapter's trainable weights (with slots: the rank-r parts of its
-        slot). ``lr`` defaults to upstream's 1e-5."""
+        slot; without an adapter, every weight: ``twinkle.model.full_parameter``). ``lr``
+        defaults to upstream's 1e-5."""
         group = self._group(adapter_name)
         group.optimizer = self.adapters.optimizer(
             group.adapter_name, optimizer_builder(group, optimizer_cls, lr, kwargs)

@@ -131,6 +131,8 @@ class MegatronModel(_MegatronNames, TransformersModel):
     ``TransformersModel`` (module docstring). ``mixed_precision`` None is the run's dtype
     (bf16 on accelerators, as upstream's default)."""
 
+    full_parameter_training = False  # adapters only: a model without one refuses in one line
+
     def __init__(
         self,
         model_id: str | None = None,
