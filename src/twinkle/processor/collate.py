@@ -73,6 +73,12 @@ def collate(
     whose share of a short last batch is nothing) gives tensors of shape ``(0, 0)``; the model
     still joins the collectives for it."""
     samples = interleave_pairs(samples)
+    if any("pixel_values" in s for s in samples):
+        # the batch holds tokens only: the image tokens would run without their image
+        raise UserError(
+            "rows with images (pixel_values, from a vision-language template) are not supported yet by "
+            "the model's steps: their image tokens would run without the image"
+        )
     if any("input_ids" not in s for s in samples):
         raise UserError(
             "the rows are not encoded (no 'input_ids'); call dataset.encode() first, "
