@@ -73,10 +73,11 @@ def test_tinker_dpo_reports_the_local_dpo_metric_at_optim_step(server, tiny_mode
             suffixed = key + (":sum" if key == "pairs" else ":mean")
             if key != "loss":  # the call reports its own pairs, under the SDK's suffixes
                 np.testing.assert_allclose(call[suffixed], metrics[key], rtol=1e-6, atol=1e-7, err_msg=key)
-        # sigmoid DPO: the loss is the mean of -log sigmoid(margin) over the pairs (2 here)
+        # one call in the window: the window's mean loss per pair is the call's
         assert metrics["pairs"] == 2 and call["loss:mean"] == pytest.approx(metrics["loss"], rel=1e-6)
     first, second = remote[0][0], remote[1][0]
-    # at the first step the adapter adds nothing yet: the policy is the reference
+    # at the first step the adapter adds nothing yet: the policy is the reference, each pair's
+    # sigmoid loss -log sigmoid(0) = ln 2
     assert first["reward_margin"] == pytest.approx(0.0, abs=1e-6)
     assert first["loss"] == pytest.approx(np.log(2), rel=1e-5)
     assert second["reward_margin"] != 0.0  # the second step's policy is not the reference
