@@ -2,7 +2,7 @@
 
     python bench/server.py --steps 16 --rounds 3 --out bench/results/server-MACHINE-DATE.md
     python bench/server.py --parts client --out bench/results/server-client-MACHINE-DATE.md
-    python bench/server.py --quick --out /tmp/server.md   # checks the script end to end in about a minute
+    python bench/server.py --quick --out /tmp/server.md   # checks the script end to end (tiny model)
 
 Each arm trains a LoRA adapter (r 8, all linear layers, AdamW at 1e-4, no dropout) on W1
 batches (``--batch`` bundled self-cognition rows, as ``bench/multi_lora.py`` builds them) on the
