@@ -4,7 +4,7 @@ The file is also its own worker (``python test_full_parameter_fsdp.py``, or unde
 ``--fsdp-size N``): a model without an adapter trains every weight for 3 steps on 8 fixed rows
 (each rank a contiguous share), saves after step 2, and a second model resumed from that
 checkpoint runs step 3 again; rank 0 writes ``OUT/result.json`` (per-step metrics, the resumed
-step's, whether the weights were sharded) and the final checkpoint.
+step's, whether the weights and the optimizer's state were sharded) and the final checkpoint.
 
 Tolerances. 2 ranks sum the same terms as one process in another order: the losses and gradient
 norms within ``run_loss_rtol`` (the tiny model's chain over the 8 rows and the ranks' reduction),
@@ -55,6 +55,7 @@ def test_full_parameter_on_two_fsdp_ranks_equals_one_process(tiny_model_dir, tmp
         final = AutoModelForCausalLM.from_pretrained(out / "final", dtype=torch.float32)
         weights[nproc] = dict(final.named_parameters())
     assert results[1]["sharded"] is False and results[2]["sharded"] is True
+    assert results[1]["sharded_state"] is False and results[2]["sharded_state"] is True  # AdamW's moments
     one, two = results[1]["steps"], results[2]["steps"]
     rtol = run_loss_rtol(ROWS, MAX_TOKENS, 2)
     print(
@@ -119,11 +120,21 @@ def main() -> None:
             model.save("checkpoint", output_dir=args.out)
     model.save("final", output_dir=args.out)
     sharded = any(hasattr(w, "to_local") for w in model.model.parameters())
+    moments = [
+        v for state in model.optimizer_group[""].optimizer.optimizer.state.values() for v in state.values()
+    ]
+    sharded_state = any(hasattr(v, "to_local") for v in moments)
     resumed = _model(args.model_id, STEPS)
     resumed.resume_from_checkpoint(str(Path(args.out) / "checkpoint"))
     again = _step(resumed, batch)
     if runtime.rank == 0:
-        result = {"world_size": runtime.world_size, "sharded": sharded, "steps": steps, "resumed": again}
+        result = {
+            "world_size": runtime.world_size,
+            "sharded": sharded,
+            "sharded_state": sharded_state,
+            "steps": steps,
+            "resumed": again,
+        }
         Path(args.out, "result.json").write_text(json.dumps(result))
 
 

@@ -10,11 +10,10 @@ that ``AutoModelForCausalLM.from_pretrained`` loads, and a resume puts the weigh
 trains either every weight or LoRA adapters, never both: adding an adapter after the implicit
 group exists, or naming the implicit group once an adapter exists, is refused in one line.
 
-Under FSDP2 the weights are sharded once, when the group is made. The optimizer runs on full
-copies of the weights on every rank (``twinkle.optim.replicated``), so the update equals one
-process's and its state is the same on every rank; it costs the full weights, gradients and
-optimizer state on each rank. A save gathers the full state dict on rank 0 only
-(``torch.distributed.checkpoint``'s ``get_model_state_dict``)."""
+Under FSDP2 the weights are sharded once, when the group is made, and the optimizer steps each
+rank's shards, its state sharded alike (``twinkle.model.sharded_optimizer``). A save gathers the
+full state dict on rank 0 only (``torch.distributed.checkpoint``'s ``get_model_state_dict``) and
+the optimizer state at full size, so a checkpoint is the same whatever the mesh's shape."""
 
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -25,6 +24,7 @@ import torch
 from twinkle.checkpoint import integrity, layout
 from twinkle.loss import build_loss
 from twinkle.model.adapters import Adapters, Build, PeftAdapters
+from twinkle.model.sharded_optimizer import ShardedOptimizer
 from twinkle.model.step import restore_grad
 from twinkle.model.train_state import OptimizerGroup
 from twinkle.optim.replicated import ReplicatedOptimizer
@@ -109,7 +109,10 @@ class FullParameterAdapters(Adapters):
         parameter group without weight decay, as Hugging Face's trainer and upstream do."""
         params = list(self.lm.parameters())
         vectors = [p.dim() < 2 for p in params]
-        return ReplicatedOptimizer(params, lambda copies: without_decay(build(copies), copies, vectors))
+        grouped = lambda copies: without_decay(build(copies), copies, vectors)  # noqa: E731
+        if any(hasattr(p, "full_tensor") for p in params):  # sharded: each rank steps its shards
+            return ShardedOptimizer(params, grouped, self.runtime.rank)
+        return ReplicatedOptimizer(params, grouped)
 
     def trainable_count(self, name: str) -> int:
         return sum(p.numel() for p in self.lm.parameters())
@@ -126,6 +129,9 @@ class FullParameterAdapters(Adapters):
         """The full state dict, gathered on rank 0 (empty elsewhere: only rank 0 writes it), and
         the writer of the Hugging Face files, which ``save_checkpoint`` calls on rank 0 where it
         writes a LoRA checkpoint's adapter config."""
+        optimizer = self.groups[FULL].optimizer if FULL in self.groups else None
+        if isinstance(optimizer, ShardedOptimizer):
+            optimizer.gather_state()  # a collective: rank 0 writes it at full size
         if self.runtime.is_distributed:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 

@@ -6,12 +6,16 @@ import torch
 
 
 def clip_gradients(params: list[torch.Tensor], max_norm: float, norm_type: float = 2.0) -> float:
-    """Clip to ``max_norm`` (the global ``norm_type`` norm; the params hold whole gradients);
-    return the norm before."""
+    """Clip to ``max_norm`` (the global ``norm_type`` norm of whole gradients, or of the shards'
+    on every rank); return the norm before."""
     grads = [p for p in params if p.grad is not None]
     if not grads:
         return 0.0
     limit = max_norm if max_norm > 0 else math.inf
+    if any(hasattr(p.grad, "full_tensor") for p in grads):  # shards (FSDP2): the norm over all ranks
+        total = torch.nn.utils.get_total_norm([p.grad for p in grads], norm_type).full_tensor()
+        torch.nn.utils.clip_grads_with_norm_(grads, limit, total)
+        return float(total)
     return float(torch.nn.utils.clip_grad_norm_(grads, limit, norm_type=norm_type))
 
 
