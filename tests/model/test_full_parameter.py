@@ -131,6 +131,8 @@ def test_save_is_a_hugging_face_model_and_resume_continues_identically(tiny_mode
     state = resumed.resume_from_checkpoint(str(path))
     assert state["cur_step"] == 3
     saved = {n: p.detach().clone() for n, p in resumed.model.named_parameters()}
+    state = resumed.get_state_dict()  # every weight under the model's own names
+    assert all(torch.equal(state[n], p) for n, p in saved.items())
     for name, p in loaded.named_parameters():  # the file holds the weights of the step bit for bit
         assert torch.equal(p, saved[name]), name
     batch = batches[0]
@@ -193,6 +195,9 @@ def test_full_parameter_dpo_steps_against_a_frozen_reference_model(tiny_model_di
     batch = collate(rows, policy.tokenizer.pad_token_id)
     frozen = {n: p.detach().clone() for n, p in reference.model.named_parameters()}
 
+    with pytest.raises(UserError, match="no LoRA adapter to turn off") as info:
+        policy.forward_only(inputs=batch, disable_lora=True)  # it would be the policy, not a reference
+    assert "\n" not in str(info.value)
     ref = reference.forward_only(inputs=batch)
     loss = float(policy.forward_backward(inputs=batch, ref_outputs=ref))
     # Policy and reference are the same weights: each pair's reward margin is rounding only, each

@@ -64,6 +64,17 @@ def full_parameter_group(model: Any, place: Callable[[], None]) -> OptimizerGrou
     return groups[FULL]
 
 
+def refuse_adapters_off(groups: dict[str, Any]) -> None:
+    """``forward_only(disable_lora=True)`` on a model without a LoRA adapter: nothing to turn
+    off, so the outputs would be the trained weights', not a reference's; one line."""
+    if not groups or FULL in groups:
+        raise UserError(
+            "forward_only(disable_lora=True): this model has no LoRA adapter to turn off (it trains every "
+            "weight), so its outputs would be the trained weights', not the base model's; take the reference "
+            "from a second model without an adapter (its forward_only)"
+        )
+
+
 def _full_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 

@@ -23,6 +23,7 @@ from twinkle.model.embedding import TASK as EMBEDDING_TASK
 from twinkle.model.embedding import embed_for_eval, embedding_batch
 from twinkle.model.eval_parts import forward_only_in_parts
 from twinkle.model.forward import batch_on_device, loss_and_view, task_loss
+from twinkle.model.full_parameter import refuse_adapters_off
 from twinkle.model.inputs import prepare_inputs
 from twinkle.model.lora_modes import (
     BASE_ROW,
@@ -87,6 +88,8 @@ class MetricsAPI:
         ``router_replay_action`` (a model built with ``enable_router_replay=True``):
         ``RECORD`` returns each token's experts as ``routed_experts``, ``REPLAY_FORWARD`` routes
         the tokens to the batch's ``routed_experts`` (``twinkle.model.router_replay``)."""
+        if disable_lora and adapter_names is None:
+            refuse_adapters_off(self.optimizer_group)  # a model that trains every weight has none
         replay = getattr(self, "router_replay", None)
         if replay is not None and micro_batch_size is None:
             replay.action = take_action(loss_inputs)
