@@ -100,3 +100,24 @@ def test_a_twinkle_hook_behind_rays_driver_hook_is_kept(monkeypatch):
     monkeypatch.setattr(sys.modules["ray._private.worker"], "normal_excepthook", sys.__excepthook__)
     errors.UserError("a refusal")
     assert sys.excepthook.__name__ == "user_error_hook"  # Ray's hook in front of Python's: put in front
+
+
+def test_debug_hands_initialize_a_hook_that_keeps_the_traceback(monkeypatch, tmp_path, capsys):
+    """``--debug``: ``initialize`` installs a hook of Twinkle's that prints every traceback, a
+    UserError's included, so the one-line hook is not put in front of it."""
+    from twinkle.cli import CLI
+    from twinkle.runtime.run_config import take_handed_over
+    from twinkle.utils import errors
+
+    monkeypatch.setattr(sys, "argv", ["train.py", "--debug", "--output-dir", str(tmp_path / "out")])
+    CLI.from_args()
+    hook = take_handed_over().excepthook
+    monkeypatch.setattr(sys, "excepthook", hook)
+    errors.UserError("a refusal")
+    assert sys.excepthook is hook
+    try:
+        raise errors.UserError("a refusal")
+    except errors.UserError as exc:
+        hook(type(exc), exc, exc.__traceback__)
+    err = capsys.readouterr().err
+    assert "Traceback (most recent call last):" in err and err.strip().endswith("UserError: a refusal")

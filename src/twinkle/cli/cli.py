@@ -82,7 +82,8 @@ class CLI:
                 raise
             print(f"error: {' '.join(str(exc).split())}", file=sys.stderr)
             sys.exit(2)
-        hand_over(defaults, _one_line_user_errors if from_sys and not args.infra.debug else None)
+        hook = (_full_tracebacks if args.infra.debug else _one_line_user_errors) if from_sys else None
+        hand_over(defaults, hook)
         return args
 
 
@@ -128,6 +129,12 @@ def run_defaults_of(args: Args) -> RunDefaults:
         resuming=args.training.resume_from_checkpoint is not None,
         run_args=args.to_dict(),
     )
+
+
+def _full_tracebacks(kind, exc, tb):  # noqa: ANN001 - the sys.excepthook signature
+    """``--debug``: every uncaught exception, a ``UserError`` included, prints its traceback (a hook
+    of Twinkle's own, so the one-line hook of ``twinkle.utils.errors`` stays out)."""
+    sys.__excepthook__(kind, exc, tb)
 
 
 def _one_line_user_errors(kind, exc, tb):  # noqa: ANN001 - the sys.excepthook signature
