@@ -68,6 +68,23 @@ def test_replay_routes_the_training_forward_through_the_recorded_experts(case):
     model.clip_grad_and_step()
 
 
+def test_a_layer_recomputed_in_backward_replays_the_same_routes(qwen3_moe_dir):
+    """Activation checkpointing runs each layer again in backward: the routes armed for the
+    forward hold there too, so the checkpointed step's gradients are the plain step's."""
+    grads = {}
+    for mode in ("off", "on"):
+        model = _model(qwen3_moe_dir)
+        recorded = model.forward_only(inputs=ROWS, router_replay_action=RECORD)["routed_experts"]
+        shift_routers(causal_lm_of(model.model))
+        model.checkpointing.mode = mode
+        model.forward_backward(inputs=_with_routes(ROWS, recorded), router_replay_action=REPLAY)
+        assert model.checkpointing.active == (mode == "on")
+        grads[mode] = {n: p.grad.clone() for n, p in model.model.named_parameters() if p.grad is not None}
+    assert grads["on"].keys() == grads["off"].keys() and grads["on"]
+    for name, grad in grads["off"].items():
+        torch.testing.assert_close(grads["on"][name], grad, rtol=0, atol=0, msg=name)
+
+
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"])  # renormalised, and not
 def test_replaying_a_models_own_routes_changes_nothing(request, family):
     """Replayed weights are the router's own softmax at the same experts, renormalised as the
