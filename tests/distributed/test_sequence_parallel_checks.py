@@ -135,3 +135,12 @@ def test_a_rank_takes_its_share_of_a_packed_row_padded_to_a_multiple_of_the_size
     out = segment_attention(q, k, v, whole)
     expected = segment_attention(q[:, :, :7], k[:, :, :7], v[:, :, :7], segments)
     torch.testing.assert_close(out[:, :7], expected, **chain_tolerances(attention_sums(7, 4, 2), expected))
+
+
+def test_routing_replay_is_refused(tiny_model_dir):
+    from twinkle.model.ulysses import check_folder
+
+    check_folder(tiny_model_dir, None, 2)
+    with pytest.raises(UserError, match="enable_router_replay=True with ulysses_size=2") as info:
+        check_folder(tiny_model_dir, None, 2, replay=True)
+    _one_line(info)

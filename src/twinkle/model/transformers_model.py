@@ -109,7 +109,8 @@ class TransformersModel(InputsAPI, MetricsAPI, OptimizerStepAPI, Checkpoints):
         runtime = get_runtime()
         # --tp-size 2 (or a --ulysses-size) the mesh left out
         refuse_cli_sizes(runtime.defaults.run_args, type(self).__name__, {"ulysses_size": mesh.ulysses_size})
-        check_ulysses_folder(model_id, config, mesh.ulysses_size)  # heads, families: before loading
+        # heads, families, routing replay: before loading
+        check_ulysses_folder(model_id, config, mesh.ulysses_size, enable_router_replay)
         defaults = runtime.defaults
         if strategy is None and not ddp_config:
             strategy = defaults.strategy

@@ -168,11 +168,17 @@ def check_model(config: Any, size: int) -> None:
         )
 
 
-def check_folder(model_id: Any, config: Any, size: int) -> None:
+def check_folder(model_id: Any, config: Any, size: int, replay: bool = False) -> None:
     """``check_model`` before any weight loads: on ``config`` (the keyword the model was given) or
-    a local folder's ``config.json`` (other ids are checked once loaded, ``install``)."""
+    a local folder's ``config.json`` (other ids are checked once loaded, ``install``). ``replay``:
+    routing replay was asked for, whose routes cover whole sequences: one line."""
     if size == 1:
         return
+    if replay:
+        raise UserError(
+            f"enable_router_replay=True with ulysses_size={size}: routes are recorded and replayed for "
+            "whole sequences, and each rank runs a share of the positions; use ulysses_size=1"
+        )
     if config is None:
         path = Path(str(model_id)) / "config.json" if model_id is not None else None
         if path is None or not path.is_file():
