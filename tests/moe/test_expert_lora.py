@@ -1,7 +1,7 @@
 """LoRA on experts: ``LoraConfig(target_parameters=[...])`` reaches the fused 3-D expert weights of
 a Qwen3-MoE model, trains them, and saves an adapter that plain PEFT loads on the Hugging Face
-class with the logits of the model that trained it; a model without those weights refuses in one
-line before anything is wrapped."""
+class with the logits of the model that trained it, and that a sampler with its own copy of the
+model receives; a model without those weights refuses in one line before anything is wrapped."""
 
 import pytest
 import torch
@@ -9,8 +9,11 @@ from peft import LoraConfig, PeftModel
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
+from twinkle.checkpoint_engine import CheckpointEngineManager
+from twinkle.data_format import SamplingParams
 from twinkle.model import TransformersModel
 from twinkle.model.expert_lora import EXPERT_PARAMETERS
+from twinkle.sampler import TorchSampler
 from twinkle.utils.errors import UserError
 
 ROWS = [
@@ -81,3 +84,22 @@ def test_lora_on_experts_of_a_dense_model_is_one_line(tiny_model_dir):
     ) as info:
         model.add_adapter_to_model("default", config)
     assert "\n" not in str(info.value)
+
+
+def test_a_sampler_synced_with_expert_lora_samples_as_the_trainer(qwen3_moe_dir):
+    """``CheckpointEngineManager.sync_weights`` carries the experts' LoRA to a sampler with its own
+    copy of the model, which then draws what the trainer's own modules draw."""
+    model = _expert_lora(qwen3_moe_dir)
+    model.forward_backward(inputs=ROWS)
+    model.clip_grad_and_step()
+    assert sum(".experts." in k for k in model.get_state_dict("default")) == 2 * 2 * 2
+    own = TorchSampler(str(qwen3_moe_dir))
+    assert CheckpointEngineManager(model=model, sampler=own).sync_weights()["mode"] == "lora"
+    params = SamplingParams(max_tokens=6, num_samples=2, seed=3, logprobs=1)
+    prompt = [{"input_ids": [5, 6, 7, 8, 9]}]
+    theirs = own.sample(prompt, params)[0].sequences
+    ours = TorchSampler(model).sample(prompt, params)[0].sequences
+    for a, b in zip(theirs, ours, strict=True):
+        assert a.tokens == b.tokens
+        got, want = [x[0][1] for x in a.logprobs], [x[0][1] for x in b.logprobs]
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(want), atol=1e-5, rtol=0)
