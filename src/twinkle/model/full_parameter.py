@@ -8,7 +8,10 @@ straight on the model) gets one implicit group, named ``FULL`` (upstream's defau
 the whole model as Hugging Face files (``config.json``, ``model.safetensors``, the tokenizer)
 that ``AutoModelForCausalLM.from_pretrained`` loads, and a resume puts the weights back. A model
 trains either every weight or LoRA adapters, never both: adding an adapter after the implicit
-group exists, or naming the implicit group once an adapter exists, is refused in one line.
+group exists, or naming the implicit group once an adapter exists, is refused in one line. Its
+accumulation window is set per call (``clip_grad_and_step(gradient_accumulation_steps=)``, as
+upstream's scripts do), and a resume takes the checkpoint's. A DPO reference is a second model
+without an adapter (its ``forward_only``): ``disable_lora=True`` has nothing to turn off here.
 
 Under FSDP2 the weights are sharded once, when the group is made, and the optimizer steps each
 rank's shards, its state sharded alike (``twinkle.model.sharded_optimizer``). A save gathers the
