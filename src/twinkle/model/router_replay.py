@@ -155,7 +155,9 @@ class RouterReplay:
         chosen = torch.where(targets >= 0, targets, experts)
         # as the router computes its own weights, at the recorded experts
         weights = torch.softmax(logits, dim=-1, dtype=torch.float).gather(-1, chosen)
-        if renormalise if renormalise is not None else bool(getattr(router, "norm_topk_prob", False)):
+        if renormalise is None:
+            renormalise = bool(getattr(router, "norm_topk_prob", False))
+        if renormalise:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights.to(logits.dtype), chosen
 
