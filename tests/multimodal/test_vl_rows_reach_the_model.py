@@ -2,10 +2,8 @@
 and ``image_grid_thw`` of ``Qwen2_5VLTemplate`` run through the model's forward (which checks
 that the image tokens match the vision tower's output), the image changes the prediction, and
 the loss on the row's labels is the cross-entropy of the reply alone. ``TransformersModel``'s
-steps, whose batches hold tokens only, refuse such rows in one line rather than run the image
-tokens without the image."""
+steps on such rows: test_vl_training.py."""
 
-import pytest
 import torch
 import torch.nn.functional as F
 
@@ -47,17 +45,3 @@ def test_the_row_runs_and_the_image_matters(tiny_vl_dir, png):
     assert torch.allclose(out_red.loss, F.cross_entropy(logits, targets, ignore_index=-100), atol=1e-5)
     reply = (targets != -100).nonzero().flatten()
     assert not torch.allclose(out_red.logits[0, reply], out_blue.logits[0, reply])
-
-
-def test_the_models_steps_refuse_image_rows_rather_than_drop_the_image(tiny_vl_dir, png):
-    from twinkle.model import TransformersModel
-    from twinkle.utils.errors import UserError
-
-    model = TransformersModel(str(tiny_vl_dir), model_cls="Qwen2_5_VLForConditionalGeneration")
-    template = get_template("Qwen2_5VLTemplate", str(tiny_vl_dir))
-    row = template.encode(
-        [{"role": "user", "content": "<image>?", "images": [png()]}, {"role": "assistant", "content": "x"}]
-    )
-    with pytest.raises(UserError, match=r"^rows with images \(pixel_values.*not supported yet") as info:
-        model.forward_only(inputs=[row])
-    assert "\n" not in str(info.value)

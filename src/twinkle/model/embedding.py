@@ -73,6 +73,8 @@ def final_hidden(model: Any, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
     lm = causal_lm_of(model)
     if ulysses_of(lm) is not None:  # every rank of a group would pool, and count, the same rows
         raise UserError("task='embedding' pools whole sequences and does not run with ulysses_size > 1")
+    if "pixel_values" in batch:  # the pooled tokens would include image tokens run without their image
+        raise UserError("task='embedding' takes text rows; a row holds images (pixel_values)")
     args = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids")}
     head = lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else None
     if head is not None:

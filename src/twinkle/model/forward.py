@@ -75,7 +75,8 @@ def _model_inputs(
 ) -> tuple[dict[str, Any], torch.Tensor, torch.Tensor | None]:
     """The forward's keyword arguments, each position's target (``IGNORE_INDEX`` where none) and
     the packed row's ``gather`` (``twinkle.model.packing``; None: the targeted positions in order)."""
-    packed = pack(batch, share_prefix) if padding_free and can_pack(lm) else None
+    packable = padding_free and can_pack(lm) and "pixel_values" not in batch
+    packed = pack(batch, share_prefix) if packable else None
     replay = replay_of(lm)  # routing replay arms the forward in the layout it runs
     if packed is not None:
         where = packed.pop("where")
@@ -84,8 +85,15 @@ def _model_inputs(
         return packed, packed.pop("targets"), packed.pop("gather")
     if replay is not None:
         replay.arm(batch, None)
-    inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids")}
-    return inputs, shifted_targets(batch["labels"], batch["attention_mask"]), None
+    return _padded_inputs(batch), shifted_targets(batch["labels"], batch["attention_mask"]), None
+
+
+def _padded_inputs(batch: dict[str, Any]) -> dict[str, Any]:
+    """The padded forward's inputs; with images, their patches and grids, and no position_ids
+    (the model derives its M-RoPE positions from the tokens and the grids)."""
+    if "pixel_values" not in batch:
+        return {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids")}
+    return {k: batch[k] for k in ("input_ids", "attention_mask", "pixel_values", "image_grid_thw")}
 
 
 def _extras(loss: Loss, batch: Mapping[str, Any]) -> None:
@@ -211,7 +219,7 @@ def positions_view(lm: Any, batch: dict[str, torch.Tensor], loss: Loss) -> LossV
             "hands logps and logits, compute the entropy from outputs['logits'] (require_logits = True)"
         )
     targets = shifted_targets(batch["labels"], batch["attention_mask"])
-    model_inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids")}
+    model_inputs = _padded_inputs(batch)
     replay = replay_of(lm)
     if replay is not None:  # routing replay: this forward runs the padded batch
         replay.arm(batch, None)

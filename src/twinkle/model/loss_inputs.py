@@ -145,12 +145,37 @@ def split_rows(batch: Mapping[str, Any], micro_batch_size: int, loss: Any) -> li
         )
     rows = int(batch["input_ids"].shape[0])
     parts = int(all_reduce_max([-(-rows // micro_batch_size)])[0])
-    return [
+    images = {k: batch[k] for k in IMAGE_KEYS if k in batch}
+    out = [
         {
             k: v[i * micro_batch_size : (i + 1) * micro_batch_size]
             if torch.is_tensor(v) and v.dim() and v.shape[0] == rows
             else v
             for k, v in batch.items()
+            if k not in images
         }
         for i in range(max(1, parts))
     ]
+    if images:
+        for i, part in enumerate(out):
+            part.update(_images_of_rows(images, i * micro_batch_size, (i + 1) * micro_batch_size))
+    return out
+
+
+IMAGE_KEYS = ("pixel_values", "image_grid_thw", "image_counts")
+
+
+def _images_of_rows(images: Mapping[str, torch.Tensor], start: int, stop: int) -> dict[str, torch.Tensor]:
+    """The images of rows ``start:stop`` (``twinkle.processor.collate``): their grids by the rows'
+    image counts, their patches by the grids' sizes (t * h * w patches an image). A part without
+    images holds none of the keys, as a text-only batch."""
+    counts = images["image_counts"]
+    first, last = int(counts[:start].sum()), int(counts[:stop].sum())
+    if first == last:
+        return {}
+    sizes = images["image_grid_thw"].prod(dim=1)
+    return {
+        "pixel_values": images["pixel_values"][int(sizes[:first].sum()) : int(sizes[:last].sum())],
+        "image_grid_thw": images["image_grid_thw"][first:last],
+        "image_counts": counts[start:stop],
+    }

@@ -40,6 +40,7 @@ from twinkle.model.train_state import OptimizerGroup
 from twinkle.model.ulysses import check_folder as check_ulysses_folder
 from twinkle.model.ulysses import counted as counted_rows
 from twinkle.model.ulysses import install as install_ulysses
+from twinkle.model.vision import language_model_lora, sharded_layers
 from twinkle.runtime import get_runtime, preemption
 from twinkle.runtime.remote import remote_class  # remote_group= hook
 from twinkle.utils.errors import UserError
@@ -187,7 +188,8 @@ class TransformersModel(InputsAPI, MetricsAPI, OptimizerStepAPI, Checkpoints):
         if not isinstance(adapter_name, str) or re.fullmatch(r"[A-Za-z0-9_-]+", adapter_name) is None:
             # PEFT makes the name a module attribute, which cannot hold '.'
             raise UserError(f"adapter name must be letters, digits, '_' and '-', got {adapter_name!r}")
-        self.model = self.adapters.add(self.model, adapter_name, all_linear_alone(config))
+        config = language_model_lora(causal_lm_of(self.model), all_linear_alone(config))
+        self.model = self.adapters.add(self.model, adapter_name, config)
         if self.adapters.place_on_add:
             self._place_adapters()
         self.optimizer_group[adapter_name] = OptimizerGroup(
@@ -216,7 +218,7 @@ class TransformersModel(InputsAPI, MetricsAPI, OptimizerStepAPI, Checkpoints):
                 )
             lm = causal_lm_of(self.model)
             own = getattr(type(lm), "_no_split_modules", None) if self.strategy == "ddp" else None
-            apply_fsdp2(lm, self.runtime.mesh, self.device, getattr(lm, "_no_split_modules", None), own)
+            apply_fsdp2(lm, self.runtime.mesh, self.device, sharded_layers(lm), own)
             # Every rank drew the same LoRA initialisation (one seed); from here on each rank
             # needs its own stream, or all ranks would draw the same dropout masks.
             torch.manual_seed(self.runtime.seed + 1_000_003 * self.runtime.rank)

@@ -31,6 +31,11 @@ def split_packed(sample: dict[str, Any]) -> list[dict[str, Any]]:
     starts = segment_starts(positions) if positions is not None else [0]
     if len(starts) == 1:
         return [sample]
+    if "pixel_values" in sample:
+        raise UserError(
+            "a packed row (PackingDataset) holds images (pixel_values): its samples' images cannot be "
+            "told apart; leave image rows unpacked (Dataset or LazyDataset)"
+        )
     bounds = [*starts, len(sample["input_ids"])]
     return [
         {"input_ids": sample["input_ids"][a:b], "labels": sample["labels"][a:b]}
@@ -73,12 +78,6 @@ def collate(
     whose share of a short last batch is nothing) gives tensors of shape ``(0, 0)``; the model
     still joins the collectives for it."""
     samples = interleave_pairs(samples)
-    if any("pixel_values" in s for s in samples):
-        # the batch holds tokens only: the image tokens would run without their image
-        raise UserError(
-            "rows with images (pixel_values, from a vision-language template) are not supported yet by "
-            "the model's steps: their image tokens would run without the image"
-        )
     if any("input_ids" not in s for s in samples):
         raise UserError(
             "the rows are not encoded (no 'input_ids'); call dataset.encode() first, "
@@ -99,9 +98,18 @@ def collate(
         labels[i, real] = torch.as_tensor(s["labels"])
         attention_mask[i, real] = 1
         position_ids[i, real] = torch.arange(k)
-    return {
+    batch = {
         "input_ids": input_ids,
         "labels": labels,
         "attention_mask": attention_mask,
         "position_ids": position_ids,
     }
+    with_images = [s for s in samples if "pixel_values" in s]
+    if with_images:  # every row's patches, in row order; one (t, h, w) per image
+        batch["pixel_values"] = torch.cat([torch.as_tensor(s["pixel_values"]) for s in with_images])
+        batch["image_grid_thw"] = torch.cat([torch.as_tensor(s["image_grid_thw"]) for s in with_images])
+        # how many images each row holds: what splitting the batch into parts of rows needs
+        batch["image_counts"] = torch.tensor(
+            [len(s["image_grid_thw"]) if "pixel_values" in s else 0 for s in samples], dtype=torch.long
+        )
+    return batch
