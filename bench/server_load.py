@@ -128,9 +128,9 @@ class Tenant(threading.Thread):
             import tinker
 
             self.client = tinker.ServiceClient(base_url=self.url, api_key=self.key)
-            self.trainer = self.client.create_lora_training_client(base_model=opts.base, rank=8).result(
-                timeout=opts.call_timeout
-            )
+            self.trainer = self.client.create_lora_training_client(
+                base_model=opts.base, rank=8, train_unembed=False
+            ).result(timeout=opts.call_timeout)
             # the batches' shapes once in all (tenant i: batches i, i + N, ...), at least one step each
             for j in range(self.index, len(self.data), self.sync["count"]) or [self.index % len(self.data)]:
                 self._step_untimed(self.data[j])

@@ -72,7 +72,9 @@ def test_what_cannot_run_here_is_one_line(tiny_model_dir, keywords, needle):
 def test_a_parallel_size_on_the_command_line_is_refused_by_the_model(tiny_model_dir):
     CLI.from_args(["--ulysses-size", "2"], env={})
     twinkle.initialize()
-    with pytest.raises(UserError, match="--ulysses-size 2: the mesh TransformersModel runs has ulysses_size=1"):
+    with pytest.raises(
+        UserError, match="--ulysses-size 2: the mesh TransformersModel runs has ulysses_size=1"
+    ):
         TransformersModel(model_id=str(tiny_model_dir))
 
 

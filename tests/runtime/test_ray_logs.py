@@ -15,7 +15,9 @@ def dispatcher():
     from ray._private.ray_logging import global_worker_stdstream_dispatcher
 
     printed = []
-    global_worker_stdstream_dispatcher.add_handler("test_print", lambda data: printed.append(list(data["lines"])))
+    global_worker_stdstream_dispatcher.add_handler(
+        "test_print", lambda data: printed.append(list(data["lines"]))
+    )
     drain = Drain.install()
     yield global_worker_stdstream_dispatcher, drain, printed
     drain.remove()

@@ -2,6 +2,8 @@
 
 import torch
 
+from twinkle.data_format import SamplingParams
+from twinkle.sampler import TorchSampler
 from twinkle.sampler.turn_cache import MIN_REUSE, TurnCache, weights_version
 
 
@@ -47,5 +49,58 @@ def test_other_weights_or_another_adapter_empty_it():
     cache.check_owner("a", weights_version(lm))
     assert not cache.entries and cache.bytes == 0
     cache.put(range(20), *kv(20))
+    lm.weight.data.add_(1.0)  # written past the update counter, as some optimizers write: the sum moves
+    cache.check_owner("a", weights_version(lm))
+    assert not cache.entries
+    cache.put(range(20), *kv(20))
     cache.check_owner("b", weights_version(lm))
     assert not cache.entries
+
+
+PARAMS = SamplingParams(max_tokens=6, seed=1, logprobs=3, num_samples=2)
+
+
+def _second_turn(first, responses):
+    """Each first prompt continued by its first reply and an observation, and a new prompt."""
+    rows = [
+        {"input_ids": p["input_ids"] + list(r.sequences[0].tokens) + [7, 8, 9]}
+        for p, r in zip(first, responses, strict=True)
+    ]
+    return rows + [{"input_ids": list(range(100, 130))}]
+
+
+def test_a_second_turn_runs_only_its_new_tokens_and_samples_what_a_fresh_sampler_samples(tiny_model_dir):
+    """The kept rows' keys and values were made in another batch layout (pads, a shared prefix);
+    attention over them sums in another order, so log-probs agree within fp32 rounding of the
+    2-layer model (1e-5), and the seeded draws are the same."""
+    kept = TorchSampler(str(tiny_model_dir))
+    fresh = TorchSampler(str(tiny_model_dir), engine_args={"enable_prefix_caching": False})
+    assert fresh.turns is None
+    first = [{"input_ids": list(range(5, 40))}, {"input_ids": list(range(50, 70))}]
+    responses = kept.sample(first, PARAMS)
+    assert len(kept.turns.entries) == 4  # two prompts x two samples, each kept when it stopped
+    second = _second_turn(first, responses)
+    got, want = kept.sample(second, PARAMS), fresh.sample(second, PARAMS)
+    # each continued prompt reuses its prompt and reply but the reply's last token (never run)
+    assert kept.turns.reused_tokens == (35 + 5) + (20 + 5)
+    for a, b in zip(got, want, strict=True):
+        for x, y in zip(a.sequences, b.sequences, strict=True):
+            assert x.tokens == y.tokens
+            torch.testing.assert_close(
+                torch.tensor([e[0][1] for e in x.logprobs]),
+                torch.tensor([e[0][1] for e in y.logprobs]),
+                rtol=0,
+                atol=1e-5,
+            )
+    kept.reset_prefix_cache()
+    assert not kept.turns.entries
+
+
+def test_changed_weights_are_never_continued(tiny_model_dir):
+    sampler = TorchSampler(str(tiny_model_dir))
+    first = [{"input_ids": list(range(5, 40))}]
+    responses = sampler.sample(first, PARAMS)
+    with torch.no_grad():
+        next(sampler.lm.parameters()).mul_(1.5)
+    sampler.sample(_second_turn(first, responses), PARAMS)
+    assert sampler.turns.reused_tokens == 0

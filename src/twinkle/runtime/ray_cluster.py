@@ -16,8 +16,8 @@ from twinkle.utils.errors import UserError
 
 PLACEMENT_SECONDS = 30  # to reserve the workers' resources; Ray itself would wait forever
 CONNECT_SECONDS = 5  # for an address to answer
-# a local cluster may give ranks up to this many CPU slots per core (an upstream script's three
-# one-rank groups on a 2-core machine); more would only thrash
+# a local cluster may give ranks up to this many CPU slots per core (upstream's GKD script asks for
+# three one-rank groups, which a small machine then still runs); more would only thrash
 OVERSUBSCRIBE = 2
 # what the workers get from the driver's environment, besides every TWINKLE_ variable
 PASSED = ("PYTHONPATH", "HF_HOME", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE")

@@ -32,6 +32,7 @@ from twinkle.sampler.choose import choose, token_logprobs
 from twinkle.sampler.lean_step import LeanCache, lean_step
 from twinkle.sampler.routes import RouteLog
 from twinkle.sampler.stops import Stops
+from twinkle.sampler.turn_cache import TurnCache
 
 
 @dataclass
@@ -66,6 +67,7 @@ class Decoder:
         generator: torch.Generator,
         lockstep: Callable[[bool], bool] | None = None,
         routes: RouteLog | None = None,
+        turns: TurnCache | None = None,
     ):
         self.lm, self.params, self.stops, self.pad_id = lm, params, stops, pad_id
         self.generator, self.lockstep = generator, lockstep
@@ -75,6 +77,10 @@ class Decoder:
         # decoding steps written out (``twinkle.sampler.lean_step``) where they reproduce lm's
         self.lean = lean_step(lm) if lockstep is None and routes is None else None
         self.routes = routes  # each forward's experts, per row (``twinkle.sampler.routes``)
+        # finished rows' keys and values for a later turn; plain attention layers only (a
+        # recurrent or sliding-window layer's cache is not a list of positions to reuse)
+        plain = lockstep is None and routes is None and _plain_cache_layers(lm.config)
+        self.turns = turns if plain else None
 
     def run(self, prompts: list[list[int]], budgets: list[int]) -> list[list[RowOutput]]:
         """Generate ``params.num_samples`` sequences for each prompt; ``budgets[i]``: the most
@@ -94,12 +100,15 @@ class Decoder:
             self._idle()
             return []
         logits, state = self._prefill(prompts)
+        self.prompts = prompts
         if self.lean is not None:
             state.lean, state.cache = LeanCache.of(state.cache), None
         alive = list(range(len(rows)))
         while True:
             yield
             keep = self._step(logits, alive, rows, budget)
+            if self.turns is not None and len(keep) < len(alive):
+                self._keep_finished(state, alive, keep, rows)
             if not self._continue(bool(keep)):
                 break
             if not keep:
@@ -118,7 +127,34 @@ class Decoder:
         return [rows[i * n : (i + 1) * n] for i in range(len(prompts))]
 
     # ------------------------------------------------------------------ steps
+    def _keep_finished(
+        self, state: "CacheState", alive: list[int], keep: list[int], rows: list[RowOutput]
+    ) -> None:
+        """Put each row that just stopped into ``turns``: the keys and values at its real
+        positions, which hold its prompt and every token it generated but the last (never run)."""
+        n, kept = self.params.num_samples, set(keep)
+        layers = (
+            list(zip(state.lean.keys, state.lean.values, strict=True))
+            if state.lean is not None
+            else [(layer.keys, layer.values) for layer in state.cache.layers]
+        )
+        length = state.lean.length if state.lean is not None else layers[0][0].shape[2]
+        for pos, row_id in enumerate(alive):
+            if pos in kept:
+                continue
+            tokens = self.prompts[row_id // n] + rows[row_id].tokens[:-1]
+            real = state.mask[pos, :length].bool() if state.padded else slice(None)
+            keys = [k[pos, :, :length][:, real].clone() for k, _ in layers]
+            if keys[0].shape[1] != len(tokens):  # not the layout this expects: keep nothing
+                continue
+            values = [v[pos, :, :length][:, real].clone() for _, v in layers]
+            self.turns.put(tokens, keys, values)
+
     def _prefill(self, prompts: list[list[int]]) -> tuple[torch.Tensor, "CacheState"]:
+        if self.turns is not None:
+            hits = [self.turns.match(p) for p in prompts]
+            if any(kept is not None for _, kept in hits):
+                return self._prefill_after(prompts, hits)
         shared = 0 if self.lockstep is not None else shared_prefix(prompts)
         rests = [p[shared:] for p in prompts]
         width = max(len(p) for p in rests)
@@ -145,6 +181,47 @@ class Decoder:
         logits = self._forward(ids.to(self.device), state, positions)
         if self.routes is not None:
             self.routes.prompts_ran([len(p) for p in rests], width)
+        n = self.params.num_samples
+        if n > 1:
+            state.repeat(n)
+            logits = logits.repeat_interleave(n, dim=0)
+        return logits, state
+
+    def _prefill_after(
+        self, prompts: list[list[int]], hits: list[tuple[int, Any]]
+    ) -> tuple[torch.Tensor, "CacheState"]:
+        """The prefill when some prompts start with a kept row: each row's cache is its kept
+        keys and values (left-padded to the longest), and only the rest of each prompt runs
+        (left-padded too); the pads of both parts are masked, the positions count real tokens."""
+        rows = len(prompts)
+        reused = [n for n, _ in hits]
+        width_kept = max(reused)
+        template = next(kept for _, kept in hits if kept is not None)
+        layers = len(template.keys)
+        heads, _, dim = template.keys[0].shape
+        keys = [template.keys[i].new_zeros((rows, heads, width_kept, dim)) for i in range(layers)]
+        values = [template.values[i].new_zeros((rows, heads, width_kept, dim)) for i in range(layers)]
+        kept_mask = torch.zeros((rows, width_kept), dtype=torch.long)
+        for r, (n, kept) in enumerate(hits):
+            if kept is None:
+                continue
+            for i in range(layers):
+                keys[i][r, :, width_kept - n :] = kept.keys[i][:, :n]
+                values[i][r, :, width_kept - n :] = kept.values[i][:, :n]
+            kept_mask[r, width_kept - n :] = 1
+        rests = [p[n:] for p, n in zip(prompts, reused, strict=True)]
+        width = max(len(p) for p in rests)
+        ids = torch.full((rows, width), self.pad_id, dtype=torch.long)
+        rest_mask = torch.zeros((rows, width), dtype=torch.long)
+        for r, p in enumerate(rests):
+            ids[r, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+            rest_mask[r, width - len(p) :] = 1
+        state = CacheState(self.lm.config, torch.cat([kept_mask, rest_mask], dim=1).to(self.device), True)
+        for i in range(layers):
+            state.cache.update(keys[i].to(self.device), values[i].to(self.device), i)
+        positions = torch.tensor(reused)[:, None] + (rest_mask.cumsum(-1) - 1).clamp(min=0)
+        logits = self._forward(ids.to(self.device), state, positions.to(self.device))
+        self.turns.reused_tokens += sum(reused)
         n = self.params.num_samples
         if n > 1:
             state.repeat(n)
@@ -280,3 +357,14 @@ class CacheState:
         self.cache.reorder_cache(rows)
         self.mask = self.mask.repeat_interleave(n, dim=0)
         self.next_positions = self.next_positions.repeat_interleave(n, dim=0)
+
+
+def _plain_cache_layers(config: Any) -> bool:
+    """Whether every layer of the model's cache is a plain list of positions (full attention)."""
+    from transformers import DynamicCache
+
+    try:
+        layers = DynamicCache(config=config).layers
+    except TypeError:
+        return False
+    return bool(layers) and all(type(layer).__name__ == "DynamicLayer" for layer in layers)

@@ -6,7 +6,9 @@ Three kinds of key:
 - honoured: ``max_model_len`` (prompt plus completion never exceed it, as vLLM caps them),
   ``seed`` (the draws of calls without ``SamplingParams.seed`` follow from it, as a vLLM engine's
   do), ``dtype`` (the weights' dtype, as ``--dtype``), ``enable_return_routed_experts`` (each
-  sequence's ``routed_experts``, the experts every token ran through: ``twinkle.model.router_replay``);
+  sequence's ``routed_experts``, the experts every token ran through: ``twinkle.model.router_replay``),
+  ``enable_prefix_caching`` (default True: finished rows' keys and values are kept for a later
+  prompt that continues them, ``twinkle.sampler.turn_cache``);
 - vLLM's memory, batching, LoRA-slot and parallelism settings (``NO_EFFECT``): a PyTorch sampler
   allocates per call and holds any number of adapters of any rank, so they have nothing to
   set; they are accepted and named in one warning. A parallel size above 1 is refused, since
@@ -22,7 +24,7 @@ from typing import Any
 from twinkle.utils.errors import UserError
 from twinkle.utils.logger import get_logger
 
-HONOURED = ("max_model_len", "seed", "dtype", "enable_return_routed_experts")
+HONOURED = ("max_model_len", "seed", "dtype", "enable_return_routed_experts", "enable_prefix_caching")
 PARALLEL = ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size")
 NO_EFFECT = (
     "gpu_memory_utilization",
@@ -33,7 +35,6 @@ NO_EFFECT = (
     "enable_tower_connector_lora",
     "max_num_seqs",
     "max_num_batched_tokens",
-    "enable_prefix_caching",
     "enable_chunked_prefill",
     "enable_sleep_mode",
     "enforce_eager",
@@ -63,6 +64,7 @@ class EngineArgs:
     seed: int | None = None
     dtype: str | None = None
     return_routed_experts: bool = False
+    prefix_caching: bool = True
 
 
 def read_engine_args(engine_args: Mapping[str, Any] | None, who: str) -> EngineArgs:
@@ -100,7 +102,10 @@ def read_engine_args(engine_args: Mapping[str, Any] | None, who: str) -> EngineA
     routes = engine_args.get("enable_return_routed_experts", False)
     if not isinstance(routes, bool):
         raise UserError(f"{who}: engine_args enable_return_routed_experts={routes!r} must be True or False")
-    return EngineArgs(engine_args.get("max_model_len"), engine_args.get("seed"), dtype, routes)
+    caching = engine_args.get("enable_prefix_caching", True)
+    if not isinstance(caching, bool):
+        raise UserError(f"{who}: engine_args enable_prefix_caching={caching!r} must be True or False")
+    return EngineArgs(engine_args.get("max_model_len"), engine_args.get("seed"), dtype, routes, caching)
 
 
 def _check_int(engine_args: Mapping[str, Any], key: str, who: str, minimum: int | None) -> None:

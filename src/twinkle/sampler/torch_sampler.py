@@ -15,9 +15,10 @@ Two ways to build it:
 says which are honoured here and which have nothing to set).
 
 The generation loop is ``twinkle.sampler.decode``; ``sample`` returns one ``SampleResponse``
-per prompt. Within a call the prompts' common prefix is prefilled once; no cache is kept between
-calls, so ``reset_prefix_cache`` (and ``reset_mm_cache``, ``reset_encoder_cache``: text only)
-have nothing to drop."""
+per prompt. Within a call the prompts' common prefix is prefilled once. Between calls the
+finished rows' keys and values are kept (``twinkle.sampler.turn_cache``), so a later prompt that
+continues one (a multi-turn rollout's next turn) runs only its new tokens; ``reset_prefix_cache``
+drops them (``reset_mm_cache``, ``reset_encoder_cache``: text only, nothing to drop)."""
 
 import contextlib
 import time
@@ -42,6 +43,7 @@ from twinkle.sampler.prompts import Prompt, new_input_feature, prompts_of
 from twinkle.sampler.routes import RouteLog
 from twinkle.sampler.scoring import score_prompt
 from twinkle.sampler.stops import Stops, eos_token_ids
+from twinkle.sampler.turn_cache import TurnCache, weights_version
 from twinkle.template import Template, get_template
 from twinkle.template.tokenizer import load_tokenizer
 from twinkle.utils.errors import UserError
@@ -66,6 +68,8 @@ class TorchSampler:
         engine = read_engine_args(engine_args, type(self).__name__)
         self.max_model_len = engine.max_model_len
         self.return_routed_experts = engine.return_routed_experts  # twinkle.model.router_replay
+        # a multi-turn rollout's next prompt continues a finished row: its positions run once
+        self.turns = TurnCache() if engine.prefix_caching else None
         # vLLM's engine seed: the seeds of calls without SamplingParams.seed follow from it
         self._seeds = None if engine.seed is None else torch.Generator().manual_seed(engine.seed)
         self.runtime = get_runtime()
@@ -142,9 +146,10 @@ class TorchSampler:
             raise UserError(f"set_template({template_cls!r}): {exc}") from exc
 
     def reset_prefix_cache(self) -> None:
-        """Nothing to drop: the sampler keeps no KV cache between ``sample`` calls (each call
-        runs its prompts' common prefix once and each prompt once, sharing a prompt's cache among
-        its ``num_samples``)."""
+        """Drop the finished rows' keys and values kept for later turns (``TurnCache``; they are
+        dropped by themselves when the weights or the adapter change)."""
+        if self.turns is not None:
+            self.turns.clear()
 
     def reset_mm_cache(self) -> None:
         """Nothing to drop: the sampler takes text only and keeps no media between calls."""
@@ -366,7 +371,12 @@ class TorchSampler:
                     pad = _pad_id(self.tokenizer)
                     replay = replay_of(self.lm) if self.return_routed_experts else None
                     routes = None if replay is None else RouteLog(replay, params.num_samples)
-                    decoder = Decoder(self.lm, params, stops, pad, generator, self._lockstep(), routes)
+                    turns = self.turns if self._lockstep() is None else None  # one process's cache
+                    if turns is not None:
+                        turns.check_owner(
+                            (adapter_name, str(adapter_path), use_base_model), weights_version(self.lm)
+                        )
+                    decoder = Decoder(self.lm, params, stops, pad, generator, self._lockstep(), routes, turns)
                     steps = decoder.steps([p.ids for p in prompts], budgets)
                 end = None if slice_seconds is None else time.perf_counter() + slice_seconds
                 try:

@@ -6,9 +6,9 @@ keeps, per finished row, its tokens and each layer's keys and values at them, an
 that starts with a kept row's tokens (the longest common prefix) runs only the tokens after it.
 
 Kept values are only right for the weights that made them: an entry belongs to the adapter it was
-decoded under and to the weights' version (``weights_version``: the sum of the parameters' in-place
-update counters, which every optimizer step and weight load moves), and any other version empties
-the cache. It holds at most ``budget_bytes``; the oldest rows go first."""
+decoded under and to the weights' version (``weights_version``: the parameters' in-place update
+counters and a checksum of the trainable ones, which every optimizer step and weight load
+moves), and any other version empties the cache. It holds at most ``budget_bytes``; the oldest rows go first."""
 
 from collections import OrderedDict
 from collections.abc import Iterable
@@ -32,9 +32,16 @@ class Kept:
         return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
 
 
-def weights_version(lm: torch.nn.Module) -> int:
-    """A number that moves whenever a parameter is updated in place (optimizer steps, loads)."""
-    return sum(p._version for p in lm.parameters())
+def weights_version(lm: torch.nn.Module) -> tuple:
+    """What moves whenever the weights change: the parameters' in-place update counters (a load,
+    a weight sync) and a float64 sum of each trainable one (an optimizer may write a parameter's
+    storage without moving its counter; trainable weights are an adapter's, small to sum)."""
+    counters, sums = 0, []
+    for p in lm.parameters():
+        counters += p._version
+        if p.requires_grad:
+            sums.append(p.detach().sum(dtype=torch.float64))
+    return counters, tuple(torch.stack(sums).tolist()) if sums else ()
 
 
 def common_prefix(a: tuple[int, ...], b: list[int]) -> int:
@@ -52,7 +59,7 @@ class TurnCache:
         self.budget_bytes = budget_bytes
         self.entries: OrderedDict[int, Kept] = OrderedDict()
         self._next = 0
-        self._owner: tuple[Any, int] | None = None  # (adapter, weights version) of the entries
+        self._owner: tuple[Any, Any] | None = None  # (adapter, weights version) of the entries
         self.bytes = 0
         self.reused_tokens = 0  # prompt tokens not run again, since the cache was made
 
@@ -60,7 +67,7 @@ class TurnCache:
         self.entries.clear()
         self.bytes = 0
 
-    def check_owner(self, adapter: Any, version: int) -> None:
+    def check_owner(self, adapter: Any, version: Any) -> None:
         """Empty the cache unless its entries were made under ``adapter`` at ``version``."""
         if self._owner != (adapter, version):
             self.clear()
