@@ -70,10 +70,12 @@ def apply_fsdp2(
     device: torch.device,
     no_split_modules: list[str] | None,
     fallback: list[str] | None = None,
+    ignored: set[torch.nn.Parameter] | None = None,
 ) -> torch.nn.Module:
     """Shard ``root`` in place over ``mesh`` and return it (now an ``FSDPModule``). ``fallback``:
     the layer classes to wrap when ``no_split_modules`` names none of the model's (given for
-    one-rank shards, where the wrapping only groups the gradients' all-reduce)."""
+    one-rank shards, where the wrapping only groups the gradients' all-reduce). ``ignored``: weights
+    no unit holds (each rank's own expert blocks under expert parallelism)."""
     from torch.distributed.fsdp import fully_shard
 
     names = set(no_split_modules or [])
@@ -93,7 +95,7 @@ def apply_fsdp2(
     policy = precision_policy(device, root)
     dmesh = torch_mesh(mesh, device.type)
     for layer in layers:
-        fully_shard(layer, mesh=dmesh, mp_policy=policy)
-    fully_shard(root, mesh=dmesh, mp_policy=policy)
+        fully_shard(layer, mesh=dmesh, mp_policy=policy, ignored_params=ignored)
+    fully_shard(root, mesh=dmesh, mp_policy=policy, ignored_params=ignored)
     logger.info(f"fsdp2: sharded {len(layers)} x {type(layers[0]).__name__} + root over {mesh.describe()}")
     return root

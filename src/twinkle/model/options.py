@@ -38,12 +38,8 @@ def resolve_strategy(
             f"wrapper); supported: {', '.join(DDP_KEYS_HONOURED)}"
         )
     fsdp_config = dict(fsdp_config or {})
-    expert_parallel = fsdp_config.pop("expert_parallel", None)  # upstream's EP switch and options
-    if expert_parallel and (not isinstance(expert_parallel, dict) or expert_parallel.get("enabled")):
-        raise UserError(
-            f"fsdp_config={{'expert_parallel': {expert_parallel!r}}}: expert parallelism is not supported "
-            "yet; FSDP2 shards the experts with the rest of the model ('enabled': False, ep_size 1)"
-        )
+    # upstream's EP switch and options, read by twinkle.model.expert_parallel.resolve_options
+    fsdp_config.pop("expert_parallel", None)
     if fsdp_config:
         raise UserError(
             f"fsdp_config keys {sorted(fsdp_config)} are not supported here: FSDP2 shards each decoder "

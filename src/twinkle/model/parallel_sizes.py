@@ -20,7 +20,7 @@ ALTERNATIVES = {
     ),
 }
 # flag -> the mesh keyword that runs it, for the sizes a model runs from its mesh
-MESH_KEYWORDS = {"ulysses_size": "ulysses_size"}
+MESH_KEYWORDS = {"ulysses_size": "ulysses_size", "ep_size": "ep_size"}
 
 
 def refuse_cli_sizes(run_args: dict[str, Any] | None, who: str, runs: dict[str, int] | None = None) -> None:

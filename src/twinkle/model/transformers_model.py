@@ -23,6 +23,9 @@ from twinkle.model.attention_choice import resolve_attn_implementation
 from twinkle.model.checkpoints import Checkpoints
 from twinkle.model.embedding import TASK as EMBEDDING_TASK
 from twinkle.model.embedding import embedding_batch, embedding_loss
+from twinkle.model.expert_parallel import check_folder as check_ep_folder
+from twinkle.model.expert_parallel import install as install_ep
+from twinkle.model.expert_parallel import resolve_options as resolve_ep_options
 from twinkle.model.forward import batch_on_device, causal_lm_of, loss_and_view, task_loss
 from twinkle.model.full_parameter import FULL, full_parameter_group
 from twinkle.model.inputs import InputsAPI, prepare_inputs
@@ -104,14 +107,18 @@ class TransformersModel(InputsAPI, MetricsAPI, OptimizerStepAPI, Checkpoints):
         True says so once), ``ignore_mismatched_sizes`` (``from_pretrained``'s: weights of another
         shape than the config's are initialised anew instead of refused)."""
         mesh = device_mesh or get_runtime().mesh
-        refuse_unimplemented(mesh, type(self).__name__, runs=("ulysses",))  # tp/pp/...: one line
+        refuse_unimplemented(mesh, type(self).__name__, runs=("ulysses", "ep"))  # tp/pp/...: one line
+        expert_parallel = resolve_ep_options(fsdp_config, mesh.ep_size)  # twinkle.model.expert_parallel
         if enable_router_replay:
             refuse_dense_folder(model_id)  # replay on a dense model: one line before loading
         runtime = get_runtime()
         # --tp-size 2 (or a --ulysses-size) the mesh left out
-        refuse_cli_sizes(runtime.defaults.run_args, type(self).__name__, {"ulysses_size": mesh.ulysses_size})
+        sizes = {"ulysses_size": mesh.ulysses_size, "ep_size": mesh.ep_size}
+        refuse_cli_sizes(runtime.defaults.run_args, type(self).__name__, sizes)
         # heads, families, routing replay: before loading
         check_ulysses_folder(model_id, config, mesh.ulysses_size, enable_router_replay)
+        ep_size = mesh.ep_size if expert_parallel else 1
+        check_ep_folder(model_id, config, ep_size, enable_router_replay, mesh.ulysses_size)
         defaults = runtime.defaults
         if strategy is None and not ddp_config:
             strategy = defaults.strategy
@@ -151,6 +158,12 @@ class TransformersModel(InputsAPI, MetricsAPI, OptimizerStepAPI, Checkpoints):
         # the routers hooked for routing replay (twinkle.model.router_replay); a dense model: one line
         self.router_replay = RouterReplay.install(self.model) if enable_router_replay else None
         self.checkpointing = LayerCheckpointing(self.model, activation_checkpointing)
+        # ep_size > 1: this rank's blocks of experts, tokens exchanged (twinkle.model.expert_parallel)
+        self.expert_parallel = (
+            install_ep(causal_lm_of(self.model), runtime.mesh, runtime.rank, self.device, self.checkpointing)
+            if expert_parallel
+            else None
+        )
         self.optimizer_group: dict[str, OptimizerGroup] = {}
         self.adapters: Adapters = PeftAdapters(self.optimizer_group, runtime)
         self.template_defaults: dict[str, Any] = {}  # keywords set_template gives a template it builds
@@ -218,7 +231,11 @@ class TransformersModel(InputsAPI, MetricsAPI, OptimizerStepAPI, Checkpoints):
                 )
             lm = causal_lm_of(self.model)
             own = getattr(type(lm), "_no_split_modules", None) if self.strategy == "ddp" else None
-            apply_fsdp2(lm, self.runtime.mesh, self.device, sharded_layers(lm), own)
+            ignored = None
+            if self.expert_parallel is not None:  # the expert blocks stay whole on their ranks
+                self.expert_parallel.check_trainable(self.model)
+                ignored = set(self.expert_parallel.params)
+            apply_fsdp2(lm, self.runtime.mesh, self.device, sharded_layers(lm), own, ignored)
             # Every rank drew the same LoRA initialisation (one seed); from here on each rank
             # needs its own stream, or all ranks would draw the same dropout masks.
             torch.manual_seed(self.runtime.seed + 1_000_003 * self.runtime.rank)

@@ -1,0 +1,252 @@
+"""Expert parallelism in ``TransformersModel`` (``DeviceMesh(ep_size=N)``, upstream's
+``fsdp_config={'expert_parallel': {'enabled': True, ...}}``).
+
+For the families whose experts transformers keeps as fused 3-D weights behind one call,
+``experts(hidden, top_k_index, top_k_weights)`` (``FAMILIES``): each rank keeps the
+``ep_rank``-th of N contiguous blocks of every MoE layer's experts (``gate_up_proj`` and
+``down_proj`` sliced along the expert dimension when the model is built), and the experts'
+forward on this instance is replaced by an exchange (``twinkle.distributed.expert_parallel``):
+each (token, chosen expert) pair is sent to the rank of the exchange group that holds the
+expert, run there, sent back, weighted and summed in the family's order (ascending expert).
+The router, its routing weights (the family's softmax in fp32, renormalised where the family
+does) and its logits, hence the auxiliary loss computed from them, are the family's own and run
+on every rank's own tokens.
+
+FSDP2 shards every other weight as before; the expert blocks are left out of its units
+(``ignored_params``). They are frozen: LoRA trains the layers named in ``target_modules``
+(attention, the shared expert's gate; PEFT maps ``'all-linear'`` and the MLP names
+``gate_proj``, ``up_proj``, ``down_proj`` onto the experts too), so the expert blocks are identical on the
+ranks that hold the same block and need no gradient reduction, and a saved adapter is what one
+process saves. Training the experts themselves (full-parameter training, or LoRA on them
+through ``target_parameters``) under ``ep_size > 1`` is refused in one line.
+
+One line each, before the weights load where the model is a local folder: a model without
+experts, N not dividing the expert count, a family not in ``FAMILIES``, routing replay or
+Ulysses with ``ep_size > 1``, an ``expert_parallel`` option other than upstream's."""
+
+import json
+import types
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from twinkle.distributed.expert_parallel import ExpertGroup, exchange_counts, exchange_rows, expert_group
+from twinkle.distributed.mesh import DeviceMesh
+from twinkle.utils.errors import UserError
+from twinkle.utils.logger import get_logger
+
+logger = get_logger()
+
+ATTRIBUTE = "_twinkle_expert_parallel"
+# model types whose MoE block calls experts(hidden, top_k_index, top_k_weights) on fused
+# gate_up_proj (experts, 2 * intermediate, hidden) and down_proj (experts, hidden, intermediate)
+FAMILIES = ("qwen3_moe", "qwen2_moe", "qwen3_5_moe", "qwen3_5_moe_text")
+OPTION_KEYS = ("enabled", "router_dtype", "keep_router_logits", "ep_size")
+
+
+def resolve_options(fsdp_config: dict[str, Any] | None, ep_size: int) -> bool:
+    """Whether expert parallelism runs, from the mesh's ``ep_size`` and upstream's
+    ``fsdp_config['expert_parallel']`` (``enabled``, ``router_dtype``, ``keep_router_logits``,
+    ``ep_size``). The router is the family's, whose probabilities are fp32 (``router_dtype``
+    'fp32' only) and whose logits the model returns as it does without EP (either
+    ``keep_router_logits``)."""
+    value = (fsdp_config or {}).get("expert_parallel")
+    if value is None:
+        return ep_size > 1
+    if isinstance(value, bool):
+        value = {"enabled": value}
+    if not isinstance(value, dict):
+        raise UserError(f"fsdp_config['expert_parallel'] must be a dict of options, got {value!r}")
+    unknown = sorted(set(value) - set(OPTION_KEYS))
+    if unknown:
+        raise UserError(
+            f"fsdp_config['expert_parallel'] keys {unknown} are not supported here; supported: "
+            f"{', '.join(OPTION_KEYS)}"
+        )
+    if value.get("router_dtype", "fp32") != "fp32":
+        raise UserError(
+            f"fsdp_config['expert_parallel']['router_dtype']={value['router_dtype']!r}: the router here is "
+            "the model's own, whose softmax runs in fp32; use 'fp32'"
+        )
+    if value.get("ep_size") not in (None, ep_size):
+        raise UserError(
+            f"fsdp_config['expert_parallel']['ep_size']={value['ep_size']} but the mesh has ep_size={ep_size}; "
+            "give the size to the mesh (DeviceMesh.from_sizes(..., ep_size=...))"
+        )
+    enabled = bool(value.get("enabled", True))
+    if enabled and ep_size == 1:
+        logger.warning(
+            "fsdp_config['expert_parallel'] is enabled but the mesh has ep_size=1: every rank holds every "
+            "expert (DeviceMesh.from_sizes(..., ep_size=N) splits them)"
+        )
+    if not enabled and ep_size > 1:
+        logger.warning(
+            f"the mesh has ep_size={ep_size} but fsdp_config['expert_parallel'] is disabled: FSDP2 shards the "
+            "experts with the rest of the model"
+        )
+    return enabled and ep_size > 1
+
+
+def _experts_of(config: Any) -> tuple[str | None, int]:
+    text = getattr(config, "text_config", None) or config
+    if isinstance(text, dict):
+        text = types.SimpleNamespace(**text)
+    kind = getattr(text, "model_type", None) or getattr(config, "model_type", None)
+    # transformers saves num_experts as num_local_experts (the config's attribute map)
+    experts = getattr(text, "num_experts", None) or getattr(text, "num_local_experts", None)
+    return kind, int(experts or 0)
+
+
+def check_model(config: Any, size: int) -> None:
+    """One line for a model expert parallelism cannot split ``size`` ways."""
+    kind, experts = _experts_of(config)
+    if not experts:
+        raise UserError(f"ep_size={size}: {kind} is a dense model (no experts to split); use ep_size=1")
+    if kind not in FAMILIES:
+        raise UserError(
+            f"ep_size={size} runs the families {', '.join(FAMILIES)}; {kind} is not one of them; use ep_size=1"
+        )
+    if experts % size:
+        raise UserError(
+            f"ep_size={size} does not divide the model's {experts} experts (num_experts); each rank holds "
+            "num_experts / ep_size of them"
+        )
+
+
+def check_folder(model_id: Any, config: Any, size: int, replay: bool, ulysses_size: int) -> None:
+    """``check_model`` before any weight loads, on ``config`` or a local folder's
+    ``config.json``; and the features expert parallelism does not combine with."""
+    if size == 1:
+        return
+    if replay:
+        raise UserError(
+            f"enable_router_replay=True with ep_size={size}: routing replay is not combined with expert "
+            "parallelism; use ep_size=1"
+        )
+    if ulysses_size > 1:
+        raise UserError(
+            f"ulysses_size={ulysses_size} with ep_size={size}: Ulysses sequence parallelism is not combined "
+            "with expert parallelism; set one of them to 1"
+        )
+    if config is None:
+        path = Path(str(model_id)) / "config.json" if model_id is not None else None
+        if path is None or not path.is_file():
+            return
+        try:
+            config = types.SimpleNamespace(**json.loads(path.read_text()))
+        except (OSError, ValueError, TypeError):
+            return  # the loader says what is wrong with the folder
+    check_model(config, size)
+
+
+class ExpertParallel:
+    """A model's exchange group and the expert blocks this rank holds (``params``, which FSDP2
+    leaves out of its units)."""
+
+    def __init__(self, group: ExpertGroup, params: list[torch.nn.Parameter], experts: int):
+        self.group = group
+        self.params = params
+        self.experts = experts
+
+    def check_trainable(self, model: torch.nn.Module) -> None:
+        """One line when a weight of the experts would train (full-parameter training, or LoRA
+        on them through ``target_parameters``)."""
+        for name, param in model.named_parameters():
+            if param.requires_grad and ".experts." in f".{name}":
+                raise UserError(
+                    f"ep_size={self.group.size}: the experts' weights do not train under expert parallelism "
+                    f"({name} would); name the other layers in target_modules (PEFT maps 'all-linear', gate_proj, "
+                    "up_proj and down_proj onto the experts) without target_parameters, or use ep_size=1"
+                )
+
+
+def _expert_modules(lm: torch.nn.Module) -> list[torch.nn.Module]:
+    found = []
+    for module in lm.modules():
+        weights = [getattr(module, name, None) for name in ("gate_up_proj", "down_proj")]
+        if all(isinstance(w, torch.nn.Parameter) and w.dim() == 3 for w in weights):
+            found.append(module)
+    return found
+
+
+def _keep_block(module: torch.nn.Module, name: str, start: int, end: int, device: torch.device) -> Any:
+    full = getattr(module, name)
+    block = torch.nn.Parameter(full.detach()[start:end].to(device).clone(), requires_grad=full.requires_grad)
+    setattr(module, name, block)
+    return block
+
+
+def install(lm: Any, mesh: DeviceMesh, rank: int, device: torch.device, checkpointing: Any) -> ExpertParallel:
+    """Split ``lm``'s experts (a ``*ForCausalLM``, before adapters and sharding) over ``mesh``'s
+    expert groups. Every rank calls it (it creates the process groups). Activation
+    checkpointing left to ``auto`` is turned off: a rank recomputing a layer in the backward
+    exchanges tokens again, so every rank must decide alike (``on`` does)."""
+    size = mesh.ep_size
+    check_model(lm.config, size)
+    modules = _expert_modules(lm)
+    if not modules:
+        raise UserError(
+            f"ep_size={size}: no module of {type(lm).__name__} holds fused expert weights (gate_up_proj, down_proj)"
+        )
+    group = expert_group(mesh, rank)
+    experts = modules[0].gate_up_proj.shape[0]
+    local = experts // size
+    start = group.rank * local
+    params = []
+    for module in modules:
+        params += [
+            _keep_block(module, n, start, start + local, device) for n in ("gate_up_proj", "down_proj")
+        ]
+        module.forward = types.MethodType(_exchanging_forward(group, experts), module)
+    ep = ExpertParallel(group, params, experts)
+    setattr(lm, ATTRIBUTE, ep)
+    if checkpointing.mode == "auto":
+        checkpointing.mode = "off"
+        logger.warning(
+            "ep_size=%d: activation checkpointing 'auto' is off (each rank would decide alone, and a "
+            "recomputed layer exchanges tokens again); activation_checkpointing='on' recomputes every layer",
+            size,
+        )
+    logger.info(f"expert parallelism: experts {start}..{start + local - 1} of {experts} on this rank")
+    return ep
+
+
+def _exchanging_forward(eg: ExpertGroup, experts: int) -> Any:
+    local = experts // eg.size
+
+    def forward(
+        self: torch.nn.Module, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
+        top_k = top_k_index.shape[1]
+        chosen = top_k_index.reshape(-1)
+        # (token, expert) pairs by ascending expert, so by owner; in token order within an expert
+        order = chosen.argsort(stable=True)
+        token = order // top_k
+        per_expert = torch.bincount(chosen, minlength=experts).view(eg.size, local)
+        # row j: how many rows of each of its local experts rank j sends here
+        incoming = exchange_counts(per_expert, eg)
+        send, receive = per_expert.sum(1).tolist(), incoming.sum(1).tolist()
+        rows = exchange_rows(hidden[token], send, receive, eg)
+        # the received rows by local expert (each sender's are sorted already)
+        which = torch.arange(local, device=rows.device).repeat(eg.size)
+        by_expert = torch.repeat_interleave(which, incoming.reshape(-1).to(rows.device)).argsort(stable=True)
+        counts = incoming.sum(0).tolist()
+        outputs = []
+        for j, part in enumerate(rows[by_expert].split(counts)):
+            if counts[j]:
+                gate, up = F.linear(part, self.gate_up_proj[j]).chunk(2, dim=-1)
+                outputs.append(F.linear(self.act_fn(gate) * up, self.down_proj[j]))
+        done = torch.cat(outputs) if outputs else rows.new_zeros((0, rows.shape[1]))
+        back = exchange_rows(done[by_expert.argsort()], receive, send, eg)
+        weighted = back * top_k_weights.reshape(-1)[order, None]
+        out = torch.zeros_like(hidden)
+        return out.index_add_(0, token, weighted.to(out.dtype))
+
+    return forward
+
+
+def expert_parallel_of(lm: Any) -> ExpertParallel | None:
+    """The expert parallelism set up on ``lm`` (a ``*ForCausalLM``), or None."""
+    return getattr(lm, ATTRIBUTE, None)
