@@ -1,8 +1,9 @@
 """Upstream's routing-replay script in its replay-off mode: ``RouterReplayAction`` imports from
 upstream's path, ``TransformersModel(enable_router_replay=False, fsdp_config={'expert_parallel':
 {'enabled': False, ...}})`` builds, and a step's ``router_replay_action`` on such a model changes
-nothing (as upstream's), said once; replay on a dense model or expert parallelism switched on is
-one line (replay itself: ``tests/moe/test_router_replay.py``)."""
+nothing (as upstream's), said once; replay on a dense model or an expert-parallel router dtype
+other than fp32 is one line (replay itself: ``tests/moe/test_router_replay.py``; expert
+parallelism: ``tests/distributed/test_expert_parallel.py``)."""
 
 import logging
 
@@ -52,12 +53,12 @@ def test_an_action_on_a_model_without_replay_changes_nothing_and_is_said_once(
             r"enable_router_replay=True: the model \(llama\) has no mixture-of-experts router",
         ),
         (
-            {"fsdp_config": {"expert_parallel": {"enabled": True}}},
-            "expert parallelism is not supported yet",
+            {"fsdp_config": {"expert_parallel": {"enabled": True, "router_dtype": "bf16"}}},
+            r"\['router_dtype'\]='bf16': the router here is the model's own",
         ),
     ],
 )
-def test_replay_or_expert_parallelism_switched_on_is_one_line(tiny_model_dir, keywords, needle):
+def test_replay_on_a_dense_model_or_a_bf16_expert_router_is_one_line(tiny_model_dir, keywords, needle):
     with pytest.raises(UserError, match=needle) as info:
         TransformersModel(model_id=str(tiny_model_dir), **keywords)
     assert "\n" not in str(info.value)

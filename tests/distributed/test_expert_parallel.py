@@ -1,6 +1,7 @@
 """Expert parallelism on 2 gloo ranks (ep_size 2 over 2 FSDP2 shards) equals one process on the
-same batch, for a tiny Qwen3-MoE and a tiny Qwen2-MoE (8 experts, top-2; Qwen2-MoE not
-renormalised and with a shared expert).
+same batch, for a tiny Qwen3-MoE, Qwen2-MoE and Qwen3.5-MoE (8 experts, top-2; Qwen2-MoE not
+renormalised, Qwen2-MoE and Qwen3.5-MoE with a shared expert, Qwen3.5-MoE a linear-attention
+layer before its full-attention one).
 
 ``ep_worker.py`` runs 3 LoRA steps (attention and the shared expert's gate) on 4 chat samples:
 each rank reads 2 of them, holds 4 of the 8 experts of every MoE layer, and sends each token to
@@ -9,8 +10,9 @@ way, so the per-step losses, gradient norms and an evaluation pass's logps agree
 summation order: within ``run_loss_rtol`` of the tiny model's chain over the batch and the
 ranks' reduction (``tests/assets/tolerances.py``), relative. The adapter saved after the steps
 is within ``adamw_weight_atol`` of one process's. Each rank's expert weights are its own block
-of the checkpoint's experts, exactly (they are frozen). A token run through the wrong expert,
-dropped or weighted twice moves the first loss far past the bound.
+of the checkpoint's experts, exactly (they are frozen). Tokens run through the neighbouring
+expert of the rank's block move the first gradient norm three times past the bound (the random
+experts add little to the tiny model's output, so the loss moves less).
 
 What is refused before training, in one line on every rank: a dense model, an expert count
 ep_size does not divide, LoRA on the experts (``target_parameters``), routing replay and
@@ -27,13 +29,13 @@ from safetensors.torch import load_file
 from tolerances import adamw_weight_atol, run_loss_rtol
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "moe"))  # the tiny MoE builders
-from tiny_moe import EXPERTS, build_qwen2_moe, build_qwen3_moe  # noqa: E402
+from tiny_moe import EXPERTS, build_qwen2_moe, build_qwen3_5_moe, build_qwen3_moe  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.cluster]  # 2-process runs, with the other `-m cluster` suites
 
 WORKER = Path(__file__).with_name("ep_worker.py")
 STEPS, LR = 3, 1e-2  # as ep_worker.py runs them
-BUILDERS = {"qwen3_moe": build_qwen3_moe, "qwen2_moe": build_qwen2_moe}
+BUILDERS = {"qwen3_moe": build_qwen3_moe, "qwen2_moe": build_qwen2_moe, "qwen3_5_moe": build_qwen3_5_moe}
 
 
 def _run(launcher, model_dir: Path, out: Path, nproc: int, extra: list[str] = ()) -> dict:
