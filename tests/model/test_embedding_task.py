@@ -5,6 +5,8 @@ step's loss equals ``InfonceLoss`` on them; ``EmbeddingMetric`` and ``forward_on
 Tolerance: the model's pass and the reference HF pass run the same fp32 ops on the same padded
 batch: 1e-5 on losses of size ~1."""
 
+import math
+
 import pytest
 import torch
 
@@ -56,6 +58,10 @@ def test_step_loss_is_infonce_of_the_pooled_hidden_states(make_model, pooling):
     assert out["embeddings"].shape == (6, model.model.config.hidden_size)
     torch.testing.assert_close(out["embeddings"].norm(dim=-1), torch.ones(6))
     assert out["num_tokens"] == 3
+    anchors = [{**row, "labels": [1]} for row in rows]  # texts embedded for search: no pairs, no loss
+    alone = model.forward_only(inputs=anchors, task="embedding")
+    assert math.isnan(alone["loss"]) and alone["num_tokens"] == 0
+    torch.testing.assert_close(alone["embeddings"], out["embeddings"], rtol=0, atol=1e-5)
 
 
 def test_training_raises_in_batch_retrieval(make_model):

@@ -99,6 +99,15 @@ def pool(hidden: torch.Tensor, attention_mask: torch.Tensor, pooling: str) -> to
     return torch.nn.functional.normalize(pooled.float(), dim=-1)
 
 
+def forms_groups(marks: torch.Tensor) -> bool:
+    """Whether the rows' marks (1 at each anchor) split them into groups of two rows or more."""
+    marks = torch.as_tensor(marks).reshape(-1).tolist()
+    if len(marks) < 2 or marks[0] != 1:
+        return False
+    starts = [i for i, m in enumerate(marks) if m == 1] + [len(marks)]
+    return all(b - a >= 2 for a, b in zip(starts, starts[1:], strict=False))
+
+
 def embeddings_of(model: Any, batch: Mapping[str, torch.Tensor], pooling: str = "last") -> torch.Tensor:
     return pool(final_hidden(model, batch), batch["attention_mask"], pooling)
 
@@ -115,11 +124,12 @@ def embedding_loss(model: Any, batch: Mapping[str, torch.Tensor], loss: Any) -> 
 @torch.no_grad()
 def embed_for_eval(model: Any, batch: Mapping[str, torch.Tensor], loss: Any) -> dict[str, Any]:
     """``forward_only(task='embedding')``: ``{"embeddings": (B, D), "loss", "num_tokens"}``; the
-    loss (NaN without one) when an embedding loss is set and the rows form groups."""
+    loss when an embedding loss is set and the rows form groups (each anchor followed by its
+    positive), else NaN: embedding texts for search (anchors only, say) has no loss to give."""
     pooling = getattr(loss, "pooling", "last")
     embeddings = embeddings_of(model, batch, pooling)
     out = {"embeddings": embeddings, "loss": float("nan"), "num_tokens": 0}
-    if hasattr(loss, "from_embeddings") and bool((batch["labels"] == 1).any()):
+    if hasattr(loss, "from_embeddings") and forms_groups(batch["labels"]):
         result = loss.from_embeddings(embeddings, batch["labels"])
         out["loss"], out["num_tokens"] = float(result.loss), result.num_tokens
     return out
