@@ -1,11 +1,11 @@
-"""Expert parallelism on 2 gloo ranks (ep_size 2 over 2 FSDP2 shards) equals one process on the
-same batch, for a tiny Qwen3-MoE, Qwen2-MoE and Qwen3.5-MoE (8 experts, top-2; Qwen2-MoE not
-renormalised, Qwen2-MoE and Qwen3.5-MoE with a shared expert, Qwen3.5-MoE a linear-attention
-layer before its full-attention one).
+"""Expert parallelism on 2 gloo ranks (ep_size 2 over 2 FSDP2 shards; and on 4, two ranks per
+block of experts) equals one process on the same batch, for a tiny Qwen3-MoE, Qwen2-MoE and
+Qwen3.5-MoE (8 experts, top-2; Qwen2-MoE not renormalised, Qwen2-MoE and Qwen3.5-MoE with a
+shared expert, Qwen3.5-MoE a linear-attention layer before its full-attention one).
 
 ``ep_worker.py`` runs 3 LoRA steps (attention and the shared expert's gate) on 4 chat samples:
-each rank reads 2 of them, holds 4 of the 8 experts of every MoE layer, and sends each token to
-the rank holding each expert it chose. The loss is the mean over every supervised token either
+each rank reads its share of them, holds 4 of the 8 experts of every MoE layer, and sends each
+token to the rank holding each expert it chose. The loss is the mean over every supervised token either
 way, so the per-step losses, gradient norms and an evaluation pass's logps agree up to
 summation order: within ``run_loss_rtol`` of the tiny model's chain over the batch and the
 ranks' reduction (``tests/assets/tolerances.py``), relative. The adapter saved after the steps
@@ -68,16 +68,20 @@ def _fused_experts(model_dir: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("family", sorted(BUILDERS))
-def test_expert_parallel_equals_one_process(tiny_model_dir, tmp_path, launcher, family):
+@pytest.mark.parametrize(
+    ("family", "ranks"),
+    # 4 ranks: experts 0-3 on ranks 0 and 1, 4-7 on ranks 2 and 3; tokens go between 0 and 2, 1 and 3
+    [(family, 2) for family in sorted(BUILDERS)] + [("qwen3_moe", 4)],
+)
+def test_expert_parallel_equals_one_process(tiny_model_dir, tmp_path, launcher, family, ranks):
     model_dir = BUILDERS[family](tiny_model_dir, tmp_path / family)
     one = _run(launcher, model_dir, tmp_path / "one", 1)
-    two = _run(launcher, model_dir, tmp_path / "two", 2)
-    assert two["world_size"] == 2
+    two = _run(launcher, model_dir, tmp_path / "two", ranks)
+    assert two["world_size"] == ranks
     lengths = one["lengths"]
-    rtol = run_loss_rtol(len(lengths), max(lengths), 2)
+    rtol = run_loss_rtol(len(lengths), max(lengths), ranks)
     print(
-        f"\n[ep 2, {family}] losses {[s['loss'] for s in one['steps']]} vs {[s['loss'] for s in two['steps']]}"
+        f"\n[ep 2 on {ranks}, {family}] losses {[s['loss'] for s in one['steps']]} vs {[s['loss'] for s in two['steps']]}"
     )
     assert one["steps"][-1]["loss"] < one["steps"][0]["loss"]  # it trained
     for a, b in zip(one["steps"], two["steps"], strict=True):
@@ -85,8 +89,8 @@ def test_expert_parallel_equals_one_process(tiny_model_dir, tmp_path, launcher, 
             assert a[key] == b[key], (key, a[key], b[key])
         for key in ("loss", "grad_norm"):
             assert abs(a[key] - b[key]) <= rtol * max(1.0, abs(a[key])), (key, a[key], b[key], rtol)
-    # rank 0's 2 rows of the evaluation pass: the first 2 of one process's 4
-    assert len(two["logps"]) == 2
+    # rank 0's rows of the evaluation pass: the first of one process's 4
+    assert len(two["logps"]) == len(lengths) // ranks
     for row_a, row_b in zip(one["logps"], two["logps"], strict=False):
         for x, y in zip(row_a, row_b, strict=False):
             assert abs(x - y) <= rtol * max(1.0, abs(x)), (x, y, rtol)
@@ -100,11 +104,12 @@ def test_expert_parallel_equals_one_process(tiny_model_dir, tmp_path, launcher, 
     assert {k: v.shape for k, v in load_file(tmp_path / "one" / "experts-0.safetensors").items()} == {
         k: v.shape for k, v in full.items()
     }
-    for rank in range(2):
+    for rank in range(ranks):
         held = load_file(tmp_path / "two" / f"experts-{rank}.safetensors")
         assert held.keys() == full.keys()
+        block_index = rank // (ranks // 2)  # ep_rank: expert groups of consecutive ranks
         for name, weight in full.items():
-            block = weight[rank * EXPERTS // 2 : (rank + 1) * EXPERTS // 2]
+            block = weight[block_index * EXPERTS // 2 : (block_index + 1) * EXPERTS // 2]
             assert held[name].shape == block.shape and torch.equal(held[name], block), (rank, name)
 
 
