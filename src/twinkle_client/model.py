@@ -13,13 +13,18 @@ datums (``twinkle_client.batches``). The step is the local one:
   (``twinkle.server.objectives``), with the step's values the loss reads: ``ref_outputs`` (or
   ``ref_logps``), ``old_logps``, ``advantages``. A value the loss does not read, or one it needs
   that is missing, is a ``ValueError`` naming it;
+- ``GKDLoss`` (``forward_backward(inputs, teacher_topk_logprobs=, teacher_topk_indices=)``) and
+  ``task='embedding'`` with ``InfonceLoss`` (``forward_backward`` and ``forward_only``, which
+  return the rows' ``embeddings``) run the model's own step on the server
+  (``twinkle.server.model_steps``; the datums: ``twinkle_client.tasks``);
 - ``gradient_accumulation_steps=N`` (``add_adapter_to_model`` or ``clip_grad_and_step``): the
   optimizer steps after exactly N ``forward_backward`` calls, the window's gradient averaged
   over all of them, as the local window is;
-- metrics added by name (``add_metric('DPOMetric', beta=0.1)``, the GRPO family, ``TrainMetric``)
-  are the local classes, fed here with what the local model feeds them: each micro-batch's
-  shifted labels and per-label log-probs (the server returns them), the step's values, and the
-  optimizer step's learning rate and gradient norm."""
+- metrics added by name (``add_metric('DPOMetric', beta=0.1)``, the GRPO family, ``TrainMetric``,
+  ``EmbeddingMetric``) are the local classes, fed here with what the local model feeds them:
+  each micro-batch's shifted labels and per-label log-probs (the server returns them), or its
+  row marks and embeddings, the step's values, and the optimizer step's learning rate and
+  gradient norm."""
 
 import os
 import warnings
@@ -28,7 +33,7 @@ from typing import Any
 import torch
 
 from twinkle.server.common import local_model_id, serves
-from twinkle_client import batches
+from twinkle_client import batches, tasks
 from twinkle_client.connection import Connection, current_client
 from twinkle_client.optim import AdamSettings
 from twinkle_client.responses import Response, SaveResponse, StepResult, TrainConfigs
@@ -160,13 +165,7 @@ class MultiLoraTransformersModel:
         from twinkle.loss.registry import build_loss
 
         a = self._get(adapter_name)
-        loss = build_loss(loss_cls, **kwargs)  # the local constructor checks the arguments
-        if getattr(loss, "consumes", "rows") != "rows":
-            raise ValueError(
-                f"set_loss({loss_cls!r}): not supported over twinkle server yet: it trains on the "
-                f"model's {loss.consumes} (embedding training through the client is a later issue)"
-            )
-        a.loss = loss
+        a.loss = build_loss(loss_cls, **kwargs)  # the local constructor checks the arguments
         a.loss_name, a.loss_args = loss_cls, kwargs
 
     def set_optimizer(
@@ -253,6 +252,8 @@ class MultiLoraTransformersModel:
         if a.loss is None or (a.loss_name == "CrossEntropyLoss" and not a.loss_args):
             return dict(TOKEN_MEAN)
         config: dict[str, Any] = {"twinkle_loss": a.loss_name, **TOKEN_MEAN}
+        if _embeds(a.loss):
+            config.update(tasks.TASK)
         for k, v in a.loss_args.items():
             if v is None:
                 continue  # the constructor's own default was checked by build_loss
@@ -270,17 +271,25 @@ class MultiLoraTransformersModel:
         old_logps: Any = None,
         advantages: Any = None,
         task: str | None = None,
+        teacher_topk_logprobs: Any = None,
+        teacher_topk_indices: Any = None,
     ) -> StepResult:
         """One micro-batch: its gradient joins the window; returns the mean loss per counted
-        token (per pair for a preference loss) as a float with ``result`` beside it. ``task``:
-        upstream's choice of head; the language model's (None, ``'causal_lm'``) is the one
-        served."""
-        if task not in (None, "causal_lm"):
-            raise ValueError(
-                f"forward_backward(task={task!r}): not supported over twinkle server yet: embedding "
-                "training through the client is a later issue"
-            )
+        token (per pair for a preference loss, per group for InfoNCE) as a float with ``result``
+        beside it. ``task``: upstream's choice of head: the language model's (None,
+        ``'causal_lm'``), or ``'embedding'`` (rows with ``labels`` 1 at each anchor, 0 after it,
+        and ``set_loss('InfonceLoss', ...)``; ``result["embeddings"]`` holds the rows' pooled
+        embeddings). ``teacher_topk_logprobs``/``teacher_topk_indices``: ``GKDLoss``'s teacher,
+        ``(B, L, k)`` in the local layout (``twinkle_client.tasks``)."""
         a = self._get(adapter_name)
+        if _task(task) == "embedding":
+            if not _embeds(a.loss):
+                raise ValueError(
+                    f"task='embedding' needs a loss over embeddings (set_loss('InfonceLoss', ...)), not {a.loss_name}"
+                )
+            return self._embedding_step(a, inputs, training=True)
+        if _embeds(a.loss):
+            raise ValueError(f"{a.loss_name} trains embeddings; run the step with task='embedding'")
         rows = self._rows(a, inputs)
         labels = batches.labels_of(rows)
         ref = ref_logps if ref_logps is not None else ref_outputs
@@ -288,7 +297,18 @@ class MultiLoraTransformersModel:
             a, labels, {"ref_logps": ref, "old_logps": old_logps, "advantages": advantages}
         )
         config = self._config(a)
-        out = a.run.forward_backward(batches.datums_of(rows, values), "cross_entropy", config).result()
+        teacher = (teacher_topk_logprobs, teacher_topk_indices)
+        if a.loss_name == "GKDLoss":
+            if any(t is None for t in teacher):
+                raise ValueError(
+                    "GKDLoss needs the teacher: teacher_topk_logprobs= and teacher_topk_indices="
+                )
+            data = tasks.teacher_datums(rows, *teacher)
+        elif any(t is not None for t in teacher):
+            raise ValueError(f"{a.loss_name} does not read the teacher's top-k; set_loss('GKDLoss', ...)")
+        else:
+            data = batches.datums_of(rows, values)
+        out = a.run.forward_backward(data, "cross_entropy", config).result()
         logps = batches.logps_per_label(rows, [o["logprobs"].tolist() for o in out.loss_fn_outputs])
         total = float(out.metrics["loss:sum"])
         count = int(out.metrics.get("num_tokens:sum", float((labels[:, 1:] != -100).sum())))
@@ -301,12 +321,24 @@ class MultiLoraTransformersModel:
         return StepResult(mean, {"loss": mean, "logps": logps, "num_tokens": count})
 
     def forward_only(
-        self, inputs: Any, adapter_name: str | None = None, disable_lora: bool = False
+        self,
+        inputs: Any,
+        adapter_name: str | None = None,
+        disable_lora: bool = False,
+        task: str | None = None,
     ) -> Response:
         """``result``: ``{"loss": mean cross entropy per trained token, "logps": (B, L) each
         label's log-prob, 0 where it is -100, "num_tokens"}``; ``disable_lora``: the base
-        model's (a DPO reference: ``forward_backward(ref_outputs=...)`` takes it)."""
+        model's (a DPO reference: ``forward_backward(ref_outputs=...)`` takes it).
+        ``task='embedding'``: ``{"embeddings": (B, D), "loss", "num_tokens"}``, the loss (NaN
+        without one) when an embedding loss is set and the rows' marks form groups."""
         a = self._get(adapter_name)
+        if _task(task) == "embedding":
+            if disable_lora:
+                raise ValueError(
+                    "forward_only(task='embedding'): disable_lora is not supported over twinkle server"
+                )
+            return self._embedding_step(a, inputs, training=False)
         rows = self._rows(a, inputs)
         config = {"disable_lora": 1.0} if disable_lora else {}
         out = a.run.forward(batches.datums_of(rows), "cross_entropy", config).result()
@@ -319,6 +351,34 @@ class MultiLoraTransformersModel:
                 a.pending.append(self._seen(rows, logps, {}, total, count))
                 self._feed(a, False, {})
         return Response({"loss": total / max(1, count), "logps": logps, "num_tokens": count})
+
+    def _embedding_step(self, a: Adapter, inputs: Any, training: bool) -> Any:
+        """``task='embedding'``: the rows as one request (its rows are the in-batch negatives);
+        the added metrics see the marks, the embeddings and the loss, as the local ones do."""
+        data, marks = tasks.embedding_datums(inputs, marks=training)
+        config = dict(tasks.TASK)
+        if _embeds(a.loss):
+            config = self._config(a)
+        if training:
+            out = a.run.forward_backward(data, "cross_entropy", config).result()
+        else:
+            out = a.run.forward(data, "cross_entropy", config).result()
+        embeddings = tasks.embeddings_of(out)
+        count = int(out.metrics.get("num_tokens:sum", 0))
+        total = float(out.metrics.get("loss:sum", 0.0))
+        mean = total / count if count else float("nan")
+        if training:
+            a.window_loss, a.window_count = a.window_loss + total, a.window_count + count
+            a.micro, a.cur_step, a.consumed = a.micro + 1, a.cur_step + 1, a.consumed + len(data)
+        elif count:
+            a.eval_loss, a.eval_count = a.eval_loss + total, a.eval_count + count
+        if a.added:
+            outputs = {"loss": total, "num_tokens": count, "embeddings": embeddings}
+            a.pending.append(({"labels": marks}, outputs, {}))
+            if not training:
+                self._feed(a, False, {})
+        result = {"loss": mean, "embeddings": embeddings, "num_tokens": count}
+        return StepResult(mean, result) if training else Response(result)
 
     def clip_grad_and_step(
         self,
@@ -449,6 +509,18 @@ class MultiLoraTransformersModel:
 
     def remove_adapter(self, adapter_name: str) -> None:
         self.adapters.pop(adapter_name)
+
+
+def _task(task: str | None) -> str:
+    if task not in (None, "causal_lm", "embedding"):
+        raise ValueError(
+            f"task={task!r}: over twinkle server a step runs 'causal_lm' (the default) or 'embedding'"
+        )
+    return task or "causal_lm"
+
+
+def _embeds(loss: Any) -> bool:
+    return getattr(loss, "consumes", None) == "embeddings"
 
 
 def _window(steps: Any) -> int:

@@ -157,6 +157,75 @@ class ModelCore:
             self._diverged(name, f"the loss is {total}")
         return [o for part, _ in parts for o in part], {"loss:sum": total}
 
+    def run_teacher(
+        self, name: str, data: list[Datum], loss: Any, forward_only: bool
+    ) -> tuple[list[dict[str, np.ndarray]], float, int]:
+        """``GKDLoss`` on the datums and the teacher's top-k they carry
+        (``twinkle.server.model_steps``): the model's own step over this rank's share. Per datum
+        (all of them, in order) its targets' ``logprobs`` under the student; the summed loss and
+        its token count over the ranks."""
+        from twinkle.server.model_steps import teacher_batch
+
+        if not forward_only:
+            self._open_window(name, {REDUCTION_KEY: "token_mean"})
+        mine = self._share(data)
+        self.model.set_loss(loss, adapter_name=name)
+        batch, teacher = teacher_batch(mine, self.pad_id)
+        call = self.model.forward_only if forward_only else self.model.forward_backward
+        out = call(batch, adapter_name=name, **teacher)
+        logps = out.get("logps") if mine else None
+        outputs = [
+            {"logprobs": logps[b, 1 : 1 + d.tokens.size].float().cpu().numpy()} for b, d in enumerate(mine)
+        ]
+        count = int(out.get("num_tokens"))
+        return self._joined(name, outputs, float(out) * count if count else 0.0, count)
+
+    def run_embedding(
+        self, name: str, data: list[Datum], loss: Any, forward_only: bool
+    ) -> tuple[list[dict[str, np.ndarray]], float, int]:
+        """``task='embedding'`` on the datums' rows (``twinkle.server.model_steps``), the loss
+        ``loss`` (None: embeddings only). Every rank runs every row: the in-batch negatives are
+        the request's rows, and the model's count summed over the ranks divides the gradients
+        FSDP2 averaged, so the step is one process's. Per datum its ``embeddings``; the summed
+        loss and its group count (0 without a loss)."""
+        from twinkle.server.model_steps import embedding_rows
+
+        rows = embedding_rows(data)
+        if loss is None:  # the last request's loss must not be read as this pass's
+            loss = TinkerLoss("cross_entropy", {})
+        self.model.set_loss(loss, adapter_name=name)
+        if forward_only:
+            out = self.model.forward_only(rows, task="embedding", adapter_name=name)
+            embeddings, count = out["embeddings"], int(out["num_tokens"])
+            total = float(out["loss"]) * count if count else 0.0
+        else:
+            self._open_window(name, {REDUCTION_KEY: "token_mean"})
+            step = self.model.forward(rows, task="embedding", adapter_name=name)
+            # the rows' pooled embeddings, which this forward's loss saw (detached)
+            embeddings = self.model._pending_backward[1].embeddings
+            count = int(step["num_tokens"])
+            total = self.model.backward() * count
+        if not math.isfinite(total):
+            self._diverged(name, f"the loss is {total}")
+        outputs = [{"embeddings": e.float().cpu().numpy()} for e in embeddings]
+        return outputs, total, count
+
+    def _share(self, data: list[Datum]) -> list[Datum]:
+        """This rank's contiguous share of the datums (all of them in one process)."""
+        mesh = self.model.runtime.mesh
+        return data[mesh.get_slice(len(data))] if self.model.runtime.is_distributed else data
+
+    def _joined(
+        self, name: str, outputs: list[dict[str, np.ndarray]], total: float, count: int
+    ) -> tuple[list[dict[str, np.ndarray]], float, int]:
+        """Every rank's per-datum outputs in order, the summed loss and count over the ranks; a
+        loss that is not finite rolls the adapter back (``_diverged``)."""
+        parts = gather_in_order((outputs, total, count))
+        total, count = sum(p[1] for p in parts), sum(p[2] for p in parts)
+        if not math.isfinite(total):
+            self._diverged(name, f"the loss is {total}")
+        return [o for part in parts for o in part[0]], total, count
+
     def _diverged(self, name: str, what: str) -> None:
         """A non-finite loss: the window's gradients are dropped and the adapter (weights and AdamW
         state) goes back to where it was before its last ``optim_step``, the last weights whose

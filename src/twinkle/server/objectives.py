@@ -28,6 +28,7 @@ and over the window at the next ``optim_step`` under the metric's own names with
 mean ``loss`` (``Window``), as upstream's Tinker DPO reports them."""
 
 import inspect
+import typing
 from typing import Any
 
 import numpy as np
@@ -53,15 +54,27 @@ def wanted(loss_fn: str, config: dict[str, Any], data: list[Datum]) -> bool:
 
 def build(loss_fn: str, config: dict[str, Any]) -> Any:
     """The loss the request names, built with its arguments; ``BadRequest`` names what is wrong."""
-    from twinkle.loss.registry import LOSSES
-    from twinkle.utils.errors import UserError
-
     if LOSS_KEY in config:
         name = config[LOSS_KEY]
         args = {k: v for k, v in config.items() if k not in (LOSS_KEY, "twinkle_reduction")}
     else:
         name = "DPOLoss"
         args = {UPSTREAM_DPO[k]: v for k, v in config.items() if k in UPSTREAM_DPO}
+    loss = construct(name, args)
+    if getattr(loss, "consumes", None) != "rows" or loss.require_logits or loss.require_entropy:
+        raise BadRequest(
+            f"loss_fn_config: {name} with these arguments needs the logits or their entropy, not only "
+            "the targets' log-probabilities; the server computes it from log-probabilities only"
+        )
+    return loss
+
+
+def construct(name: str, args: dict[str, Any]) -> Any:
+    """``twinkle.loss.LOSSES[name](**args)``, each argument checked against the constructor's
+    signature; ``BadRequest`` names an unknown loss, an argument it does not take, a bad value."""
+    from twinkle.loss.registry import LOSSES
+    from twinkle.utils.errors import UserError
+
     if name not in LOSSES:
         raise BadRequest(f"loss_fn_config[{LOSS_KEY!r}]: unknown loss {name!r}; valid: {', '.join(LOSSES)}")
     cls = LOSSES[name]
@@ -71,23 +84,19 @@ def build(loss_fn: str, config: dict[str, Any]) -> Any:
         raise BadRequest(f"loss_fn_config: {name} takes no argument {', '.join(map(repr, unknown))}")
     args = {k: _typed(v, params[k]) for k, v in args.items()}
     try:
-        loss = cls(**args)
+        return cls(**args)
     except (UserError, TypeError, ValueError) as exc:
         raise BadRequest(f"loss_fn_config: {exc}") from None
-    if getattr(loss, "consumes", None) != "rows" or loss.require_logits or loss.require_entropy:
-        raise BadRequest(
-            f"loss_fn_config: {name} with these arguments needs the logits or their entropy, not only "
-            "the targets' log-probabilities; the server computes it from log-probabilities only"
-        )
-    return loss
 
 
 def _typed(value: Any, param: inspect.Parameter) -> Any:
-    """A float that is a whole number, for an argument whose default is an int or a bool."""
+    """A float that is a whole number, for an argument whose default is an int or a bool, or
+    that is annotated ``int | None`` (``GKDLoss(topk=)``, ``InfonceLoss(hard_negatives=)``)."""
     default = param.default
     if isinstance(value, float) and isinstance(default, bool):
         return bool(value)
-    if isinstance(value, float) and isinstance(default, int) and value.is_integer():
+    whole = isinstance(value, float) and value.is_integer()
+    if whole and (isinstance(default, int) or int in typing.get_args(param.annotation)):
         return int(value)
     return value
 

@@ -44,7 +44,11 @@ class FwdBwd:
     forward_only: bool
 
 
-def _tensor(msg: Any, where: str) -> np.ndarray:
+# the inputs that keep their shape (n, k) (``twinkle.server.model_steps``); every other is flat
+WIDE = ("teacher_topk_logprobs", "teacher_topk_indices")
+
+
+def _tensor(msg: Any, where: str, wide: bool = False) -> np.ndarray:
     pb = _pb()
     dtype = _NUMPY.get(msg.dtype)
     if dtype is None or msg.dtype == pb.DTYPE_BFLOAT16:
@@ -56,7 +60,7 @@ def _tensor(msg: Any, where: str) -> np.ndarray:
     values = np.frombuffer(msg.dense, dtype=dtype)
     if list(msg.shape) and math.prod(msg.shape) != values.size:
         raise BadRequest(f"{where}: shape {list(msg.shape)} does not hold {values.size} values")
-    return values.reshape(-1)
+    return values.reshape(list(msg.shape)) if wide and len(msg.shape) == 2 else values.reshape(-1)
 
 
 def decode_forward_backward(body: bytes, max_datums: int, max_tokens: int) -> FwdBwd:
@@ -97,7 +101,7 @@ def decode_forward_backward(body: bytes, max_datums: int, max_tokens: int) -> Fw
         tokens = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
         total += tokens.size
         inputs = {
-            name: _tensor(t, f"datum {i} loss_fn_inputs[{name!r}]")
+            name: _tensor(t, f"datum {i} loss_fn_inputs[{name!r}]", wide=name in WIDE)
             for name, t in datum.loss_fn_inputs.items()
         }
         data.append(Datum(tokens, inputs))

@@ -11,7 +11,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from twinkle.server import objectives
+from twinkle.server import model_steps, objectives
 from twinkle.server.checks import page
 from twinkle.server.core import LOSS_INPUTS
 from twinkle.server.errors import BadRequest
@@ -84,19 +84,31 @@ async def forward_backward(request: Request) -> dict:
         )
     req = decode_forward_backward(await request.body(), tenant.limits.max_datums, tenant.limits.max_tokens)
     run = s.registry.run_of(tenant, req.model_id)
-    composite = objectives.wanted(req.loss_fn, req.loss_config, req.data)
-    objectives.check_config(req.loss_fn, req.loss_config, req.forward_only, composite)
-    loss = objectives.build(req.loss_fn, req.loss_config) if composite else None
+    direct = model_steps.wanted(req.loss_config)  # GKD, embeddings: the model's own step
+    composite = not direct and objectives.wanted(req.loss_fn, req.loss_config, req.data)
+    if direct:
+        loss, task = model_steps.build(req.loss_config, req.forward_only)
+    else:
+        objectives.check_config(req.loss_fn, req.loss_config, req.forward_only, composite)
+        loss = objectives.build(req.loss_fn, req.loss_config) if composite else None
 
     def step() -> bytes:
         start = time.perf_counter()
-        if loss is not None:
+        if direct and task == model_steps.EMBEDDING:
+            model_steps.check_embedding(req.data, s.engine.vocab, marks=loss is not None)
+        elif direct:
+            model_steps.check_teacher(req.data, s.engine.vocab)
+        elif loss is not None:
             check_composite(req.data, loss, s.engine.vocab)
         else:
             check_datums(req.data, req.loss_fn, s.engine.vocab)
         run.window = run.window or objectives.Window()
         try:
-            if loss is not None:
+            if direct:
+                outs, metrics = model_steps.run(
+                    s.engine.core, run.adapter, req.data, loss, task, req.forward_only, run.window
+                )
+            elif loss is not None:
                 outs, metrics = objectives.run(
                     s.engine.core, run.adapter, req.data, loss, req.forward_only, run.window
                 )
@@ -142,13 +154,13 @@ def check_datums(data: list[Datum], loss_fn: str, vocab: int) -> None:
     if loss_fn not in LOSS_INPUTS:
         raise BadRequest(f"loss_fn {loss_fn!r} is not supported; use one of {', '.join(LOSS_INPUTS)}")
     for i, d in enumerate(data):
-        check_datum(d, i, vocab, LOSS_INPUTS[loss_fn])
         extra = sorted(set(d.inputs) - set(LOSS_INPUTS[loss_fn]))
         if extra:
             raise BadRequest(
                 f"datum {i}: loss_fn_inputs {extra[0]!r} is not read by loss_fn {loss_fn!r} "
                 f"(it reads {', '.join(LOSS_INPUTS[loss_fn])})"
             )
+        check_datum(d, i, vocab, LOSS_INPUTS[loss_fn])
 
 
 def check_composite(data: list[Datum], loss: object, vocab: int) -> None:
