@@ -7,7 +7,8 @@ forward_backward, clip_grad_and_step, the metrics. Rank 0 writes ``OUT/result.js
 the loss and gradient norm; the world size; the logps of an evaluation pass of rank 0's rows)
 and the adapter saved after the last step (``OUT/adapter``); every rank writes
 ``OUT/experts-RANK.safetensors``, the expert weights it holds after the steps.
-``--target-parameters`` asks for LoRA on the experts too; ``--router-replay`` for routing replay."""
+``--target-parameters`` puts LoRA on the experts too; ``--router-replay`` asks for routing replay;
+``--full-parameter`` trains every weight (no adapter)."""
 
 import argparse
 import json
@@ -48,6 +49,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--target-parameters", action="store_true")
     p.add_argument("--router-replay", action="store_true")
+    p.add_argument("--full-parameter", action="store_true")
     args = p.parse_args()
     mesh = DeviceMesh.from_sizes(ep_size=args.ep_size, ulysses_size=args.ulysses_size)
     runtime = twinkle.initialize(mode="local", global_device_mesh=mesh, timeout_s=30)
@@ -67,8 +69,10 @@ def main() -> None:
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "shared_expert_gate"]
     lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=targets, target_parameters=experts)
     lora.init_lora_weights = False  # B random too: every LoRA weight has a gradient from the first step
-    model.add_adapter_to_model("default", lora)
-    model.set_optimizer("AdamW", lr=1e-2, adapter_name="default")
+    name = None if args.full_parameter else "default"
+    if name is not None:
+        model.add_adapter_to_model(name, lora)
+    model.set_optimizer("AdamW", lr=1e-2, adapter_name=name)
     encoded = rows(model.tokenizer)
     share = len(encoded) // mesh.data_world_size
     mine = encoded[mesh.data_rank * share : (mesh.data_rank + 1) * share]
@@ -81,10 +85,14 @@ def main() -> None:
         steps.append({k: metric[k] for k in ("loss", "grad_norm", "samples", "supervised_tokens")})
     model.save("adapter", output_dir=args.out, adapter_name="default", save_optimizer=False)
     logps = model.forward_only(inputs=collate(encoded[:share], model.tokenizer.pad_token_id))["logps"]
-    held = {
-        name.replace("base_model.model.", ""): param.detach().contiguous()
+    named = {  # under the Hugging Face model's names
+        name.replace("base_model.model.", "").replace(".base_layer", ""): param
         for name, param in model.model.named_parameters()
-        if ".experts." in name
+    }
+    held = {  # the experts' own weights (their LoRA weights are FSDP2's shards)
+        name: param.detach().contiguous()
+        for name, param in named.items()
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj"))
     }
     save_file(held, str(Path(args.out, f"experts-{runtime.rank}.safetensors")))
     if runtime.rank == 0:

@@ -3,20 +3,20 @@ block of experts) equals one process on the same batch, for a tiny Qwen3-MoE, Qw
 Qwen3.5-MoE (8 experts, top-2; Qwen2-MoE not renormalised, Qwen2-MoE and Qwen3.5-MoE with a
 shared expert, Qwen3.5-MoE a linear-attention layer before its full-attention one).
 
-``ep_worker.py`` runs 3 LoRA steps (attention and the shared expert's gate) on 4 chat samples:
-each rank reads its share of them, holds 4 of the 8 experts of every MoE layer, and sends each
-token to the rank holding each expert it chose. The loss is the mean over every supervised token either
-way, so the per-step losses, gradient norms and an evaluation pass's logps agree up to
+``ep_worker.py`` runs 3 LoRA steps (attention and the shared expert's gate; with
+``target_parameters`` the experts too) on 4 chat samples: each rank reads its share of them,
+holds 4 of the 8 experts of every MoE layer, and sends each token to the rank holding each
+expert it chose. The loss is the mean over every supervised token either way, so the per-step losses, gradient norms and an evaluation pass's logps agree up to
 summation order: within ``run_loss_rtol`` of the tiny model's chain over the batch and the
 ranks' reduction (``tests/assets/tolerances.py``), relative. The adapter saved after the steps
-is within ``adamw_weight_atol`` of one process's. Each rank's expert weights are its own block
-of the checkpoint's experts, exactly (they are frozen). Tokens run through the neighbouring
+is within ``adamw_weight_atol`` of one process's, the experts' LoRA whole. Each rank's expert
+weights are its own block of the checkpoint's experts, exactly (they are frozen). Tokens run through the neighbouring
 expert of the rank's block move the first gradient norm three times past the bound (the random
 experts add little to the tiny model's output, so the loss moves less).
 
 What is refused before training, in one line on every rank: a dense model, an expert count
-ep_size does not divide, LoRA on the experts (``target_parameters``), routing replay and
-Ulysses with ep_size 2."""
+ep_size does not divide, full-parameter training (the experts' own weights), routing replay
+and Ulysses with ep_size 2."""
 
 import json
 import shutil
@@ -69,14 +69,18 @@ def _fused_experts(model_dir: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize(
-    ("family", "ranks"),
+    ("family", "ranks", "lora"),
+    [(family, 2, "attention") for family in sorted(BUILDERS)]
+    # LoRA on the experts too (target_parameters): each rank adds its block's update
+    + [("qwen3_moe", 2, "experts"), ("qwen3_5_moe", 2, "experts")]
     # 4 ranks: experts 0-3 on ranks 0 and 1, 4-7 on ranks 2 and 3; tokens go between 0 and 2, 1 and 3
-    [(family, 2) for family in sorted(BUILDERS)] + [("qwen3_moe", 4)],
+    + [("qwen3_moe", 4, "experts")],
 )
-def test_expert_parallel_equals_one_process(tiny_model_dir, tmp_path, launcher, family, ranks):
+def test_expert_parallel_equals_one_process(tiny_model_dir, tmp_path, launcher, family, ranks, lora):
     model_dir = BUILDERS[family](tiny_model_dir, tmp_path / family)
-    one = _run(launcher, model_dir, tmp_path / "one", 1)
-    two = _run(launcher, model_dir, tmp_path / "two", ranks)
+    extra = ["--target-parameters"] if lora == "experts" else []
+    one = _run(launcher, model_dir, tmp_path / "one", 1, extra)
+    two = _run(launcher, model_dir, tmp_path / "two", ranks, extra)
     assert two["world_size"] == ranks
     lengths = one["lengths"]
     rtol = run_loss_rtol(len(lengths), max(lengths), ranks)
@@ -96,7 +100,10 @@ def test_expert_parallel_equals_one_process(tiny_model_dir, tmp_path, launcher, 
             assert abs(x - y) <= rtol * max(1.0, abs(x)), (x, y, rtol)
     atol = adamw_weight_atol(LR, STEPS)
     assert one["adapter"].keys() == two["adapter"].keys() and one["adapter"]
-    assert not any("experts" in name for name in one["adapter"])
+    # the experts' LoRA is saved whole, as one process saves it: r x 8 experts rows of A
+    expert_lora = [name for name in one["adapter"] if ".experts." in name and "lora_A" in name]
+    assert len(expert_lora) == (4 if lora == "experts" else 0)
+    assert all(one["adapter"][name].shape[0] == 4 * EXPERTS for name in expert_lora)
     for name, weight in one["adapter"].items():
         assert (weight - two["adapter"][name]).abs().max() <= atol, name
     # each rank holds its own 4 of the 8 experts, as loaded (one process holds all 8)
@@ -140,7 +147,7 @@ def _without_weights(model_dir: Path, out: Path, **config_changes) -> Path:
     [
         ("dense", "ep_size=2: llama is a dense model (no experts to split)"),
         ("seven-experts", "ep_size=2 does not divide the model's 7 experts"),
-        ("expert-lora", "ep_size=2: the experts' weights do not train under expert parallelism"),
+        ("full-parameter", "ep_size=2: the experts' own weights do not train under expert parallelism"),
         ("replay", "enable_router_replay=True with ep_size=2"),
         ("ulysses", "ulysses_size=2 with ep_size=2"),
     ],
@@ -156,7 +163,7 @@ def test_what_expert_parallelism_refuses(tiny_model_dir, tmp_path, launcher, cas
     else:
         model_dir = build_qwen3_moe(tiny_model_dir, tmp_path / "moe")
         extra += {
-            "expert-lora": ["--target-parameters"],
+            "full-parameter": ["--full-parameter"],
             "replay": ["--router-replay"],
             "ulysses": ["--ulysses-size", "2"],
         }[case]

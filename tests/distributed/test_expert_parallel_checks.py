@@ -1,9 +1,9 @@
 """What expert parallelism refuses, in one line each, without starting any process: a dense
 model, an expert count ``ep_size`` does not divide, a family it does not run, routing replay and
 Ulysses beside it, upstream's ``expert_parallel`` options it cannot honour, a ``--ep-size`` the
-mesh left out, and expert weights that would train. The mesh plans ``ep_size`` for the model to
-run; the switch and the mesh agree or one of them is said once. (Two ranks:
-``test_expert_parallel.py``.)"""
+mesh left out, and the experts' own weights set to train (LoRA on them trains). The mesh plans
+``ep_size`` for the model to run; the switch and the mesh agree or one of them is said once.
+(Two ranks: ``test_expert_parallel.py``.)"""
 
 import json
 import logging
@@ -113,18 +113,17 @@ def test_upstreams_switch_and_options(caplog):
         assert needle in _one_line(info)
 
 
-@pytest.mark.parametrize("how", ["target_parameters", "full-parameter"])
-def test_expert_weights_that_would_train_are_one_line(how):
+def test_expert_weights_that_would_train_are_one_line():
     torch.manual_seed(0)
-    model = Qwen3MoeForCausalLM(_qwen3_moe())
-    if how == "target_parameters":
-        lora = LoraConfig(r=2, target_modules=["q_proj"], target_parameters=["mlp.experts.down_proj"])
-        model = get_peft_model(model, lora)
-    ep = ExpertParallel(group=type("G", (), {"size": 2})(), params=[], experts=8)
+    model = Qwen3MoeForCausalLM(_qwen3_moe())  # full-parameter: every weight trains
+    ep = ExpertParallel(type("G", (), {"size": 2, "rank": 0})(), [], 8, torch.device("cpu"))
     with pytest.raises(UserError) as info:
         ep.check_trainable(model)
-    assert "ep_size=2: the experts' weights do not train under expert parallelism" in _one_line(info)
-    if how == "target_parameters":  # LoRA on attention only trains
-        ep.check_trainable(
-            get_peft_model(Qwen3MoeForCausalLM(_qwen3_moe()), LoraConfig(r=2, target_modules=["q_proj"]))
-        )
+    assert "ep_size=2: the experts' own weights do not train under expert parallelism" in _one_line(info)
+    # LoRA on the experts trains their LoRA weights, the experts' own stay frozen
+    lora = LoraConfig(
+        r=2,
+        target_modules=["q_proj"],
+        target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+    )
+    ep.check_trainable(get_peft_model(model, lora))

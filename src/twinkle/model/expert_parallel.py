@@ -4,21 +4,24 @@
 For the families whose experts transformers keeps as fused 3-D weights behind one call,
 ``experts(hidden, top_k_index, top_k_weights)`` (``FAMILIES``): each rank keeps the
 ``ep_rank``-th of N contiguous blocks of every MoE layer's experts (``gate_up_proj`` and
-``down_proj`` sliced along the expert dimension when the model is built), and the experts'
-forward on this instance is replaced by an exchange (``twinkle.distributed.expert_parallel``):
-each (token, chosen expert) pair is sent to the rank of the exchange group that holds the
-expert, run there, sent back, weighted and summed in the family's order (ascending expert).
-The router, its routing weights (the family's softmax in fp32, renormalised where the family
-does) and its logits, hence the auxiliary loss computed from them, are the family's own and run
-on every rank's own tokens.
+``down_proj`` sliced along the expert dimension when the model is placed, once its adapters are
+attached), and the experts' forward on this instance is replaced by an exchange
+(``twinkle.distributed.expert_parallel``): each (token, chosen expert) pair is sent to the rank
+of the exchange group that holds the expert, run there, sent back, weighted and summed in the
+family's order (ascending expert). The router, its routing weights (the family's softmax in
+fp32, renormalised where the family does) and its logits, hence the auxiliary loss computed
+from them, are the family's own and run on every rank's own tokens.
 
 FSDP2 shards every other weight as before; the expert blocks are left out of its units
-(``ignored_params``). They are frozen: LoRA trains the layers named in ``target_modules``
-(attention, the shared expert's gate; PEFT maps ``'all-linear'`` and the MLP names
-``gate_proj``, ``up_proj``, ``down_proj`` onto the experts too), so the expert blocks are identical on the
-ranks that hold the same block and need no gradient reduction, and a saved adapter is what one
-process saves. Training the experts themselves (full-parameter training, or LoRA on them
-through ``target_parameters``) under ``ep_size > 1`` is refused in one line.
+(``ignored_params``), so they are never gathered. The experts' own weights are frozen, so the
+ranks that hold the same block keep the same weights. LoRA on the experts (PEFT's
+``target_parameters``, or ``'all-linear'``, which PEFT maps onto them) is made over all the
+experts before the split, so its weights, their initialisation and the saved adapter are one
+process's; FSDP2 shards them like any LoRA weight, and each rank adds only its block's update
+(``_block_updates``). A LoRA weight's gradient is then nonzero only in the blocks of the
+experts a rank holds, with every token routed to them; FSDP2's reduction over all ranks sums
+each expert's tokens over the ranks that hold it, as one process does. Full-parameter
+training under ``ep_size > 1`` is refused in one line.
 
 One line each, before the weights load where the model is a local folder: a model without
 experts, N not dividing the expert count, a family not in ``FAMILIES``, routing replay or
@@ -142,24 +145,82 @@ def check_folder(model_id: Any, config: Any, size: int, replay: bool, ulysses_si
 
 
 class ExpertParallel:
-    """A model's exchange group and the expert blocks this rank holds (``params``, which FSDP2
-    leaves out of its units)."""
+    """A model's exchange group and its MoE layers' experts modules; ``split`` keeps this rank's
+    block of them once the adapters are attached."""
 
-    def __init__(self, group: ExpertGroup, params: list[torch.nn.Parameter], experts: int):
+    def __init__(
+        self, group: ExpertGroup, modules: list[torch.nn.Module], experts: int, device: torch.device
+    ):
         self.group = group
-        self.params = params
+        self.modules = modules
         self.experts = experts
+        self.device = device
+        self.params: list[torch.nn.Parameter] = []  # this rank's expert blocks, once split
+
+    @property
+    def block(self) -> tuple[int, int]:
+        """The experts this rank holds: ``range(*block)``."""
+        local = self.experts // self.group.size
+        return self.group.rank * local, (self.group.rank + 1) * local
 
     def check_trainable(self, model: torch.nn.Module) -> None:
-        """One line when a weight of the experts would train (full-parameter training, or LoRA
-        on them through ``target_parameters``)."""
+        """One line when an expert's own weight would train (full-parameter training)."""
         for name, param in model.named_parameters():
-            if param.requires_grad and ".experts." in f".{name}":
+            own = name.replace(".base_layer", "")  # a LoRA wrapper's base weight: the expert's own
+            if param.requires_grad and own.endswith((".experts.gate_up_proj", ".experts.down_proj")):
                 raise UserError(
-                    f"ep_size={self.group.size}: the experts' weights do not train under expert parallelism "
-                    f"({name} would); name the other layers in target_modules (PEFT maps 'all-linear', gate_proj, "
-                    "up_proj and down_proj onto the experts) without target_parameters, or use ep_size=1"
+                    f"ep_size={self.group.size}: the experts' own weights do not train under expert parallelism "
+                    f"({name} would); train a LoRA adapter (target_parameters reaches the experts), or use ep_size=1"
                 )
+
+    def split(self, model: torch.nn.Module) -> set[torch.nn.Parameter]:
+        """Keep this rank's block of every MoE layer's experts, exchange tokens in their forward,
+        and make each expert LoRA (PEFT's ``ParamWrapper`` on ``gate_up_proj``/``down_proj``, made
+        over all the experts, so its weights and their initialisation are one process's) add only
+        its block's update. Returns the expert blocks, which FSDP2 leaves out. Called on every
+        placement (each adapter added); the experts are split once."""
+        self.check_trainable(model)
+        start, end = self.block
+        if not self.params:
+            for module in self.modules:
+                for name in ("gate_up_proj", "down_proj"):
+                    self.params.append(_keep_block(module, name, start, end, self.device))
+                module.forward = types.MethodType(_exchanging_forward(self.group, self.experts), module)
+            logger.info(f"expert parallelism: experts {start}..{end - 1} of {self.experts} on this rank")
+        owned = {id(m) for m in self.modules}
+        for wrapper in model.modules():
+            if not hasattr(wrapper, "get_delta_factors") or id(wrapper.get_base_layer()) not in owned:
+                continue
+            if getattr(wrapper, "num_experts", None) != self.experts:
+                raise UserError(
+                    f"ep_size={self.group.size}: LoRA on the experts must be attached before the experts are split "
+                    "(the first adapter); add the adapters that reach the experts first"
+                )
+            if not getattr(wrapper, "_twinkle_block", None):
+                _block_updates(wrapper, start, end)
+        return set(self.params)
+
+
+def _block_updates(wrapper: Any, start: int, end: int) -> None:
+    """``wrapper`` (a PEFT ``ParamWrapper`` over all the experts) adds only the update of experts
+    ``start..end - 1``: its factors sliced along the expert dimension, before the product.
+    Under FSDP2 its LoRA weights are whole in the forward; the gradient of each rank's block
+    reaches the other ranks through FSDP2's reduction, which sums each expert's tokens over the
+    ranks that hold it."""
+    full_factors = wrapper.get_delta_factors
+
+    def get_delta_factors(adapter_name: str) -> tuple[torch.Tensor, torch.Tensor, float]:
+        lhs, rhs, scaling = full_factors(adapter_name)
+        return lhs[start:end], rhs[start:end], scaling
+
+    def get_delta_weight(adapter_name: str, *args: Any, **kwargs: Any) -> torch.Tensor:
+        lhs, rhs, scaling = get_delta_factors(adapter_name)
+        param = wrapper.get_param()
+        return (torch.bmm(lhs, rhs) * scaling).to(param.device, param.dtype)
+
+    wrapper.get_delta_factors = get_delta_factors
+    wrapper.get_delta_weight = get_delta_weight
+    wrapper._twinkle_block = (start, end)
 
 
 def _expert_modules(lm: torch.nn.Module) -> list[torch.nn.Module]:
@@ -179,8 +240,9 @@ def _keep_block(module: torch.nn.Module, name: str, start: int, end: int, device
 
 
 def install(lm: Any, mesh: DeviceMesh, rank: int, device: torch.device, checkpointing: Any) -> ExpertParallel:
-    """Split ``lm``'s experts (a ``*ForCausalLM``, before adapters and sharding) over ``mesh``'s
-    expert groups. Every rank calls it (it creates the process groups). Activation
+    """Set up expert parallelism on ``lm`` (a ``*ForCausalLM``, before adapters and sharding) over
+    ``mesh``'s expert groups; ``ExpertParallel.split`` then keeps this rank's experts when the
+    model is placed. Every rank calls it (it creates the process groups). Activation
     checkpointing left to ``auto`` is turned off: a rank recomputing a layer in the backward
     exchanges tokens again, so every rank must decide alike (``on`` does)."""
     size = mesh.ep_size
@@ -190,17 +252,7 @@ def install(lm: Any, mesh: DeviceMesh, rank: int, device: torch.device, checkpoi
         raise UserError(
             f"ep_size={size}: no module of {type(lm).__name__} holds fused expert weights (gate_up_proj, down_proj)"
         )
-    group = expert_group(mesh, rank)
-    experts = modules[0].gate_up_proj.shape[0]
-    local = experts // size
-    start = group.rank * local
-    params = []
-    for module in modules:
-        params += [
-            _keep_block(module, n, start, start + local, device) for n in ("gate_up_proj", "down_proj")
-        ]
-        module.forward = types.MethodType(_exchanging_forward(group, experts), module)
-    ep = ExpertParallel(group, params, experts)
+    ep = ExpertParallel(expert_group(mesh, rank), modules, modules[0].gate_up_proj.shape[0], device)
     setattr(lm, ATTRIBUTE, ep)
     if checkpointing.mode == "auto":
         checkpointing.mode = "off"
@@ -209,7 +261,6 @@ def install(lm: Any, mesh: DeviceMesh, rank: int, device: torch.device, checkpoi
             "recomputed layer exchanges tokens again); activation_checkpointing='on' recomputes every layer",
             size,
         )
-    logger.info(f"expert parallelism: experts {start}..{start + local - 1} of {experts} on this rank")
     return ep
 
 

@@ -232,9 +232,8 @@ class TransformersModel(InputsAPI, MetricsAPI, OptimizerStepAPI, Checkpoints):
             lm = causal_lm_of(self.model)
             own = getattr(type(lm), "_no_split_modules", None) if self.strategy == "ddp" else None
             ignored = None
-            if self.expert_parallel is not None:  # the expert blocks stay whole on their ranks
-                self.expert_parallel.check_trainable(self.model)
-                ignored = set(self.expert_parallel.params)
+            if self.expert_parallel is not None:  # this rank's experts, left out of FSDP2's units
+                ignored = self.expert_parallel.split(self.model)
             apply_fsdp2(lm, self.runtime.mesh, self.device, sharded_layers(lm), own, ignored)
             # Every rank drew the same LoRA initialisation (one seed); from here on each rank
             # needs its own stream, or all ranks would draw the same dropout masks.
