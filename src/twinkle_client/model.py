@@ -285,7 +285,8 @@ class MultiLoraTransformersModel:
         if _task(task) == "embedding":
             if not _embeds(a.loss):
                 raise ValueError(
-                    f"task='embedding' needs a loss over embeddings (set_loss('InfonceLoss', ...)), not {a.loss_name}"
+                    f"task='embedding' needs a loss over embeddings for embedding training "
+                    f"(set_loss('InfonceLoss', ...)), not {a.loss_name}"
                 )
             return self._embedding_step(a, inputs, training=True)
         if _embeds(a.loss):
