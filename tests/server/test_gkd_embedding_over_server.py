@@ -209,9 +209,18 @@ def test_embedding_through_the_sdk_returns_the_local_embeddings_and_refuses_by_n
     assert "needs loss_fn_inputs['labels']" in refused(unmarked, config)
     assert "takes no argument 'gamma'" in refused(data, {**config, "gamma": 1.0})
     assert "trains embeddings" in refused(data, {"twinkle_loss": "InfonceLoss"})
+    zero = types.TensorData.from_numpy(np.zeros(1, dtype=np.int64))
+    anchorless = [types.Datum(model_input=d.model_input, loss_fn_inputs={"labels": zero}) for d in data]
+    assert "first row must start a group" in refused(anchorless, config)
 
     tensors = teacher(server.app.state.server.engine.vocab)
     gkd = {"twinkle_loss": "GKDLoss"}
+    scored = tc.forward(
+        [gkd_datum(r, b, tensors) for b, r in enumerate(ROWS)], "cross_entropy", loss_fn_config=gkd
+    )
+    model.set_loss(GKDLoss(), adapter_name=adapter_of(server, tc.model_id))
+    evaluated = model.forward_only(ROWS, adapter_name=adapter_of(server, tc.model_id), **tensors)
+    assert scored.result().metrics["loss:mean"] == pytest.approx(float(evaluated), rel=1e-5)
     datum = gkd_datum(ROWS[0], 0, tensors)
     flat = {**datum.loss_fn_inputs}
     flat["teacher_topk_indices"] = types.TensorData.from_numpy(
