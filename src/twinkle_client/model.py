@@ -252,7 +252,7 @@ class MultiLoraTransformersModel:
         if a.loss is None or (a.loss_name == "CrossEntropyLoss" and not a.loss_args):
             return dict(TOKEN_MEAN)
         config: dict[str, Any] = {"twinkle_loss": a.loss_name, **TOKEN_MEAN}
-        if _embeds(a.loss):
+        if tasks.embeds(a.loss):
             config.update(tasks.TASK)
         for k, v in a.loss_args.items():
             if v is None:
@@ -282,14 +282,14 @@ class MultiLoraTransformersModel:
         embeddings). ``teacher_topk_logprobs``/``teacher_topk_indices``: ``GKDLoss``'s teacher,
         ``(B, L, k)`` in the local layout (``twinkle_client.tasks``)."""
         a = self._get(adapter_name)
-        if _task(task) == "embedding":
-            if not _embeds(a.loss):
+        if tasks.task_of(task) == "embedding":
+            if not tasks.embeds(a.loss):
                 raise ValueError(
                     f"task='embedding' needs a loss over embeddings for embedding training "
                     f"(set_loss('InfonceLoss', ...)), not {a.loss_name}"
                 )
             return self._embedding_step(a, inputs, training=True)
-        if _embeds(a.loss):
+        if tasks.embeds(a.loss):
             raise ValueError(f"{a.loss_name} trains embeddings; run the step with task='embedding'")
         rows = self._rows(a, inputs)
         labels = batches.labels_of(rows)
@@ -298,17 +298,7 @@ class MultiLoraTransformersModel:
             a, labels, {"ref_logps": ref, "old_logps": old_logps, "advantages": advantages}
         )
         config = self._config(a)
-        teacher = (teacher_topk_logprobs, teacher_topk_indices)
-        if a.loss_name == "GKDLoss":
-            if any(t is None for t in teacher):
-                raise ValueError(
-                    "GKDLoss needs the teacher: teacher_topk_logprobs= and teacher_topk_indices="
-                )
-            data = tasks.teacher_datums(rows, *teacher)
-        elif any(t is not None for t in teacher):
-            raise ValueError(f"{a.loss_name} does not read the teacher's top-k; set_loss('GKDLoss', ...)")
-        else:
-            data = batches.datums_of(rows, values)
+        data = tasks.step_datums(a.loss_name, rows, values, teacher_topk_logprobs, teacher_topk_indices)
         out = a.run.forward_backward(data, "cross_entropy", config).result()
         logps = batches.logps_per_label(rows, [o["logprobs"].tolist() for o in out.loss_fn_outputs])
         total = float(out.metrics["loss:sum"])
@@ -334,7 +324,7 @@ class MultiLoraTransformersModel:
         ``task='embedding'``: ``{"embeddings": (B, D), "loss", "num_tokens"}``, the loss (NaN
         without one) when an embedding loss is set and the rows' marks form groups."""
         a = self._get(adapter_name)
-        if _task(task) == "embedding":
+        if tasks.task_of(task) == "embedding":
             if disable_lora:
                 raise ValueError(
                     "forward_only(task='embedding'): disable_lora is not supported over twinkle server"
@@ -358,7 +348,7 @@ class MultiLoraTransformersModel:
         the added metrics see the marks, the embeddings and the loss, as the local ones do."""
         data, marks = tasks.embedding_datums(inputs, marks=training)
         config = dict(tasks.TASK)
-        if _embeds(a.loss):
+        if tasks.embeds(a.loss):
             config = self._config(a)
         if training:
             out = a.run.forward_backward(data, "cross_entropy", config).result()
@@ -510,18 +500,6 @@ class MultiLoraTransformersModel:
 
     def remove_adapter(self, adapter_name: str) -> None:
         self.adapters.pop(adapter_name)
-
-
-def _task(task: str | None) -> str:
-    if task not in (None, "causal_lm", "embedding"):
-        raise ValueError(
-            f"task={task!r}: over twinkle server a step runs 'causal_lm' (the default) or 'embedding'"
-        )
-    return task or "causal_lm"
-
-
-def _embeds(loss: Any) -> bool:
-    return getattr(loss, "consumes", None) == "embeddings"
 
 
 def _window(steps: Any) -> int:

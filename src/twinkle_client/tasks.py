@@ -18,6 +18,20 @@ LOGPS, INDICES = "teacher_topk_logprobs", "teacher_topk_indices"
 TASK = {"twinkle_task": "embedding"}
 
 
+def task_of(task: str | None) -> str:
+    """``'causal_lm'`` or ``'embedding'``, the steps the server runs (None: the first)."""
+    if task not in (None, "causal_lm", "embedding"):
+        raise ValueError(
+            f"task={task!r}: over twinkle server a step runs 'causal_lm' (the default) or 'embedding'"
+        )
+    return task or "causal_lm"
+
+
+def embeds(loss: Any) -> bool:
+    """Whether ``loss`` trains embeddings (``InfonceLoss``)."""
+    return getattr(loss, "consumes", None) == "embeddings"
+
+
 def _teacher_tensor(name: str, value: Any, rows: int, dtype: torch.dtype) -> torch.Tensor:
     tensor = torch.as_tensor(value).to(dtype)
     if tensor.ndim != 3 or tensor.shape[0] != rows:
@@ -46,6 +60,19 @@ def teacher_datums(rows: list[dict[str, list[int]]], logps: Any, indices: Any) -
             part[:have] = tensor[b, :have]
             datum.loss_fn_inputs[name] = types.TensorData.from_numpy(np.ascontiguousarray(part.numpy()))
     return data
+
+
+def step_datums(loss_name: str, rows: list[dict], values: dict, logps: Any, indices: Any) -> list[Any]:
+    """A causal step's datums: the teacher's with ``GKDLoss`` (which needs it), else the rows'
+    with the step's ``values`` (``batches.datums_of``); a teacher another loss would not read is
+    a ``ValueError``."""
+    if loss_name == "GKDLoss":
+        if logps is None or indices is None:
+            raise ValueError("GKDLoss needs the teacher: teacher_topk_logprobs= and teacher_topk_indices=")
+        return teacher_datums(rows, logps, indices)
+    if logps is not None or indices is not None:
+        raise ValueError(f"{loss_name} does not read the teacher's top-k; set_loss('GKDLoss', ...)")
+    return batches.datums_of(rows, values)
 
 
 def embedding_datums(inputs: Any, marks: bool) -> tuple[list[Any], torch.Tensor]:
