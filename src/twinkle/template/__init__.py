@@ -1,9 +1,12 @@
 """Templates turn chat messages into ``input_ids``/``labels`` for one tokenizer.
 
 Public names: ``Template``, ``Qwen3_5Template``, ``Qwen2_5VLTemplate`` (images in messages,
-encoded as the model's own processor encodes them), ``TEMPLATES``, ``get_template``, ``TRUNCATION_STRATEGIES``."""
+encoded as the model's own processor encodes them), ``DeepseekV4Template`` (DeepSeek-V4's chat
+format: chat and thinking modes, DSML tool calls), ``TEMPLATES``, ``get_template``,
+``TRUNCATION_STRATEGIES``."""
 
 from twinkle.template.base import TRUNCATION_STRATEGIES, Template
+from twinkle.template.deepseek_v4 import DeepseekV4Template
 from twinkle.template.qwen import Qwen3_5Template
 from twinkle.template.registry import TEMPLATES, get_template
 from twinkle.template.vision import Qwen2_5VLTemplate
@@ -12,6 +15,7 @@ __all__ = [
     "Template",
     "Qwen3_5Template",
     "Qwen2_5VLTemplate",
+    "DeepseekV4Template",
     "TEMPLATES",
     "get_template",
     "TRUNCATION_STRATEGIES",

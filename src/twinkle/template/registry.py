@@ -4,6 +4,7 @@ import inspect
 from typing import Any
 
 from twinkle.template.base import Template
+from twinkle.template.deepseek_v4 import DeepseekV4Template
 from twinkle.template.qwen import Qwen3_5Template
 from twinkle.template.vision import Qwen2_5VLTemplate
 from twinkle.utils.errors import UserError
@@ -12,11 +13,11 @@ TEMPLATES: dict[str, type[Template]] = {
     "Template": Template,
     "Qwen3_5Template": Qwen3_5Template,
     "Qwen2_5VLTemplate": Qwen2_5VLTemplate,
+    "DeepseekV4Template": DeepseekV4Template,
 }
 # template names upstream's cookbooks use that name a capability not built here
 NOT_YET = {
     "Gemma4Template": "multimodal templates (images in messages, through the model's AutoProcessor)",
-    "DeepseekV4Template": "DeepSeek-V4's chat format",
 }
 
 
