@@ -1,6 +1,5 @@
-import io
-
 import pytest
+from vl_pictures import png_bytes
 
 
 @pytest.fixture(scope="session")
@@ -9,14 +8,6 @@ def tiny_vl_dir(tmp_path_factory):
     from tiny_vl import build_tiny_vl
 
     return build_tiny_vl(tmp_path_factory.mktemp("tiny-vl"))
-
-
-def png_bytes(size=(32, 32), colour=(200, 30, 30)) -> bytes:
-    from PIL import Image
-
-    buffer = io.BytesIO()
-    Image.new("RGB", size, colour).save(buffer, format="PNG")
-    return buffer.getvalue()
 
 
 @pytest.fixture

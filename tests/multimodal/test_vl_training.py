@@ -75,7 +75,7 @@ def _model(tiny_vl_dir, lora=None):
 
 @pytest.fixture(scope="module")
 def rows(tiny_vl_dir):
-    from conftest import png_bytes
+    from vl_pictures import png_bytes
 
     return _rows(
         get_template("Qwen2_5VLTemplate", str(tiny_vl_dir)), lambda size, colour: png_bytes(size, colour)
