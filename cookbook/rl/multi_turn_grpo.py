@@ -26,9 +26,9 @@ every reward was 0 and GRPO had no signal; with them about a third of its sample
 
 import os
 import random
-import sys
 import time
 
+from multi_turn_task import MAX_TURNS, evaluate, play, sizes, success
 from peft import LoraConfig
 
 import twinkle
@@ -40,14 +40,9 @@ from twinkle.loss import GRPOLoss
 from twinkle.metric import CompletionRewardMetric
 from twinkle.model import TransformersModel
 from twinkle.sampler import TorchSampler
-from twinkle_agentic.envs import ArithmeticEnv, EnvPool, EnvTool, answer_reward
+from twinkle_agentic.envs import ArithmeticEnv, EnvPool
 from twinkle_agentic.rollout import MultiTurnRollout
-from twinkle_agentic.tools import ToolManager
 
-SYSTEM = "You answer arithmetic questions with the calculator tool: call it, then reply with its result."
-# Defaults sized for a CPU: a step plays 4 questions x 4 trajectories of at most 3 replies of 40 tokens
-DEFAULTS = {"max_steps": 6, "max_tokens": 40, "batch_size": 4, "num_generations": 4, "warmup": 2}
-MAX_TURNS = 3
 ENV_NUM_WORKERS = int(os.environ.get("ENV_NUM_WORKERS", "0"))  # upstream's switch: Ray workers for the envs
 
 logger = get_logger()
@@ -55,63 +50,7 @@ args = CLI.from_args()
 twinkle.initialize(mode="local", global_device_mesh=DeviceMesh.from_sizes(world_size=1))
 
 
-def given(flag: str) -> bool:
-    """Whether ``--flag`` was on the command line (a shared default then does not apply)."""
-    return any(a == flag or a.startswith(flag + "=") for a in sys.argv[1:])
-
-
-MAX_STEPS = args.training.max_steps or DEFAULTS["max_steps"]
-MAX_TOKENS = args.sampling.max_tokens or DEFAULTS["max_tokens"]
-BATCH = args.training.batch_size if given("--batch-size") else DEFAULTS["batch_size"]
-G = args.rl.num_generations if given("--num-generations") else DEFAULTS["num_generations"]
-WARMUP = args.scheduler.num_warmup_steps if given("--num-warmup-steps") else DEFAULTS["warmup"]
-HELD_OUT = args.training.eval_samples or 24  # questions, seeds apart from the training ones
-
-
-def solved(a: int, b: int) -> list[dict]:
-    """One solved question as conversation turns: the call, the result, the answer."""
-    call = f'<tool_call>[{{"name": "calculator", "arguments": {{"expression": "{a} * {b}"}}}}]</tool_call>'
-    return [
-        {"role": "user", "content": f"What is {a} * {b}?"},
-        {"role": "assistant", "content": call},
-        {"role": "tool", "content": str(a * b)},
-        {"role": "assistant", "content": f"{a} * {b} = {a * b}"},
-    ]
-
-
-def trajectory(question: str, answer: int) -> dict:
-    messages = [{"role": "system", "content": SYSTEM}, *solved(12, 34), *solved(57, 21)]
-    return {"messages": [*messages, {"role": "user", "content": question}], "user_data": {"answer": answer}}
-
-
-def success(record: dict) -> float:
-    """1.0 when the trajectory ends with an answer whose last number is the product."""
-    if record["stop_reason"] != "answer":
-        return 0.0
-    return answer_reward(record["messages"][-1]["content"], record["user_data"]["answer"])
-
-
-def play(rollout: MultiTurnRollout, pool: EnvPool, seeds: list[int], params: SamplingParams) -> list[dict]:
-    """One episode per seed, each in its own slot, played out."""
-    adapters = pool.get_adapters(len(seeds))
-    starts = [a.reset(seed=s) for a, s in zip(adapters, seeds, strict=True)]
-    managers = [ToolManager(EnvTool.from_env(a), format="smollm2", timeout=5) for a in adapters]
-    prompts = [trajectory(s.observation, s.info["answer"]) for s in starts]
-    return rollout(prompts, tool_manager=managers, sampling_params=params)
-
-
-def evaluate(rollout: MultiTurnRollout, pool: EnvPool) -> float:
-    """Greedy success on the held-out questions."""
-    seeds = [1_000_000 + i for i in range(HELD_OUT)]
-    records = []
-    for start in range(0, HELD_OUT, pool.pool_size):
-        records += play(
-            rollout,
-            pool,
-            seeds[start : start + pool.pool_size],
-            SamplingParams(max_tokens=MAX_TOKENS, temperature=0),
-        )
-    return sum(success(r) for r in records) / len(records)
+MAX_STEPS, MAX_TOKENS, BATCH, G, WARMUP, HELD_OUT = sizes(args)  # held-out: seeds apart from training's
 
 
 def build_model() -> TransformersModel:
@@ -132,7 +71,7 @@ def main() -> None:
     rollout = MultiTurnRollout(sampler, max_turns=MAX_TURNS, reward_fn=success)
     metric = CompletionRewardMetric()
     model.add_metric(metric, is_training=True)
-    base = evaluate(rollout, pool)
+    base = evaluate(rollout, pool, HELD_OUT, MAX_TOKENS)
     logger.info(f"held-out greedy success before training: {base:.3f}")
     order = random.Random(args.infra.seed)
     for step in range(1, MAX_STEPS + 1):
@@ -159,7 +98,7 @@ def main() -> None:
             f"clean_call={sum(calls) / len(calls):.3f} turns={roll.turns / len(records):.2f} "
             f"errors={sum(roll.errors.values())} loss={out['loss']:.4f} grad_norm={out['grad_norm']:.3f}"
         )
-    after = evaluate(rollout, pool)
+    after = evaluate(rollout, pool, HELD_OUT, MAX_TOKENS)
     model.save("last-checkpoint", output_dir=args.training.output_dir)
     pool.close()
     logger.info(f"held-out greedy success: {base:.3f} before, {after:.3f} after")
