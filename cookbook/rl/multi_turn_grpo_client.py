@@ -11,7 +11,8 @@ SmolLM2-135M-Instruct, its runs and checkpoints under ``<output-dir>/server``) a
 end, also when the run fails. A running server is reached with ``TWINKLE_SERVER_TOKEN`` (default
 ``EMPTY_TOKEN``, what a server without keys takes).
 
-The task, prompts, rewards and sizes are ``multi_turn_task``'s, as in ``multi_turn_grpo.py``.
+The task, prompts, rewards and sizes are ``multi_turn_task``'s, as in ``multi_turn_grpo.py``,
+with 16 held-out questions rather than 24: the server samples each reply as a request of its own.
 Every step: ``save(name, is_sampler=True)`` the adapter (the server samples from a saved
 checkpoint), play the episodes with ``ClientMultiTurnRollout`` through ``vLLMSampler`` on that
 checkpoint (the environments and tools run here), ``GRPOAdvantage`` per group,
@@ -27,6 +28,7 @@ The server's LoRA is on every linear layer, alpha 32, no dropout; only ``--lora-
 import contextlib
 import os
 import random
+import signal
 import socket
 import subprocess
 import sys
@@ -37,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from multi_turn_task import MAX_TURNS, evaluate, play, sizes, success
+from multi_turn_task import DEFAULTS, MAX_TURNS, evaluate, play, sizes, success
 
 from twinkle import get_logger
 from twinkle.advantage import GRPOAdvantage
@@ -51,6 +53,11 @@ from twinkle_client.rollout import ClientMultiTurnRollout
 from twinkle_client.sampler import vLLMSampler
 
 STARTUP_S = 300  # loading the model on a shared CPU
+# The server samples one request of a key at a time, so each reply is a request of its own (no
+# batch across trajectories as with the local sampler): 16 held-out questions rather than 24 keep
+# the two evaluations short. With 2 questions x 4 trajectories a step, most steps had no
+# successful trajectory at all (equal rewards: no gradient), so the steps keep the local sizes.
+CLIENT_DEFAULTS = {**DEFAULTS, "held_out": 16}
 
 
 def pop_flag(flag: str) -> str | None:
@@ -74,7 +81,7 @@ def pop_flag(flag: str) -> str | None:
 BASE_URL = pop_flag("--base-url") or os.environ.get("TWINKLE_SERVER_URL")
 logger = get_logger()
 args = CLI.from_args()
-MAX_STEPS, MAX_TOKENS, BATCH, G, WARMUP, HELD_OUT = sizes(args)
+MAX_STEPS, MAX_TOKENS, BATCH, G, WARMUP, HELD_OUT = sizes(args, CLIENT_DEFAULTS)
 
 
 def free_port() -> int:
@@ -210,6 +217,7 @@ def train(rollout: ClientMultiTurnRollout, sampler: OnCheckpoint, pool: EnvPool)
 
 def main() -> None:
     start = time.perf_counter()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a kill still stops the child server
     with server() as url:
         init_twinkle_client(base_url=url, api_key=os.environ.get("TWINKLE_SERVER_TOKEN") or "EMPTY_TOKEN")
         client_sampler = vLLMSampler()

@@ -15,7 +15,14 @@ from twinkle_agentic.tools import ToolManager
 
 SYSTEM = "You answer arithmetic questions with the calculator tool: call it, then reply with its result."
 # Defaults sized for a CPU: a step plays 4 questions x 4 trajectories of at most 3 replies of 40 tokens
-DEFAULTS = {"max_steps": 6, "max_tokens": 40, "batch_size": 4, "num_generations": 4, "warmup": 2}
+DEFAULTS = {
+    "max_steps": 6,
+    "max_tokens": 40,
+    "batch_size": 4,
+    "num_generations": 4,
+    "warmup": 2,
+    "held_out": 24,
+}
 MAX_TURNS = 3
 HELD_OUT_SEED = 1_000_000  # held-out questions' seeds start here, apart from the training ones
 
@@ -25,16 +32,16 @@ def given(flag: str) -> bool:
     return any(a == flag or a.startswith(flag + "=") for a in sys.argv[1:])
 
 
-def sizes(args) -> tuple[int, int, int, int, int, int]:
+def sizes(args, defaults: dict = DEFAULTS) -> tuple[int, int, int, int, int, int]:
     """Steps, tokens per reply, questions per step, trajectories per question, warm-up steps,
-    held-out questions: the flags given, else ``DEFAULTS``."""
+    held-out questions: the flags given, else ``defaults``."""
     return (
-        args.training.max_steps or DEFAULTS["max_steps"],
-        args.sampling.max_tokens or DEFAULTS["max_tokens"],
-        args.training.batch_size if given("--batch-size") else DEFAULTS["batch_size"],
-        args.rl.num_generations if given("--num-generations") else DEFAULTS["num_generations"],
-        args.scheduler.num_warmup_steps if given("--num-warmup-steps") else DEFAULTS["warmup"],
-        args.training.eval_samples or 24,
+        args.training.max_steps or defaults["max_steps"],
+        args.sampling.max_tokens or defaults["max_tokens"],
+        args.training.batch_size if given("--batch-size") else defaults["batch_size"],
+        args.rl.num_generations if given("--num-generations") else defaults["num_generations"],
+        args.scheduler.num_warmup_steps if given("--num-warmup-steps") else defaults["warmup"],
+        args.training.eval_samples or defaults["held_out"],
     )
 
 
