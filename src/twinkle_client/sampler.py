@@ -32,7 +32,7 @@ class Sampler:
         max_tokens: int = 16,
         temperature: float = 1.0,
         num_samples: int = 1,
-        seed: int = 0,
+        seed: int | None = None,
         top_p: float = 1.0,
         top_k: int = -1,
         stop: Any = None,
@@ -100,7 +100,10 @@ class vLLMSampler:  # noqa: N801 (upstream's name)
     def sample(
         self, inputs: Any, sampling_params: Any = None, adapter_uri: str | None = None
     ) -> list[SampleResponse]:
-        """One response per input row, each with ``num_samples`` sequences."""
+        """One response per input row, each with ``num_samples`` sequences. Each row is its own
+        request: with ``seed`` given, row ``i`` is seeded ``seed + i``, so rows with equal prompts
+        (a GRPO group) draw different samples, as a local sampler's rows do; without, the server
+        draws unseeded."""
         params = dict(sampling_params or {})
         if hasattr(sampling_params, "__dataclass_fields__"):
             params = {k: getattr(sampling_params, k) for k in sampling_params.__dataclass_fields__}
@@ -115,9 +118,11 @@ class vLLMSampler:  # noqa: N801 (upstream's name)
         sampler = self._samplers[adapter_uri]
         rows = inputs if isinstance(inputs, list) else [inputs]
         out = []
-        for row in rows:
+        for i, row in enumerate(rows):
             prompt = self._prompt(row)
             given = {k: v for k, v in params.items() if v is not None}
+            if "seed" in given:  # each row is a request of its own: equal prompts must not draw alike
+                given["seed"] = int(given["seed"]) + i
             sequences = []
             for s in sampler.sample(prompt, **given):
                 tokens = s["tokens"]

@@ -163,6 +163,21 @@ def test_grpo_with_sampled_rows_matches_in_process(keyless, tiny_model_dir):
     _same_adapter(state, local.slots.export(name))
 
 
+def test_equal_prompts_in_one_call_draw_different_samples(keyless):
+    """Each row is a request of its own: a seeded call seeds row i with seed + i (a GRPO group's
+    rows are the same prompt; one seed for all would draw the same tokens for each)."""
+    from twinkle_client.sampler import vLLMSampler
+
+    _client(keyless)
+    sampler = vLLMSampler()
+    params = {"max_tokens": 8, "temperature": 1.0, "seed": 3}
+    group = sampler.sample(inputs=[{"input_ids": [5, 6, 7]}] * 3, sampling_params=params)
+    tokens = [tuple(r.sequences[0].tokens) for r in group]
+    assert len(set(tokens)) == 3, tokens
+    again = sampler.sample(inputs=[{"input_ids": [5, 6, 7]}] * 3, sampling_params=params)
+    assert [tuple(r.sequences[0].tokens) for r in again] == tokens  # still seeded: the same draws
+
+
 def test_misread_keywords_are_refused(keyless):
     from twinkle_client.model import MultiLoraTransformersModel
 
