@@ -27,13 +27,13 @@ datums (``twinkle_client.batches``). The step is the local one:
   gradient norm."""
 
 import os
-import warnings
 from typing import Any
 
 import torch
 
 from twinkle.server.common import local_model_id, serves
 from twinkle_client import batches, tasks
+from twinkle_client.adapter import Adapter, warn_unapplied, window_steps
 from twinkle_client.connection import Connection, current_client
 from twinkle_client.optim import AdamSettings
 from twinkle_client.responses import Response, SaveResponse, StepResult, TrainConfigs
@@ -49,53 +49,6 @@ NO_METRIC = {
     "Accuracy": "it counts the logits' argmax, which the server does not return",
     "CompletionRewardMetric": "its rewards never reach the model; call its accumulate(...) yourself",
 }
-
-
-# the server's LoRA (``twinkle.server.core.lora_config``): what a config may say and still be it
-SERVER_LORA = {
-    "lora_alpha": (32,),
-    "lora_dropout": (0, 0.0),
-    "target_modules": ("all-linear",),
-    "use_rslora": (False,),
-    "bias": ("none",),
-}
-
-
-def _warn_unapplied(adapter_name: str, config: Any) -> None:
-    """One warning naming each field of ``config`` (a ``peft.LoraConfig`` or a dict) that the
-    server's LoRA does not apply: only the rank travels (upstream's client scripts set
-    ``lora_dropout=0.05``, which would stop them if it were refused)."""
-    get = config.get if isinstance(config, dict) else lambda k, d=None: getattr(config, k, d)
-    unapplied = [
-        f"{k}={get(k)!r}"
-        for k, allowed in SERVER_LORA.items()
-        if get(k) is not None and get(k) not in allowed
-    ]
-    if unapplied:
-        warnings.warn(
-            f"add_adapter_to_model({adapter_name!r}): {', '.join(unapplied)} is not applied over twinkle "
-            "server; its LoRA is on every linear layer of the blocks, alpha 32, no dropout, at your rank",
-            stacklevel=3,
-        )
-
-
-class Adapter:
-    """One adapter's run on the server and what the client keeps for it."""
-
-    def __init__(self, run: Any, rank: int, window: int, save_dir: str | None):
-        self.run, self.rank, self.window, self.save_dir = run, rank, window, save_dir
-        self.optim = AdamSettings()
-        self.loss_name, self.loss_args, self.loss = "CrossEntropyLoss", {}, None
-        self.micro = 0  # forward_backward calls since the last optimizer step
-        self.cur_step = 0  # micro-batches, as the local optimizer group counts them
-        self.consumed = 0  # rows trained on
-        self.window_loss, self.window_count = 0.0, 0
-        self.metrics: dict[str, float] = {}
-        self.template: Any = None
-        self.added: list[tuple[Any, bool | None]] = []  # (metric, is_training) from add_metric
-        self.pending: list[tuple[dict, dict, dict]] = []  # the window's micro-batches, for them
-        self.eval_loss, self.eval_count = 0.0, 0
-        self.saved_weights_only: set[str] = set()  # names saved with save_optimizer=False
 
 
 class MultiLoraTransformersModel:
@@ -136,8 +89,8 @@ class MultiLoraTransformersModel:
         checkpoint there (``<save_dir>/weights|sampler_weights/<name>``); only a server started
         without keys takes it (it writes to the server's files), and the folder must exist."""
         rank = config.get("r", 8) if isinstance(config, dict) else getattr(config, "r", 8)
-        _warn_unapplied(adapter_name, config)
-        window = _window(gradient_accumulation_steps)
+        warn_unapplied(adapter_name, config)
+        window = window_steps(gradient_accumulation_steps)
         meta = (
             None if save_dir is None else {"twinkle_save_dir": os.path.abspath(os.path.expanduser(save_dir))}
         )
@@ -385,7 +338,7 @@ class MultiLoraTransformersModel:
             raise ValueError(f"clip_grad_and_step: the server clips the L2 norm, not norm_type={norm_type}")
         a = self._get(adapter_name)
         if gradient_accumulation_steps is not None:
-            a.window = _window(gradient_accumulation_steps)
+            a.window = window_steps(gradient_accumulation_steps)
         if a.micro < a.window:
             return False
         metrics = a.run.optim_step(a.optim.adam_params(max_grad_norm or 0.0)).result().metrics or {}
@@ -500,9 +453,3 @@ class MultiLoraTransformersModel:
 
     def remove_adapter(self, adapter_name: str) -> None:
         self.adapters.pop(adapter_name)
-
-
-def _window(steps: Any) -> int:
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"gradient_accumulation_steps must be a whole number >= 1, got {steps!r}")
-    return steps

@@ -156,14 +156,14 @@ def test_twinkle_client_warns_of_each_lora_field_the_server_does_not_apply():
 
     from peft import LoraConfig
 
-    from twinkle_client.model import _warn_unapplied
+    from twinkle_client.adapter import warn_unapplied
 
     with pytest.warns(UserWarning, match=r"lora_dropout=0\.05 is not applied over twinkle server"):
-        _warn_unapplied(
+        warn_unapplied(
             "default", LoraConfig(target_modules="all-linear", r=8, lora_alpha=32, lora_dropout=0.05)
         )
     with pytest.warns(UserWarning, match=r"lora_alpha=8, target_modules=\['q_proj'\]"):
-        _warn_unapplied("default", {"r": 8, "lora_alpha": 8, "target_modules": ["q_proj"]})
+        warn_unapplied("default", {"r": 8, "lora_alpha": 8, "target_modules": ["q_proj"]})
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        _warn_unapplied("default", LoraConfig(target_modules="all-linear", r=8, lora_alpha=32))
+        warn_unapplied("default", LoraConfig(target_modules="all-linear", r=8, lora_alpha=32))
