@@ -6,6 +6,7 @@ from typing import Any
 from twinkle.template.base import Template
 from twinkle.template.deepseek_v4 import DeepseekV4Template
 from twinkle.template.qwen import Qwen3_5Template
+from twinkle.template.qwen3_vl import Qwen3VLTemplate, for_model
 from twinkle.template.vision import Qwen2_5VLTemplate
 from twinkle.utils.errors import UserError
 
@@ -13,6 +14,7 @@ TEMPLATES: dict[str, type[Template]] = {
     "Template": Template,
     "Qwen3_5Template": Qwen3_5Template,
     "Qwen2_5VLTemplate": Qwen2_5VLTemplate,
+    "Qwen3VLTemplate": Qwen3VLTemplate,
     "DeepseekV4Template": DeepseekV4Template,
 }
 # template names upstream's cookbooks use that name a capability not built here
@@ -42,6 +44,7 @@ def get_template(name_or_class: str | type[Template], model_id: Any = None, **kw
         raise UserError(
             f"--template-cls: unknown template {name_or_class!r}; valid names: {', '.join(TEMPLATES)}"
         )
+    cls = for_model(cls, model_id)  # upstream's Qwen3_5Template names the Qwen3-VL template too
     accepted = [p for p in inspect.signature(cls.__init__).parameters if p not in ("self", "model_id")]
     unknown = sorted(set(kwargs) - set(accepted))
     if unknown:

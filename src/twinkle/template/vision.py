@@ -8,6 +8,7 @@ from typing import Any
 from twinkle.template.base import Segment, Template, TokenIds
 from twinkle.template.images import BadImage, place_images
 from twinkle.template.rows import IGNORE_INDEX, messages_of, without_empty_reply
+from twinkle.template.vision_family import check_family
 from twinkle.template.vision_processor import VisionProcessor, load_vision_processor
 from twinkle.utils.errors import UserError
 
@@ -58,6 +59,7 @@ class VisionTemplate(Template):
         enable_thinking: bool | None = None,
     ):
         folder, self._processor = _processor_of(model_id)
+        check_family(type(self).__name__, folder)
         super().__init__(
             self._processor.tokenizer,
             use_chat_template=use_chat_template,
