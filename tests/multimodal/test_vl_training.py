@@ -35,6 +35,11 @@ def _rows(template, png):
     ]
 
 
+def _token_types(hf_model, batch):
+    """``mm_token_type_ids`` as Qwen2.5-VL's processor writes them: 1 at the image tokens."""
+    return (batch["input_ids"] == hf_model.config.image_token_id).int()
+
+
 def _hf_reference(hf_model, batch):
     """Hugging Face's padded forward with the images: logits, the summed CE of the supervised
     tokens and each label's log-probability (0 where none)."""
@@ -43,6 +48,7 @@ def _hf_reference(hf_model, batch):
         attention_mask=batch["attention_mask"],
         pixel_values=batch["pixel_values"],
         image_grid_thw=batch["image_grid_thw"],
+        mm_token_type_ids=_token_types(hf_model, batch),  # as the processor's rows: the images' M-RoPE positions
     ).logits.float()
     targets = batch["labels"][:, 1:].masked_fill(batch["attention_mask"][:, 1:] == 0, IGNORE)
     logp = logits[:, :-1].log_softmax(-1)
@@ -157,7 +163,8 @@ def test_the_saved_adapter_loads_in_peft_and_gives_our_logits(tiny_vl_dir, rows,
     with torch.no_grad():
         logits, _, logps, _ = _hf_reference(peft_model, batch)
         again = model.model.eval()(
-            **{k: batch[k] for k in ("input_ids", "attention_mask", "pixel_values", "image_grid_thw")}
+            **{k: batch[k] for k in ("input_ids", "attention_mask", "pixel_values", "image_grid_thw")},
+            mm_token_type_ids=_token_types(peft_model, batch),
         ).logits
     torch.testing.assert_close(ours.float(), logps, **_tolerances(batch, logps))
     torch.testing.assert_close(again.float(), logits, **_tolerances(batch, logits))

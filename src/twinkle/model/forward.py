@@ -24,6 +24,7 @@ from twinkle.loss.cross_entropy import target_logps
 from twinkle.model.packing import can_pack, pack, shifted_targets
 from twinkle.model.router_replay import replay_of
 from twinkle.model.ulysses import ulysses_of
+from twinkle.model.vision_positions import token_type_inputs
 from twinkle.template.base import IGNORE_INDEX
 from twinkle.utils.errors import UserError
 from twinkle.utils.logger import get_logger
@@ -85,15 +86,17 @@ def _model_inputs(
         return packed, packed.pop("targets"), packed.pop("gather")
     if replay is not None:
         replay.arm(batch, None)
-    return _padded_inputs(batch), shifted_targets(batch["labels"], batch["attention_mask"]), None
+    return _padded_inputs(lm, batch), shifted_targets(batch["labels"], batch["attention_mask"]), None
 
 
-def _padded_inputs(batch: dict[str, Any]) -> dict[str, Any]:
-    """The padded forward's inputs; with images, their patches and grids, and no position_ids
-    (the model derives its M-RoPE positions from the tokens and the grids)."""
+def _padded_inputs(lm: Any, batch: dict[str, Any]) -> dict[str, Any]:
+    """The padded forward's inputs; with images, their patches and grids, which tokens are an
+    image's, and no position_ids (the model derives its M-RoPE positions from them:
+    ``twinkle.model.vision_positions``)."""
     if "pixel_values" not in batch:
         return {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids")}
-    return {k: batch[k] for k in ("input_ids", "attention_mask", "pixel_values", "image_grid_thw")}
+    inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "pixel_values", "image_grid_thw")}
+    return {**inputs, **token_type_inputs(lm, batch["input_ids"])}
 
 
 def _extras(loss: Loss, batch: Mapping[str, Any]) -> None:
@@ -219,7 +222,7 @@ def positions_view(lm: Any, batch: dict[str, torch.Tensor], loss: Loss) -> LossV
             "hands logps and logits, compute the entropy from outputs['logits'] (require_logits = True)"
         )
     targets = shifted_targets(batch["labels"], batch["attention_mask"])
-    model_inputs = _padded_inputs(batch)
+    model_inputs = _padded_inputs(lm, batch)
     replay = replay_of(lm)
     if replay is not None:  # routing replay: this forward runs the padded batch
         replay.arm(batch, None)
