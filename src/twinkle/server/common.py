@@ -8,6 +8,11 @@ and the model shifts them once. A Tinker datum is already shifted: ``model_input
 assistant's tokens, as the template labelled them), 0 elsewhere. The server turns the datum
 back into the same row (``twinkle.server.core.datum_batch``), so the loss is the same.
 
+A row encoded by a vision-language template also sends its processed images, ``pixel_values``
+and ``image_grid_thw``, in ``loss_fn_inputs`` (upstream's layout; the image placeholder tokens
+are in ``model_input`` already), which the server checks against those placeholders
+(``twinkle.server.images``).
+
 Light on purpose: a client script imports it with numpy and the Tinker SDK only."""
 
 from pathlib import Path
@@ -74,16 +79,37 @@ def input_feature_to_datum(input_feature: dict[str, Any]) -> Any:
     labels = input_feature.get("labels")
     if labels is None:
         labels = ids
-    if any(k in input_feature for k in ("pixel_values", "image_grid_thw")):
-        raise ValueError("input_feature_to_datum: images are not supported by twinkle server")
     model_input, targets, weights = shifted(ids, labels)
-    return types.Datum(
-        model_input=types.ModelInput.from_ints(model_input),
-        loss_fn_inputs={
-            "target_tokens": types.TensorData.from_numpy(np.asarray(targets, dtype=np.int64)),
-            "weights": types.TensorData.from_numpy(np.asarray(weights, dtype=np.float32)),
-        },
-    )
+    inputs = {
+        "target_tokens": types.TensorData.from_numpy(np.asarray(targets, dtype=np.int64)),
+        "weights": types.TensorData.from_numpy(np.asarray(weights, dtype=np.float32)),
+    }
+    inputs.update(_images(input_feature))
+    return types.Datum(model_input=types.ModelInput.from_ints(model_input), loss_fn_inputs=inputs)
+
+
+def _images(input_feature: dict[str, Any]) -> dict[str, Any]:
+    """A row's processed images, as upstream's conversion sends them: ``pixel_values``
+    (float32, one row per patch) and ``image_grid_thw`` (int64, one ``(t, h, w)`` per image)."""
+    from tinker import types
+
+    given = [k for k in ("pixel_values", "image_grid_thw") if input_feature.get(k) is not None]
+    if not given:
+        return {}
+    if len(given) == 1:
+        raise ValueError(
+            f"input_feature_to_datum: the row has {given[0]} without the other of pixel_values, image_grid_thw"
+        )
+    out = {}
+    for key, dtype in (("pixel_values", np.float32), ("image_grid_thw", np.int64)):
+        value = input_feature[key]
+        if hasattr(value, "detach"):
+            value = value.detach().cpu().numpy()
+        array = np.asarray(value, dtype=dtype)
+        if array.ndim != 2:
+            raise ValueError(f"input_feature_to_datum: {key} must be 2-D, got shape {array.shape}")
+        out[key] = types.TensorData.from_numpy(np.ascontiguousarray(array))
+    return out
 
 
 __all__ = ["input_feature_to_datum", "shifted"]

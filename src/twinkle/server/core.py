@@ -52,10 +52,25 @@ REDUCTION_KEY = "twinkle_reduction"  # a loss_fn_config key of this server's own
 REDUCTIONS = ("sum", "token_mean")
 
 
-def lora_config(rank: int) -> Any:
+def lora_config(rank: int, lm: Any = None) -> Any:
+    """Tinker's LoRA on every linear layer; on a model with a vision tower, those of its language
+    model (the vision tower and projector frozen, as ``TransformersModel`` places LoRA by default,
+    ``twinkle.model.vision``)."""
     from peft import LoraConfig
 
-    return LoraConfig(r=rank, lora_alpha=LORA_ALPHA, lora_dropout=0.0, target_modules="all-linear")
+    config = LoraConfig(r=rank, lora_alpha=LORA_ALPHA, lora_dropout=0.0, target_modules="all-linear")
+    if lm is None or getattr(lm.config, "vision_config", None) is None:
+        return config
+    from twinkle.model.vision import VISION_MODULES
+
+    # the decoder's linear layers by name (a layer already wrapped by LoRA holds it as base_layer)
+    names = {
+        k.removesuffix(".base_layer").rsplit(".", 1)[-1]
+        for k, m in lm.get_decoder().named_modules()
+        if isinstance(m, torch.nn.Linear) and "lora_" not in k
+    }
+    config.target_modules, config.exclude_modules = sorted(names), VISION_MODULES
+    return config
 
 
 def datum_batch(data: list[Datum], loss_fn: str, pad_id: int) -> tuple[dict, dict]:
@@ -82,7 +97,21 @@ def datum_batch(data: list[Datum], loss_fn: str, pad_id: int) -> tuple[dict, dic
         batch["position_ids"][b, :n] = torch.arange(n)
         for name, src in sources.items():
             extras[name][b, 1:n] = torch.from_numpy(d.inputs[src].astype(np.float32))
+    batch.update(vision_batch(data))
     return batch, extras
+
+
+def vision_batch(data: list[Datum]) -> dict[str, torch.Tensor]:
+    """The datums' placed images (``twinkle.server.images``) as one batch's ``pixel_values``
+    and ``image_grid_thw``, in row order (the model matches them to the placeholder tokens in
+    that order); empty when no datum has one."""
+    placed = [d.vision for d in data if d.vision is not None]
+    if not placed:
+        return {}
+    return {
+        k: torch.from_numpy(np.concatenate([v[k] for v in placed]))
+        for k in ("pixel_values", "image_grid_thw")
+    }
 
 
 def gather_in_order(mine: Any) -> list[Any]:
@@ -99,7 +128,11 @@ class ModelCore:
     """The shared model and the per-adapter operations (adapter names are the run ids)."""
 
     def __init__(self, model_id: str | None, max_loras: int, max_r: int):
-        self.model = MultiLoraTransformersModel(model_id, max_loras=max_loras, max_r=max_r)
+        from twinkle.server.images import model_cls_of
+
+        self.model = MultiLoraTransformersModel(
+            model_id, max_loras=max_loras, max_r=max_r, model_cls=model_cls_of(model_id)
+        )
         self.vocab = int(self.model.model.get_input_embeddings().weight.shape[0])
         pad = self.model.tokenizer.pad_token_id
         self.pad_id = int(pad if pad is not None else 0)
@@ -113,7 +146,9 @@ class ModelCore:
 
     # ---------------------------------------------------------------- adapters
     def add(self, name: str, rank: int) -> None:
-        self.model.add_adapter_to_model(name, lora_config(rank))
+        from twinkle.model.forward import causal_lm_of
+
+        self.model.add_adapter_to_model(name, lora_config(rank, causal_lm_of(self.model.model)))
 
     def remove(self, name: str) -> None:
         """Free the adapter's slot (its last AdamW settings are kept for a reload)."""

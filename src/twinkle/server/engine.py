@@ -6,6 +6,9 @@ calls run on its ranks. Either way the routes call its operations directly on ``
 they take and return plain values, so the two placements behave the same. ``Engine`` keeps what
 only the server's process can know about that placement, read without a call to the ranks:
 
+- the served model's image path (``vision``, ``twinkle.server.images``: its image processor and
+  tokens, None for a text model), so images are decoded and processed here and the model's
+  ranks receive the processed arrays;
 - the model's constants (``vocab``, ``pad_id``, ``context``) and whether sampling on it runs in
   slices (``sliced``: in this process only, where every sample joins the model's shared decoding
   batch, ``ModelCore.sample_steps``);
@@ -28,6 +31,7 @@ from typing import Any
 from twinkle.checkpoint.layout import MARKER
 from twinkle.server.config import ServerConfig
 from twinkle.server.core import ModelCore
+from twinkle.server.images import load_vision
 from twinkle.server.ray_groups import folder_payload, start_groups
 
 
@@ -35,8 +39,8 @@ class Engine:
     """``core``: a ``ModelCore`` or its proxy on the model group; ``sampler``: the proxy of a
     ``ray_groups.SamplerCore`` on the sampler group, or None (sampling runs on the model)."""
 
-    def __init__(self, core: Any, sampler: Any = None):
-        self.core, self.sampler = core, sampler
+    def __init__(self, core: Any, sampler: Any = None, vision: Any = None):
+        self.core, self.sampler, self.vision = core, sampler, vision
         self.vocab, self.pad_id = int(core.vocab), int(core.pad_id)
         context = core.context
         self.context: int | None = None if context is None else int(context)  # the model's positions
@@ -84,6 +88,7 @@ class Engine:
 
 def build_engine(config: ServerConfig) -> Engine:
     """The model in this process (``--mode local``), or on the Ray groups (``--mode ray``)."""
+    vision = load_vision(config.model_id)
     if config.mode == "ray":
-        return Engine(*start_groups(config))
-    return Engine(ModelCore(config.model_id, config.max_loras, config.max_r))
+        return Engine(*start_groups(config), vision=vision)
+    return Engine(ModelCore(config.model_id, config.max_loras, config.max_r), vision=vision)

@@ -45,6 +45,10 @@ CLIENT = Inert("the SDK client sending it; runs and samplers belong to the key")
 NO_PROJECTS = Only((None,), "projects are not implemented by twinkle server")
 NO_TOKEN = Only((None,), "a checkpoint here is read by its key, or by any key once published")
 ADAM = {"type": Only(("adamw",), "the server's optimizer is AdamW")}
+NO_IMAGES = Only(
+    (None,), "sampling with images is not supported by this server yet; send encoded_text chunks"
+)
+IMAGE_CHUNK = {"data": NO_IMAGES, "format": NO_IMAGES, "expected_tokens": NO_IMAGES}  # an ImageChunk's
 LORA = {
     "rank": READ,
     "seed": READ,
@@ -135,7 +139,7 @@ FIELDS: dict[str, dict[str, Any]] = {
     },
     V1 + "/asample": {
         "num_samples": READ,
-        "prompt": {"chunks": [{"tokens": READ, "type": READ}]},
+        "prompt": {"chunks": [{"tokens": READ, "type": READ, **IMAGE_CHUNK}]},
         "sampling_params": {
             name: READ for name in ("max_tokens", "seed", "stop", "temperature", "top_k", "top_p")
         },

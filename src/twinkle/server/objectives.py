@@ -159,7 +159,11 @@ def run(
     and a preference loss's pair metrics (``pair_metric``). A training call (not
     ``forward_only``) adds its loss and pairs to ``window`` once its backward has run."""
     plain = [
-        Datum(d.tokens, {"target_tokens": d.inputs["target_tokens"], "weights": d.inputs["weights"]})
+        Datum(
+            d.tokens,
+            {"target_tokens": d.inputs["target_tokens"], "weights": d.inputs["weights"]},
+            vision=d.vision,
+        )
         for d in data
     ]
     outs, _ = core.run_datums(adapter, plain, "cross_entropy", {}, True)
@@ -167,7 +171,7 @@ def run(
     total, count, weights = objective(loss, data, logps)
     if not forward_only:
         weighted = [
-            Datum(d.tokens, {"target_tokens": d.inputs["target_tokens"], "weights": w})
+            Datum(d.tokens, {"target_tokens": d.inputs["target_tokens"], "weights": w}, vision=d.vision)
             for d, w in zip(data, weights, strict=True)
         ]
         config = {"twinkle_reduction": "token_mean", COUNT_KEY: float(count)}

@@ -4,7 +4,9 @@ its ``ForwardBackwardOutput`` and ``SampleResponse`` messages (the SDK accepts n
 those two). Every other body is JSON. The message classes are the SDK's own
 (``tinker.proto.tinker_public_pb2``), so the wire format is the pinned SDK's.
 
-Decoded datums are checked here: each bad field is a ``BadRequest`` naming it. Of the request
+Decoded datums are checked here: each bad field is a ``BadRequest`` naming it. An image chunk
+is kept as sent (``ImageIn``: its bytes, format, declared token count and where it sits among
+the text tokens) until ``twinkle.server.images`` turns it into the model's inputs. Of the request
 message's fields, ``seq_id`` is not read (each key's requests already run in the order they
 arrive) and a datum's provenance spans are refused (they reference the stability info that
 ``record_stability_info`` records, which the sampling route refuses)."""
@@ -27,12 +29,27 @@ def _pb() -> Any:
 
 
 @dataclass
+class ImageIn:
+    """An ``ImageChunk`` as sent: ``at`` is the number of text tokens before it; ``expected``
+    the token count the client declares (None: not declared)."""
+
+    at: int
+    data: bytes
+    format: str
+    expected: int | None
+
+
+@dataclass
 class Datum:
     """One training example: input tokens and the per-token loss inputs (flat arrays of the
-    same length as ``tokens``)."""
+    same length as ``tokens``). ``images``: the image chunks not yet placed; ``vision``: the
+    model's image inputs (``pixel_values``, ``image_grid_thw``) once they are, their
+    placeholder tokens then being in ``tokens`` (``twinkle.server.images``)."""
 
     tokens: np.ndarray
     inputs: dict[str, np.ndarray] = field(default_factory=dict)
+    images: list[ImageIn] = field(default_factory=list)
+    vision: dict[str, np.ndarray] | None = None
 
 
 @dataclass
@@ -46,6 +63,9 @@ class FwdBwd:
 
 # the inputs that keep their shape (n, k) (``twinkle.server.model_steps``); every other is flat
 WIDE = ("teacher_topk_logprobs", "teacher_topk_indices")
+# a row's processed images as upstream's ``input_feature_to_datum`` sends them, kept 2-D
+# (``twinkle.server.images``): (patches, patch values) and (images, 3)
+IMAGE_INPUTS = ("pixel_values", "image_grid_thw")
 
 
 def _tensor(msg: Any, where: str, wide: bool = False) -> np.ndarray:
@@ -93,24 +113,46 @@ def decode_forward_backward(body: bytes, max_datums: int, max_tokens: int) -> Fw
                 "supported: they point at the sampler's recorded stability info, which twinkle "
                 "server does not record; send the datum without them"
             )
-        parts = []
-        for chunk in datum.model_input:
-            if chunk.WhichOneof("chunk") != "encoded_text":
-                raise BadRequest(f"datum {i}: only encoded text chunks are supported (no images or audio)")
-            parts.append(np.frombuffer(chunk.encoded_text.tokens, dtype=np.int32).astype(np.int64))
-        tokens = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
-        total += tokens.size
+        tokens, images = _model_input(datum.model_input, i)
+        total += tokens.size + sum(image.expected or 0 for image in images)
         inputs = {
-            name: _tensor(t, f"datum {i} loss_fn_inputs[{name!r}]", wide=name in WIDE)
+            name: _tensor(t, f"datum {i} loss_fn_inputs[{name!r}]", wide=name in WIDE + IMAGE_INPUTS)
             for name, t in datum.loss_fn_inputs.items()
         }
-        data.append(Datum(tokens, inputs))
+        data.append(Datum(tokens, inputs, images))
     if total > max_tokens:
         raise BadRequest(
             f"forward_backward: {total} tokens is more than this server's limit of {max_tokens} per request",
             status=413,
         )
     return FwdBwd(msg.model_id, msg.loss_fn, config, data, bool(msg.forward_only))
+
+
+def _model_input(chunks: Any, i: int) -> tuple[np.ndarray, list[ImageIn]]:
+    """The text chunks' tokens end to end, and each image chunk where it sits among them."""
+    parts: list[np.ndarray] = []
+    images: list[ImageIn] = []
+    at = 0
+    for chunk in chunks:
+        kind = chunk.WhichOneof("chunk")
+        if kind == "encoded_text":
+            parts.append(np.frombuffer(chunk.encoded_text.tokens, dtype=np.int32).astype(np.int64))
+            at += parts[-1].size
+        elif kind == "image":
+            image = chunk.image
+            if image.HasField("override_dimensions"):
+                raise BadRequest(
+                    f"datum {i}: image {len(images)}: override_dimensions is not supported; send the "
+                    "image at the size it is to be seen"
+                )
+            expected = int(image.expected_tokens) if image.HasField("expected_tokens") else None
+            images.append(ImageIn(at, bytes(image.data), image.format, expected))
+        else:
+            raise BadRequest(
+                f"datum {i}: {kind or 'empty'} chunks are not supported; send text and image chunks"
+            )
+    tokens = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+    return tokens, images
 
 
 def check_datum(datum: Datum, i: int, vocab: int, needs: tuple[str, ...]) -> None:

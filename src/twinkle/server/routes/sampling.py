@@ -124,7 +124,12 @@ def _prompt_tokens(prompt: dict, vocab: int) -> list[int]:
     chunks = field(prompt, "chunks", list, required=True)
     tokens: list[int] = []
     for chunk in chunks:
-        if not isinstance(chunk, dict) or chunk.get("type", "encoded_text") != "encoded_text":
+        kind = chunk.get("type", "encoded_text") if isinstance(chunk, dict) else None
+        if kind == "image":
+            raise BadRequest(
+                "prompt: sampling with images is not supported by this server yet; send encoded_text chunks"
+            )
+        if kind != "encoded_text":
             raise BadRequest("prompt: only encoded_text chunks are supported")
         ids = field(chunk, "tokens", list, required=True)
         if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids):

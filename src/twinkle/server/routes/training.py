@@ -11,7 +11,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from twinkle.server import model_steps, objectives
+from twinkle.server import images, model_steps, objectives
 from twinkle.server.checks import page
 from twinkle.server.core import LOSS_INPUTS
 from twinkle.server.errors import BadRequest
@@ -94,6 +94,17 @@ async def forward_backward(request: Request) -> dict:
 
     def step() -> bytes:
         start = time.perf_counter()
+        images.place_images(req.data, s.engine.vision, run.base_model)
+        if direct and any(d.vision is not None for d in req.data):
+            what = req.loss_config.get(model_steps.LOSS_KEY) or f"task {task!r}"
+            raise BadRequest(f"loss_fn_config: {what} does not take images here; send text datums")
+        placed = sum(d.tokens.size for d in req.data)
+        if placed > tenant.limits.max_tokens:
+            raise BadRequest(
+                f"forward_backward: {placed} tokens with the images' is more than this server's limit of "
+                f"{tenant.limits.max_tokens} per request",
+                status=413,
+            )
         if direct and task == model_steps.EMBEDDING:
             model_steps.check_embedding(req.data, s.engine.vocab, marks=loss is not None)
         elif direct:
