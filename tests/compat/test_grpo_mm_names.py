@@ -1,6 +1,6 @@
 """What upstream's multimodal GRPO cookbook names and Twinkle does not build yet: the
-OlympiadBench reward names import and refuse in one line when built; vLLM engine settings for
-images in prompts are one line naming it."""
+OlympiadBench reward names import and refuse in one line when built; vLLM's image processor
+settings are one line naming them, and its limit of images per prompt is read."""
 
 import pytest
 
@@ -21,12 +21,20 @@ def test_each_refuses_in_one_line(cls):
     assert "\n" not in str(info.value)
 
 
-@pytest.mark.parametrize(
-    ("key", "what"),
-    [("limit_mm_per_prompt", "images in prompts"), ("mm_processor_kwargs", "images in prompts")],
-)
-def test_vllm_settings_of_what_is_not_built_are_one_line(key, what):
+def test_the_image_processor_settings_of_vllm_are_one_line():
     from twinkle.sampler.engine_args import read_engine_args
 
-    with pytest.raises(UserError, match=f"TorchSampler: engine_args {key} is not supported yet: {what}"):
-        read_engine_args({key: {"image": 1}, "max_model_len": 64}, "TorchSampler")
+    with pytest.raises(
+        UserError, match="TorchSampler: engine_args mm_processor_kwargs is not supported yet: image processor"
+    ) as info:
+        read_engine_args({"mm_processor_kwargs": {"max_pixels": 1024}, "max_model_len": 64}, "TorchSampler")
+    assert "\n" not in str(info.value)
+
+
+def test_limit_mm_per_prompt_is_read_and_a_bad_one_is_one_line():
+    from twinkle.sampler.engine_args import read_engine_args
+
+    assert read_engine_args({"limit_mm_per_prompt": {"image": 3}}, "TorchSampler").image_limit == 3
+    assert read_engine_args({"limit_mm_per_prompt": {"video": 0}}, "TorchSampler").image_limit is None
+    with pytest.raises(UserError, match=r"limit_mm_per_prompt=3 must be a dict like \{'image': 3\}"):
+        read_engine_args({"limit_mm_per_prompt": 3}, "TorchSampler")

@@ -33,6 +33,7 @@ from twinkle.sampler.lean_step import LeanCache, lean_step
 from twinkle.sampler.routes import RouteLog
 from twinkle.sampler.stops import Stops
 from twinkle.sampler.turn_cache import TurnCache
+from twinkle.sampler.vision_prefill import prefill_with_images
 
 
 @dataclass
@@ -82,13 +83,16 @@ class Decoder:
         plain = lockstep is None and routes is None and _plain_cache_layers(lm.config)
         self.turns = turns if plain else None
 
-    def run(self, prompts: list[list[int]], budgets: list[int]) -> list[list[RowOutput]]:
+    def run(
+        self, prompts: list[list[int]], budgets: list[int], visions: list[Any] | None = None
+    ) -> list[list[RowOutput]]:
         """Generate ``params.num_samples`` sequences for each prompt; ``budgets[i]``: the most
-        tokens prompt i's sequences may have. Returns, per prompt, its sequences."""
-        return drain(self.steps(prompts, budgets))
+        tokens prompt i's sequences may have; ``visions[i]``: prompt i's images (None: none,
+        ``twinkle.sampler.vision_prefill``). Returns, per prompt, its sequences."""
+        return drain(self.steps(prompts, budgets, visions))
 
     def steps(
-        self, prompts: list[list[int]], budgets: list[int]
+        self, prompts: list[list[int]], budgets: list[int], visions: list[Any] | None = None
     ) -> Generator[None, None, list[list[RowOutput]]]:
         """``run`` as a generator that pauses after the prefill and after each decoding step (its
         return value is ``run``'s): a caller can run other work on the model between steps, as
@@ -99,7 +103,10 @@ class Decoder:
         if not prompts:
             self._idle()
             return []
-        logits, state = self._prefill(prompts)
+        if visions is not None and any(v is not None for v in visions):
+            logits, state = prefill_with_images(self, prompts, visions)
+        else:
+            logits, state = self._prefill(prompts)
         self.prompts = prompts
         if self.lean is not None:
             state.lean, state.cache = LeanCache.of(state.cache), None
@@ -229,9 +236,15 @@ class Decoder:
         return logits, state
 
     def _forward(
-        self, ids: torch.Tensor, state: "CacheState", positions: torch.Tensor | None = None
+        self,
+        ids: torch.Tensor,
+        state: "CacheState",
+        positions: torch.Tensor | None = None,
+        vision: dict[str, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """Run ``ids`` (rows, tokens) after what the cache holds; the last position's fp32 logits."""
+        """Run ``ids`` (rows, tokens) after what the cache holds; the last position's fp32 logits.
+        ``positions``: (rows, tokens), or (3, rows, tokens) M-RoPE positions; ``vision``: the
+        images whose tokens ``ids`` hold (``twinkle.sampler.vision_prefill``)."""
         if positions is None:
             positions = state.next_positions[:, None]
             state.extend()
@@ -246,8 +259,10 @@ class Decoder:
             use_cache=True,
             logits_to_keep=1,
             **{self.cache_kw: state.cache},
+            **(vision or {}),
         )
-        state.next_positions = positions[:, -1] + 1
+        last = positions[..., -1]
+        state.next_positions = (last if last.dim() == 1 else last.amax(0)) + 1
         return out.logits[:, -1].float()
 
     def _step(

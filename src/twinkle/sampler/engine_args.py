@@ -8,13 +8,14 @@ Three kinds of key:
   do), ``dtype`` (the weights' dtype, as ``--dtype``), ``enable_return_routed_experts`` (each
   sequence's ``routed_experts``, the experts every token ran through: ``twinkle.model.router_replay``),
   ``enable_prefix_caching`` (default True: finished rows' keys and values are kept for a later
-  prompt that continues them, ``twinkle.sampler.turn_cache``);
+  prompt that continues them, ``twinkle.sampler.turn_cache``), ``limit_mm_per_prompt``
+  (``{'image': n}``: a prompt with more images is refused, as vLLM refuses it);
 - vLLM's memory, batching, LoRA-slot and parallelism settings (``NO_EFFECT``): a PyTorch sampler
   allocates per call and holds any number of adapters of any rank, so they have nothing to
   set; they are accepted and named in one warning. A parallel size above 1 is refused, since
   only vLLM on GPUs splits a model that way;
-- vLLM's settings of what is not built here (``NOT_YET``: images in prompts):
-  one line naming it;
+- vLLM's settings of what is not built here (``NOT_YET``: the image processor's settings, which
+  the template's processor holds): one line naming it;
 - anything else: one error line listing the keys this sampler knows."""
 
 from collections.abc import Mapping
@@ -24,7 +25,14 @@ from typing import Any
 from twinkle.utils.errors import UserError
 from twinkle.utils.logger import get_logger
 
-HONOURED = ("max_model_len", "seed", "dtype", "enable_return_routed_experts", "enable_prefix_caching")
+HONOURED = (
+    "max_model_len",
+    "seed",
+    "dtype",
+    "enable_return_routed_experts",
+    "enable_prefix_caching",
+    "limit_mm_per_prompt",
+)
 PARALLEL = ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size")
 NO_EFFECT = (
     "gpu_memory_utilization",
@@ -51,8 +59,8 @@ NO_EFFECT = (
 )
 
 NOT_YET = {
-    "limit_mm_per_prompt": "images in prompts (multimodal sampling)",
-    "mm_processor_kwargs": "images in prompts (multimodal sampling)",
+    "mm_processor_kwargs": "image processor settings per sampler (the template encodes the images "
+    "with the processor saved in the model's folder)",
 }
 
 
@@ -65,6 +73,7 @@ class EngineArgs:
     dtype: str | None = None
     return_routed_experts: bool = False
     prefix_caching: bool = True
+    image_limit: int | None = None  # images a prompt may hold (None: any number)
 
 
 def read_engine_args(engine_args: Mapping[str, Any] | None, who: str) -> EngineArgs:
@@ -105,7 +114,29 @@ def read_engine_args(engine_args: Mapping[str, Any] | None, who: str) -> EngineA
     caching = engine_args.get("enable_prefix_caching", True)
     if not isinstance(caching, bool):
         raise UserError(f"{who}: engine_args enable_prefix_caching={caching!r} must be True or False")
-    return EngineArgs(engine_args.get("max_model_len"), engine_args.get("seed"), dtype, routes, caching)
+    return EngineArgs(
+        engine_args.get("max_model_len"),
+        engine_args.get("seed"),
+        dtype,
+        routes,
+        caching,
+        _image_limit(engine_args.get("limit_mm_per_prompt"), who),
+    )
+
+
+def _image_limit(value: Any, who: str) -> int | None:
+    """``limit_mm_per_prompt``'s images per prompt: ``{'image': n}`` (other media: no prompt
+    here holds them, so their limits have nothing to check)."""
+    if value is None:
+        return None
+    limit = value.get("image") if isinstance(value, Mapping) else None
+    if not isinstance(value, Mapping) or (
+        limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 0)
+    ):
+        raise UserError(
+            f"{who}: engine_args limit_mm_per_prompt={value!r} must be a dict like {{'image': 3}}"
+        )
+    return limit
 
 
 def _check_int(engine_args: Mapping[str, Any], key: str, who: str, minimum: int | None) -> None:

@@ -4,6 +4,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from twinkle.sampler.vision_prefill import Vision, vision_of
 from twinkle.template import Template
 from twinkle.template.rows import (
     ENCODED_KEYS,
@@ -15,6 +16,8 @@ from twinkle.template.rows import (
 )
 from twinkle.utils.errors import UserError
 
+VISION_KEYS = ("pixel_values", "image_grid_thw", "image_counts")
+
 
 @dataclass
 class Prompt:
@@ -25,20 +28,25 @@ class Prompt:
     messages: list[dict[str, Any]] | None = None
     extras: dict[str, Any] = field(default_factory=dict)
     labels: list[int] | None = None  # a scored row's own labels (``max_tokens=0``)
+    vision: Vision | None = None  # its images' pixel_values and image_grid_thw
 
     def row(self, labels: list[int] | None = None) -> dict[str, Any]:
-        """The prompt as an encoded row: its other keys, its messages, its tokens and
-        ``labels`` (all ``-100`` when None)."""
+        """The prompt as an encoded row: its other keys, its messages, its images, its tokens
+        and ``labels`` (all ``-100`` when None)."""
         row = dict(self.extras)
         if self.messages is not None:
             row["messages"] = list(self.messages)
+        if self.vision is not None:
+            row.update(self.vision)
         row.update(feature_of(list(self.ids), labels or [IGNORE_INDEX] * len(self.ids)))
         return row
 
 
 def prompts_of(inputs: Any, template: Callable[[], Template], scoring: bool = False) -> list[Prompt]:
     """``inputs``: a row or a list of rows, each ``{'messages': [...]}`` or ``{'input_ids': [...]}``
-    (an empty list is allowed: under FSDP a rank's share of the prompts may be empty).
+    (an empty list is allowed: under FSDP a rank's share of the prompts may be empty). A row's
+    images: its messages' (``Message.images``, encoded by a vision-language template) or an
+    encoded row's ``pixel_values`` and ``image_grid_thw``.
     ``scoring`` (``max_tokens=0``): messages are the whole conversation to score, encoded with
     its labels, rather than a prompt that the generation prompt ends."""
     rows = [inputs] if isinstance(inputs, Mapping) else inputs
@@ -58,12 +66,13 @@ def _prompt(i: int, row: Any, template: Callable[[], Template], scoring: bool) -
         )
     extras = {k: v for k, v in row.items() if k not in ENCODED_KEYS and k != "messages"}
     messages = list(row["messages"]) if row.get("messages") is not None else None
-    labels = None
+    labels, vision = None, None
     if "input_ids" in row:
         if len(row["input_ids"]) and isinstance(row["input_ids"][0], list):
             raise UserError(f"input row {i}: input_ids must be one list of token ids, not a batch")
         ids = as_ids(row["input_ids"])
         labels = as_ids(row["labels"]) if scoring and row.get("labels") is not None else None
+        vision = vision_of(row)
     elif not messages:
         raise UserError(f"input row {i} has no messages")
     elif scoring:
@@ -72,7 +81,7 @@ def _prompt(i: int, row: Any, template: Callable[[], Template], scoring: bool) -
             raise UserError(
                 f"input row {i} is longer than the template's max_length (truncation_strategy='delete')"
             )
-        ids, labels = encoded["input_ids"], encoded["labels"]
+        ids, labels, vision = encoded["input_ids"], encoded["labels"], vision_of(encoded)
     else:
         messages = without_empty_reply(messages)
         if not messages or messages[-1].get("role") == "assistant":
@@ -80,10 +89,16 @@ def _prompt(i: int, row: Any, template: Callable[[], Template], scoring: bool) -
                 f"input row {i} ends with an assistant message; a prompt ends with the user's turn "
                 "(keep a reference answer in another key, e.g. user_data; or score it with max_tokens=0)"
             )
-        ids = template().prompt_ids(messages)
+        chosen = template()
+        if getattr(chosen, "encodes_images", False):  # a vision-language template
+            ids, _, images = chosen.tokens(messages, add_generation_prompt=True, index=i)
+            vision = vision_of(images)
+        else:
+            ids = chosen.prompt_ids(messages)
     if not ids:
         raise UserError(f"input row {i} has an empty prompt; give at least one token or message")
-    return Prompt(ids, messages, extras, labels)
+    extras = {k: v for k, v in extras.items() if k not in VISION_KEYS}  # carried as ``vision``
+    return Prompt(list(ids), messages, extras, labels, vision)
 
 
 def new_input_feature(prompt: Prompt, tokens: list[int], decoded: str) -> dict[str, Any]:

@@ -6,16 +6,25 @@ from typing import Any
 
 import torch
 
+from twinkle.model.vision_positions import token_type_inputs
+
 PromptScores = tuple[list[float | None], list[list[tuple[int, float]] | None]]
 
 
 @torch.no_grad()
-def score_prompt(lm: Any, ids: list[int], k: int) -> PromptScores:
+def score_prompt(
+    lm: Any, ids: list[int], k: int, vision: dict[str, torch.Tensor] | None = None
+) -> PromptScores:
     """``(prompt_logprobs, topk_prompt_logprobs)`` of one prompt; both start with None (nothing
-    predicts the first token)."""
+    predicts the first token). ``vision``: the prompt's images (``pixel_values``,
+    ``image_grid_thw``), with which the model works out its M-RoPE positions."""
     device = next(lm.parameters()).device
     tokens = torch.tensor([ids], device=device)
-    logits = lm(input_ids=tokens, use_cache=False).logits[0, :-1].float()
+    images = {}
+    if vision is not None:
+        images = {key: value.to(device) for key, value in vision.items()}
+        images.update(token_type_inputs(lm, tokens))
+    logits = lm(input_ids=tokens, use_cache=False, **images).logits[0, :-1].float()
     logps = torch.log_softmax(logits, dim=-1)
     chosen = logps.gather(-1, tokens[0, 1:, None]).squeeze(-1).tolist()
     if k > 0:

@@ -18,7 +18,15 @@ The generation loop is ``twinkle.sampler.decode``; ``sample`` returns one ``Samp
 per prompt. Within a call the prompts' common prefix is prefilled once. Between calls the
 finished rows' keys and values are kept (``twinkle.sampler.turn_cache``), so a later prompt that
 continues one (a multi-turn rollout's next turn) runs only its new tokens; ``reset_prefix_cache``
-drops them (``reset_mm_cache``, ``reset_encoder_cache``: text only, nothing to drop)."""
+drops them.
+
+Prompts may hold images on a vision-language model (Qwen2-VL / Qwen2.5-VL family): chat rows whose
+messages carry ``images`` (rendered by the vision-language template, e.g. ``Qwen2_5VLTemplate``)
+or encoded rows with ``pixel_values`` and ``image_grid_thw``; they are prefilled with their pixels
+and M-RoPE positions (``twinkle.sampler.vision_prefill``), and each sequence's
+``new_input_feature`` carries its prompt's images to training. Nothing of an image outlives its
+call (no encoder cache; rows with images are not kept for later turns), so ``reset_mm_cache``
+and ``reset_encoder_cache`` have nothing to drop."""
 
 import contextlib
 import time
@@ -44,6 +52,7 @@ from twinkle.sampler.routes import RouteLog
 from twinkle.sampler.scoring import score_prompt
 from twinkle.sampler.stops import Stops, eos_token_ids
 from twinkle.sampler.turn_cache import TurnCache, weights_version
+from twinkle.sampler.vision_prefill import check_images
 from twinkle.template import Template, get_template
 from twinkle.template.tokenizer import load_tokenizer
 from twinkle.utils.errors import UserError
@@ -67,6 +76,7 @@ class TorchSampler:
     ):
         engine = read_engine_args(engine_args, type(self).__name__)
         self.max_model_len = engine.max_model_len
+        self.image_limit = engine.image_limit  # vLLM's limit_mm_per_prompt={'image': n}
         self.return_routed_experts = engine.return_routed_experts  # twinkle.model.router_replay
         # a multi-turn rollout's next prompt continues a finished row: its positions run once
         self.turns = TurnCache() if engine.prefix_caching else None
@@ -152,7 +162,7 @@ class TorchSampler:
             self.turns.clear()
 
     def reset_mm_cache(self) -> None:
-        """Nothing to drop: the sampler takes text only and keeps no media between calls."""
+        """Nothing to drop: the sampler keeps no images between calls."""
 
     def reset_encoder_cache(self) -> None:
         """Nothing to drop: the sampler keeps no encoder outputs between calls."""
@@ -350,6 +360,10 @@ class TorchSampler:
         params = self._check(_params(sampling_params))
         scoring = params.max_tokens == 0
         prompts = prompts_of(inputs, lambda: self._template(adapter_name), scoring)
+        for i, prompt in enumerate(prompts):
+            check_images(self.lm, i, prompt.ids, prompt.vision, self.image_limit)
+        visions = [p.vision for p in prompts]
+        images = any(v is not None for v in visions)
         budgets = self._budgets(prompts, params)
         stops = Stops(self.tokenizer, eos_token_ids(self.lm, self.tokenizer), params)
         generator = torch.Generator(device=self.device).manual_seed(self._seed(params))
@@ -363,7 +377,9 @@ class TorchSampler:
             ):
                 if scores is None:  # the prompts' scores, under the adapter that samples
                     k = params.prompt_logprobs
-                    scores = [None if k is None else score_prompt(self.lm, p.ids, k) for p in prompts]
+                    scores = [
+                        None if k is None else score_prompt(self.lm, p.ids, k, p.vision) for p in prompts
+                    ]
                 if scoring:
                     outputs = [[RowOutput() for _ in range(params.num_samples)] for _ in prompts]
                     break
@@ -371,13 +387,14 @@ class TorchSampler:
                     pad = _pad_id(self.tokenizer)
                     replay = replay_of(self.lm) if self.return_routed_experts else None
                     routes = None if replay is None else RouteLog(replay, params.num_samples)
-                    turns = self.turns if self._lockstep() is None else None  # one process's cache
+                    # one process's cache, of text rows (equal image tokens need not be equal images)
+                    turns = self.turns if self._lockstep() is None and not images else None
                     if turns is not None:
                         turns.check_owner(
                             (adapter_name, str(adapter_path), use_base_model), weights_version(self.lm)
                         )
                     decoder = Decoder(self.lm, params, stops, pad, generator, self._lockstep(), routes, turns)
-                    steps = decoder.steps([p.ids for p in prompts], budgets)
+                    steps = decoder.steps([p.ids for p in prompts], budgets, visions if images else None)
                 end = None if slice_seconds is None else time.perf_counter() + slice_seconds
                 try:
                     next(steps)  # at least one step a slice
@@ -439,7 +456,9 @@ class TorchSampler:
         """The most tokens each prompt's sequences may have: ``max_tokens``, and no more than
         the model's maximum positions (or ``engine_args['max_model_len']``) leave after the
         prompt."""
-        limits = [getattr(self.lm.config, "max_position_embeddings", None), self.max_model_len]
+        config = self.lm.config
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config  # a VL model's
+        limits = [getattr(text, "max_position_embeddings", None), self.max_model_len]
         limit = min((x for x in limits if x is not None), default=None)
         what = (
             "max_model_len is"

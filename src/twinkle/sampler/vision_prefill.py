@@ -1,0 +1,164 @@
+"""Prompts with images: checked against the model, and prefilled with their pixels and M-RoPE
+positions (``twinkle.model.vision_positions``).
+
+A prompt's images are its ``pixel_values`` (the patches of all its images, one after another) and
+``image_grid_thw`` (one ``(t, h, w)`` per image), as the vision-language template encodes them.
+The prefill runs as ``Decoder._prefill`` does for text (left-padded rows, the prompts' common
+prefix once in a row of its own), with three differences:
+
+- each row's positions are the model's M-RoPE positions of its whole prompt (three axes), cut
+  where the forward starts; a text-only row in the batch has its plain positions on all three;
+- each forward gets the images whose tokens it runs, in row order (the model puts the vision
+  tower's outputs at the image tokens in that order);
+- the common prefix runs apart only where every prompt has the same images in it (equal image
+  tokens do not mean equal pixels), and never ends inside an image's tokens: otherwise it ends
+  before its first image (GRPO's copies of one prompt share the whole prompt, images included).
+
+Decoding then goes on from each row's largest prompt position plus one, on every axis, as
+``generate`` continues a Qwen-VL prompt."""
+
+from typing import Any
+
+import torch
+
+from twinkle.model.vision_positions import reads_images, rope_positions
+from twinkle.utils.errors import UserError
+
+Vision = dict[str, torch.Tensor]  # pixel_values, image_grid_thw
+
+
+def vision_of(row: Any) -> Vision | None:
+    """A prompt row's images as tensors (None: it has none)."""
+    if row.get("pixel_values") is None:
+        return None
+    grids = torch.as_tensor(row.get("image_grid_thw"), dtype=torch.long).reshape(-1, 3)
+    return {"pixel_values": torch.as_tensor(row["pixel_values"]), "image_grid_thw": grids}
+
+
+def image_counts(lm: Any, vision: Vision | None) -> list[int]:
+    """How many image tokens each of the prompt's images takes in ``lm``."""
+    if vision is None:
+        return []
+    merge = int(getattr(lm.config.vision_config, "spatial_merge_size", 1))
+    return [int(g.prod()) // (merge * merge) for g in vision["image_grid_thw"]]
+
+
+def check_images(lm: Any, index: int, ids: list[int], vision: Vision | None, limit: int | None) -> None:
+    """One line when row ``index``'s images do not fit ``lm``: images for a model that reads text
+    only, more images than ``limit`` (``engine_args['limit_mm_per_prompt']``), or image tokens
+    that do not match the images."""
+    if not reads_images(lm):
+        if vision is not None:
+            raise UserError(
+                f"input row {index} holds images (pixel_values), but the sampler's model "
+                f"({type(lm).__name__}) reads text only; load the vision-language class "
+                "(TorchSampler(model_id, model_cls=...), TransformersModel(model_id, model_cls=...))"
+            )
+        return
+    counts = image_counts(lm, vision)
+    if limit is not None and len(counts) > limit:
+        raise UserError(
+            f"input row {index} holds {len(counts)} images, more than engine_args "
+            f"limit_mm_per_prompt allows ({limit}); give fewer images or raise the limit"
+        )
+    found = sum(1 for t in ids if t == lm.config.image_token_id)
+    if found != sum(counts):
+        raise UserError(
+            f"input row {index} has {found} image tokens, but its images (image_grid_thw) take "
+            f"{sum(counts)}; encode the prompt with the model's template (and keep its pixel_values)"
+        )
+
+
+def _images(vision: Vision | None, counts: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each image's ``(patches, grid)``."""
+    if vision is None:
+        return []
+    sizes = [int(g.prod()) for g in vision["image_grid_thw"]]
+    patches = vision["pixel_values"].split(sizes)
+    return list(zip(patches, vision["image_grid_thw"], strict=True))
+
+
+def _joined(images: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device) -> Vision | None:
+    if not images:
+        return None
+    return {
+        "pixel_values": torch.cat([p for p, _ in images]).to(device),
+        "image_grid_thw": torch.stack([g for _, g in images]).to(device),
+    }
+
+
+def _same(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tensor]) -> bool:
+    return a[0] is b[0] or (torch.equal(a[1], b[1]) and torch.equal(a[0], b[0]))
+
+
+def prefix_with_images(
+    prompts: list[list[int]], images: list[list[Any]], counts: list[list[int]], shared: int, image_id: int
+) -> tuple[int, int]:
+    """``(shared, k)``: the common prefix cut back so it holds whole images only (the first
+    ``k`` of each prompt), the same in every prompt, or else cut before its first image."""
+    head = prompts[0][:shared]
+    starts = [i for i, t in enumerate(head) if t == image_id and (i == 0 or head[i - 1] != image_id)]
+    taken = [i for i, t in enumerate(head) if t == image_id]
+    k, used = 0, 0
+    while k < len(counts[0]) and used + counts[0][k] <= len(taken):
+        used, k = used + counts[0][k], k + 1
+    if used < len(taken):  # the prefix ends inside image k: it stops before that image
+        shared = taken[used]
+    first = images[0][:k]
+    for other in images[1:]:
+        if len(other) < k or not all(_same(a, b) for a, b in zip(first, other[:k], strict=True)):
+            return starts[0], 0  # other pixels behind the same tokens: the text before them only
+    return shared, k
+
+
+def prefill_with_images(decoder: Any, prompts: list[list[int]], visions: list[Vision | None]) -> tuple:
+    """``Decoder._prefill`` for prompts of which some hold images; ``(logits, state)`` as it
+    returns them."""
+    from twinkle.sampler.decode import SHARED_MIN, CacheState, shared_prefix
+
+    lm, device = decoder.lm, decoder.device
+    counts = [image_counts(lm, v) for v in visions]
+    images = [_images(v, c) for v, c in zip(visions, counts, strict=True)]
+    full = [
+        rope_positions(lm, p, v["image_grid_thw"]) if v is not None else torch.arange(len(p)).expand(3, -1)
+        for p, v in zip(prompts, visions, strict=True)
+    ]
+    shared = 0 if decoder.lockstep is not None else shared_prefix(prompts)
+    k = 0
+    if shared:
+        shared, k = prefix_with_images(prompts, images, counts, shared, lm.config.image_token_id)
+        if shared * (len(prompts) - 1) < SHARED_MIN:
+            shared, k = 0, 0
+    rests = [p[shared:] for p in prompts]
+    width = max(len(p) for p in rests)
+    ids = torch.full((len(prompts), width), decoder.pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    positions = torch.zeros((3, len(prompts), width), dtype=torch.long)
+    for i, p in enumerate(rests):
+        ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+        mask[i, width - len(p) :] = 1
+        positions[:, i, width - len(p) :] = full[i][:, shared:].cpu()
+    padded = any(len(p) < width for p in rests)
+    mask = mask.to(device)
+    if shared:
+        state = CacheState(lm.config, torch.ones((1, shared), dtype=torch.long, device=device), False)
+        head = torch.tensor([prompts[0][:shared]], device=device)
+        head_positions = full[0][:, None, :shared].to(device)
+        decoder._forward(head, state, head_positions, _joined(images[0][:k], device))
+        if decoder.routes is not None:
+            decoder.routes.prefix_ran()
+        state.repeat(len(prompts))
+        state.mask, state.padded = torch.cat([state.mask, mask], dim=1), padded
+    else:
+        state = CacheState(lm.config, mask, padded)
+    rest_images = _joined([image for row in images for image in row[k:]], device)
+    logits = decoder._forward(ids.to(device), state, positions.to(device), rest_images)
+    if decoder.routes is not None:
+        decoder.routes.prompts_ran([len(p) for p in rests], width)
+    # decoding goes on after each prompt's largest position (its last image may end it)
+    state.next_positions = torch.stack([f.max() + 1 for f in full]).to(device)
+    n = decoder.params.num_samples
+    if n > 1:
+        state.repeat(n)
+        logits = logits.repeat_interleave(n, dim=0)
+    return logits, state
