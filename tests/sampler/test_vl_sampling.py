@@ -160,8 +160,14 @@ def test_a_synced_copy_samples_what_the_trainer_samples(vl_dir):
 
 def test_bad_image_prompts_are_one_line(sampler, vl_dir, tiny_model_dir):
     row = sampler._template().encode(PROMPTS[0]["messages"], add_generation_prompt=True)
-    limited = TorchSampler(str(vl_dir), model_cls=VL_CLASS, engine_args={"limit_mm_per_prompt": {"image": 1}})
+    # no model_cls: a Qwen2.5-VL folder (no AutoModelForCausalLM class) loads whole, as vLLM loads it
+    limited = TorchSampler(str(vl_dir), engine_args={"limit_mm_per_prompt": {"image": 1}})
+    assert type(limited.lm).__name__ == VL_CLASS
     limited.set_template("Qwen2_5VLTemplate", model_id=str(vl_dir))
+    assert (
+        limited.sample(PROMPTS[0], greedy(2))[0].sequences[0].tokens
+        == sampler.sample(PROMPTS[0], greedy(2))[0].sequences[0].tokens
+    )
     cases = [
         (sampler, {"input_ids": row["input_ids"]}, r"input row 0 has 16 image tokens, but its images .* take 0;"),
         (limited, PROMPTS[2], r"input row 0 holds 2 images, more than engine_args limit_mm_per_prompt allows \(1\)"),

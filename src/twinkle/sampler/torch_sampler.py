@@ -52,7 +52,7 @@ from twinkle.sampler.routes import RouteLog
 from twinkle.sampler.scoring import score_prompt
 from twinkle.sampler.stops import Stops, eos_token_ids
 from twinkle.sampler.turn_cache import TurnCache, weights_version
-from twinkle.sampler.vision_prefill import check_images
+from twinkle.sampler.vision_prefill import check_images, image_text_class
 from twinkle.template import Template, get_template
 from twinkle.template.tokenizer import load_tokenizer
 from twinkle.utils.errors import UserError
@@ -63,7 +63,9 @@ from twinkle.utils.modules import set_training
 class TorchSampler:
     """Batched sampling with a KV cache; see the module docstring. ``device_mesh``: the mesh the
     sampler runs on (kept for upstream's signature; each process samples its own prompts).
-    ``dtype``/``model_cls``: as ``TransformersModel``'s, for a sampler that loads its own copy."""
+    ``dtype``/``model_cls``: as ``TransformersModel``'s, for a sampler that loads its own copy (a
+    vision-language checkpoint that ``AutoModelForCausalLM`` cannot load, such as Qwen2.5-VL's,
+    loads whole by default, as vLLM loads it)."""
 
     def __init__(
         self,
@@ -109,7 +111,10 @@ class TorchSampler:
         if self.return_routed_experts:  # a dense folder: one line before loading
             refuse_dense_folder(self.model_id, "engine_args enable_return_routed_experts=True")
         self._own, self.tokenizer, self.model_path = load_causal_lm(
-            self.model_id, self.device, dtype, model_cls=model_cls or self.runtime.defaults.model_cls
+            self.model_id,
+            self.device,
+            dtype,
+            model_cls=model_cls or self.runtime.defaults.model_cls or image_text_class(self.model_id),
         )
         self._own.eval()
         self._own.requires_grad_(False)

@@ -27,6 +27,32 @@ from twinkle.utils.errors import UserError
 Vision = dict[str, torch.Tensor]  # pixel_values, image_grid_thw
 
 
+def image_text_class(model_id: str | None) -> Any:
+    """``'AutoModelForImageTextToText'`` for a vision-language checkpoint whose family has no
+    text-only class that ``AutoModelForCausalLM`` loads (Qwen2-VL, Qwen2.5-VL, Qwen3-VL), so a
+    sampler given its folder alone reads images, as a vLLM engine does; else None (the default
+    class). A family with a text class (Qwen3.5) keeps it: its text prompts run as before."""
+    import json
+
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from twinkle.hub import resolve_model
+
+    if model_id is None:
+        return None
+    try:
+        config = json.loads((resolve_model(model_id) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None  # the loader says what is wrong with the folder
+    if not isinstance(config, dict) or "vision_config" not in config:
+        return None
+    return (
+        None
+        if config.get("model_type") in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+        else "AutoModelForImageTextToText"
+    )
+
+
 def vision_of(row: Any) -> Vision | None:
     """A prompt row's images as tensors (None: it has none)."""
     if row.get("pixel_values") is None:
