@@ -3,8 +3,9 @@ into a PIL image, and the images paired with the ``<image>`` tags of the user tu
 
 A conversation's images are taken in turn order and fill the ``<image>`` tags of its user turns
 in order (upstream Twinkle's placement); images beyond the tags go before the text of the first
-user turn. A tag without an image, an image that cannot be read and a URL (nothing is
-downloaded) are errors naming the row (``BadImage``)."""
+user turn. A tag without an image, an image that cannot be read, one over PIL's size limit for a
+file (``PIL.Image.MAX_IMAGE_PIXELS``, which guards against a small file that decodes to gigabytes)
+and a URL (nothing is downloaded) are errors naming the row (``BadImage``)."""
 
 import io
 from collections.abc import Mapping
@@ -35,13 +36,20 @@ class BadImage(UserError):
 def _open(data: bytes | str | Path, index: int | None, field: str) -> Any:
     from PIL import Image, UnidentifiedImageError
 
+    what = f"{len(data)} bytes" if isinstance(data, bytes) else repr(str(data))
     try:
         image = Image.open(io.BytesIO(data) if isinstance(data, bytes) else data)
         image.load()  # decode now: a truncated file fails here, not inside the processor
     except FileNotFoundError:
         raise BadImage(index, field, f": {field}: no such image file {str(data)!r}") from None
+    except Image.DecompressionBombError as exc:  # refused from the header, before decoding
+        raise BadImage(
+            index,
+            field,
+            f": {field} ({what}) is too large to decode: {str(exc).rstrip('.')}; downscale it, or raise "
+            "PIL.Image.MAX_IMAGE_PIXELS for files you trust",
+        ) from None
     except (UnidentifiedImageError, OSError, ValueError) as exc:
-        what = f"{len(data)} bytes" if isinstance(data, bytes) else repr(str(data))
         raise BadImage(index, field, f": {field} ({what}) cannot be decoded as an image: {exc}") from None
     return image.convert("RGB")
 
@@ -87,6 +95,12 @@ def _images_given(messages: list[dict[str, Any]], index: int | None) -> list[tup
             )
         found += [(f"messages[{i}].images[{j}]", value) for j, value in enumerate(images)]
     return found
+
+
+def image_fields(messages: list[dict[str, Any]], index: int | None = None) -> list[str]:
+    """The field of each image of the conversation (``messages[i].images[j]``), in the order
+    ``place_images`` returns the images."""
+    return [field for field, _ in _images_given(messages, index)]
 
 
 def place_images(

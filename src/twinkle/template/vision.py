@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from twinkle.template.base import Segment, Template, TokenIds
-from twinkle.template.images import BadImage, place_images
+from twinkle.template.images import BadImage, image_fields, place_images
 from twinkle.template.rows import IGNORE_INDEX, messages_of, without_empty_reply
 from twinkle.template.vision_family import check_family
 from twinkle.template.vision_processor import VisionProcessor, load_vision_processor
@@ -119,15 +119,42 @@ class VisionTemplate(Template):
         """How many placeholder tokens one image with grid ``(t, h, w)`` takes."""
         raise NotImplementedError
 
-    def process_images(self, images: list[Any]) -> tuple[dict[str, Any], list[int]]:
-        """The image processor's tensors for ``images`` and each image's token count."""
+    def process_images(
+        self, images: list[Any], index: int | None = None, fields: list[str] | None = None
+    ) -> tuple[dict[str, Any], list[int]]:
+        """The image processor's tensors for ``images`` and each image's token count. An image
+        above the processor's ``max_pixels`` is scaled down to fit, as the model's own processor
+        does; one the processor refuses (Qwen's: a side over 200 times the other) is a
+        ``BadImage`` naming row ``index`` and the image's field (``fields``, in order)."""
         if not images:
             return {}, []
-        out = self._processor.image_processor(images=images, return_tensors="pt")
+        try:
+            out = self._processor.image_processor(images=images, return_tensors="pt")
+        except ValueError as exc:
+            raise self._refused(images, index, fields, exc) from None
         grids = out["image_grid_thw"]
         return {"pixel_values": out["pixel_values"], "image_grid_thw": grids}, [
             self.image_tokens(g) for g in grids
         ]
+
+    def _refused(
+        self, images: list[Any], index: int | None, fields: list[str] | None, exc: ValueError
+    ) -> BadImage:
+        """The processor's error on a row's images, naming the image it refuses: each image is
+        tried alone (only once the row has failed, so a good row is processed once)."""
+        fields = fields or [f"image {k}" for k in range(len(images))]
+        for field, image in zip(fields, images, strict=True):
+            try:
+                self._processor.image_processor(images=[image], return_tensors="pt")
+            except ValueError as alone:
+                width, height = image.size
+                return BadImage(
+                    index,
+                    field,
+                    f": {field} ({width}x{height} pixels) is refused by the model's image processor: "
+                    f"{str(alone).rstrip('.')}; crop or pad the image",
+                )
+        return BadImage(index, "messages", f": the model's image processor refuses the row's images: {exc}")
 
     def _expand(self, pieces: list[Segment], counts: list[int], index: int | None) -> list[Segment]:
         """Each image placeholder of the rendered pieces repeated to its image's token count."""
@@ -155,8 +182,11 @@ class VisionTemplate(Template):
         images). ``add_generation_prompt``: the prompt the model answers, no label."""
         if add_generation_prompt:
             messages = without_empty_reply(messages)
-        turns, images = place_images(self.with_default_system(messages), index)
-        vision, counts = self.process_images(images)
+        # images placed before the default system turn is added: errors name the row's own fields
+        turns, images = place_images(messages, index)
+        if self.with_default_system(messages) is not messages:
+            turns = [{"role": "system", "content": [{"type": "text", "text": self.default_system}]}, *turns]
+        vision, counts = self.process_images(images, index, image_fields(messages, index))
         if add_generation_prompt:
             pieces = [(self.render(turns, add_generation_prompt=True), False)]
         else:
