@@ -99,5 +99,20 @@ def build_tiny_qwen3_vl(out: str | Path, seed: int = 0) -> Path:
     return out
 
 
+def picture(size=(64, 64), colour=(200, 30, 30)) -> bytes:
+    """PNG bytes of a ``size`` (width, height) picture: ``colour`` with noise seeded by it, so
+    that every patch differs and a patch out of place changes the model's output."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    noise = np.random.default_rng(list(colour)).integers(-40, 40, (size[1], size[0], 3))
+    pixels = np.clip(np.array(colour)[None, None, :] + noise, 0, 255).astype(np.uint8)
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
 if __name__ == "__main__":
     print(build_tiny_qwen3_vl(sys.argv[1]))

@@ -24,6 +24,8 @@ from twinkle.loss.cross_entropy import target_logps
 from twinkle.model.packing import can_pack, pack, shifted_targets
 from twinkle.model.router_replay import replay_of
 from twinkle.model.ulysses import ulysses_of
+from twinkle.model.vision import check_patches
+from twinkle.model.vision_packing import can_pack_images, pack_images
 from twinkle.model.vision_positions import token_type_inputs
 from twinkle.template.base import IGNORE_INDEX
 from twinkle.utils.errors import UserError
@@ -78,6 +80,8 @@ def _model_inputs(
     the packed row's ``gather`` (``twinkle.model.packing``; None: the targeted positions in order)."""
     packable = padding_free and can_pack(lm) and "pixel_values" not in batch
     packed = pack(batch, share_prefix) if packable else None
+    if padding_free and can_pack_images(lm, share_prefix):  # Qwen3-VL (twinkle.model.vision_packing)
+        packed = pack_images(lm, batch)
     replay = replay_of(lm)  # routing replay arms the forward in the layout it runs
     if packed is not None:
         where = packed.pop("where")
@@ -95,6 +99,7 @@ def _padded_inputs(lm: Any, batch: dict[str, Any]) -> dict[str, Any]:
     ``twinkle.model.vision_positions``)."""
     if "pixel_values" not in batch:
         return {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids")}
+    check_patches(lm, batch["pixel_values"])
     inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "pixel_values", "image_grid_thw")}
     return {**inputs, **token_type_inputs(lm, batch["input_ids"])}
 

@@ -10,6 +10,8 @@ forward, and only the language model's decoder layers are sharded one by one."""
 import copy
 from typing import Any
 
+from twinkle.utils.errors import UserError
+
 
 def sharded_layers(lm: Any) -> list[str] | None:
     """The ``_no_split_modules`` classes that FSDP2 shards one by one: all of them for a text
@@ -42,3 +44,21 @@ def language_model_lora(lm: Any, config: Any) -> Any:
     config = copy.copy(config)
     config.exclude_modules = VISION_MODULES
     return config
+
+
+def check_patches(lm: Any, pixel_values: Any) -> None:
+    """One line when the rows' image patches are not the size ``lm``'s vision tower cuts: rows
+    encoded by another family's template (Qwen2.5-VL's 14-pixel patches on Qwen3-VL's 16-pixel
+    tower, or the reverse) would otherwise fail deep inside the tower on a shape."""
+    vision = getattr(lm.config, "vision_config", None)
+    size = getattr(vision, "patch_size", None)
+    temporal = getattr(vision, "temporal_patch_size", None)
+    if not isinstance(size, int) or not isinstance(temporal, int) or pixel_values.dim() != 2:
+        return
+    wanted = getattr(vision, "in_channels", 3) * temporal * size * size
+    if pixel_values.shape[-1] != wanted:
+        raise UserError(
+            f"the rows' images come in patches of {pixel_values.shape[-1]} values, but the vision tower of "
+            f"{type(lm).__name__} takes {wanted} ({size}-pixel patches): the rows were encoded for another "
+            "model family; encode them with this model's template (--template-cls)"
+        )
