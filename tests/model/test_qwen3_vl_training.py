@@ -149,6 +149,19 @@ def test_packed_loss_and_logps_equal_hf_padded_forward(tiny_dir, rows, loss, pac
         torch.testing.assert_close(out["logps"].float(), logps, **_tolerances(batch, logps))
 
 
+@pytest.mark.parametrize("micro_batch_size", [1, 3])
+def test_parts_of_the_batch_carry_their_images(tiny_dir, rows, micro_batch_size, packed_calls):
+    """Each part runs packed with its own rows' images (a part of text rows only has none)."""
+    model = _model(tiny_dir)
+    out = model.forward_only(inputs=rows, micro_batch_size=micro_batch_size)
+    images = [0 if p is None or "pixel_values" not in p else len(p["image_grid_thw"]) for p in packed_calls]
+    assert images == ([1, 0, 2, 1] if micro_batch_size == 1 else [3, 1])
+    batch = collate(rows, pad_token_id=0)
+    with torch.no_grad():
+        _, _, logps, _ = _hf_reference(model.model.eval(), batch)
+    torch.testing.assert_close(out["logps"].float(), logps, **_tolerances(batch, logps))
+
+
 def _lora_grads(model):
     return {n: p.grad.clone() for n, p in model.model.named_parameters() if p.grad is not None}
 
