@@ -1,0 +1,90 @@
+"""A few LoRA steps of the tiny Qwen3-VL on image rows, packed, for ``test_qwen3_vl_fsdp.py``.
+
+Run it as one process or under torchrun (``--fsdp-size N``). The global batch is 4 rows; each rank
+takes a contiguous share. Odd steps: rows with 1, 2 and 1 images and a text-only row; even steps:
+the second share holds text only, so that rank never runs the vision tower. Rank 0 writes
+``OUT/result.json``: per step the loss and gradient norm, the world size, and whether every
+forward ran packed."""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+from peft import LoraConfig
+
+import twinkle
+from twinkle import DeviceMesh
+from twinkle.model import TransformersModel
+from twinkle.model import forward as forward_module
+from twinkle.template import get_template
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "assets"))
+
+from tiny_qwen3_vl import picture  # noqa: E402  (after the assets folder is on the path)
+
+
+def rows(template) -> dict[str, dict]:
+    def row(text, reply, images=()):
+        content = "<image>" * len(images) + text
+        message = {"role": "user", "content": content, **({"images": list(images)} if images else {})}
+        return template.encode([message, {"role": "assistant", "content": reply}])
+
+    return {
+        "red": row("What colour?", "red", [picture((64, 64), (200, 30, 30))]),
+        "two": row(
+            "Which is bigger?",
+            "the second",
+            [picture((96, 64), (30, 200, 30)), picture((128, 96), (30, 30, 200))],
+        ),
+        "hello": row("Say hello.", "hello there"),
+        "blue": row("Colour?", "blue", [picture((64, 96), (30, 90, 200))]),
+        "bye": row("Say goodbye.", "goodbye"),
+    }
+
+
+BATCHES = (["red", "two", "hello", "blue"], ["red", "two", "hello", "bye"])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model-id", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--fsdp-size", type=int, default=None)
+    p.add_argument("--steps", type=int, default=4)
+    args = p.parse_args()
+    mesh = DeviceMesh.from_sizes(fsdp_size=args.fsdp_size)
+    runtime = twinkle.initialize(mode="local", global_device_mesh=mesh, timeout_s=60)
+    packed = []
+    real = forward_module.pack_images
+    forward_module.pack_images = lambda lm, batch: packed.append(real(lm, batch)) or packed[-1]
+    torch.manual_seed(0)
+    model = TransformersModel(args.model_id, model_cls="Qwen3VLForConditionalGeneration", dtype=torch.float32)
+    lora = LoraConfig(
+        r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear", init_lora_weights=False
+    )
+    model.add_adapter_to_model("default", lora)
+    model.set_template("Qwen3VLTemplate", model_id=args.model_id)
+    model.set_optimizer("AdamW", lr=1e-2)
+    encoded = rows(get_template("Qwen3VLTemplate", args.model_id))
+    share = 4 // runtime.world_size
+    steps = []
+    for step in range(args.steps):
+        names = BATCHES[step % 2][runtime.rank * share : (runtime.rank + 1) * share]
+        model.forward_backward(inputs=[encoded[n] for n in names])
+        model.clip_grad_and_step()
+        metric = model.calculate_metric(is_training=True)
+        steps.append({"loss": metric["loss"], "grad_norm": metric["grad_norm"]})
+    if runtime.rank == 0:
+        result = {
+            "world_size": runtime.world_size,
+            "steps": steps,
+            "packed": all(p is not None for p in packed),
+        }
+        Path(args.out, "result.json").write_text(json.dumps({**result, "forwards": len(packed)}))
+
+
+if __name__ == "__main__":
+    main()
+    twinkle.runtime.shutdown()
