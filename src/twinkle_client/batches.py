@@ -12,7 +12,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from twinkle.server.common import IGNORE, shifted
+from twinkle.server.common import IGNORE, images_of, shifted
+
+IMAGES = ("pixel_values", "image_grid_thw")
 
 
 def _as_list(values: Any) -> list:
@@ -41,7 +43,8 @@ def rows_of(inputs: Any) -> list[dict[str, list[int]]]:
             raise ValueError(f"row {i} has no input_ids; encode it first (set_template, or Template.encode)")
         ids = _as_list(row["input_ids"])
         labels = row.get("labels")
-        out.append({"input_ids": ids, "labels": ids if labels is None else _as_list(labels)})
+        images = {k: row[k] for k in IMAGES if row.get(k) is not None}  # a VL template's row
+        out.append({"input_ids": ids, "labels": ids if labels is None else _as_list(labels), **images})
     return out
 
 
@@ -88,6 +91,7 @@ def datums_of(rows: list[dict[str, list[int]]], values: dict[str, torch.Tensor] 
         for name, tensor in (values or {}).items():
             part = tensor[b, 1 : len(row["input_ids"])].numpy().astype(np.float32)
             inputs[name] = types.TensorData.from_numpy(np.ascontiguousarray(part))
+        inputs.update(images_of(row))  # its processed images, as input_feature_to_datum sends them
         data.append(types.Datum(model_input=types.ModelInput.from_ints(model_input), loss_fn_inputs=inputs))
     return data
 

@@ -116,3 +116,43 @@ def test_the_upstream_multi_modal_client_shape_trains(keyless_vl, tmp_path):
         assert losses[2][step] < losses[0][step], losses
     run = saved[0].split("/")[2]
     assert saved == [f"tinker://{run}/weights/multimodal-epoch-{e}" for e in (1, 2, 3)]
+
+
+def test_twinkle_client_rows_carry_their_images(keyless_vl):
+    """``twinkle_client``'s ``forward_only`` on rows a VL template encoded (upstream's
+    ``client/twinkle/multi_modal.py`` sends them so, tensors as lists) scores them with their
+    images: the log-probs of the Tinker datums ``input_feature_to_datum`` makes of the same rows."""
+    import numpy as np
+    from peft import LoraConfig
+    from tinker import ServiceClient
+
+    import twinkle
+    from twinkle.server.common import input_feature_to_datum
+    from twinkle.template import get_template
+    from twinkle_client.model import MultiLoraTransformersModel
+
+    server, base_model = keyless_vl
+    template = get_template("Qwen2_5VLTemplate", model_id=str(base_model))
+    rows = []
+    for text, colour in ANSWERS[:2]:
+        messages = [
+            {"role": "user", "content": "<image>Name the colour.", "images": [png_bytes((32, 32), colour)]},
+            {"role": "assistant", "content": text},
+        ]
+        row = template.encode(messages)
+        rows.append({k: v.tolist() if hasattr(v, "tolist") else v for k, v in row.items()})
+    twinkle.init_twinkle_client(base_url=server.url, api_key="EMPTY_TOKEN")
+    model = MultiLoraTransformersModel(model_id=str(base_model))
+    model.add_adapter_to_model("default", LoraConfig(r=4))
+    ours = model.forward_only(inputs=rows, disable_lora=True).result["logps"]
+
+    client = ServiceClient(base_url=server.url, api_key="EMPTY_TOKEN")
+    tc = client.create_lora_training_client(base_model=str(base_model), rank=4, train_unembed=False).result()
+    out = tc.forward(
+        [input_feature_to_datum(r) for r in rows], "cross_entropy", {"disable_lora": 1.0}
+    ).result()
+    for b, r in enumerate(rows):
+        n = len(r["labels"])
+        trained = np.asarray(r["labels"][1:]) != -100
+        expected = out.loss_fn_outputs[b]["logprobs"].to_numpy()[trained]
+        np.testing.assert_allclose(ours[b, 1:n].numpy()[trained], expected, atol=1e-6, rtol=0)

@@ -84,11 +84,11 @@ def input_feature_to_datum(input_feature: dict[str, Any]) -> Any:
         "target_tokens": types.TensorData.from_numpy(np.asarray(targets, dtype=np.int64)),
         "weights": types.TensorData.from_numpy(np.asarray(weights, dtype=np.float32)),
     }
-    inputs.update(_images(input_feature))
+    inputs.update(images_of(input_feature))
     return types.Datum(model_input=types.ModelInput.from_ints(model_input), loss_fn_inputs=inputs)
 
 
-def _images(input_feature: dict[str, Any]) -> dict[str, Any]:
+def images_of(input_feature: dict[str, Any]) -> dict[str, Any]:
     """A row's processed images, as upstream's conversion sends them: ``pixel_values``
     (float32, one row per patch) and ``image_grid_thw`` (int64, one ``(t, h, w)`` per image)."""
     from tinker import types
@@ -112,4 +112,4 @@ def _images(input_feature: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-__all__ = ["input_feature_to_datum", "shifted"]
+__all__ = ["images_of", "input_feature_to_datum", "shifted"]
