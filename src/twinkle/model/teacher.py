@@ -1,10 +1,11 @@
 """A distillation teacher in the trainer's process: its top-k log-probabilities on the student's
 rows, for ``twinkle.loss.GKDLoss``.
 
-``teacher_topk(teacher, rows, k)`` runs one no-grad forward of the padded rows with the output
-head held back, then applies the head only at the positions whose next token is supervised (the
-completion), so the ``(rows, length, vocab)`` logits are never built: on a prompt-heavy batch most
-of a plain forward's head product and top-k would be thrown away. ``TeacherCache`` keeps each
+``teacher_topk(teacher, rows, k)`` scores the rows with ``twinkle.model.scoring_topk``: one
+inference-only forward of the rows packed end to end (no padding, a shared prompt prefix once),
+the output head only at the positions whose next token is supervised (the completion), so the
+``(rows, length, vocab)`` logits are never built: on a prompt-heavy batch most of a plain
+forward's head product and top-k would be thrown away. ``TeacherCache`` keeps each
 row's values by its tokens, so off-policy distillation (the dataset's own completions, the same
 rows every epoch) scores each row once. A teacher with another tokenizer cannot be distilled
 token by token; ``check_same_vocabulary`` says so in one line."""
@@ -14,10 +15,9 @@ from typing import Any
 
 import torch
 
-from twinkle.kernel.lora.linear import plain_linear
 from twinkle.loss.gkd import INDICES, LOGPS
-from twinkle.loss.head import head_logits
-from twinkle.model.forward import causal_lm_of, full_weight, has_logit_transform, head_as_identity
+from twinkle.model.forward import causal_lm_of
+from twinkle.model.scoring_topk import topk_at_targets
 from twinkle.template.base import IGNORE_INDEX
 from twinkle.utils.errors import UserError
 
@@ -74,27 +74,17 @@ def teacher_topk(
     device = next(lm.parameters()).device
     ids, mask, targets = (t.to(device) for t in padded(rows, pad_id))
     where = targets != IGNORE_INDEX
+    # labels aligned with the inputs, as a training batch holds them: position i's target is i + 1's
+    labels = torch.cat([torch.full_like(targets[:, :1], IGNORE_INDEX), targets[:, :-1]], dim=1)
     was_training = lm.training
     lm.eval()
     try:
-        if has_logit_transform(lm) or not plain_linear(head):
-            logits = lm(input_ids=ids, attention_mask=mask, use_cache=False).logits[where].float()
-        else:
-            with head_as_identity(head):
-                hidden = lm(input_ids=ids, attention_mask=mask, use_cache=False).logits[where]
-            bias = getattr(head, "bias", None)
-            logits = head_logits(
-                hidden, full_weight(head.weight), None if bias is None else full_weight(bias)
-            ).float()
+        scores = topk_at_targets(lm, {"input_ids": ids, "attention_mask": mask, "labels": labels}, k)
     finally:
         lm.train(was_training)
-    # top-k of the logits less their log-sum-exp: log_softmax's values at those tokens, without
-    # writing a second (positions, vocab) tensor
-    values, indices = logits.topk(k, dim=-1)
-    values = values - torch.logsumexp(logits, dim=-1, keepdim=True)
     logps = torch.zeros((*ids.shape, k), device=device)
     index = torch.zeros((*ids.shape, k), dtype=torch.long, device=device)
-    logps[where], index[where] = values, indices
+    logps[where], index[where] = scores.values, scores.indices
     return {LOGPS: logps.cpu(), INDICES: index.cpu()}
 
 

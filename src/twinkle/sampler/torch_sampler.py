@@ -49,7 +49,7 @@ from twinkle.sampler.decode import Decoder, RowOutput, drain
 from twinkle.sampler.engine_args import read_engine_args
 from twinkle.sampler.prompts import Prompt, new_input_feature, prompts_of
 from twinkle.sampler.routes import RouteLog
-from twinkle.sampler.scoring import score_prompt
+from twinkle.sampler.scoring import score_prompts
 from twinkle.sampler.stops import Stops, eos_token_ids
 from twinkle.sampler.turn_cache import TurnCache, weights_version
 from twinkle.sampler.vision_prefill import check_images, image_text_class
@@ -382,9 +382,10 @@ class TorchSampler:
             ):
                 if scores is None:  # the prompts' scores, under the adapter that samples
                     k = params.prompt_logprobs
-                    scores = [
-                        None if k is None else score_prompt(self.lm, p.ids, k, p.vision) for p in prompts
-                    ]
+                    prompt_ids = [p.ids for p in prompts]
+                    scores = (
+                        [None] * len(prompts) if k is None else score_prompts(self.lm, prompt_ids, k, visions)
+                    )
                 if scoring:
                     outputs = [[RowOutput() for _ in range(params.num_samples)] for _ in prompts]
                     break
