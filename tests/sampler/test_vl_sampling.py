@@ -178,3 +178,26 @@ def test_bad_image_prompts_are_one_line(sampler, vl_dir, tiny_model_dir):
         with pytest.raises(UserError, match=message) as info:
             target.sample(prompt, greedy(2))
         assert "\n" not in str(info.value)
+
+
+def test_an_image_placeholder_is_never_drawn(sampler):
+    """A row whose completion held ``<|image_pad|>`` could not be trained on (no image behind the
+    token): with its logit raised far above the rest, greedy sampling takes the next best token,
+    and the reported log-probabilities stay the model's own."""
+    image_pad = sampler.lm.config.image_token_id
+
+    def raise_placeholder(module, inputs, output):
+        output[..., image_pad] += 100.0
+        return output
+
+    handle = sampler.lm.lm_head.register_forward_hook(raise_placeholder)
+    try:
+        response = sampler.sample(PROMPTS[1], greedy(4, logprobs=2))[0]
+        seq = response.sequences[0]
+        inputs = hf_inputs(sampler.lm, {"input_ids": response.prompt_token_ids})
+        with torch.no_grad():
+            assert sampler.lm.generate(**inputs, max_new_tokens=1, do_sample=False)[0, -1] == image_pad
+    finally:
+        handle.remove()
+    assert image_pad not in seq.tokens and len(seq.tokens) == 4
+    assert seq.logprobs[0][1][0] == image_pad and seq.logprobs[0][1][1] > -1e-3  # the model's own top token

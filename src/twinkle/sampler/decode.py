@@ -33,7 +33,7 @@ from twinkle.sampler.lean_step import LeanCache, lean_step
 from twinkle.sampler.routes import RouteLog
 from twinkle.sampler.stops import Stops
 from twinkle.sampler.turn_cache import TurnCache
-from twinkle.sampler.vision_prefill import prefill_with_images
+from twinkle.sampler.vision_prefill import placeholder_ids, prefill_with_images
 
 
 @dataclass
@@ -75,6 +75,8 @@ class Decoder:
         self.device = next(lm.parameters()).device
         self.cache_kw = cache_keyword(lm)
         self.alternatives = max(0, (params.logprobs or 1) - 1)
+        # an image's placeholder tokens are never drawn: a row holding one has no image for it
+        self.placeholders = placeholder_ids(lm, self.device)
         # decoding steps written out (``twinkle.sampler.lean_step``) where they reproduce lm's
         self.lean = lean_step(lm) if lockstep is None and routes is None else None
         self.routes = routes  # each forward's experts, per row (``twinkle.sampler.routes``)
@@ -270,7 +272,10 @@ class Decoder:
     ) -> list[int]:
         """Pick each alive row's next token and record it; the positions (in ``alive``) of the
         rows that go on."""
-        tokens = choose(logits, self.params, self.generator)
+        drawn_from = (
+            logits if self.placeholders is None else logits.index_fill(-1, self.placeholders, -torch.inf)
+        )
+        tokens = choose(drawn_from, self.params, self.generator)  # log-probs: the model's own logits
         chosen, top_ids, top_values = token_logprobs(logits, tokens, self.alternatives)
         token_list, chosen_list = tokens.tolist(), chosen.tolist()
         tops = None if top_ids is None else (top_ids.tolist(), top_values.tolist())

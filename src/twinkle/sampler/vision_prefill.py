@@ -53,6 +53,16 @@ def image_text_class(model_id: str | None) -> Any:
     )
 
 
+def placeholder_ids(lm: Any, device: torch.device) -> torch.Tensor | None:
+    """The image and video placeholder tokens of a model with a vision tower (None: none). A
+    sampler never draws them: the trainer's forward would look for an image behind each."""
+    if not reads_images(lm):
+        return None
+    ids = [getattr(lm.config, key, None) for key in ("image_token_id", "video_token_id")]
+    ids = [i for i in ids if isinstance(i, int)]
+    return torch.tensor(ids, dtype=torch.long, device=device) if ids else None
+
+
 def vision_of(row: Any) -> Vision | None:
     """A prompt row's images as tensors (None: it has none)."""
     if row.get("pixel_values") is None:
