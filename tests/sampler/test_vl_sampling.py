@@ -156,6 +156,18 @@ def test_a_synced_copy_samples_what_the_trainer_samples(vl_dir):
         n, length = len(seq.tokens), len(row["input_ids"])
         got = logps[i, length - n : length].float()
         torch.testing.assert_close(sampled_logps(seq), got, **tolerances(row, got))
+    # a GRPO step on them: at the sampled log-probs no ratio is clipped, and the adapter moves
+    from twinkle.loss import GRPOLoss
+
+    model.set_loss(GRPOLoss())
+    model.set_optimizer("AdamW", lr=1e-2)
+    old = [[entry[0][1] for entry in s.logprobs] for s in mine]
+    advantages = [1.0 if i % 2 else -1.0 for i in range(len(rows))]
+    model.forward_backward(inputs=rows, old_logps=old, advantages=advantages)
+    assert model.clip_grad_and_step()
+    assert model.calculate_metric(is_training=True)["clip_fraction"] == 0.0
+    after = [s.tokens for r in colocated.sample(PROMPTS, params) for s in r.sequences]
+    assert after != [s.tokens for s in mine]
 
 
 def test_bad_image_prompts_are_one_line(sampler, vl_dir, tiny_model_dir):

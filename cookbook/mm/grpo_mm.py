@@ -1,0 +1,194 @@
+"""GRPO with LoRA on image prompts: the bundled digits and shapes, rewarded when the answer is the
+picture's label.
+
+    python cookbook/mm/grpo_mm.py
+    python cookbook/mm/fsdp2.py --output-dir output/mm && \
+        python cookbook/mm/grpo_mm.py --init-adapter output/mm/last-checkpoint
+    python cookbook/mm/grpo_mm.py --model-id PATH/TO/Qwen2.5-VL-3B-Instruct --lr 1e-5 --max-steps 200
+
+Upstream's ``rl/grpo/grpo_mm.py`` loop, on a CPU: every step ``sync_weights()`` (the sampler runs
+the trainer's own modules, so nothing is copied), each prompt of the batch repeated
+``--num-generations`` times and sampled (``TorchSampler`` prefills each picture's pixels and its
+M-RoPE positions), the completions rewarded, ``GRPOAdvantage`` per group of copies, then
+``forward_backward(inputs=rows, old_logps=..., advantages=...)`` over mini-batches of
+``--mini-batch-size`` rows (default: all), each a ``clip_grad_and_step()``. Each sampled row
+(``new_input_feature``) carries its prompt's image, so training sees the picture the completion
+answered.
+
+Rewards: ``accuracy`` 1 when the reply is the picture's answer (a digit, or a colour and a shape
+such as ``a red square``), ``format`` 1 when it is one of the set's 22 answers at all. The
+held-out greedy accuracy is logged before training and at the end, against chance (1 in 22).
+
+With no ``--model-id`` it trains the small Qwen2.5-VL that ``fsdp2.py`` makes at first use
+(``vl_checkpoint.py``: SmolLM2-135M-Instruct's first layers and a random vision tower); its tower
+starts random, so ``--train-vision true`` (the default then) trains the whole tower beside the
+LoRA. From there no answer is right, every reward is 0 and GRPO has nothing to learn from: the
+defaults (4 pictures x 4 completions of at most 8 tokens a step, 8 steps, sized for two CPU
+cores) show the loop. ``--init-adapter FOLDER`` starts from an adapter that ``fsdp2.py`` saved
+(its LoRA settings and trained tower), whose answers GRPO then sharpens."""
+
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+from peft import LoraConfig
+
+import twinkle
+from twinkle import DeviceMesh, get_device_placement, get_logger
+from twinkle.advantage import GRPOAdvantage
+from twinkle.checkpoint_engine import CheckpointEngineManager
+from twinkle.cli import CLI
+from twinkle.data_format import Message, SamplingParams, Trajectory
+from twinkle.dataloader import DataLoader
+from twinkle.dataset import DatasetMeta, LazyDataset
+from twinkle.dataset.digits import digit_trajectory, digits_file
+from twinkle.loss import GRPOLoss
+from twinkle.metric import CompletionRewardMetric
+from twinkle.model import TransformersModel
+from twinkle.sampler import TorchSampler
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from vl_checkpoint import vl_checkpoint  # noqa: E402  (beside this script)
+
+TEMPLATE = "Qwen2_5VLTemplate"
+MODEL_CLS = "Qwen2_5_VLForConditionalGeneration"
+DEFAULTS = {"max_steps": 8, "batch_size": 4, "num_generations": 4, "max_tokens": 8, "learning_rate": 1e-3}
+
+logger = get_logger()
+args = CLI.from_args()
+twinkle.initialize(mode="local", global_device_mesh=DeviceMesh.from_sizes())
+
+
+def given(flag: str) -> bool:
+    """Whether ``--flag`` was on the command line (a shared default then does not apply)."""
+    return any(a == flag or a.startswith(flag + "=") for a in sys.argv[1:])
+
+
+MAX_STEPS = args.training.max_steps if given("--max-steps") else DEFAULTS["max_steps"]
+BATCH_SIZE = args.training.batch_size if given("--batch-size") else DEFAULTS["batch_size"]
+NUM_GENERATIONS = args.rl.num_generations if given("--num-generations") else DEFAULTS["num_generations"]
+MAX_TOKENS = args.sampling.max_tokens or DEFAULTS["max_tokens"]
+LR = args.optimizer.learning_rate if given("--lr") or given("--learning-rate") else DEFAULTS["learning_rate"]
+MINI_BATCH_SIZE = args.training.mini_batch_size or BATCH_SIZE * NUM_GENERATIONS
+ADAPTER_NAME = args.lora.adapter_name
+ANSWERS = sorted({json.loads(line)["answer"] for line in digits_file("train").read_text().splitlines()})
+
+
+def digit_prompt(row: dict) -> Trajectory:
+    """A bundled row as a prompt: the user's question about the picture; its answer in user_data."""
+    question = digit_trajectory(row)["messages"][0]
+    return Trajectory(
+        messages=[Message(role="user", content=question["content"], images=question["images"])],
+        user_data={"answer": row["answer"]},
+    )
+
+
+def create_dataset(split: str, samples: int | None) -> LazyDataset:
+    meta = DatasetMeta(str(digits_file(split)), data_slice=range(samples) if samples else None)
+    dataset = LazyDataset(dataset_meta=meta)  # each picture decoded when its row is read
+    dataset.map(digit_prompt)
+    return dataset
+
+
+def reply(trajectory: dict) -> str:
+    return trajectory["messages"][-1]["content"].strip().lower().rstrip(".")
+
+
+def compute_rewards(trajectories: list[dict]) -> tuple[list[float], dict[str, list[float]]]:
+    """``accuracy``: the reply is the picture's answer; ``format``: it is one of the set's answers."""
+    accuracy = [float(reply(t) == t["user_data"]["answer"]) for t in trajectories]
+    format_reward = [float(reply(t) in ANSWERS) for t in trajectories]
+    total = [a + f for a, f in zip(accuracy, format_reward, strict=True)]
+    return total, {"accuracy": accuracy, "format": format_reward}
+
+
+def held_out_accuracy(sampler: TorchSampler, held_out: LazyDataset) -> float:
+    prompts = [held_out[i] for i in range(len(held_out))]
+    responses = sampler.sample(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0))
+    rows = [r.sequences[0].new_input_feature for r in responses]
+    return sum(compute_rewards(rows)[1]["accuracy"]) / max(1, len(rows))
+
+
+def main() -> None:
+    model_id = args.model.model_id or vl_checkpoint(seed=args.infra.seed)
+    train_vision = str(args.extra.get("train_vision", args.model.model_id is None)).lower() == "true"
+    init_adapter = args.extra.get("init_adapter")  # a folder fsdp2.py (or PEFT) saved
+    model = TransformersModel(model_id=model_id, model_cls=MODEL_CLS)
+    lora = LoraConfig(
+        r=args.lora.lora_r,
+        lora_alpha=args.lora.lora_alpha,
+        target_modules=args.lora.target_modules,  # all-linear: the language model's linear layers
+        modules_to_save=["visual"] if train_vision else None,  # Qwen2.5-VL's tower and projector
+    )
+    if init_adapter:  # the saved adapter's own settings, then its weights
+        lora = LoraConfig.from_pretrained(str(init_adapter))
+    model.add_adapter_to_model(ADAPTER_NAME, lora, gradient_accumulation_steps=1)
+    if init_adapter:
+        model.load(str(init_adapter), adapter_name=ADAPTER_NAME)
+    model.set_optimizer(args.optimizer.optimizer_cls, lr=LR)
+    model.set_lr_scheduler(args.scheduler.scheduler_cls, num_warmup_steps=args.scheduler.num_warmup_steps,
+                           num_training_steps=MAX_STEPS * -(-BATCH_SIZE * NUM_GENERATIONS // MINI_BATCH_SIZE))  # fmt: skip
+    model.set_loss(GRPOLoss(epsilon=args.loss.epsilon, epsilon_high=args.loss.epsilon_high))
+    model.set_template(TEMPLATE, model_id=model_id)
+
+    sampler = TorchSampler(model)  # the trainer's own modules, its adapter
+    sampler.set_template(TEMPLATE, model_id=model_id)
+    sampler.reset_mm_cache()
+    ckpt_manager = CheckpointEngineManager(model=model, sampler=sampler)
+
+    dataloader = DataLoader(dataset=create_dataset("train", args.training.train_samples),
+                            batch_size=BATCH_SIZE, shuffle=True, seed=args.infra.seed)  # fmt: skip
+    held_out = create_dataset("eval", args.training.eval_samples or 44)
+    advantage_fn = GRPOAdvantage()
+    metrics = CompletionRewardMetric()
+    model.add_metric(metrics, is_training=True)  # its rewards join the step's numbers (metrics.jsonl)
+    sampling_params = SamplingParams(max_tokens=MAX_TOKENS, num_samples=1, logprobs=1,
+                                     temperature=args.sampling.temperature)  # fmt: skip
+    logger.info(get_device_placement())
+    logger.info(model.get_train_configs())
+    before = held_out_accuracy(sampler, held_out)
+    logger.info(f"held-out greedy accuracy before training: {before:.3f} (chance {1 / len(ANSWERS):.3f})")
+
+    optim_step, order = 0, random.Random(args.infra.seed)
+    while optim_step < MAX_STEPS:
+        for batch in dataloader:
+            t0 = time.perf_counter()
+            ckpt_manager.sync_weights(merge_and_sync=False)
+            sampler.reset_prefix_cache()
+            sampler.reset_encoder_cache()
+            # each prompt repeated NUM_GENERATIONS times in a row: GRPOAdvantage's groups
+            expand_prompts = [prompt for prompt in batch for _ in range(NUM_GENERATIONS)]
+            sampling_params.seed = order.randrange(2**31)
+            sample_responses = sampler.sample(expand_prompts, sampling_params)
+            sequences = [seq for response in sample_responses for seq in response.sequences]
+            all_input_data = [seq.new_input_feature for seq in sequences]  # each with its picture
+            all_old_logps = [[logprob[0][1] for logprob in seq.logprobs] for seq in sequences]
+            total_rewards, reward_dict = compute_rewards(all_input_data)
+            metrics.accumulate(completion_lengths=[len(seq.tokens) for seq in sequences],
+                               rewards={"total": total_rewards, **reward_dict})  # fmt: skip
+            advantages = advantage_fn(total_rewards, num_generations=NUM_GENERATIONS, scale="group").tolist()
+            for start in range(0, len(all_input_data), MINI_BATCH_SIZE):
+                part = slice(start, start + MINI_BATCH_SIZE)
+                model.forward_backward(inputs=all_input_data[part], old_logps=all_old_logps[part],
+                                       advantages=advantages[part], micro_batch_size=args.training.micro_batch_size)  # fmt: skip
+                model.clip_grad_and_step(max_grad_norm=args.optimizer.max_grad_norm)
+            optim_step += 1
+            log_dict = model.calculate_metric(is_training=True)
+            shown = {
+                k: v for k, v in log_dict.items() if k.startswith("train/") or k in ("loss", "grad_norm")
+            }
+            logger.info(f"step {optim_step}/{MAX_STEPS} ({time.perf_counter() - t0:.1f}s): "
+                        + ", ".join(f"{k}={v:.3f}" for k, v in shown.items()))  # fmt: skip
+            if optim_step >= MAX_STEPS:
+                break
+    after = held_out_accuracy(sampler, held_out)
+    logger.info(
+        f"held-out greedy accuracy: {before:.3f} before, {after:.3f} after (chance {1 / len(ANSWERS):.3f})"
+    )
+    model.save("last-checkpoint", output_dir=args.training.output_dir, adapter_name=ADAPTER_NAME)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,62 @@
+"""``cookbook/mm/grpo_mm.py``: GRPO on image prompts (the bundled digits and shapes), the sampler
+sharing the trainer's modules.
+
+On the tests' tiny Qwen2.5-VL with tiny settings it runs its steps (each sampling the pictures'
+prompts and training on the rows that carry them), writes the reward metrics and completion
+lengths to metrics.jsonl, logs the held-out greedy accuracy before and after, and saves an
+adapter holding the vision tower (``--train-vision true``) and LoRA on the language model, from
+which a second run starts (``--init-adapter``)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from harness import script_env
+from safetensors.torch import load_file
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "cookbook" / "mm" / "grpo_mm.py"
+MAX_TOKENS = 4
+FLAGS = ("--max-steps", "2", "--batch-size", "2", "--num-generations", "2", "--max-tokens", str(MAX_TOKENS),
+         "--train-samples", "8", "--eval-samples", "4", "--train-vision", "true")  # fmt: skip
+REWARDS = ("train/accuracy_reward", "train/format_reward", "train/total_reward")
+
+
+@pytest.fixture(scope="module")
+def tiny_vl(tmp_path_factory):
+    sys.path.insert(0, str(ROOT / "tests" / "multimodal"))
+    from tiny_vl import build_tiny_vl
+
+    return build_tiny_vl(tmp_path_factory.mktemp("tiny-vl"))
+
+
+@pytest.mark.slow  # a subprocess that samples and trains: over 10 s
+def test_two_steps_on_image_prompts_write_rewards_and_save_the_adapter(tiny_vl, tmp_path):
+    out = tmp_path / "out"
+    command = [sys.executable, str(SCRIPT), "--model-id", str(tiny_vl), "--output-dir", str(out), *FLAGS]
+    done = subprocess.run(
+        command, cwd=tmp_path, env=script_env(tmp_path), capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "held-out greedy accuracy before training:" in done.stderr
+    assert "held-out greedy accuracy: " in done.stderr and "after (chance 0.045)" in done.stderr
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if r["kind"] == "train"]
+    assert [r["step"] for r in train] == [1, 2]
+    for record in train:
+        assert all(0.0 <= record[k] <= 2.0 for k in REWARDS), record
+        assert 1 <= record["train/completion_length"] <= MAX_TOKENS
+    saved = load_file(out / "last-checkpoint" / "adapter_model.safetensors")
+    assert any(".visual." in k and "lora" not in k for k in saved)  # the tower trained whole
+    assert any(".language_model." in k and "lora_A" in k for k in saved)
+    # a run that starts from a saved adapter (fsdp2.py's, here the first run's)
+    again = [*command[: -len(FLAGS)], *FLAGS[:-2], "--init-adapter", str(out / "last-checkpoint")]
+    again[again.index("--output-dir") + 1] = str(tmp_path / "again")
+    again[again.index("--max-steps") + 1] = "1"
+    done = subprocess.run(
+        again, cwd=tmp_path, env=script_env(tmp_path), capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert f"loaded adapter 'default' from {out / 'last-checkpoint'}" in done.stderr
