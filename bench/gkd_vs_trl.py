@@ -17,10 +17,14 @@ Both sides train the same thing, each side in its own process (peak RSS is per p
   distributions on the sampled tokens, generalized JSD with ``--beta`` and temperature 1, AdamW
   (``--lr``) and gradient norm clipped to 1. TRL compares the full vocabulary; Twinkle the
   teacher's top ``--topk`` tokens (its documented loss, what a remote teacher sends);
-- teacher scoring (Twinkle's side only): the teacher's top-64 log-probabilities on the batch's
-  rows by ``teacher_topk`` (the head on the completion rows only) and by
-  ``TorchSampler(teacher).sample(rows, SamplingParams(max_tokens=0, prompt_logprobs=64))``,
-  against a plain HF forward of the padded batch + ``log_softmax`` + ``topk``.
+- teacher scoring (Twinkle's side only): the teacher's top-64 log-probabilities on the last
+  step's rows (the sampled completions of unequal prompts, as a step scores them) by
+  ``teacher_topk`` (the completion positions) and by
+  ``TorchSampler(teacher).sample(rows, SamplingParams(max_tokens=0, prompt_logprobs=64))``
+  (every position), both through ``twinkle.model.scoring_topk`` (one inference-only forward of
+  the rows packed end to end with their shared prefix once, the head at the scored positions
+  only), against a plain HF forward of the padded batch + ``log_softmax`` + ``topk``. The rows'
+  lengths are reported.
 
 Measured per side: steps per second after ``--warmup`` steps, peak resident memory. Targets
 (issue 63): Twinkle >= 2x TRL's steps/s at <= 0.8x its peak memory; scoring >= 1.5x the plain
@@ -119,7 +123,13 @@ def twinkle_side(a) -> dict:
             fn()
             runs.append(time.perf_counter() - t0)
         scoring[name] = statistics.median(runs)
-    return {"times": times, "completion_tokens": lengths, "scoring": scoring, "train_peak_mib": train_peak}
+    return {
+        "times": times,
+        "completion_tokens": lengths,
+        "scoring": scoring,
+        "scored_lengths": [len(r["input_ids"]) for r in rows],
+        "train_peak_mib": train_peak,
+    }
 
 
 def trl_side(a) -> dict:
@@ -196,6 +206,7 @@ def report(a, ours: dict, theirs: dict) -> str:
     plain = ours["scoring"]["plain HF forward + topk"]
     for name, seconds in ours["scoring"].items():
         lines.append(f"| {name} | {seconds:.3f} | {plain / seconds:.2f}x |")
+    lines += ["", f"Scored rows: {ours['scored_lengths']} tokens (prompt and completion)."]
     return "\n".join(lines) + "\n"
 
 
