@@ -213,3 +213,38 @@ def test_an_image_placeholder_is_never_drawn(sampler):
         handle.remove()
     assert image_pad not in seq.tokens and len(seq.tokens) == 4
     assert seq.logprobs[0][1][0] == image_pad and seq.logprobs[0][1][1] > -1e-3  # the model's own top token
+
+
+def user(content: str, *images: bytes) -> dict:
+    return {"messages": [{"role": "user", "content": content, "images": list(images)}]}
+
+
+def test_qwen3_vl_samples_as_hf_generate_and_scores_as_its_forward(tmp_path):
+    """The other Qwen M-RoPE family: Qwen3-VL (16-pixel patches, deepstack features), loaded whole
+    from its folder alone."""
+    from tiny_qwen3_vl import build_tiny_qwen3_vl, picture
+
+    folder = build_tiny_qwen3_vl(tmp_path / "qwen3-vl")
+    sampler = TorchSampler(str(folder), dtype=torch.float32)
+    with torch.no_grad():  # sharpened as build_sharp_vl does: clear greedy margins
+        for name, p in sampler.lm.named_parameters():
+            if p.dim() == 2 and ".visual." not in f".{name}":
+                p.mul_(8)
+    sampler.set_template("Qwen3VLTemplate", model_id=str(folder))
+    prompts = [
+        user("<image>What colour?", picture((64, 64), RED)),
+        user("<image>What colour?", picture((64, 64), BLUE)),
+        user("<image><image>Which?", picture((64, 32), GREEN), picture((32, 64), RED)),
+    ]
+    responses = sampler.sample(prompts, greedy(6, logprobs=1))
+    for response in responses:
+        seq = response.sequences[0]
+        inputs = hf_inputs(sampler.lm, {**seq.new_input_feature, "input_ids": response.prompt_token_ids})
+        with torch.no_grad():
+            out = sampler.lm.generate(**inputs, max_new_tokens=6, do_sample=False)
+        assert seq.tokens == out[0, len(response.prompt_token_ids) :].tolist()[: len(seq.tokens)]
+        expected = teacher_forced_logps(sampler.lm, seq.new_input_feature, len(seq.tokens))
+        torch.testing.assert_close(
+            sampled_logps(seq), expected, **tolerances(seq.new_input_feature, expected)
+        )
+    assert responses[0].sequences[0].tokens != responses[1].sequences[0].tokens
