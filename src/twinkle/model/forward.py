@@ -80,7 +80,7 @@ def _model_inputs(
     the packed row's ``gather`` (``twinkle.model.packing``; None: the targeted positions in order)."""
     packable = padding_free and can_pack(lm) and "pixel_values" not in batch
     packed = pack(batch, share_prefix) if packable else None
-    if padding_free and can_pack_images(lm, share_prefix):  # Qwen3-VL (twinkle.model.vision_packing)
+    if padding_free and can_pack_images(lm, share_prefix):  # Qwen VL families (vision_packing)
         packed = pack_images(lm, batch)
     replay = replay_of(lm)  # routing replay arms the forward in the layout it runs
     if packed is not None:

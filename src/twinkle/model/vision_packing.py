@@ -1,23 +1,27 @@
-"""Padding-free batches of image rows on Qwen3-VL: the samples laid end to end in one row, as
-``twinkle.model.packing`` lays out text rows, with each kept image's patches and each token's
-M-RoPE positions.
+"""Padding-free batches of image rows on the Qwen vision-language families (Qwen2-VL,
+Qwen2.5-VL, Qwen3-VL): the samples laid end to end in one row, as ``twinkle.model.packing`` lays
+out text rows, with each kept image's patches and each token's M-RoPE positions.
 
 What a packed image row needs beyond a text one:
 
 - positions: the model's own ``get_rope_index`` gives every token of the padded batch its three
   M-RoPE positions (time, height, width); each token keeps its own in the row. The forward takes
-  them as ``(4, 1, T)``: the text position (0, 1, ... within each sample) first, which Hugging
-  Face's Qwen3-VL reads as ``position_ids`` for attention, then the three rotary axes.
+  them as ``(4, 1, T)``: the text position (0, 1, ... within each sample) first, which these
+  families' language models read as ``position_ids`` for attention, then the three rotary axes.
+  Rows hold still images only, so Qwen2.5-VL's video time scale (``second_per_grid_ts``) never
+  enters; a row holding a video placeholder is refused (``check_no_video``).
 - images: a sample's tail after its last target is left out of the row; an image there (in a
   turn after the last reply) is left out with its tokens, and a sample without a target takes
   its images out with it. Images are whole or absent: their tokens are never targets, so the cut
   never falls inside one. The kept images' patches go to the vision tower in row order, the
-  order in which the model places their features (and its deepstack features) at the tokens.
+  order in which the model places their features (and Qwen3-VL's deepstack features) at the
+  tokens.
 - no shared prefix: two samples' image tokens look alike whatever their pixels, so a prefix
   held once could hold one sample's image for several; every sample keeps its own tokens.
-- attention: the language model's attention runs per sample (``twinkle_segments``); the vision
-  tower's attention, which runs per image already, never sees the language row's segments (a
-  pre-hook on the tower drops them).
+- attention: the language model's attention runs per sample (``twinkle_segments``). The vision
+  tower works out its own per-image segments from the grids (and Qwen2.5-VL its windows inside
+  each image), so it must never see the language row's segments: a pre-hook on the tower drops
+  them before its blocks run.
 
 The loss and gradients equal those of the padded batch up to summation order."""
 
@@ -30,13 +34,14 @@ from twinkle.kernel.attention.packed import enable_segment_attention
 from twinkle.model.packing import pack
 from twinkle.model.vision import check_patches
 from twinkle.model.vision_positions import token_types
+from twinkle.utils.errors import UserError
 
-PACKABLE_VISION_TYPES = ("qwen3_vl",)
+PACKABLE_VISION_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 _HOOKED = "_twinkle_drops_segments"
 
 
 def can_pack_images(lm: Any, share_prefix: bool | Sequence[Any]) -> bool:
-    """Whether ``lm``'s batches run packed here: a Qwen3-VL whose attention takes segments, with
+    """Whether ``lm``'s batches run packed here: a Qwen VL model whose attention takes segments, with
     one adapter for the whole batch (rows of several adapters run padded)."""
     if getattr(lm.config, "model_type", None) not in PACKABLE_VISION_TYPES:
         return False
@@ -48,6 +53,18 @@ def can_pack_images(lm: Any, share_prefix: bool | Sequence[Any]) -> bool:
 def _inner(lm: Any) -> Any:
     """The ``*Model`` under ``*ForConditionalGeneration`` (its ``visual`` and ``get_rope_index``)."""
     return lm.model if hasattr(lm.model, "get_rope_index") else lm
+
+
+def check_no_video(lm: Any, input_ids: torch.Tensor) -> None:
+    """One line when the rows hold a video placeholder token: rows carry images only (their
+    patches and grids), so a video's tokens would have no frames or timing behind them."""
+    video = getattr(lm.config, "video_token_id", None)
+    if video is not None and bool((input_ids == video).any()):
+        rows = sorted({int(r) for r in (input_ids == video).nonzero()[:, 0].tolist()})
+        raise UserError(
+            f"batch row(s) {rows} hold the video placeholder token (id {video}), but rows carry images "
+            "only; give the frames as images (Message(images=[...])) and drop the video token from the text"
+        )
 
 
 def _drop_segments(module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -106,9 +123,10 @@ def _kept_images(
 
 
 def pack_images(lm: Any, batch: dict[str, torch.Tensor]) -> dict[str, Any] | None:
-    """``pack`` for a Qwen3-VL batch, with or without images: the packed row's inputs with
+    """``pack`` for a Qwen VL batch, with or without images: the packed row's inputs with
     ``(4, 1, T)`` position ids and the kept images (see the module docstring); None when the
     batch does not pack (``pack``'s reasons)."""
+    check_no_video(lm, batch["input_ids"])
     packed = pack(batch, share_prefix=False)
     if packed is None:
         return None
