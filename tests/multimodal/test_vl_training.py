@@ -48,7 +48,8 @@ def _hf_reference(hf_model, batch):
         attention_mask=batch["attention_mask"],
         pixel_values=batch["pixel_values"],
         image_grid_thw=batch["image_grid_thw"],
-        mm_token_type_ids=_token_types(hf_model, batch),  # as the processor's rows: the images' M-RoPE positions
+        # as the processor's rows: which tokens are an image's (its M-RoPE positions)
+        mm_token_type_ids=_token_types(hf_model, batch),
     ).logits.float()
     targets = batch["labels"][:, 1:].masked_fill(batch["attention_mask"][:, 1:] == 0, IGNORE)
     logp = logits[:, :-1].log_softmax(-1)

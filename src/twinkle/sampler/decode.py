@@ -106,7 +106,8 @@ class Decoder:
             self._idle()
             return []
         if visions is not None and any(v is not None for v in visions):
-            logits, state = prefill_with_images(self, prompts, visions)
+            shared = 0 if self.lockstep is not None else shared_prefix(prompts)
+            logits, state = prefill_with_images(self, prompts, visions, shared, SHARED_MIN, CacheState)
         else:
             logits, state = self._prefill(prompts)
         self.prompts = prompts

@@ -147,11 +147,18 @@ def prefix_with_images(
     return shared, k
 
 
-def prefill_with_images(decoder: Any, prompts: list[list[int]], visions: list[Vision | None]) -> tuple:
+def prefill_with_images(
+    decoder: Any,
+    prompts: list[list[int]],
+    visions: list[Vision | None],
+    shared: int,
+    shared_min: int,
+    cache_state: Any,
+) -> tuple:
     """``Decoder._prefill`` for prompts of which some hold images; ``(logits, state)`` as it
-    returns them."""
-    from twinkle.sampler.decode import SHARED_MIN, CacheState, shared_prefix
-
+    returns them. ``shared``: the prompts' common prefix by their tokens, run apart when it
+    saves ``shared_min`` tokens once cut to its images; ``cache_state``: the decoder's
+    ``CacheState`` class."""
     lm, device = decoder.lm, decoder.device
     counts = [image_counts(lm, v) for v in visions]
     images = [_images(v, c) for v, c in zip(visions, counts, strict=True)]
@@ -159,11 +166,10 @@ def prefill_with_images(decoder: Any, prompts: list[list[int]], visions: list[Vi
         rope_positions(lm, p, v["image_grid_thw"]) if v is not None else torch.arange(len(p)).expand(3, -1)
         for p, v in zip(prompts, visions, strict=True)
     ]
-    shared = 0 if decoder.lockstep is not None else shared_prefix(prompts)
     k = 0
     if shared:
         shared, k = prefix_with_images(prompts, images, counts, shared, lm.config.image_token_id)
-        if shared * (len(prompts) - 1) < SHARED_MIN:
+        if shared * (len(prompts) - 1) < shared_min:
             shared, k = 0, 0
     rests = [p[shared:] for p in prompts]
     width = max(len(p) for p in rests)
@@ -177,7 +183,7 @@ def prefill_with_images(decoder: Any, prompts: list[list[int]], visions: list[Vi
     padded = any(len(p) < width for p in rests)
     mask = mask.to(device)
     if shared:
-        state = CacheState(lm.config, torch.ones((1, shared), dtype=torch.long, device=device), False)
+        state = cache_state(lm.config, torch.ones((1, shared), dtype=torch.long, device=device), False)
         head = torch.tensor([prompts[0][:shared]], device=device)
         head_positions = full[0][:, None, :shared].to(device)
         decoder._forward(head, state, head_positions, _joined(images[0][:k], device))
@@ -186,7 +192,7 @@ def prefill_with_images(decoder: Any, prompts: list[list[int]], visions: list[Vi
         state.repeat(len(prompts))
         state.mask, state.padded = torch.cat([state.mask, mask], dim=1), padded
     else:
-        state = CacheState(lm.config, mask, padded)
+        state = cache_state(lm.config, mask, padded)
     rest_images = _joined([image for row in images for image in row[k:]], device)
     logits = decoder._forward(ids.to(device), state, positions.to(device), rest_images)
     if decoder.routes is not None:
