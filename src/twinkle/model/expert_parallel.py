@@ -284,12 +284,15 @@ def _exchanging_forward(eg: ExpertGroup, experts: int) -> Any:
         which = torch.arange(local, device=rows.device).repeat(eg.size)
         by_expert = torch.repeat_interleave(which, incoming.reshape(-1).to(rows.device)).argsort(stable=True)
         counts = incoming.sum(0).tolist()
+        # every local expert runs, on no rows where none came: the backward then runs the same
+        # collectives on every rank (a rank that received nothing still sends its empty gradient
+        # back through the first exchange) and every expert weight, and its LoRA, gets a gradient
+        # (zero), so FSDP2 reduces the same tensors on every rank
         outputs = []
         for j, part in enumerate(rows[by_expert].split(counts)):
-            if counts[j]:
-                gate, up = F.linear(part, self.gate_up_proj[j]).chunk(2, dim=-1)
-                outputs.append(F.linear(self.act_fn(gate) * up, self.down_proj[j]))
-        done = torch.cat(outputs) if outputs else rows.new_zeros((0, rows.shape[1]))
+            gate, up = F.linear(part, self.gate_up_proj[j]).chunk(2, dim=-1)
+            outputs.append(F.linear(self.act_fn(gate) * up, self.down_proj[j]))
+        done = torch.cat(outputs)
         back = exchange_rows(done[by_expert.argsort()], receive, send, eg)
         weighted = back * top_k_weights.reshape(-1)[order, None]
         out = torch.zeros_like(hidden)
