@@ -229,17 +229,3 @@ def test_an_image_on_a_text_only_base_model_is_one_line(server, tiny_model_dir):
         loss_fn_inputs={"target_tokens": [6] * 7, "weights": [1.0] * 7},
     )
     _refused(tc, [text, image], "datum 1: holds an image, but the served base model .* reads text only")
-
-
-def test_sampling_with_an_image_is_refused_in_one_line(vl_server, vl_dir):
-    client = tinker.ServiceClient(base_url=vl_server.url, api_key=KEY_A)
-    sampler = client.create_sampling_client(base_model=str(vl_dir)).result()
-    prompt = types.ModelInput(
-        chunks=[
-            types.EncodedTextChunk(tokens=[5]),
-            types.ImageChunk(data=png_bytes(), format="png", expected_tokens=16),
-        ]
-    )
-    with pytest.raises(Exception, match="sampling with images is not supported by this server yet") as info:
-        sampler.sample(prompt, 1, types.SamplingParams(max_tokens=2)).result()
-    assert "\n" not in str(info.value).strip()

@@ -50,6 +50,7 @@ LOSS_INPUTS = {
 LORA_ALPHA = 32  # Tinker's LoRA alpha
 REDUCTION_KEY = "twinkle_reduction"  # a loss_fn_config key of this server's own
 REDUCTIONS = ("sum", "token_mean")
+Images = dict[str, np.ndarray] | None  # a prompt's placed images (twinkle.server.images), or none
 
 
 def lora_config(rank: int, lm: Any = None) -> Any:
@@ -104,14 +105,19 @@ def datum_batch(data: list[Datum], loss_fn: str, pad_id: int) -> tuple[dict, dic
 def vision_batch(data: list[Datum]) -> dict[str, torch.Tensor]:
     """The datums' placed images (``twinkle.server.images``) as one batch's ``pixel_values``
     and ``image_grid_thw``, in row order (the model matches them to the placeholder tokens in
-    that order); empty when no datum has one."""
+    that order), and ``image_counts``, each row's number of images (as
+    ``twinkle.processor.collate`` gives them: packing and micro-batches find a row's images by
+    it); empty when no datum has one."""
     placed = [d.vision for d in data if d.vision is not None]
     if not placed:
         return {}
-    return {
+    out = {
         k: torch.from_numpy(np.concatenate([v[k] for v in placed]))
         for k in ("pixel_values", "image_grid_thw")
     }
+    counts = [0 if d.vision is None else len(d.vision["image_grid_thw"]) for d in data]
+    out["image_counts"] = torch.tensor(counts, dtype=torch.long)
+    return out
 
 
 def gather_in_order(mine: Any) -> list[Any]:
@@ -371,35 +377,49 @@ class ModelCore:
 
     # ---------------------------------------------------------------- sampling on this model
     @torch.no_grad()
-    def next_token_logps(self, name: str, ids: list[int]) -> torch.Tensor:
+    def next_token_logps(self, name: str, ids: list[int], vision: Images = None) -> torch.Tensor:
         """Row ``i``: log p(next token | ids[:i + 1]) over the vocabulary under adapter ``name``
-        (fp32, temperature 1). Under FSDP2 every rank runs the same forward."""
+        (fp32, temperature 1). ``vision``: the prompt's placed images (``twinkle.server.images``),
+        given to the model with which tokens are an image's, so it works out the M-RoPE positions
+        its processor's rows get. Under FSDP2 every rank runs the same forward."""
+        from twinkle.model.forward import causal_lm_of
+        from twinkle.model.vision_positions import token_type_inputs
+
         m = self.model
         m.adapters.activate(name)
         set_training(m.model, False)
         m._in_train_mode = False
-        out = m.model(input_ids=torch.tensor([ids], device=m.device))
+        tokens = torch.tensor([ids], device=m.device)
+        images: dict[str, torch.Tensor] = {}
+        if vision is not None:
+            images = {k: torch.from_numpy(v).to(m.device) for k, v in vision.items()}
+            images.update(token_type_inputs(causal_lm_of(m.model), tokens))
+        out = m.model(input_ids=tokens, **images)
         return torch.log_softmax(out.logits[0].float().cpu(), dim=-1)
 
-    def score_prompt(self, name: str, prompt: list[int], want: Scoring) -> dict[str, Any]:
-        """What ``want`` asks of the prompt under adapter ``name``, from one forward pass
-        (``twinkle.server.scoring.score_rows``): numpy arrays only."""
-        return score_rows(self.next_token_logps(name, prompt)[:-1], prompt, want)
+    def score_prompt(
+        self, name: str, prompt: list[int], want: Scoring, vision: Images = None
+    ) -> dict[str, Any]:
+        """What ``want`` asks of the prompt (with its images) under adapter ``name``, from one
+        forward pass (``twinkle.server.scoring.score_rows``): numpy arrays only."""
+        return score_rows(self.next_token_logps(name, prompt, vision)[:-1], prompt, want)
 
     def topk_of_completions(
-        self, name: str, prompt: list[int], completions: list[list[int]], k: int
+        self, name: str, prompt: list[int], completions: list[list[int]], k: int, vision: Images = None
     ) -> list[tuple[np.ndarray, np.ndarray]]:
         """Per completion, the ``k`` most likely tokens (ids, log-probs) at each of its positions,
-        from a forward pass over prompt + completion."""
+        from a forward pass over prompt + completion (with the prompt's images)."""
         return [
-            topk(self.next_token_logps(name, prompt + tokens)[len(prompt) - 1 : -1], k)
+            topk(self.next_token_logps(name, prompt + tokens, vision)[len(prompt) - 1 : -1], k)
             for tokens in completions
         ]
 
-    def sample(self, name: str, prompt: list[int], params: dict[str, Any], n: int, seed: int) -> list[tuple]:
+    def sample(
+        self, name: str, prompt: list[int], params: dict[str, Any], n: int, seed: int, vision: Images = None
+    ) -> list[tuple]:
         """``n`` completions under adapter ``name`` by ``twinkle.sampler.TorchSampler``, sharing
         this model's modules: (tokens, their log-probs at temperature 1, "stop"|"length")."""
-        return run_sampler(self._sampler(), name, prompt, params, n, seed)
+        return run_sampler(self._sampler(), name, prompt, params, n, seed, vision)
 
     def sample_steps(
         self,
@@ -409,20 +429,24 @@ class ModelCore:
         n: int,
         seed: int,
         slice_seconds: float | None,
+        vision: Images = None,
     ) -> Generator[float | None, None, list[tuple]]:
         """``sample`` in slices of about ``slice_seconds`` (None: one slice): a generator that
         pauses between slices and returns ``sample``'s value, the same tokens.
 
-        In one process the request joins the model's shared decoding batch (``decode_batch``):
+        In one process a text prompt joins the model's shared decoding batch (``decode_batch``):
         each slice admits the requests waiting and decodes a chunk of every request in the batch,
         whichever request's slice it is, and each pause yields the seconds of decoding this
         request took part in since the last one (what the queue charges against its ceiling). A
         generator closed early (cancelled, or stopped at the ceiling) takes its rows out of the
-        batch. Elsewhere (FSDP ranks) it runs ``TorchSampler.sample_steps`` on its own."""
+        batch. Elsewhere (FSDP ranks), and for a prompt with images (``vision``), it runs
+        ``TorchSampler.sample_steps`` on its own: the shared batch prefills text with plain
+        positions, while an image prompt needs the vision tower in its prefill and M-RoPE
+        positions that go on from its largest one (``twinkle.sampler.vision_prefill``)."""
         batch = self.decode_batch()
-        if batch is None:
+        if batch is None or vision is not None:
             (response,) = yield from self._sampler().sample_steps(
-                {"input_ids": list(prompt)},
+                prompt_row(prompt, vision),
                 sampling_params(params, n, seed),
                 adapter_name=name,
                 slice_seconds=slice_seconds,
@@ -468,14 +492,27 @@ class ModelCore:
 
 
 def run_sampler(
-    sampler: Any, name: str, prompt: list[int], params: dict[str, Any], n: int, seed: int
+    sampler: Any,
+    name: str,
+    prompt: list[int],
+    params: dict[str, Any],
+    n: int,
+    seed: int,
+    vision: Images = None,
 ) -> list[tuple]:
-    """``n`` completions of ``prompt`` by a ``TorchSampler`` under adapter ``name`` ('' : the
-    sampler's default): (tokens, their log-probs at temperature 1, "stop"|"length")."""
+    """``n`` completions of ``prompt`` (with its images, ``vision``) by a ``TorchSampler`` under
+    adapter ``name`` ('' : the sampler's default): (tokens, their log-probs at temperature 1,
+    "stop"|"length")."""
     (response,) = sampler.sample(
-        {"input_ids": list(prompt)}, sampling_params(params, n, seed), adapter_name=name
+        prompt_row(prompt, vision), sampling_params(params, n, seed), adapter_name=name
     )
     return sequences_of(response)
+
+
+def prompt_row(prompt: list[int], vision: Images) -> dict[str, Any]:
+    """The sampler's input row of a prompt: its tokens, and its placed images' ``pixel_values``
+    and ``image_grid_thw`` when it has them (``TorchSampler`` prefills such a row with them)."""
+    return {"input_ids": list(prompt), **(vision or {})}
 
 
 def sampling_params(params: dict[str, Any], n: int, seed: int) -> SamplingParams:

@@ -69,11 +69,18 @@ class Engine:
 
     # ---------------------------------------------------------------- the sampler group
     def sample_checkpoint(
-        self, folder: Path | None, rank: int, prompt: list[int], params: dict[str, Any], n: int, seed: int
+        self,
+        folder: Path | None,
+        rank: int,
+        prompt: list[int],
+        params: dict[str, Any],
+        n: int,
+        seed: int,
+        vision: dict[str, Any] | None = None,
     ) -> list[tuple]:
         """``n`` completions on the sampler group, from the adapter saved in ``folder`` (rank
         ``rank``), or from the base model (``folder`` None): (tokens, their log-probs at
-        temperature 1, "stop"|"length")."""
+        temperature 1, "stop"|"length"). ``vision``: the prompt's placed images."""
         name = ""
         if folder is not None:
             name = f"r{rank}"  # one adapter per LoRA rank on the sampler's copy, rewritten in place
@@ -83,7 +90,7 @@ class Engine:
                 payload = self.core.run_on_ranks(folder_payload, folder, keep=True).first()
                 self.sampler.hold(name, payload)
                 self.held[name] = stamp
-        return list(self.sampler.keep_on_ranks("sample", name, prompt, params, n, seed).gather())
+        return list(self.sampler.keep_on_ranks("sample", name, prompt, params, n, seed, vision).gather())
 
 
 def build_engine(config: ServerConfig) -> Engine:

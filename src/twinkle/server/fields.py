@@ -45,10 +45,7 @@ CLIENT = Inert("the SDK client sending it; runs and samplers belong to the key")
 NO_PROJECTS = Only((None,), "projects are not implemented by twinkle server")
 NO_TOKEN = Only((None,), "a checkpoint here is read by its key, or by any key once published")
 ADAM = {"type": Only(("adamw",), "the server's optimizer is AdamW")}
-NO_IMAGES = Only(
-    (None,), "sampling with images is not supported by this server yet; send encoded_text chunks"
-)
-IMAGE_CHUNK = {"data": NO_IMAGES, "format": NO_IMAGES, "expected_tokens": NO_IMAGES}  # an ImageChunk's
+IMAGE_CHUNK = {"data": READ, "format": READ, "expected_tokens": READ}  # an ImageChunk's
 LORA = {
     "rank": READ,
     "seed": READ,

@@ -1,6 +1,7 @@
-"""Images in Tinker datums, for a vision-language base model: ``Vision.place`` turns each datum's
-images into what the model's forward takes, ``pixel_values`` and ``image_grid_thw``, with the
-model's image placeholder token repeated once per visual token where each image sits.
+"""Images in Tinker datums and sample prompts, for a vision-language base model:
+``Vision.place`` turns each datum's (or prompt's) images into what the model's forward takes,
+``pixel_values`` and ``image_grid_thw``, with the model's image placeholder token repeated once
+per visual token where each image sits.
 
 A datum brings its images in one of two ways:
 
@@ -17,8 +18,11 @@ A datum brings its images in one of two ways:
   vision-language template encoded, as upstream's does): the processed images, checked
   against the placeholders they must fill.
 
+A sample request's prompt is placed as a datum of its own (``ImageChunk`` only: a prompt has no
+``loss_fn_inputs``), so it is decoded, processed and checked as training's are.
+
 A datum with an image for a text-only base model, an image that cannot be decoded, a count
-that does not match: ``BadRequest`` naming the datum and the image."""
+that does not match: ``BadRequest`` naming the datum (or the prompt) and the image."""
 
 import io
 import json
@@ -78,44 +82,45 @@ class Vision:
             self.patch_width = 3 * int(processor.temporal_patch_size) * int(processor.patch_size) ** 2
         self.start_id = config.get("vision_start_token_id")
 
-    def place(self, data: list[Datum]) -> None:
+    def place(self, data: list[Datum], names: list[str] | None = None) -> None:
         """Each datum's images placed (``tokens`` and ``vision`` set, ``images`` and the image
-        inputs taken out), in place."""
+        inputs taken out), in place. ``names``: what an error calls each datum (``datum i``
+        when None; a sample request's prompt is ``prompt``)."""
         for i, d in enumerate(data):
+            where = names[i] if names is not None else f"datum {i}"
             sent = {k: d.inputs.pop(k) for k in IMAGE_INPUTS if k in d.inputs}
             if not d.images and not sent:
-                self._no_loose_placeholders(d, i, 0)
+                self._no_loose_placeholders(d, where, 0)
                 continue
             if self.template is None:
                 raise BadRequest(
-                    f"datum {i}: images are placed for {', '.join(sorted(TEMPLATES))} models; the served "
+                    f"{where}: images are placed for {', '.join(sorted(TEMPLATES))} models; the served "
                     f"model is {self.model_type}"
                 )
             if d.images and sent:
                 raise BadRequest(
-                    f"datum {i}: send its images either as ImageChunks or as loss_fn_inputs "
+                    f"{where}: send its images either as ImageChunks or as loss_fn_inputs "
                     f"{' and '.join(IMAGE_INPUTS)}, not both"
                 )
             if d.images:
-                self._from_chunks(d, i)
+                self._from_chunks(d, where)
             else:
-                self._from_inputs(d, i, sent)
+                self._from_inputs(d, where, sent)
 
-    def _no_loose_placeholders(self, d: Datum, i: int, expected: int) -> None:
+    def _no_loose_placeholders(self, d: Datum, where: str, expected: int) -> None:
         if self.template is None:
             return
         found = int((d.tokens == self.image_id).sum())
         if found != expected:
             raise BadRequest(
-                f"datum {i}: model_input holds {found} image placeholder token(s) {self.image_token} "
+                f"{where}: model_input holds {found} image placeholder token(s) {self.image_token} "
                 f"(id {self.image_id}) where its images take {expected}; send each image as an ImageChunk "
                 "in place of its placeholders"
             )
 
-    def _decode(self, image: ImageIn, i: int, j: int) -> Any:
+    def _decode(self, image: ImageIn, where: str) -> Any:
         from PIL import Image
 
-        where = f"datum {i}: image {j}"
         if image.format not in FORMATS:
             raise BadRequest(f"{where}: format {image.format!r} is not one of {', '.join(FORMATS)}")
         try:
@@ -129,24 +134,24 @@ class Vision:
             raise BadRequest(f"{where}: the chunk says {image.format} but the bytes are {picture.format}")
         return picture.convert("RGB")
 
-    def _from_chunks(self, d: Datum, i: int) -> None:
-        self._no_loose_placeholders(d, i, 0)
-        pictures = [self._decode(image, i, j) for j, image in enumerate(d.images)]
+    def _from_chunks(self, d: Datum, where: str) -> None:
+        self._no_loose_placeholders(d, where, 0)
+        pictures = [self._decode(image, f"{where}: image {j}") for j, image in enumerate(d.images)]
         try:
             vision, counts = self.template.process_images(pictures)
         except (UserError, ValueError) as exc:  # the processor's limits (an aspect ratio, a size)
-            raise BadRequest(f"datum {i}: the model's image processor refuses its images: {exc}") from None
+            raise BadRequest(f"{where}: the model's image processor refuses its images: {exc}") from None
         parts, last = [], 0
         for j, (image, count) in enumerate(zip(d.images, counts, strict=True)):
             if image.expected is not None and image.expected != count:
                 grid = "x".join(str(int(v)) for v in vision["image_grid_thw"][j])
                 raise BadRequest(
-                    f"datum {i}: image {j} is {count} tokens for this model's image processor (grid "
+                    f"{where}: image {j} is {count} tokens for this model's image processor (grid "
                     f"{grid}), but its chunk declares expected_tokens={image.expected}; declare {count}"
                 )
             if self.start_id is not None and (image.at == 0 or int(d.tokens[image.at - 1]) != self.start_id):
                 raise BadRequest(
-                    f"datum {i}: image {j} must follow the model's vision start token (id {self.start_id}) "
+                    f"{where}: image {j} must follow the model's vision start token (id {self.start_id}) "
                     "in the text before it, as the model's chat template writes it"
                 )
             parts += [d.tokens[last : image.at], np.full(count, self.image_id, dtype=np.int64)]
@@ -155,40 +160,43 @@ class Vision:
         d.images = []
         d.vision = {k: v.numpy() for k, v in vision.items()}
 
-    def _from_inputs(self, d: Datum, i: int, sent: dict[str, np.ndarray]) -> None:
+    def _from_inputs(self, d: Datum, where: str, sent: dict[str, np.ndarray]) -> None:
         missing = [k for k in IMAGE_INPUTS if k not in sent]
         if missing:
-            raise BadRequest(f"datum {i}: loss_fn_inputs has {', '.join(sent)} without {missing[0]!r}")
+            raise BadRequest(f"{where}: loss_fn_inputs has {', '.join(sent)} without {missing[0]!r}")
         pixels, grid = sent["pixel_values"], sent["image_grid_thw"]
         if grid.ndim != 2 or grid.shape[1] != 3 or grid.dtype.kind not in "iu" or (grid < 1).any():
             raise BadRequest(
-                f"datum {i}: loss_fn_inputs['image_grid_thw'] must be int64 of shape (images, 3), each "
+                f"{where}: loss_fn_inputs['image_grid_thw'] must be int64 of shape (images, 3), each "
                 f"(t, h, w) at least 1; got {grid.dtype} {list(grid.shape)}"
             )
         patches = int(np.prod(grid, axis=1).sum())
         if pixels.shape != (patches, self.patch_width) or pixels.dtype.kind != "f":
             raise BadRequest(
-                f"datum {i}: loss_fn_inputs['pixel_values'] must be float32 of shape ({patches}, "
+                f"{where}: loss_fn_inputs['pixel_values'] must be float32 of shape ({patches}, "
                 f"{self.patch_width}) for that image_grid_thw and this model's processor; got "
                 f"{pixels.dtype} {list(pixels.shape)}"
             )
         if not np.isfinite(pixels).all():
-            raise BadRequest(f"datum {i}: loss_fn_inputs['pixel_values'] holds NaN or inf")
-        self._no_loose_placeholders(d, i, sum(self.template.image_tokens(g) for g in grid))
+            raise BadRequest(f"{where}: loss_fn_inputs['pixel_values'] holds NaN or inf")
+        self._no_loose_placeholders(d, where, sum(self.template.image_tokens(g) for g in grid))
         d.vision = {"pixel_values": pixels.astype(np.float32), "image_grid_thw": grid.astype(np.int64)}
 
 
-def place_images(data: list[Datum], vision: Vision | None, served: str) -> None:
+def place_images(
+    data: list[Datum], vision: Vision | None, served: str, names: list[str] | None = None
+) -> None:
     """``Vision.place`` on the served model; for a text-only one, a datum with an image is
-    refused."""
+    refused. ``names`` as ``Vision.place``'s."""
     if vision is not None:
-        vision.place(data)
+        vision.place(data, names)
         return
     for i, d in enumerate(data):
         if d.images or any(k in d.inputs for k in IMAGE_INPUTS):
+            where = names[i] if names is not None else f"datum {i}"
             raise BadRequest(
-                f"datum {i}: holds an image, but the served base model {served} reads text only; "
-                "serve a vision-language model to train on images"
+                f"{where}: holds an image, but the served base model {served} reads text only; "
+                "serve a vision-language model to use images"
             )
 
 

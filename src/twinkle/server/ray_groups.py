@@ -83,12 +83,22 @@ class SamplerCore:
         self.sampler.default_adapter = None  # adapter '' is the base model
         return written
 
-    def sample(self, name: str, prompt: list[int], params: dict[str, Any], n: int, seed: int) -> list[tuple]:
+    def sample(
+        self,
+        name: str,
+        prompt: list[int],
+        params: dict[str, Any],
+        n: int,
+        seed: int,
+        vision: dict[str, Any] | None = None,
+    ) -> list[tuple]:
         """This rank's share of ``n`` completions under adapter ``name`` ('' : the base model):
-        with several ranks, rank r samples its contiguous share with seed ``seed + r``."""
+        with several ranks, rank r samples its contiguous share with seed ``seed + r``.
+        ``vision``: the prompt's placed images (numpy arrays, which travel to the ranks as any
+        argument does); the sampler's own copy of a vision-language checkpoint reads them."""
         rt = self.sampler.runtime
         base, extra = divmod(n, rt.world_size)
         mine = base + (1 if rt.rank < extra else 0)
         if mine == 0:
             return []
-        return run_sampler(self.sampler, name, prompt, params, mine, seed + rt.rank)
+        return run_sampler(self.sampler, name, prompt, params, mine, seed + rt.rank, vision)

@@ -7,22 +7,31 @@ Every log-prob is the model's at temperature 1, from one forward pass over the p
 over prompt + completion per sequence for ``topk_sample_logprobs``); the request's temperature
 only shapes the completions and the alternative tokens' draws (``twinkle.server.scoring``). The
 request's ``sampling_params`` become the sampler's ``SamplingParams`` in one place,
-``twinkle.server.core.sampling_params``: the route checks them by building them there."""
+``twinkle.server.core.sampling_params``: the route checks them by building them there.
 
+On a vision-language base model a prompt may hold ``ImageChunk``s: they are placed as
+training's datums are (``twinkle.server.images``), and every forward over the prompt, the
+scores' and the sampler's alike, is given its images."""
+
+import base64
+import binascii
+import functools
 from collections.abc import Generator
 from typing import Any
 
 import numpy as np
 from fastapi import APIRouter, Request
+from starlette.concurrency import run_in_threadpool
 
-from twinkle.server.core import sampling_params
+from twinkle.server import images
+from twinkle.server.core import Images, sampling_params
 from twinkle.server.errors import BadRequest
 from twinkle.server.requests import body, field, future, new_id, server_of
 from twinkle.server.runs import check_base
 from twinkle.server.scoring import Scoring
 from twinkle.server.service import Server
 from twinkle.server.state import Tenant
-from twinkle.server.wire import encode_sample_response
+from twinkle.server.wire import Datum, ImageIn, encode_sample_response
 from twinkle.utils.errors import UserError
 
 router = APIRouter(prefix="/api/v1")
@@ -64,7 +73,7 @@ async def asample(request: Request) -> dict:
     else:
         path = field(data, "model_path", str, default=None)
     folder = s.registry.checkpoint(tenant, path, read=True) if path else None
-    prompt = _prompt_tokens(field(data, "prompt", dict, required=True), s.engine.vocab)
+    prompt, vision = await _placed_prompt(s, field(data, "prompt", dict, required=True))
     params = field(data, "sampling_params", dict, default={})
     n = field(data, "num_samples", int, default=1)
     if not 1 <= n <= 64:
@@ -81,7 +90,7 @@ async def asample(request: Request) -> dict:
     scoring.temperature, scoring.seed = float(temperature), seed
     _check_cost(s, tenant, len(prompt), n, max_tokens, scoring)
     rid = s.queue.submit(
-        tenant.id, lambda: _sample(s, tenant, folder, prompt, params, n, scoring, seed), lane="sample"
+        tenant.id, lambda: _sample(s, tenant, folder, prompt, vision, params, n, scoring, seed), lane="sample"
     )
     return {**future(rid), "sample_sequence_ids": [f"{rid}-{i}" for i in range(n)]}
 
@@ -120,24 +129,59 @@ def _check_cost(s: Server, tenant: Tenant, length: int, n: int, max_tokens: int,
         )
 
 
-def _prompt_tokens(prompt: dict, vocab: int) -> list[int]:
+async def _placed_prompt(s: Server, prompt: dict) -> tuple[list[int], Images]:
+    """The prompt's tokens and its placed images (``twinkle.server.images``: each image chunk
+    decoded, processed by the served model's image processor and replaced by its placeholder
+    tokens), or None for a prompt without any. Placed here, before the request is queued, so the
+    length checks and the scoring fields' shapes see the prompt the model runs, and a bad image
+    is a 400 at once; decoding and processing run in a worker thread, off the event loop."""
+    tokens, chunks = _prompt_chunks(prompt, s.engine.vocab)
+    if s.engine.vision is None and not chunks:
+        return tokens, None
+    datum = Datum(np.asarray(tokens, dtype=np.int64), images=chunks)
+    place = functools.partial(images.place_images, [datum], s.engine.vision, s.base_model, ["prompt"])
+    if chunks:
+        await run_in_threadpool(place)
+    else:
+        place()  # a text prompt: only its loose image placeholders are looked for
+    return datum.tokens.tolist(), datum.vision
+
+
+def _prompt_chunks(prompt: dict, vocab: int) -> tuple[list[int], list[ImageIn]]:
+    """The text chunks' tokens end to end, and each image chunk where it sits among them."""
     chunks = field(prompt, "chunks", list, required=True)
     tokens: list[int] = []
+    pictures: list[ImageIn] = []
     for chunk in chunks:
         kind = chunk.get("type", "encoded_text") if isinstance(chunk, dict) else None
         if kind == "image":
-            raise BadRequest(
-                "prompt: sampling with images is not supported by this server yet; send encoded_text chunks"
-            )
+            pictures.append(_image_chunk(chunk, len(pictures), len(tokens)))
+            continue
         if kind != "encoded_text":
-            raise BadRequest("prompt: only encoded_text chunks are supported")
+            raise BadRequest("prompt: only encoded_text and image chunks are supported")
         ids = field(chunk, "tokens", list, required=True)
         if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids):
             raise BadRequest(f"prompt: tokens must be integers in [0, {vocab})")
         tokens += ids
-    if not tokens:
+    if not tokens and not pictures:
         raise BadRequest("prompt has no tokens")
-    return tokens
+    return tokens, pictures
+
+
+def _image_chunk(chunk: dict, j: int, at: int) -> ImageIn:
+    """An ``ImageChunk`` as the SDK sends it in JSON (its bytes in base64), checked."""
+    where = f"prompt: image {j}"
+    data = field(chunk, "data", str, required=True)
+    try:
+        raw = base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError):
+        raise BadRequest(
+            f"{where}: data must be the image's bytes in base64 (as the SDK sends them)"
+        ) from None
+    expected = field(chunk, "expected_tokens", int, default=None)
+    if expected is not None and expected < 1:
+        raise BadRequest(f"{where}: expected_tokens must be at least 1, got {expected}")
+    return ImageIn(at, raw, field(chunk, "format", str, required=True), expected)
 
 
 def _scoring(data: dict, length: int, vocab: int) -> Scoring:
@@ -231,13 +275,23 @@ def _is_int(value: Any) -> bool:
 
 
 def _sample(
-    s: Server, tenant: Tenant, found: Any, prompt: list[int], params: dict, n: int, want: Scoring, seed: int
+    s: Server,
+    tenant: Tenant,
+    found: Any,
+    prompt: list[int],
+    vision: Images,
+    params: dict,
+    n: int,
+    want: Scoring,
+    seed: int,
 ) -> Generator[None, None, bytes]:
     """Sample from a saved adapter, or from the base model. On the model: through an adapter lent
     a slot for the call (without saved weights its LoRA B is zero: exactly the base model); when
     every slot is taken, the least recently used training run is parked for it
     (``Server.make_room``). With a sampler group the completions come from there, and the model
-    lends a slot only when the request scores the prompt or the samples' top-k.
+    lends a slot only when the request scores the prompt or the samples' top-k. ``vision``: the
+    prompt's placed images, which every forward over the prompt is given (the scores, the
+    samples' top-k and the sampling: ``ModelCore.sample_steps`` says where it decodes them).
 
     A generator: sampling on the model in this process runs in slices (``ModelCore.sample_steps``),
     and the queue runs other requests between them; the adapter keeps its slot meanwhile."""
@@ -251,22 +305,22 @@ def _sample(
     try:
         if name is not None and folder is not None:
             s.engine.core.load_for_sampling(name, folder)
-        scores = s.engine.core.score_prompt(name, prompt, want) if want.of_prompt else {}
+        scores = s.engine.core.score_prompt(name, prompt, want, vision) if want.of_prompt else {}
         if int(params.get("max_tokens") or 0) == 0:
             seqs = [([], [], "length")] * n
         elif s.engine.has_sampler:
-            seqs = s.engine.sample_checkpoint(folder, rank, prompt, params, n, seed)
+            seqs = s.engine.sample_checkpoint(folder, rank, prompt, params, n, seed, vision)
         elif s.engine.sliced:
-            seqs = yield from s.engine.core.sample_steps(name, prompt, params, n, seed, SLICE_SECONDS)
+            seqs = yield from s.engine.core.sample_steps(name, prompt, params, n, seed, SLICE_SECONDS, vision)
         else:
-            seqs = s.engine.core.sample(name, prompt, params, n, seed)
+            seqs = s.engine.core.sample(name, prompt, params, n, seed, vision)
         s.metrics.counted(tenant.id, "sampled", sum(len(tokens) for tokens, _, _ in seqs))
         extras = {k: v for k, v in scores.items() if k in ("topk_prompt", "alt")}
         if "target" in scores:
             extras["target"] = (scores["target"], want.target_shape, want.target_csr)
         if want.topk_sample:
             extras["topk_samples"] = s.engine.core.topk_of_completions(
-                name, prompt, [tokens for tokens, _, _ in seqs], want.topk_sample
+                name, prompt, [tokens for tokens, _, _ in seqs], want.topk_sample, vision
             )
         return encode_sample_response(seqs, scores.get("prompt"), extras)
     finally:
