@@ -24,7 +24,8 @@ each expert's tokens over the ranks that hold it, as one process does. Full-para
 training under ``ep_size > 1`` is refused in one line.
 
 One line each, before the weights load where the model is a local folder: a model without
-experts, N not dividing the expert count, a family not in ``FAMILIES``, routing replay or
+experts, N not dividing the expert count, a family not in ``FAMILIES`` (gpt-oss, whose experts
+compute otherwise, saying why: ``NOT_FUSED``), routing replay or
 Ulysses with ``ep_size > 1``, an ``expert_parallel`` option other than upstream's."""
 
 import json
@@ -45,7 +46,13 @@ logger = get_logger()
 ATTRIBUTE = "_twinkle_expert_parallel"
 # model types whose MoE block calls experts(hidden, top_k_index, top_k_weights) on fused
 # gate_up_proj (experts, 2 * intermediate, hidden) and down_proj (experts, hidden, intermediate)
-FAMILIES = ("qwen3_moe", "qwen2_moe", "qwen3_5_moe", "qwen3_5_moe_text")
+FAMILIES = ("qwen3_moe", "qwen2_moe", "qwen3_5_moe", "qwen3_5_moe_text", "deepseek_v3")
+# MoE families whose experts hold weights of another shape or compute otherwise, and why
+NOT_FUSED = {
+    "gpt_oss": "its experts add a bias to each projection and run a clamped SwiGLU on interleaved "
+    "gate/up columns of gate_up_proj stored (experts, hidden, 2 * intermediate), which the exchanged "
+    "experts' plain SwiGLU on (experts, 2 * intermediate, hidden) would not reproduce",
+}
 OPTION_KEYS = ("enabled", "router_dtype", "keep_router_logits", "ep_size")
 
 
@@ -97,8 +104,13 @@ def _experts_of(config: Any) -> tuple[str | None, int]:
     if isinstance(text, dict):
         text = types.SimpleNamespace(**text)
     kind = getattr(text, "model_type", None) or getattr(config, "model_type", None)
-    # transformers saves num_experts as num_local_experts (the config's attribute map)
-    experts = getattr(text, "num_experts", None) or getattr(text, "num_local_experts", None)
+    # transformers saves num_experts as num_local_experts (the config's attribute map);
+    # DeepSeek-V3's config.json names them n_routed_experts
+    experts = (
+        getattr(text, "num_experts", None)
+        or getattr(text, "num_local_experts", None)
+        or getattr(text, "n_routed_experts", None)
+    )
     return kind, int(experts or 0)
 
 
@@ -107,6 +119,8 @@ def check_model(config: Any, size: int) -> None:
     kind, experts = _experts_of(config)
     if not experts:
         raise UserError(f"ep_size={size}: {kind} is a dense model (no experts to split); use ep_size=1")
+    if kind in NOT_FUSED:
+        raise UserError(f"ep_size={size} does not run {kind}: {NOT_FUSED[kind]}; use ep_size=1")
     if kind not in FAMILIES:
         raise UserError(
             f"ep_size={size} runs the families {', '.join(FAMILIES)}; {kind} is not one of them; use ep_size=1"

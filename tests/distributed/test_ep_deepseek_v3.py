@@ -1,0 +1,125 @@
+"""Expert parallelism on DeepSeek-V3, on 2 gloo ranks (ep_size 2 over 2 FSDP2 shards), equals one
+process: a tiny random checkpoint of 3 layers, the first dense (``first_k_dense_replace``), the
+other two of 8 routed experts (top-2 of 2 groups of 4, one group kept: the family's sigmoid
+router with its group-limited choice and ``routed_scaling_factor``) and a shared expert, with
+multi-head latent attention.
+
+``ep_worker.py`` runs 3 LoRA steps on 4 chat samples, LoRA on the attention (q_proj, o_proj) and on
+the experts (``target_parameters``); the per-step losses, gradient norms and an evaluation pass's
+logps agree within ``run_loss_rtol`` (``tests/assets/tolerances.py``), the saved adapters within
+``adamw_weight_atol``, and each rank holds exactly its own 4 of the 8 experts of each MoE layer,
+as one process loads them. gpt-oss, whose experts compute otherwise, is refused in one line
+saying why."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file
+from tolerances import adamw_weight_atol, run_loss_rtol
+
+from twinkle.model.expert_parallel import check_folder, check_model
+from twinkle.utils.errors import UserError
+
+pytestmark = [pytest.mark.slow, pytest.mark.cluster]  # 2-process runs, with the other `-m cluster` suites
+
+WORKER = Path(__file__).with_name("ep_worker.py")
+STEPS, LR, EXPERTS = 3, 1e-2, 8  # as ep_worker.py runs them; the checkpoint's routed experts
+
+
+def build_deepseek_v3(tiny_model_dir: Path, out: Path) -> Path:
+    ids = json.loads((tiny_model_dir / "config.json").read_text())
+    config = transformers.DeepseekV3Config(
+        vocab_size=ids["vocab_size"], eos_token_id=ids.get("eos_token_id"), pad_token_id=ids.get("pad_token_id"),
+        hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=3,
+        first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4,
+        n_routed_experts=EXPERTS, num_experts_per_tok=2, n_shared_experts=1, n_group=2, topk_group=1,
+        q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=8,
+        max_position_embeddings=512, tie_word_embeddings=True,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    transformers.DeepseekV3ForCausalLM(config).save_pretrained(out)
+    for path in tiny_model_dir.iterdir():
+        if "token" in path.name or path.suffix == ".jinja":
+            (out / path.name).write_bytes(path.read_bytes())
+    return out
+
+
+def _run(launcher, model_dir: Path, out: Path, nproc: int) -> dict:
+    out.mkdir()
+    args = ["--model-id", str(model_dir), "--out", str(out), "--steps", str(STEPS), "--target-parameters"]
+    if nproc > 1:
+        args += ["--ep-size", "2"]
+    job = launcher.run(WORKER, args, nproc=nproc, timeout_s=240)
+    assert job.returncode == 0, job.output[-6000:]
+    result = json.loads((out / "result.json").read_text())
+    result["adapter"] = load_file(out / "adapter" / "adapter_model.safetensors")
+    return result
+
+
+def test_deepseek_v3_under_expert_parallelism_equals_one_process(tiny_model_dir, tmp_path, launcher):
+    model_dir = build_deepseek_v3(tiny_model_dir, tmp_path / "deepseek_v3")
+    one = _run(launcher, model_dir, tmp_path / "one", 1)
+    two = _run(launcher, model_dir, tmp_path / "two", 2)
+    assert two["world_size"] == 2
+    lengths = one["lengths"]
+    rtol = run_loss_rtol(len(lengths), max(lengths), 2)
+    print(
+        f"\n[ep 2, deepseek_v3] losses {[s['loss'] for s in one['steps']]} vs {[s['loss'] for s in two['steps']]}"
+    )
+    assert one["steps"][-1]["loss"] < one["steps"][0]["loss"]  # it trained
+    for a, b in zip(one["steps"], two["steps"], strict=True):
+        for key in ("samples", "supervised_tokens"):
+            assert a[key] == b[key], (key, a[key], b[key])
+        for key in ("loss", "grad_norm"):
+            assert abs(a[key] - b[key]) <= rtol * max(1.0, abs(a[key])), (key, a[key], b[key], rtol)
+    for row_a, row_b in zip(one["logps"], two["logps"], strict=False):  # rank 0's rows
+        for x, y in zip(row_a, row_b, strict=False):
+            assert abs(x - y) <= rtol * max(1.0, abs(x)), (x, y, rtol)
+    # the experts' LoRA of both MoE layers is saved whole: r x 8 experts rows of A
+    expert_lora = [name for name in one["adapter"] if ".experts." in name and "lora_A" in name]
+    assert len(expert_lora) == 4 and all(one["adapter"][n].shape[0] == 4 * EXPERTS for n in expert_lora)
+    assert any("self_attn" in name for name in one["adapter"])
+    atol = adamw_weight_atol(LR, STEPS)
+    assert one["adapter"].keys() == two["adapter"].keys()
+    for name, weight in one["adapter"].items():
+        assert (weight - two["adapter"][name]).abs().max() <= atol, name
+    # one process holds all 8 experts of layers 1 and 2 (layer 0 is dense); rank r its block r
+    full = load_file(tmp_path / "one" / "experts-0.safetensors")
+    assert sorted(full) == [
+        f"model.layers.{i}.mlp.experts.{p}" for i in (1, 2) for p in ("down_proj", "gate_up_proj")
+    ]
+    for rank in range(2):
+        held = load_file(tmp_path / "two" / f"experts-{rank}.safetensors")
+        assert held.keys() == full.keys()
+        for name, weight in full.items():
+            block = weight[rank * EXPERTS // 2 : (rank + 1) * EXPERTS // 2]
+            assert torch.equal(held[name], block), (rank, name)
+
+
+def _one_line(info) -> str:
+    text = str(info.value)
+    assert "\n" not in text
+    return text
+
+
+def test_deepseek_v3_expert_count_is_read_from_its_folder(tiny_model_dir, tmp_path):
+    """Its config.json names the experts n_routed_experts: an ep_size that does not divide them is
+    one line before the weights load."""
+    folder = tmp_path / "seven"
+    folder.mkdir()
+    config = transformers.DeepseekV3Config(n_routed_experts=7, n_group=1, topk_group=1).to_dict()
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UserError) as info:
+        check_folder(str(folder), None, 2, False, 1)
+    assert "ep_size=2 does not divide the model's 7 experts" in _one_line(info)
+
+
+def test_gpt_oss_is_refused_saying_why():
+    config = transformers.GptOssConfig(num_local_experts=8, num_hidden_layers=1)
+    with pytest.raises(UserError) as info:
+        check_model(config, 2)
+    text = _one_line(info)
+    assert text.startswith("ep_size=2 does not run gpt_oss: its experts add a bias") and "ep_size=1" in text
