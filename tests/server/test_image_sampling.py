@@ -13,13 +13,16 @@ the same patches either way)."""
 import json
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import numpy as np
 import pytest
 import tinker
 import torch
+from ports import free_port
 from serving import KEY_A, start
+from test_server_ray import _serve, _started, _stop, cluster, cluster_run  # noqa: F401 (cluster: a fixture)
 from tinker import types
 from tolerances import chain_tolerances, llama_sums
 
@@ -95,7 +98,9 @@ def test_greedy_with_an_image_equals_the_in_process_sampler(vl_server, vl_dir, t
     seen = {}
     for colour in (RED, BLUE):
         row, prompt = prompt_of(template, colour)
-        out = sampler.sample(prompt, 1, greedy, include_prompt_logprobs=True, topk_prompt_logprobs=3).result()
+        out = sampler.sample(
+            prompt, 1, greedy, include_prompt_logprobs=True, topk_prompt_logprobs=3, topk_sample_logprobs=2
+        ).result()
         (mine,) = local.sample(
             {k: row[k] for k in ("input_ids", "pixel_values", "image_grid_thw")},
             SamplingParams(max_tokens=8, temperature=0, prompt_logprobs=3),
@@ -105,6 +110,12 @@ def test_greedy_with_an_image_equals_the_in_process_sampler(vl_server, vl_dir, t
         want = torch.tensor([entry[0][1] for entry in expected.logprobs])
         got = torch.tensor(list(seq.logprobs))
         torch.testing.assert_close(got, want, **tolerances(row, len(seq.tokens), want))
+        # the samples' top-2 come from a pass over prompt + completion with the image: the greedy
+        # token is among them (first unless an image placeholder, never drawn, is), at its log-prob
+        tops = [dict(top) for top in seq.topk_logprobs]
+        assert all(token in top for token, top in zip(seq.tokens, tops, strict=True))
+        of_top = torch.tensor([top[token] for token, top in zip(seq.tokens, tops, strict=True)])
+        torch.testing.assert_close(of_top, got, **tolerances(row, len(seq.tokens), got))
         # the prompt's log-probs, the image's placeholders included, and their top-3
         assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(row["input_ids"])
         want_prompt = torch.tensor(mine.prompt_logprobs[1:])
@@ -222,3 +233,36 @@ def test_an_image_prompt_on_a_text_only_base_model_is_one_line(server, tiny_mode
         ]
     )
     _refused(sampler, prompt, "prompt: holds an image, but the served base model .* reads text only")
+
+
+@cluster_run
+def test_the_ray_groups_sample_and_score_an_image_prompt(cluster, vl_dir, template, local, tmp_path):  # noqa: F811
+    """``--mode ray --model-ranks 1 --sampler-ranks 1``: the prompt's processed images travel to
+    the sampler group, which samples them (greedy: the in-process sampler's tokens), and to the
+    model group, which scores the prompt with them."""
+    from twinkle.data_format import SamplingParams
+
+    row, prompt = prompt_of(template, RED)
+    (mine,) = local.sample(
+        {k: row[k] for k in ("input_ids", "pixel_values", "image_grid_thw")},
+        SamplingParams(max_tokens=8, temperature=0, prompt_logprobs=0),
+    )
+    port = free_port()
+    proc = _serve(
+        vl_dir, tmp_path, cluster, "--model-ranks", "1", "--sampler-ranks", "1", "--port", str(port)
+    )
+    try:
+        sampler = sampling_client(SimpleNamespace(url=_started(proc, tmp_path, port)), vl_dir)
+        greedy = types.SamplingParams(max_tokens=8, temperature=0.0)
+        out = sampler.sample(prompt, 1, greedy, include_prompt_logprobs=True).result()
+    finally:
+        _stop(proc, tmp_path)
+    seq = out.sequences[0]
+    assert list(seq.tokens) == mine.sequences[0].tokens
+    want = torch.tensor([entry[0][1] for entry in mine.sequences[0].logprobs])
+    torch.testing.assert_close(
+        torch.tensor(list(seq.logprobs)), want, **tolerances(row, len(seq.tokens), want)
+    )
+    want_prompt = torch.tensor(mine.prompt_logprobs[1:])
+    got_prompt = torch.tensor(out.prompt_logprobs[1:])
+    torch.testing.assert_close(got_prompt, want_prompt, **tolerances(row, 0, want_prompt))
