@@ -80,7 +80,7 @@ CASES = {
         lambda f: _config(f, model_type="foo"),
         r"model_type 'foo' is not a family transformers \S+ knows; Twinkle trains causal LMs that "
         r"transformers knows \(tested: llama, mistral, qwen2, qwen3, qwen2_moe, qwen3_moe, qwen3_5, "
-        r"qwen3_5_moe\); fix model_type in config.json or upgrade transformers",
+        r"qwen3_5_moe, qwen2_vl, qwen2_5_vl, qwen3_vl\); fix model_type in config.json or upgrade transformers",
     ),
     "unknown-model-type-and-no-tokenizer": (  # the folder: the model_type is named first
         lambda f: (_config(f, model_type="foo"), _no_tokenizer(f)),
@@ -193,10 +193,14 @@ def test_tokenizer_only_check(broken):
 def test_the_tested_families_include_every_family_packing_and_kernels_name():
     from twinkle.kernel.config import DEFAULT_KERNEL_CONFIG
     from twinkle.model.packing import PACKABLE_MODEL_TYPES
+    from twinkle.model.vision_packing import PACKABLE_VISION_TYPES
 
     assert set(PACKABLE_MODEL_TYPES) <= set(TESTED_MODEL_TYPES)
-    kernel_families = {
-        name.removesuffix("RMSNorm").lower() for name in DEFAULT_KERNEL_CONFIG if name.endswith("RMSNorm")
+    assert set(PACKABLE_VISION_TYPES) <= set(TESTED_MODEL_TYPES)
+    kernel_families = {  # Qwen3-VL's language model classes are Qwen3VLText*
+        name.removesuffix("RMSNorm").removesuffix("Text").lower()
+        for name in DEFAULT_KERNEL_CONFIG
+        if name.endswith("RMSNorm")
     }
     normalised = {t.replace("_", "") for t in TESTED_MODEL_TYPES}
     assert {f.replace("_", "") for f in kernel_families} <= normalised

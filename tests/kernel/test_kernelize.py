@@ -261,6 +261,7 @@ def test_register_op_rejects_duplicates_and_unknown_backends(scratch_registry):
 def test_default_config_names_real_classes_and_registered_ops():
     """Every target is a class of a Hugging Face modeling module, and every op is registered."""
     families = ["llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mistral", "qwen3_5", "qwen3_5_moe"]
+    families += ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"]  # their language models (and Qwen2.5-VL's tower)
     classes = set()
     for family in families:
         classes |= set(vars(importlib.import_module(f"transformers.models.{family}.modeling_{family}")))

@@ -27,9 +27,9 @@ from twinkle.utils.logger import get_logger
 
 logger = get_logger(__name__)
 
-# Families the training path is tested on: padding-free packing (``model/packing.py``) and the
-# kernels (``kernel/config.py``). Any other causal LM that transformers knows loads and trains
-# through the generic path.
+# Families the training path is tested on: padding-free packing (``model/packing.py``, and for
+# image rows ``model/vision_packing.py``) and the kernels (``kernel/config.py``). Any other causal
+# LM that transformers knows loads and trains through the generic path.
 TESTED_MODEL_TYPES = (
     "llama",
     "mistral",
@@ -39,6 +39,9 @@ TESTED_MODEL_TYPES = (
     "qwen3_moe",
     "qwen3_5",
     "qwen3_5_moe",
+    "qwen2_vl",
+    "qwen2_5_vl",
+    "qwen3_vl",
 )
 # Any of these lets ``AutoTokenizer`` build a tokenizer without a network.
 TOKENIZER_FILES = (

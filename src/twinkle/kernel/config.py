@@ -21,8 +21,17 @@ for _family in _ZERO_CENTERED_FAMILIES:
     DEFAULT_KERNEL_CONFIG[f"{_family}RMSNorm"] = KernelChoice("rms_norm_zero_centered", ("liger", "torch"))
 for _family in _FAMILIES + _ZERO_CENTERED_FAMILIES:
     DEFAULT_KERNEL_CONFIG[f"{_family}MLP"] = KernelChoice("swiglu_mlp", ("npu", "liger", "torch"))
+# The language models of the Qwen vision-language families are their text families' layers under
+# other class names: the same RMSNorm and SwiGLU MLP (Qwen2-VL's and Qwen2.5-VL's MLP is
+# ``Qwen2MLP`` itself, covered above), and for Qwen2-VL and Qwen2.5-VL Qwen2's attention, its
+# M-RoPE already folded into the cos/sin tables it is given. Qwen2.5-VL's vision tower uses the
+# same norm class and a SwiGLU MLP (with biases, which the kernels carry), so it takes them too.
+for _family in ("Qwen2VL", "Qwen2_5_VL", "Qwen3VLText"):
+    DEFAULT_KERNEL_CONFIG[f"{_family}RMSNorm"] = KernelChoice("rms_norm", ("npu", "liger", "torch"))
+for _name in ("Qwen3VLTextMLP", "Qwen2_5_VLMLP"):
+    DEFAULT_KERNEL_CONFIG[_name] = KernelChoice("swiglu_mlp", ("npu", "liger", "torch"))
 # Llama-style attention whose projections and rotary embedding can run as one LoRA node
-for _family in ("Llama", "Mistral", "Qwen2"):
+for _family in ("Llama", "Mistral", "Qwen2", "Qwen2VL", "Qwen2_5_VL"):
     DEFAULT_KERNEL_CONFIG[f"{_family}Attention"] = KernelChoice("lora_attention", ("torch",))
 
 # Call ops: each call walks its op's chain (``registry.dispatch``), and the first backend that is

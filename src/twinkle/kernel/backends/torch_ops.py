@@ -15,7 +15,8 @@ measurements in ``README.md`` (``bench/micro/kernel_bench.py``), not on this fil
   which on the CPU keeps what autograd would (recomputing cost more time than the memory was
   worth there) and elsewhere keeps ``gate`` and ``up`` only. Liger's backend uses that node too.
 
-- ``lora_attention``: a Llama, Mistral or Qwen2 attention layer whose query, key and value
+- ``lora_attention``: a Llama, Mistral or Qwen2 attention layer (Qwen2-VL's and Qwen2.5-VL's
+  language models included) whose query, key and value
   projections are plain LoRA layers runs them and the rotary embedding as one node
   (``kernel/lora/qkv.py``), then the attention function and ``o_proj`` as Hugging Face's forward
   does. Anything else (a KV cache, eager attention, a trainable base, ...) runs the class's
@@ -144,6 +145,9 @@ _ATTENTION_EXTRAS: dict[str, Callable[[Any], dict[str, Any]]] = {
     "LlamaAttention": lambda module: {},
     "MistralAttention": lambda module: {"sliding_window": getattr(module.config, "sliding_window", None)},
     "Qwen2Attention": lambda module: {"sliding_window": module.sliding_window},
+    # the language models of Qwen2-VL and Qwen2.5-VL: Qwen2's attention (M-RoPE is in cos/sin)
+    "Qwen2VLAttention": lambda module: {"sliding_window": module.sliding_window},
+    "Qwen2_5_VLAttention": lambda module: {"sliding_window": module.sliding_window},
 }
 
 
@@ -166,8 +170,15 @@ def _lora_attention_forward(
         fused = lora_qkv(self, hidden_states, *position_embeddings)
         if fused is None:  # no node (adapters off, a mixed-adapter batch): rotated as it does
             fused = rotated_projections(self, hidden_states, *position_embeddings)
-    if fused is None:
-        return type(self).forward(self, hidden_states, position_embeddings, attention_mask, cache, **kwargs)
+    if fused is None:  # by keyword: the VL classes take the same arguments in another order
+        return type(self).forward(
+            self,
+            hidden_states,
+            position_embeddings=position_embeddings,
+            attention_mask=attention_mask,
+            cache=cache,
+            **kwargs,
+        )
     query, key, value = (t.transpose(1, 2) for t in fused)
     output, weights = ALL_ATTENTION_FUNCTIONS[implementation](
         self,
