@@ -19,7 +19,8 @@ from typing import Any
 
 from twinkle.runtime.remote import remote_class  # remote_group= hook
 from twinkle.server.config import ServerConfig
-from twinkle.server.core import ModelCore, run_sampler
+from twinkle.server.core import ModelCore
+from twinkle.server.sampler_calls import run_sampler
 
 MODEL_GROUP, SAMPLER_GROUP = "model", "sampler"
 

@@ -7,7 +7,7 @@ Every log-prob is the model's at temperature 1, from one forward pass over the p
 over prompt + completion per sequence for ``topk_sample_logprobs``); the request's temperature
 only shapes the completions and the alternative tokens' draws (``twinkle.server.scoring``). The
 request's ``sampling_params`` become the sampler's ``SamplingParams`` in one place,
-``twinkle.server.core.sampling_params``: the route checks them by building them there.
+``twinkle.server.sampler_calls.sampling_params``: the route checks them by building them there.
 
 On a vision-language base model a prompt may hold ``ImageChunk``s: they are placed as
 training's datums are (``twinkle.server.images``), and every forward over the prompt, the
@@ -24,10 +24,10 @@ from fastapi import APIRouter, Request
 from starlette.concurrency import run_in_threadpool
 
 from twinkle.server import images
-from twinkle.server.core import Images, sampling_params
 from twinkle.server.errors import BadRequest
 from twinkle.server.requests import body, field, future, new_id, server_of
 from twinkle.server.runs import check_base
+from twinkle.server.sampler_calls import Images, sampling_params
 from twinkle.server.scoring import Scoring
 from twinkle.server.service import Server
 from twinkle.server.state import Tenant
@@ -98,7 +98,7 @@ async def asample(request: Request) -> dict:
 def _check_sampling_params(params: dict, n: int, seed: int) -> None:
     """``sampling_params``' other fields (``top_p``, ``top_k``, ``stop``) checked as the sampler
     reads them: their JSON kinds here, their values by building the sampler's ``SamplingParams``
-    (``core.sampling_params``); a bad one is a 400 naming it, before the request is queued."""
+    (``sampler_calls.sampling_params``); a bad one is a 400 naming it, before the request is queued."""
     field(params, "top_p", (int, float), default=1.0)
     field(params, "top_k", int, default=-1)
     field(params, "stop", (str, list), default=None)
