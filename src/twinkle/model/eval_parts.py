@@ -7,10 +7,11 @@ from typing import Any
 
 import torch
 
-from twinkle.model.forward import task_loss
+from twinkle.model.forward import causal_lm_of, task_loss
 from twinkle.model.inputs import prepare_inputs
 from twinkle.model.loss_inputs import keyword_inputs, split_rows, with_loss_inputs
 from twinkle.model.outputs import ModelOutputs, joined_logps
+from twinkle.model.vision import check_reads_images
 
 PARTS_RECORD_NOTHING = (
     "the last forward_only ran in parts (micro_batch_size=...), which record no evaluation loss; "
@@ -36,6 +37,7 @@ def forward_only_in_parts(
     replay = {k: loss_inputs.pop(k) for k in ("router_replay_action",) if k in loss_inputs}
     extras = keyword_inputs(loss_fn, ref_outputs, loss_inputs)
     batch = with_loss_inputs(loss_fn, prepare_inputs(group, inputs, model.tokenizer), extras, required=False)
+    check_reads_images(causal_lm_of(model.model), batch)  # before the first part runs
     loss_sum, tokens, logps, routes = 0.0, 0, [], []
     for part in split_rows(batch, micro_batch_size, loss_fn):
         out = model.forward_only(

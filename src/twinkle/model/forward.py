@@ -24,7 +24,7 @@ from twinkle.loss.cross_entropy import target_logps
 from twinkle.model.packing import can_pack, pack, shifted_targets
 from twinkle.model.router_replay import replay_of
 from twinkle.model.ulysses import ulysses_of
-from twinkle.model.vision import check_patches
+from twinkle.model.vision import check_patches, check_reads_images
 from twinkle.model.vision_packing import can_pack_images, pack_images
 from twinkle.model.vision_positions import token_type_inputs
 from twinkle.template.base import IGNORE_INDEX
@@ -137,6 +137,7 @@ def loss_and_view(
     the labels' log-probabilities from it). ``share_prefix``: as ``packing.pack`` takes it (the
     rows' adapter names, where they run through different adapters)."""
     lm = causal_lm_of(model)
+    check_reads_images(lm, batch)
     loss = as_loss(loss_fn)
     _extras(loss, batch)
     ulysses = ulysses_of(lm)

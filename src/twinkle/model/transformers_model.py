@@ -43,7 +43,7 @@ from twinkle.model.train_state import OptimizerGroup
 from twinkle.model.ulysses import check_folder as check_ulysses_folder
 from twinkle.model.ulysses import counted as counted_rows
 from twinkle.model.ulysses import install as install_ulysses
-from twinkle.model.vision import language_model_lora, sharded_layers
+from twinkle.model.vision import check_reads_images, language_model_lora, sharded_layers
 from twinkle.runtime import get_runtime, preemption
 from twinkle.runtime.remote import remote_class  # remote_group= hook
 from twinkle.utils.errors import UserError
@@ -397,6 +397,7 @@ class TransformersModel(InputsAPI, MetricsAPI, OptimizerStepAPI, Checkpoints):
                 "micro_batch_size= with task='embedding' would split the in-batch negatives; leave it out"
             )
         group, loss_fn, inputs = self._training_inputs(inputs, task, adapter_name, ref_outputs, loss_inputs)
+        check_reads_images(causal_lm_of(self.model), inputs)  # before the first part runs
         parts = split_rows(inputs, micro_batch_size, loss_fn)
         loss_sum, tokens, logps = 0.0, 0, []
         for i, part in enumerate(parts):

@@ -8,7 +8,10 @@ blocks stay in the root's unit, gathered with the embedding and the head at the 
 forward, and only the language model's decoder layers are sharded one by one."""
 
 import copy
+from collections.abc import Mapping
 from typing import Any
+
+import torch
 
 from twinkle.utils.errors import UserError
 
@@ -62,3 +65,21 @@ def check_patches(lm: Any, pixel_values: Any) -> None:
             f"{type(lm).__name__} takes {wanted} ({size}-pixel patches): the rows were encoded for another "
             "model family; encode them with this model's template (--template-cls)"
         )
+
+
+def check_reads_images(lm: Any, batch: Mapping[str, Any]) -> None:
+    """One line, before any forward, when the batch holds images (``pixel_values``: rows encoded
+    with a vision-language template) and ``lm`` has no vision tower: a text model would fail deep
+    inside on the image tokens' ids, or, where its vocabulary holds them, train on them with the
+    pictures silently dropped."""
+    if "pixel_values" not in batch or getattr(getattr(lm, "config", None), "vision_config", None) is not None:
+        return
+    counts = batch.get("image_counts")
+    where = "the batch holds images"
+    if torch.is_tensor(counts):
+        where = f"batch row(s) {counts.nonzero()[:, 0].tolist()} hold images"
+    kind = getattr(lm.config, "model_type", None) or type(lm).__name__
+    raise UserError(
+        f"{where} but {kind} has no vision tower; use a vision-language checkpoint "
+        "(with its model_cls and template), or encode the rows without images"
+    )
