@@ -56,14 +56,28 @@ def refuse_dense_folder(model_id: Any, what: str = "enable_router_replay=True") 
     if config is None or not config.is_file():
         return
     try:
-        model_type = json.loads(config.read_text()).get("model_type")
+        saved = json.loads(config.read_text())
     except (OSError, ValueError):
         return  # the loader says what is wrong with the folder
+    model_type = saved.get("model_type") if isinstance(saved, dict) else None
     if model_type is not None and model_type not in MOE_MODEL_TYPES:
-        raise UserError(_no_router(what, model_type))
+        raise UserError(_no_router(what, model_type, _has_experts(saved)))
 
 
-def _no_router(what: str, model_type: str) -> str:
+def _has_experts(config: Any) -> bool:
+    """Whether a config (or a config.json's dict) names routed experts, as the MoE families do."""
+    text = config.get("text_config") or config if isinstance(config, dict) else config
+    if not isinstance(text, dict):
+        text = vars(getattr(text, "text_config", None) or text)
+    return any(text.get(k) for k in ("num_experts", "num_local_experts", "n_routed_experts"))
+
+
+def _no_router(what: str, model_type: str, moe: bool = False) -> str:
+    if moe:  # a mixture of experts whose router is not one routing replay hooks
+        return (
+            f"{what}: routing replay covers the routers of {', '.join(MOE_MODEL_TYPES)}; {model_type}'s "
+            "router is not one of them; leave routing replay off for this model"
+        )
     return (
         f"{what}: the model ({model_type}) has no mixture-of-experts router to replay; "
         f"routing replay covers {', '.join(MOE_MODEL_TYPES)}"
@@ -109,7 +123,7 @@ class RouterReplay:
         routers = find_routers(lm)
         if not routers:
             model_type = getattr(getattr(lm, "config", None), "model_type", type(lm).__name__)
-            raise UserError(_no_router(what, model_type))
+            raise UserError(_no_router(what, model_type, _has_experts(getattr(lm, "config", None) or {})))
         replay = cls(lm, routers)
         lm.__dict__[_ATTRIBUTE] = replay
         return replay
