@@ -30,7 +30,7 @@ def check_target_parameters(model: Any, config: Any) -> None:
     hint = (
         f"its expert weights are {', '.join(EXPERT_PARAMETERS)}"
         if has_experts
-        else "LoRA on experts needs a mixture-of-experts model with fused expert weights (Qwen3-MoE, "
+        else "LoRA on experts needs a mixture-of-experts model with fused expert weights (Qwen3-MoE, DeepSeek-V3, "
         "Qwen3.5-MoE, Qwen2-MoE); use target_modules for a dense model"
     )
     raise UserError(f"target_parameters {missing}: the model ({model_type}) has no such parameter; {hint}")
