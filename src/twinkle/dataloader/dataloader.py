@@ -51,7 +51,9 @@ class DataLoader:
     batch what they return instead (``collate_fn`` wins). ``num_workers`` reads (and, for a
     stream, preprocesses and encodes) the rows in torch worker processes, giving the same batches
     in the same order. A row whose read raises is tried ``max_retries`` more times, then left out
-    with a warning and counted in ``skipped_samples``. A global batch shorter than
+    with a warning and counted in ``skipped_samples``; rows the dataset itself leaves out
+    (``skip_bad_rows``) are counted in its ``skipped_rows``, in this process even when workers
+    read them. A global batch shorter than
     ``min_batch_size`` ends the pass.
 
     Over encoded preference pairs (rows ``{'positive', 'negative'}``, see ``Dataset.encode``)
@@ -208,7 +210,10 @@ class DataLoader:
     def __iter__(self) -> Iterator[Any]:
         if self._finished:  # iterating again after a finished pass starts a new one
             self.consumed, self._finished = 0, False
-        for batch, size, failed in self._fetched():
+        in_workers = self.num_workers > 0
+        for batch, size, failed, skipped in self._fetched():
+            if in_workers and skipped:  # counted on a worker's copy of the dataset (fetch.py)
+                self.dataset.skipped_rows += skipped
             for reason in failed:
                 self.skipped_samples += 1
                 logger.warning(

@@ -3,7 +3,13 @@ collate them.
 
 ``Fetcher`` runs in the loader's own process or, with ``num_workers > 0``, inside torch's
 worker processes, which call it as a map-style dataset indexed by the step (``fetcher[step]``).
-Either way a step gives the same batch, so the worker count changes speed only."""
+Either way a step gives the same batch, so the worker count changes speed only.
+
+A dataset that counts the bad rows it leaves out (``LazyDataset.skipped_rows`` under
+``skip_bad_rows``) counts them in the process that reads them: in a worker, on the worker's copy.
+So each step also returns how many rows the dataset skipped while reading it, and the loader adds
+that to its own process's dataset (``DataLoader.__iter__``), whose count is then the same whatever
+the worker count."""
 
 from collections.abc import Callable
 from typing import Any
@@ -11,7 +17,8 @@ from typing import Any
 from twinkle.dataloader.steps import Step
 from twinkle.utils.errors import UserError
 
-Fetched = tuple[Any, int, list[str]]  # (batch, samples the step consumed, one line per skipped row)
+# (batch, samples the step consumed, one line per failed read, rows the dataset skipped reading it)
+Fetched = tuple[Any, int, list[str], int]
 
 
 def rows_as_is(rows: list[Any]) -> list[Any]:
@@ -44,13 +51,19 @@ class Fetcher:
 
     def __call__(self, step: Step) -> Fetched:
         rows, failed = [], []
+        before = self.skipped_rows()
         for item in step.share:
             row, error = self._read(item)
             if error is not None:
                 failed.append(error)
             elif row is not None:
                 rows.append(row)
-        return self.collate_fn(rows), step.size, failed
+        return self.collate_fn(rows), step.size, failed, self.skipped_rows() - before
+
+    def skipped_rows(self) -> int:
+        """The dataset's count of the bad rows it left out (0 for a dataset that keeps none)."""
+        count = getattr(self.dataset, "skipped_rows", 0)
+        return count if isinstance(count, int) else 0
 
     __getitem__ = __call__
 
