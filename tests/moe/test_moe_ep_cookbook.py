@@ -55,6 +55,7 @@ def test_the_made_checkpoint_computes_smollm2(cache, monkeypatch):
     assert (a - b).abs().max() <= 1e-3 * b.abs().max(), (a - b).abs().max()
 
 
+@pytest.mark.cluster  # 2 processes, with the other `-m cluster` suites
 def test_no_flags_start_two_expert_parallel_ranks_that_train_and_save(cache, tmp_path):
     out = tmp_path / "out"
     flags = ["--max-steps", "3", "--train-samples", "4", "--batch-size", "4", "--log-interval", "1"]
