@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from twinkle.loss.base import HeadLoss, LossView
 from twinkle.loss.cross_entropy import LossOutput, check_reduction, finish, top_is_target
+from twinkle.loss.head import head_logits
 from twinkle.utils.errors import UserError
 
 
@@ -23,8 +24,8 @@ def token_logps(view: LossView, loss: str = "this loss") -> tuple[torch.Tensor, 
             f"{loss} needs the logits; pass outputs['logits'] (or the hidden states with outputs['lm_head'])"
         )
     logits = view.logits
-    if view.hidden is not None:
-        logits = F.linear(view.hidden, view.weight, view.bias)
+    if view.hidden is not None:  # through oneDNN on a CPU, as the cross-entropy's head
+        logits = head_logits(view.hidden, view.weight, view.bias)
     logits = logits.float()
     return logits, -F.cross_entropy(logits, view.targets, reduction="none")
 
