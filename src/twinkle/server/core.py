@@ -284,7 +284,16 @@ class ModelCore:
     def _snapshot(self, name: str, lr: float) -> tuple:
         """(adapter weights, AdamW state, learning rate of the coming step): copies."""
         group = self.model.optimizer_group[name]
-        state = copy.deepcopy(group.optimizer.state_dict()) if group.optimizer is not None else None
+        state = None
+        if group.optimizer is not None:  # tensors cloned directly: deepcopy took 4x as long
+            live = group.optimizer.state_dict()
+            state = {
+                "state": {
+                    i: {k: v.clone() if torch.is_tensor(v) else copy.deepcopy(v) for k, v in st.items()}
+                    for i, st in live["state"].items()
+                },
+                "param_groups": copy.deepcopy(live["param_groups"]),
+            }
         weights = {k: v.clone() for k, v in self.model.slots.export(name).items()}  # export may give views
         return weights, state, lr
 
