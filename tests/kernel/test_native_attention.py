@@ -274,3 +274,16 @@ def test_built_once_then_loaded_and_a_damaged_file_built_again(fresh_library, mo
         expected,
         **chain_tolerances(attention_sums(11, 16, 3), expected),
     )
+
+
+def test_a_row_first_run_under_inference_mode_still_trains(monkeypatch):
+    """The row's task plan is cached; a plan made under ``inference_mode`` (teacher scoring of
+    the rows the student trains on) must not be an inference tensor the backward cannot save."""
+    native_attention.tasks.cache_clear()
+    segments, leaves = _row(3, [5, 4], seed=7)
+    calls = _native_runs(monkeypatch)
+    with torch.inference_mode():
+        segment_attention(*(t.detach() for t in leaves), segments)
+    segment_attention(*leaves, segments).sum().backward()
+    assert calls == [segments, segments]
+    assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in leaves)

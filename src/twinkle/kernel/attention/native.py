@@ -113,7 +113,10 @@ def tasks(segments: Any, heads: int, kv_heads: int) -> tuple[torch.Tensor, int]:
     for item in items:
         item[6] = row
         row += item[3] + item[4]
-    return torch.tensor(items, dtype=torch.int32), row
+    # a normal tensor even when first asked for under inference_mode (teacher scoring): the cache
+    # hands it to training passes too, which save it for the backward
+    with torch.inference_mode(False):
+        return torch.tensor(items, dtype=torch.int32), row
 
 
 class NativeSegmentAttention(torch.autograd.Function):
