@@ -25,8 +25,13 @@ training under ``ep_size > 1`` is refused in one line.
 
 One line each, before the weights load where the model is a local folder: a model without
 experts, N not dividing the expert count, a family not in ``FAMILIES`` (gpt-oss, whose experts
-compute otherwise, saying why: ``NOT_FUSED``), routing replay or
-Ulysses with ``ep_size > 1``, an ``expert_parallel`` option other than upstream's."""
+compute otherwise, saying why: ``NOT_FUSED``), Ulysses with ``ep_size > 1``, an
+``expert_parallel`` option other than upstream's.
+
+Routing replay (``twinkle.model.router_replay``) runs under expert parallelism unchanged: its
+hooks replace each router's output on the rank's own tokens, before the MoE block calls the
+experts, so the exchange dispatches by the replayed global expert ids as it would by the
+router's own."""
 
 import json
 import types
@@ -46,7 +51,7 @@ logger = get_logger()
 ATTRIBUTE = "_twinkle_expert_parallel"
 # model types whose MoE block calls experts(hidden, top_k_index, top_k_weights) on fused
 # gate_up_proj (experts, 2 * intermediate, hidden) and down_proj (experts, hidden, intermediate)
-FAMILIES = ("qwen3_moe", "qwen2_moe", "qwen3_5_moe", "qwen3_5_moe_text", "deepseek_v3")
+FAMILIES = ("qwen3_moe", "qwen2_moe", "qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text", "deepseek_v3")
 # MoE families whose experts hold weights of another shape or compute otherwise, and why
 NOT_FUSED = {
     "gpt_oss": "its experts add a bias to each projection and run a clamped SwiGLU on interleaved "
@@ -134,14 +139,12 @@ def check_model(config: Any, size: int) -> None:
 
 def check_folder(model_id: Any, config: Any, size: int, replay: bool, ulysses_size: int) -> None:
     """``check_model`` before any weight loads, on ``config`` or a local folder's
-    ``config.json``; and the features expert parallelism does not combine with."""
+    ``config.json``; and Ulysses, which expert parallelism does not combine with. Routing replay
+    (``replay``) combines as it is: it rewrites each router's top-k choice on the rank's own
+    tokens, and the exchange then sends each token to the rank holding the replayed (global)
+    expert id, so nothing here changes; a model replay cannot hook is refused by replay itself."""
     if size == 1:
         return
-    if replay:
-        raise UserError(
-            f"enable_router_replay=True with ep_size={size}: routing replay is not combined with expert "
-            "parallelism; use ep_size=1"
-        )
     if ulysses_size > 1:
         raise UserError(
             f"ulysses_size={ulysses_size} with ep_size={size}: Ulysses sequence parallelism is not combined "
