@@ -2,21 +2,31 @@
 upstream's ``vLLMSampler`` (rows or trajectories in, each sequence with its log-probs and the
 encoded row of prompt and completion, ``new_input_feature``, ready to train on). Both are served
 by the server's sampler, on a saved adapter (``adapter_uri``/``model_path``, a ``twinkle://`` or
-``tinker://`` path) or the base model."""
+``tinker://`` path) or the base model.
+
+A prompt with images (a row a vision-language template encoded, or a trajectory with
+``Message.images``) goes as a Tinker ``ModelInput`` with each image an ``ImageChunk`` in place
+of its placeholder tokens (``twinkle_client.image_prompts``), as the Tinker SDK sends one."""
 
 from dataclasses import dataclass, field
 from typing import Any
 
 from twinkle.server.common import local_model_id, serves
 from twinkle_client.connection import Connection, current_client
+from twinkle_client.image_prompts import prompt_input, served_template, trajectory_input
 from twinkle_client.tinker_patch import as_tinker_path
 
 PARAMS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "num_samples", "logprobs")
 
 
 class Sampler:
+    """A sampler on saved weights (``model_path``) or the served base model. A prompt is token
+    ids, an encoded row (``input_ids``, with ``pixel_values`` and ``image_grid_thw`` for its
+    images, placed by the served model's vision-language template) or a Tinker ``ModelInput``."""
+
     def __init__(self, model_path: str | None = None, client: Connection | None = None):
         self.client = current_client(client)
+        self.template: Any = None  # the served model's vision-language template, read when needed
         kwargs = (
             {"model_path": as_tinker_path(model_path)}
             if model_path
@@ -28,7 +38,7 @@ class Sampler:
 
     def sample(
         self,
-        prompt_ids: list[int],
+        prompt_ids: Any,
         max_tokens: int = 16,
         temperature: float = 1.0,
         num_samples: int = 1,
@@ -43,17 +53,28 @@ class Sampler:
         params = types.SamplingParams(
             max_tokens=max_tokens, temperature=temperature, seed=seed, top_p=top_p, top_k=top_k, stop=stop
         )
-        prompt = types.ModelInput.from_ints(list(prompt_ids))
+        prompt = self.model_input(prompt_ids)
         out = self.sampling.sample(prompt, num_samples=num_samples, sampling_params=params).result()
         return [
             {"tokens": list(s.tokens), "logprobs": list(s.logprobs), "stop_reason": s.stop_reason}
             for s in out.sequences
         ]
 
-    def compute_logprobs(self, ids: list[int]) -> list[float | None]:
-        from tinker import types
+    def compute_logprobs(self, ids: Any) -> list[float | None]:
+        """Each prompt token's log-prob (None for the first); ``ids`` as ``sample``'s prompt."""
+        return self.sampling.compute_logprobs(self.model_input(ids)).result()
 
-        return self.sampling.compute_logprobs(types.ModelInput.from_ints(list(ids))).result()
+    def model_input(self, prompt: Any, where: str = "prompt") -> Any:
+        return prompt_input(prompt, self.vision_template, where)[0]
+
+    def vision_template(self) -> Any:
+        if self.template is None:
+            self.template = served_template(self.client.base_model)
+        if self.template is None:
+            raise ValueError(
+                f"the prompt has images, but the served model {self.client.base_model} reads text only"
+            )
+        return self.template
 
 
 @dataclass
@@ -89,13 +110,15 @@ class vLLMSampler:  # noqa: N801 (upstream's name)
         kwargs.setdefault("model_id", local_model_id(self.client.base_model))
         self.template = get_template(template_cls, **kwargs)
 
-    def _prompt(self, row: Any) -> list[int]:
+    def _prompt(self, row: Any, sampler: Sampler, where: str) -> tuple[Any, list[int], dict[str, Any]]:
+        """``(ModelInput, input_ids, images)`` of an input row or trajectory (``image_prompts``)."""
         if isinstance(row, dict) and "input_ids" in row:
-            ids = row["input_ids"]
-            return list(ids.tolist() if hasattr(ids, "tolist") else ids)
+            if self.template is not None and hasattr(self.template, "image_token_id"):
+                sampler.template = self.template  # rows this template encoded: placed by it
+            return prompt_input(row, sampler.vision_template, where)
         if self.template is None:
             raise ValueError("sample: trajectories need set_template(...) first; or pass rows with input_ids")
-        return list(self.template.encode(row, add_generation_prompt=True)["input_ids"])
+        return trajectory_input(row, self.template, where)
 
     def sample(
         self, inputs: Any, sampling_params: Any = None, adapter_uri: str | None = None
@@ -119,14 +142,14 @@ class vLLMSampler:  # noqa: N801 (upstream's name)
         rows = inputs if isinstance(inputs, list) else [inputs]
         out = []
         for i, row in enumerate(rows):
-            prompt = self._prompt(row)
+            model_input, prompt, images = self._prompt(row, sampler, f"row {i}")
             given = {k: v for k, v in params.items() if v is not None}
             if "seed" in given:  # each row is a request of its own: equal prompts must not draw alike
                 given["seed"] = int(given["seed"]) + i
             sequences = []
-            for s in sampler.sample(prompt, **given):
+            for s in sampler.sample(model_input, **given):
                 tokens = s["tokens"]
-                feature = {"input_ids": prompt + tokens, "labels": [-100] * len(prompt) + tokens}
+                feature = {"input_ids": prompt + tokens, "labels": [-100] * len(prompt) + tokens, **images}
                 if isinstance(row, dict) and "messages" in row:
                     feature["messages"] = row["messages"]
                 decoded = self.template.decode(tokens) if self.template is not None else None
