@@ -73,7 +73,9 @@ def test_qwen3_next_under_expert_parallelism_equals_one_process(tiny_model_dir, 
     assert two["world_size"] == 2
     lengths = one["lengths"]
     rtol = run_loss_rtol(len(lengths), max(lengths), 2)
-    print(f"\n[ep 2, qwen3_next] losses {[s['loss'] for s in one['steps']]} vs {[s['loss'] for s in two['steps']]}")
+    print(
+        f"\n[ep 2, qwen3_next] losses {[s['loss'] for s in one['steps']]} vs {[s['loss'] for s in two['steps']]}"
+    )
     assert one["steps"][-1]["loss"] < one["steps"][0]["loss"]  # it trained
     for a, b in zip(one["steps"], two["steps"], strict=True):
         for key in ("samples", "supervised_tokens"):

@@ -15,8 +15,8 @@ expert of the rank's block move the first gradient norm three times past the bou
 experts add little to the tiny model's output, so the loss moves less).
 
 What is refused before training, in one line on every rank: a dense model, an expert count
-ep_size does not divide, full-parameter training (the experts' own weights), routing replay
-and Ulysses with ep_size 2."""
+ep_size does not divide, full-parameter training (the experts' own weights), and Ulysses with
+ep_size 2 (routing replay with it runs: ``test_ep_replay.py``)."""
 
 import json
 import shutil
@@ -148,7 +148,6 @@ def _without_weights(model_dir: Path, out: Path, **config_changes) -> Path:
         ("dense", "ep_size=2: llama is a dense model (no experts to split)"),
         ("seven-experts", "ep_size=2 does not divide the model's 7 experts"),
         ("full-parameter", "ep_size=2: the experts' own weights do not train under expert parallelism"),
-        ("replay", "enable_router_replay=True with ep_size=2"),
         ("ulysses", "ulysses_size=2 with ep_size=2"),
     ],
 )
@@ -164,7 +163,6 @@ def test_what_expert_parallelism_refuses(tiny_model_dir, tmp_path, launcher, cas
         model_dir = build_qwen3_moe(tiny_model_dir, tmp_path / "moe")
         extra += {
             "full-parameter": ["--full-parameter"],
-            "replay": ["--router-replay"],
             "ulysses": ["--ulysses-size", "2"],
         }[case]
     _refused(launcher, model_dir, tmp_path / "out", extra, needle)
