@@ -122,9 +122,14 @@ def served_template(served: str) -> Any:
     """The vision-language template the server places the served model's images with, for rows
     that bring images without a template set; None for a model the server reads text only."""
     from twinkle.server.common import local_model_id
-    from twinkle.server.images import load_vision
+    from twinkle.server.images import TEMPLATES, load_vision
 
     vision = load_vision(local_model_id(served))
+    if vision is not None and vision.template is None:
+        raise UserError(
+            f"the served model is {vision.model_type}; the server places images for "
+            f"{', '.join(sorted(TEMPLATES))} models"
+        )
     return None if vision is None else vision.template
 
 
