@@ -9,7 +9,7 @@ A trajectory brings them (``Message.images``, read as the template reads them). 
 brings only ``pixel_values`` and ``image_grid_thw``; its pictures are rebuilt from them: the
 Qwen-VL processors resize a picture to its patch grid in 8-bit pixels, rescale and normalize,
 and cut it into patches, all of which undoes exactly (the rebuilt picture is already at its
-grid's size, so the server's processor does not resize it again). Each rebuilt picture is run
+grid's size, which the processor's resize keeps as it is). Each rebuilt picture is run
 through the processor here and must give the row's ``pixel_values`` back; one that does not is
 refused in one line rather than sampled on other numbers than the row holds."""
 
@@ -45,13 +45,18 @@ def rebuilt_pictures(row: dict[str, Any], template: Any, where: str) -> list[Any
     grids = _array(row["image_grid_thw"], np.int64).reshape(-1, 3)
     p, m = int(processor.patch_size), int(getattr(processor, "merge_size", 1))
     t_patch = int(getattr(processor, "temporal_patch_size", 1))
-    mean = np.asarray(processor.image_mean, dtype=np.float64).reshape(3, 1, 1)
-    std = np.asarray(processor.image_std, dtype=np.float64).reshape(3, 1, 1)
+    mean = np.broadcast_to(np.asarray(processor.image_mean, dtype=np.float64), (3,)).reshape(3, 1, 1)
+    std = np.broadcast_to(np.asarray(processor.image_std, dtype=np.float64), (3,)).reshape(3, 1, 1)
     scale = float(getattr(processor, "rescale_factor", 1 / 255))
     if pixels.ndim != 2 or pixels.shape[1] != 3 * t_patch * p * p:
         raise UserError(
             f"{where}: pixel_values of shape {list(pixels.shape)} are not this model's image patches "
             f"(width {3 * t_patch * p * p}); encode the row with the served model's template"
+        )
+    patches_of = [int(t) * int(h) * int(w) for t, h, w in grids.tolist()]
+    if sum(patches_of) != len(pixels):
+        raise UserError(
+            f"{where}: image_grid_thw covers {sum(patches_of)} patches but pixel_values holds {len(pixels)}"
         )
     pictures, start = [], 0
     for j, (t, gh, gw) in enumerate(grids.tolist()):
@@ -68,10 +73,6 @@ def rebuilt_pictures(row: dict[str, Any], template: Any, where: str) -> list[Any
                 "sample the trajectory (Message.images) instead"
             )
         pictures.append(Image.fromarray(values.clip(0, 255).astype(np.uint8).transpose(1, 2, 0), "RGB"))
-    if start != len(pixels):
-        raise UserError(
-            f"{where}: image_grid_thw covers {start} patches but pixel_values holds {len(pixels)}"
-        )
     again, _ = template.process_images(pictures)
     if not np.allclose(again["pixel_values"].numpy(), pixels, rtol=0, atol=1e-5) or not np.array_equal(
         again["image_grid_thw"].numpy(), grids

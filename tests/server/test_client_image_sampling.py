@@ -157,6 +157,7 @@ def test_rows_whose_images_do_not_match_are_one_line(client, template):
     cases = {
         "without the other of pixel_values, image_grid_thw": {**row, "image_grid_thw": None},
         # pixel_values no processor makes of an 8-bit picture (a fraction of one level off)
+        "image_grid_thw covers": {**row, "image_grid_thw": row["image_grid_thw"] * torch.tensor([1, 2, 1])},
         "cannot be rebuilt from its pixel_values": {**row, "pixel_values": row["pixel_values"] + 3e-3},
         "do not hold image 0's": {**row, "input_ids": [t for t in ids if t != template.image_token_id]},
         "beyond its 1 image(s)": {**row, "input_ids": ids + [template.image_token_id]},
