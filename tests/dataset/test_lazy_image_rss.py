@@ -8,9 +8,11 @@ takes the peak again. ``decoded`` is what those other rows' images take decoded,
 smallest (3 bytes a pixel; PIL keeps RGB in 4): a reader that kept them would raise the peak by
 at least that. The claim tested is that fewer than a tenth of them are ever in memory at once,
 so the peak may grow by less than ``decoded / 10``; a streaming reader holds one batch (8 of
-2,800 rows, 0.3%). A control run over the first 1,000 rows keeps every fourth image it decodes
-and must raise the peak by at least nine tenths of what the kept images take decoded: the
-measurement sees images that stay in memory."""
+2,800 rows, 0.3%). A control run over the first 1,000 rows keeps every image it decodes and
+must raise the peak by at least a quarter of what the kept images take decoded (234 MiB): the
+measurement sees images that stay in memory. Not all of it: the allocator keeps pages the warm
+rows freed and hands them to the kept images, so how much of them shows depends on when it
+returns pages to the system (a control keeping 59 MiB once showed none of it)."""
 
 import json
 import resource
@@ -22,7 +24,7 @@ import pytest
 
 ROWS, WARM, BATCH = 3000, 200, 8
 SIDE = 320  # 320x320 RGB: 300 KiB decoded at 3 bytes a pixel; resized by the processor to 64x64
-KEPT_EVERY, CONTROL_ROWS = 4, 1000  # the control keeps every fourth image of the first 1,000 rows
+KEPT_EVERY, CONTROL_ROWS = 1, 1000  # the control keeps every image of the first 1,000 rows
 
 
 def _write_rows(folder: Path) -> Path:
@@ -108,8 +110,8 @@ def test_image_rows_are_read_one_batch_at_a_time(tmp_path):
     assert control["kept"] == CONTROL_ROWS // KEPT_EVERY
     held = control["peak"] - control["warm_peak"]
     kept = (CONTROL_ROWS - WARM) // KEPT_EVERY * SIDE * SIDE * 3  # kept after the warm rows
-    assert held > 0.9 * kept, (
-        f"keeping every {KEPT_EVERY}th image raised the peak by only {held / 2**20:.0f} MiB of "
+    assert held > kept / 4, (
+        f"keeping {control['kept']} images raised the peak by only {held / 2**20:.0f} MiB of "
         f"{kept / 2**20:.0f} MiB: the measurement does not see held images"
     )
 

@@ -16,9 +16,9 @@ computed:
   the row's maximum), so no second ``(positions, vocab)`` tensor is written;
 - ``torch.inference_mode`` (no autograd bookkeeping), ``use_cache=False``;
 - on a CPU, the body's plain linear layers compute through ``twinkle.kernel.cpu_gemm``, as the
-  head does (oneDNN by the fixed rule training's frozen products follow, ``TWINKLE_ONEDNN``): on
-  an AMD EPYC Zen 5 it ran SmolLM2-135M's products at a few hundred rows in under half of the
-  time of torch's default library.
+  head does (oneDNN by the fixed rule training's frozen products follow, ``TWINKLE_ONEDNN``): at a few
+  hundred rows it ran SmolLM2-135M's products in under half of the time of torch's default
+  library.
 
 Each changes summation order only (about 1e-6 relative in fp32). Fusing the q/k/v and gate/up
 products into one product each was measured to save about 3% of those products' time through
