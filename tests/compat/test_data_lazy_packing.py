@@ -78,3 +78,29 @@ def test_iterable_packing_packs_the_stream_into_rows(jsonl, tiny_model_dir):
     assert len(first) == 2 * len(rows) + 1  # it starts again at the end of the stream
     with pytest.raises(UserError, match="before dataset.pack_dataset"):
         IterablePackingDataset(DatasetMeta(jsonl)).pack_dataset()
+
+
+def test_lazy_subsets_mapped_then_mixed_keep_their_own_maps(tmp_path):
+    """Upstream's order: each subset mapped with its own preprocessor, then mixed; a read runs the
+    row's own subset's maps and names its own file and line when it is bad."""
+    first, second = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    first.write_text("".join(json.dumps({"text": f"a{i}"}) + "\n" for i in range(3)))
+    second.write_text("".join(json.dumps(r) + "\n" for r in [*ROWS[:2], {"query": "q", "response": ""}]))
+    a, b = DatasetMeta(str(first)), DatasetMeta(str(second))
+
+    def build():
+        lazy = LazyDataset(a).add_dataset(b)
+        lazy.map(lambda row: {"out": "A:" + row["text"]}, dataset_meta=a)
+        return lazy.map(SelfCognitionProcessor("n", "x"), dataset_meta=b)
+
+    lazy = build().mix_dataset(interleave=False)
+    assert [lazy[i]["out"] for i in range(3)] == ["A:a0", "A:a1", "A:a2"]
+    assert [lazy[i]["messages"][1]["content"] for i in (3, 4)] == [ROWS[0]["query"], ROWS[1]["query"]]
+    assert not any(k.startswith("_twinkle") for k in lazy[3])
+    with pytest.raises(UserError, match=r"b.jsonl:3: row 2: 'response' is empty"):
+        lazy[5]
+    mixed = build().mix_dataset(interleave=True, stopping_strategy="all_exhausted")
+    reads = [mixed[i] for i in range(2)]
+    assert reads[0]["out"] == "A:a0" and reads[1]["messages"][1]["content"] == ROWS[0]["query"]
+    with pytest.raises(UserError, match="a second time"):
+        mixed.add_dataset(DatasetMeta(str(first))).map(lambda row: row).mix_dataset()

@@ -2,7 +2,9 @@
 
 Loading, ``filter`` and ``mix_dataset`` run at once on the raw rows, as in ``Dataset``; ``map``
 and ``encode`` are recorded and applied in ``__getitem__``, so a large dataset is never held
-preprocessed and encoded in memory (nor written to the encode cache). A ``DataLoader`` with
+preprocessed and encoded in memory (nor written to the encode cache). ``mix_dataset`` after
+``map`` (upstream's order: each subset mapped with its own preprocessor, then mixed) mixes
+(dataset, row) tags, and a read takes that dataset's raw row and applies its maps. A ``DataLoader`` with
 ``num_workers`` then preprocesses and encodes in its workers.
 
 A row that encoding drops (truncation) reads as None, which the ``DataLoader`` leaves out of its
@@ -11,6 +13,8 @@ reads as None too and is counted in ``skipped_rows``."""
 
 from collections.abc import Callable
 from typing import Any
+
+import datasets
 
 from twinkle.dataset import pairs as pairs_module
 from twinkle.dataset.dataset import Dataset, DatasetMeta
@@ -24,6 +28,7 @@ from twinkle.utils.logger import get_logger
 
 logger = get_logger()
 RowFunction = Callable[[dict[str, Any], int | None], Any]
+SOURCE = ("_twinkle_source", "_twinkle_source_row")  # a mix after map() mixes these (dataset, row) tags
 
 
 class LazyDataset(Dataset):
@@ -33,6 +38,8 @@ class LazyDataset(Dataset):
     def __init__(self, dataset_meta: DatasetMeta | None = None, skip_bad_rows: bool | None = None):
         self._ops: list[list[RowFunction]] = []  # per added dataset, in order
         self._encode: str | None = None  # None, "samples" or "prompts"
+        # mix_dataset after map: each source dataset's (maps, origin, rows), read through SOURCE
+        self._sources: tuple[list[list[RowFunction]], list[Any], list[Any]] | None = None
         self.skipped_rows = 0
         super().__init__(dataset_meta, skip_bad_rows)
 
@@ -75,9 +82,22 @@ class LazyDataset(Dataset):
         return self
 
     def mix_dataset(self, *args: Any, **kwargs: Any) -> "LazyDataset":
-        self._refuse_after_map("mix_dataset")
+        if self._encode is not None:
+            raise UserError("LazyDataset.mix_dataset after encode(); call mix_dataset() before encode()")
+        if not any(self._ops) or len(self._parts) < 2:
+            super().mix_dataset(*args, **kwargs)
+            self._ops = [self._ops[0]] if len(self._parts) == 1 and self._ops else [[] for _ in self._parts]
+            return self
+        if self._sources is not None:
+            raise UserError("LazyDataset.mix_dataset a second time after map(); mix all the datasets at once")
+        # the raw columns may differ until each dataset's maps run: mix (dataset, row) tags
+        sources = (self._ops, self._origins, [rows for _, rows in self._parts])
+        self._parts = [
+            (key, datasets.Dataset.from_dict({SOURCE[0]: [i] * len(rows), SOURCE[1]: list(range(len(rows)))}))
+            for i, (key, rows) in enumerate(self._parts)
+        ]
         super().mix_dataset(*args, **kwargs)
-        self._ops = [[] for _ in self._parts]
+        self._sources, self._ops = sources, [[] for _ in self._parts]
         return self
 
     def encode(
@@ -128,17 +148,22 @@ class LazyDataset(Dataset):
     def __getitem__(self, index: int) -> dict[str, Any] | None:
         part, local = self._part_of(int(index))
         row = dict(self._parts[part][1][local])
+        ops, origin = self._ops[part], self._origins[part]
+        if self._sources is not None and SOURCE[0] in row:  # mixed after map: its dataset's row and maps
+            source, local = row[SOURCE[0]], row[SOURCE[1]]
+            row = dict(self._sources[2][source][local])
+            ops, origin = self._sources[0][source] + ops, self._sources[1][source]
         try:
-            for fn in self._ops[part]:
+            for fn in ops:
                 row = fn(row, local)
                 if row is None:
                     return None
             return self._encoded(row, local)
         except BadRow as exc:
             if not self.skip_bad_rows:
-                raise located(exc, self._origins[part]) from exc
+                raise located(exc, origin) from exc
             self.skipped_rows += 1
-            logger.warning(f"--skip-bad-rows: {exc.at(self._origins[part].where(local))}")
+            logger.warning(f"--skip-bad-rows: {exc.at(origin.where(local))}")
             return None
 
     def _encoded(self, row: dict[str, Any], index: int) -> dict[str, Any] | None:
