@@ -32,6 +32,7 @@ def cache(tmp_path_factory) -> Path:
     return root
 
 
+@pytest.mark.cluster  # its fixture converts SmolLM2 into a fresh cache (about 45 s): with the long suites
 def test_the_made_checkpoint_computes_smollm2(cache, monkeypatch):
     """Every expert is a copy of the layer's MLP and the two chosen weights sum to one, so the
     MoE model's logits are SmolLM2's up to rounding (the bound: fp32 rounding of 30 layers,
