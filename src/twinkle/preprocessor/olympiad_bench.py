@@ -39,8 +39,7 @@ class OlympiadBenchProcessor(Preprocessor):
             raise BadRow(
                 index,
                 images[0],
-                f" has images ({', '.join(images)}); image inputs are not supported yet, "
-                "pass --skip-bad-rows to train on the text rows",
+                f" has images ({', '.join(images)}); OlympiadBench's image inputs are not supported yet",
             )
         context = row.get("context")
         question = row["question"]
