@@ -168,15 +168,22 @@ def test_rows_whose_images_do_not_match_are_one_line(client, template):
         assert words in str(caught.value) and "\n" not in str(caught.value)
 
 
-def test_a_served_model_whose_images_the_server_does_not_place_is_one_line(tmp_path, tiny_model_dir):
+def test_a_served_model_whose_images_the_server_does_not_place_is_one_line(
+    tmp_path, tiny_model_dir, monkeypatch
+):
     from tiny_qwen3_vl import build_tiny_qwen3_vl
 
+    from twinkle.server import images
+    from twinkle.template import Qwen3VLTemplate
     from twinkle.utils.errors import UserError
     from twinkle_client.image_prompts import served_template
 
     assert served_template(str(tiny_model_dir)) is None  # a text model: no image path
     qwen3_vl = build_tiny_qwen3_vl(tmp_path / "qwen3-vl")
+    assert isinstance(served_template(str(qwen3_vl)), Qwen3VLTemplate)
+    # a vision-language family the server has no template for: one line naming the ones it has
+    monkeypatch.delitem(images.TEMPLATES, "qwen3_vl")
     with pytest.raises(
-        UserError, match="the served model is qwen3_vl; the server places images for qwen2_5_vl"
+        UserError, match="the served model is qwen3_vl; the server places images for qwen2_5_vl, "
     ):
         served_template(str(qwen3_vl))

@@ -8,8 +8,8 @@ A datum brings its images in one of two ways:
 - ``ImageChunk`` in ``model_input`` (the Tinker SDK's): the image's PNG or JPEG bytes between
   text chunks. The server decodes them and runs the model's own image processor (the one its
   vision-language template uses, ``twinkle.template.vision``), so the chunk stands for as many
-  placeholder tokens as the processor makes of it (for Qwen-VL, ``t*h*w / merge_size^2`` of its
-  patch grid), which is also what the SDK counts when ``expected_tokens`` is set: a declared
+  placeholder tokens as the processor makes of it (for Qwen2-VL, Qwen2.5-VL and Qwen3-VL,
+  ``t*h*w / merge_size^2`` of its patch grid), which is also what the SDK counts when ``expected_tokens`` is set: a declared
   count that differs is refused rather than trained on shifted targets. The text chunks hold
   the rest of the chat format around it (for Qwen-VL, ``<|vision_start|>`` before the image and
   ``<|vision_end|>`` after it, as the tinker-cookbook renderers write them).
@@ -33,10 +33,13 @@ import numpy as np
 
 from twinkle.server.errors import BadRequest
 from twinkle.server.wire import IMAGE_INPUTS, Datum, ImageIn
+from twinkle.template.vision_family import FAMILY_TEMPLATES
 from twinkle.utils.errors import UserError
 
-# the vision-language template of each model type whose images the server places
-TEMPLATES = {"qwen2_vl": "Qwen2_5VLTemplate", "qwen2_5_vl": "Qwen2_5VLTemplate"}
+# the vision-language template of each model type whose images the server places: the one its
+# rows are encoded with in process (Qwen3-VL's image processor cuts 16-pixel patches, Qwen2-VL's
+# and Qwen2.5-VL's 14, so each family counts its own placeholder tokens per image)
+TEMPLATES = {model_type: template for model_type, (_, template) in FAMILY_TEMPLATES.items()}
 FORMATS = {"png": "PNG", "jpeg": "JPEG"}  # ImageChunk.format -> PIL's name of it
 
 
