@@ -21,6 +21,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import weakref
 from pathlib import Path
 
 HERE = Path(__file__).resolve()
@@ -38,7 +39,7 @@ class SavedBytes:
     def __init__(self, model):
         self.stack: list = []
         self.by_module: dict[str, int] = collections.Counter()
-        self.seen: set[int] = set()
+        self.seen: dict = {}  # storage address -> the saved tensor, weakly
         self.handles = []
         for module in model.modules():
             self.handles.append(module.register_forward_pre_hook(lambda m, a: self.stack.append(m)))
@@ -50,8 +51,9 @@ class SavedBytes:
     def pack(self, tensor):
         storage = tensor.untyped_storage()
         key = storage.data_ptr()
-        if key not in self.seen and storage.nbytes():
-            self.seen.add(key)
+        # an address whose saved tensor is gone (a branch autograd dropped) holds a new storage
+        if (key not in self.seen or self.seen[key]() is None) and storage.nbytes():
+            self.seen[key] = weakref.ref(tensor)
             self.by_module[self.label(tensor)] += storage.nbytes()
         return tensor
 
