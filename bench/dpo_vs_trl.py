@@ -39,13 +39,14 @@ import datetime
 import json
 import os
 import platform
-import resource
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from twinkle.utils.memory import peak_rss_mib
 
 HERE = Path(__file__).resolve()
 SIDES = ("twinkle", "trl")
@@ -187,7 +188,7 @@ def run_side(opts: argparse.Namespace) -> None:
     torch.manual_seed(opts.seed)
     with tempfile.TemporaryDirectory() as work:
         result = (twinkle_side if opts.side == "twinkle" else trl_side)(opts, Path(work))
-    result["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+    result["peak_rss_mib"] = peak_rss_mib()
     Path(opts.result).write_text(json.dumps(result))
 
 

@@ -34,12 +34,13 @@ of the test suite."""
 import argparse
 import json
 import platform
-import resource
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from twinkle.utils.memory import peak_rss_mib
 
 HERE = Path(__file__).resolve()
 
@@ -100,7 +101,7 @@ def twinkle_side(a) -> dict:
         student.clip_grad_and_step(max_grad_norm=1.0)
         times.append(time.perf_counter() - t0)
         lengths.append(sum(int((torch.tensor(r["labels"]) != -100).sum()) for r in rows))
-    train_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # before the scoring timers
+    train_peak = peak_rss_mib()
     ids, mask, _ = padded(rows, 0)
     lm = teacher.model
 
@@ -217,7 +218,7 @@ def main(argv=None) -> None:
 
         torch.set_num_threads(a.threads)
         out = twinkle_side(a) if a.side == "twinkle" else trl_side(a)
-        out.setdefault("train_peak_mib", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+        out.setdefault("train_peak_mib", peak_rss_mib())
         print(json.dumps(out))
         return
     ours, theirs = run_side("twinkle", a), run_side("trl", a)

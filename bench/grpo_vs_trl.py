@@ -33,13 +33,14 @@ import argparse
 import json
 import os
 import platform
-import resource
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from twinkle.utils.memory import peak_rss_mib
 
 HERE = Path(__file__).resolve()
 SIDES = ("twinkle", "trl")
@@ -200,7 +201,7 @@ def run_side(opts: argparse.Namespace) -> None:
     torch.set_num_threads(opts.threads)
     with tempfile.TemporaryDirectory() as work:
         result = (twinkle_side if opts.side == "twinkle" else trl_side)(opts, Path(work))
-    result["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    result["peak_rss_mb"] = peak_rss_mib()
     Path(opts.result).write_text(json.dumps(result))
 
 

@@ -28,7 +28,6 @@ import argparse
 import datetime
 import json
 import platform
-import resource
 import statistics
 import subprocess
 import sys
@@ -39,6 +38,8 @@ from pathlib import Path
 import harness  # noqa: F401  (puts bench/harness on sys.path)
 import torch
 from shapes import CHOICES, model_path
+
+from twinkle.utils.memory import peak_rss_mib
 
 HERE = Path(__file__).resolve()
 ADAPTERS = {  # name -> (rank, optimizer, its keywords), as the cookbook's two identities
@@ -174,7 +175,7 @@ def rss_child(opts) -> None:
     for batch in batches(opts.model_id, 4, opts.steps):
         for name in names:
             train_step(model, batch, name)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    peak = peak_rss_mib()
     print(json.dumps({"peak_rss_mib": peak, "slot": slot_bytes(model, names[0])}))
 
 

@@ -18,7 +18,7 @@ to the end of the last step, so data loading and logging count):
 - tokens/s: non-pad tokens per second; supervised tokens/s: positions whose next token is a
   label (what the loss is over).
 - s/step: the steady-state time divided by ``steps``.
-- peak RSS: the side's process peak resident memory (``ru_maxrss``, model loading included).
+- peak RSS: the side's process peak resident memory (``VmHWM``, model loading included).
 - final loss: mean of the last ``LOSS_STEPS`` per-step losses (same samples on both sides).
 - model GFLOP/s and % of peak: the FLOPs the side executes (``flops.py``) over the steady-state
   time, against a fp32 (CPU, ``--threads`` threads) or bf16 (CUDA) matmul loop timed in this run.

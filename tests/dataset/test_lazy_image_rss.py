@@ -10,12 +10,10 @@ at least that. The claim tested is that fewer than a tenth of them are ever in m
 so the peak may grow by less than ``decoded / 10``; a streaming reader holds one batch (8 of
 2,800 rows, 0.3%). A control run over the first 1,000 rows keeps every image it decodes and
 must raise the peak by at least a quarter of what the kept images take decoded (234 MiB): the
-measurement sees images that stay in memory. Not all of it: the allocator keeps pages the warm
-rows freed and hands them to the kept images, so how much of them shows depends on when it
-returns pages to the system (a control keeping 59 MiB once showed none of it)."""
+measurement sees images that stay in memory (not all of it: the allocator hands pages the warm
+rows freed to the kept images)."""
 
 import json
-import resource
 import subprocess
 import sys
 from pathlib import Path
@@ -46,8 +44,11 @@ def _write_rows(folder: Path) -> Path:
 
 
 def _peak_bytes() -> int:
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak if sys.platform == "darwin" else peak * 1024  # Linux reports KiB, macOS bytes
+    """This process's own peak (``VmHWM``): ``ru_maxrss`` starts at the test session's peak,
+    carried across ``exec``, and then shows no growth at all."""
+    from twinkle.utils.memory import peak_rss_mib
+
+    return int(peak_rss_mib() * 2**20)
 
 
 def _read(rows: str, model_dir: str, count: int, keep_every: int) -> dict:

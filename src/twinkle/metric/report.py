@@ -75,9 +75,9 @@ def check_run_files(output_dir: str | os.PathLike) -> None:
 def peak_memory_mb(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
-    import resource
+    from twinkle.utils.memory import peak_rss_mib
 
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    return peak_rss_mib()
 
 
 def _number(value: Any) -> float | int | None:
