@@ -11,7 +11,7 @@ def peak_rss_mib() -> float:
     """The process's peak resident set size in MiB: Linux's ``VmHWM``, the high-water mark of
     this process's own memory. ``getrusage``'s ``ru_maxrss`` is not that on Linux: it carries
     the parent's high-water mark across ``exec``, so a child started by a large process (a
-    benchmark driver holding a model, a test session) reports the parent's peak until it
+    benchmark driver holding a model, a pytest process) reports the parent's peak until it
     outgrows it. Elsewhere ``ru_maxrss`` is all there is (KiB on Linux, bytes on macOS)."""
     try:
         for line in STATUS.read_text().splitlines():
