@@ -17,15 +17,13 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from safetensors.torch import load_file
-from tolerances import adamw_weight_atol, run_loss_rtol
+from ep_runs import assert_ep_equals_one_process, run_ep_worker
 
 from twinkle.model.expert_parallel import check_folder, check_model
 from twinkle.utils.errors import UserError
 
 pytestmark = [pytest.mark.slow, pytest.mark.cluster]  # 2-process runs, with the other `-m cluster` suites
 
-WORKER = Path(__file__).with_name("ep_worker.py")
 STEPS, LR, EXPERTS = 3, 1e-2, 8  # as ep_worker.py runs them; the checkpoint's routed experts
 
 
@@ -47,56 +45,13 @@ def build_deepseek_v3(tiny_model_dir: Path, out: Path) -> Path:
     return out
 
 
-def _run(launcher, model_dir: Path, out: Path, nproc: int) -> dict:
-    out.mkdir()
-    args = ["--model-id", str(model_dir), "--out", str(out), "--steps", str(STEPS), "--target-parameters"]
-    if nproc > 1:
-        args += ["--ep-size", "2"]
-    job = launcher.run(WORKER, args, nproc=nproc, timeout_s=240)
-    assert job.returncode == 0, job.output[-6000:]
-    result = json.loads((out / "result.json").read_text())
-    result["adapter"] = load_file(out / "adapter" / "adapter_model.safetensors")
-    return result
-
-
 def test_deepseek_v3_under_expert_parallelism_equals_one_process(tiny_model_dir, tmp_path, launcher):
     model_dir = build_deepseek_v3(tiny_model_dir, tmp_path / "deepseek_v3")
-    one = _run(launcher, model_dir, tmp_path / "one", 1)
-    two = _run(launcher, model_dir, tmp_path / "two", 2)
-    assert two["world_size"] == 2
-    lengths = one["lengths"]
-    rtol = run_loss_rtol(len(lengths), max(lengths), 2)
-    print(
-        f"\n[ep 2, deepseek_v3] losses {[s['loss'] for s in one['steps']]} vs {[s['loss'] for s in two['steps']]}"
+    one = run_ep_worker(launcher, model_dir, tmp_path / "one", 1, STEPS)
+    two = run_ep_worker(launcher, model_dir, tmp_path / "two", 2, STEPS)
+    assert_ep_equals_one_process(
+        one, two, "deepseek_v3", LR, STEPS, EXPERTS, (1, 2), tmp_path / "one", tmp_path / "two"
     )
-    assert one["steps"][-1]["loss"] < one["steps"][0]["loss"]  # it trained
-    for a, b in zip(one["steps"], two["steps"], strict=True):
-        for key in ("samples", "supervised_tokens"):
-            assert a[key] == b[key], (key, a[key], b[key])
-        for key in ("loss", "grad_norm"):
-            assert abs(a[key] - b[key]) <= rtol * max(1.0, abs(a[key])), (key, a[key], b[key], rtol)
-    for row_a, row_b in zip(one["logps"], two["logps"], strict=False):  # rank 0's rows
-        for x, y in zip(row_a, row_b, strict=False):
-            assert abs(x - y) <= rtol * max(1.0, abs(x)), (x, y, rtol)
-    # the experts' LoRA of both MoE layers is saved whole: r x 8 experts rows of A
-    expert_lora = [name for name in one["adapter"] if ".experts." in name and "lora_A" in name]
-    assert len(expert_lora) == 4 and all(one["adapter"][n].shape[0] == 4 * EXPERTS for n in expert_lora)
-    assert any("self_attn" in name for name in one["adapter"])
-    atol = adamw_weight_atol(LR, STEPS)
-    assert one["adapter"].keys() == two["adapter"].keys()
-    for name, weight in one["adapter"].items():
-        assert (weight - two["adapter"][name]).abs().max() <= atol, name
-    # one process holds all 8 experts of layers 1 and 2 (layer 0 is dense); rank r its block r
-    full = load_file(tmp_path / "one" / "experts-0.safetensors")
-    assert sorted(full) == [
-        f"model.layers.{i}.mlp.experts.{p}" for i in (1, 2) for p in ("down_proj", "gate_up_proj")
-    ]
-    for rank in range(2):
-        held = load_file(tmp_path / "two" / f"experts-{rank}.safetensors")
-        assert held.keys() == full.keys()
-        for name, weight in full.items():
-            block = weight[rank * EXPERTS // 2 : (rank + 1) * EXPERTS // 2]
-            assert torch.equal(held[name], block), (rank, name)
 
 
 def _one_line(info) -> str:
