@@ -1,8 +1,11 @@
-"""``Qwen3VLTemplate``: Qwen3-VL (``Qwen3VLForConditionalGeneration``, and its MoE sibling).
+"""``Qwen3VLTemplate``: Qwen3-VL (``Qwen3VLForConditionalGeneration``, and its MoE sibling) and
+Qwen3.5's vision path (``Qwen3_5ForConditionalGeneration``, and its MoE sibling).
 
-Upstream Twinkle encodes Qwen3-VL with ``Qwen3_5Template``, its one Qwen template that carries a
-processor; ``for_model`` gives that name this template when the model is a Qwen3-VL checkpoint,
-so upstream's scripts run unchanged."""
+Upstream Twinkle encodes both with ``Qwen3_5Template``, its one Qwen template that carries a
+processor; ``for_model`` gives that name this template when the model is a Qwen3-VL or Qwen3.5
+checkpoint with an image processor, so upstream's scripts run unchanged. Qwen3.5 ships Qwen3-VL's
+processor (``Qwen3VLProcessor``): the same 16-pixel patches, 2x2 merge and image tokens, so its
+rows are Qwen3-VL's."""
 
 from pathlib import Path
 from typing import Any
@@ -10,7 +13,7 @@ from typing import Any
 from twinkle.template.vision import VisionTemplate
 from twinkle.template.vision_family import folder_of, model_type_of
 
-QWEN3_VL_TYPES = ("qwen3_vl", "qwen3_vl_moe")
+QWEN3_VL_TYPES = ("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
 
 
 class Qwen3VLTemplate(VisionTemplate):
@@ -35,8 +38,9 @@ class Qwen3VLTemplate(VisionTemplate):
 
 def for_model(cls: type, model_id: Any) -> type:
     """``cls``, or ``Qwen3VLTemplate`` where ``cls`` is ``Qwen3_5Template`` (upstream's name for
-    the Qwen vision-language template) and ``model_id`` is a Qwen3-VL checkpoint with an image
-    processor. Other models keep ``cls``: a Qwen3 or Qwen3.5 text model keeps the text template."""
+    the Qwen vision-language template) and ``model_id`` is a Qwen3-VL or Qwen3.5 checkpoint with
+    an image processor. Other models keep ``cls``: a Qwen3 model, or a Qwen3.5 checkpoint without
+    an image processor (its language model alone), keeps the text template."""
     from twinkle.template.qwen import Qwen3_5Template
 
     if cls is not Qwen3_5Template or model_id is None:
