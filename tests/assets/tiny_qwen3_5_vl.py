@@ -19,7 +19,9 @@ from tiny_qwen3_vl import CHAT_TEMPLATE, PATCH, VISION_TOKENS  # noqa: E402
 MODEL_CLS = "Qwen3_5ForConditionalGeneration"
 
 
-def build_tiny_qwen3_5_vl(out: str | Path, seed: int = 0) -> Path:
+def build_tiny_qwen3_5_vl(out: str | Path, seed: int = 0, scale: float = 1.0) -> Path:
+    """The checkpoint in ``out``; ``scale`` multiplies every weight matrix, so that a sampling
+    test's greedy tokens vary, follow the pixels and win by margins far above fp32's rounding."""
     import torch
     from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
@@ -91,7 +93,12 @@ def build_tiny_qwen3_5_vl(out: str | Path, seed: int = 0) -> Path:
         tie_word_embeddings=False,
     )
     torch.manual_seed(seed)
-    Qwen3_5ForConditionalGeneration(config).save_pretrained(out)
+    model = Qwen3_5ForConditionalGeneration(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(scale)
+    model.save_pretrained(out)
     return out
 
 

@@ -36,6 +36,9 @@ from twinkle.model.vision import check_patches
 from twinkle.model.vision_positions import token_types
 from twinkle.utils.errors import UserError
 
+# Qwen3.5 (qwen3_5) runs padded: its linear-attention layers carry a recurrent state and a
+# convolution window from each token to the next, which in a packed row would run from one
+# sample into the next (transformers' PyTorch scan ignores the samples' boundaries)
 PACKABLE_VISION_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 _HOOKED = "_twinkle_drops_segments"
 
