@@ -5,6 +5,7 @@ from typing import Any
 
 from twinkle.template.base import Template
 from twinkle.template.deepseek_v4 import DeepseekV4Template
+from twinkle.template.gemma import Gemma3Template, Gemma4Template
 from twinkle.template.qwen import Qwen3_5Template
 from twinkle.template.qwen3_vl import Qwen3VLTemplate, for_model
 from twinkle.template.vision import Qwen2_5VLTemplate
@@ -16,11 +17,11 @@ TEMPLATES: dict[str, type[Template]] = {
     "Qwen2_5VLTemplate": Qwen2_5VLTemplate,
     "Qwen3VLTemplate": Qwen3VLTemplate,
     "DeepseekV4Template": DeepseekV4Template,
+    "Gemma3Template": Gemma3Template,
+    "Gemma4Template": Gemma4Template,
 }
 # template names upstream's cookbooks use that name a capability not built here
-NOT_YET = {
-    "Gemma4Template": "multimodal templates (images in messages, through the model's AutoProcessor)",
-}
+NOT_YET: dict[str, str] = {}
 
 
 def refuse_not_yet(name: Any) -> None:

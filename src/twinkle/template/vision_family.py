@@ -19,6 +19,8 @@ FAMILY_TEMPLATES = {
     "qwen2_5_vl": ("Qwen2.5-VL", "Qwen2_5VLTemplate"),
     "qwen3_vl": ("Qwen3-VL", "Qwen3VLTemplate"),
     "qwen3_vl_moe": ("Qwen3-VL-MoE", "Qwen3VLTemplate"),
+    "gemma3": ("Gemma 3", "Gemma3Template"),
+    "gemma4": ("Gemma 4", "Gemma4Template"),
     "qwen3_5": ("Qwen3.5", "Qwen3VLTemplate"),
     "qwen3_5_moe": ("Qwen3.5-MoE", "Qwen3VLTemplate"),
 }
