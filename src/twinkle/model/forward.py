@@ -25,6 +25,7 @@ from twinkle.model.packing import can_pack, pack, shifted_targets
 from twinkle.model.router_replay import replay_of
 from twinkle.model.ulysses import ulysses_of
 from twinkle.model.vision import check_patches, check_reads_images
+from twinkle.model.vision_inputs import gemma_image_inputs
 from twinkle.model.vision_packing import can_pack_images, pack_images
 from twinkle.model.vision_positions import token_type_inputs
 from twinkle.template.base import IGNORE_INDEX
@@ -41,8 +42,9 @@ def causal_lm_of(model: Any) -> Any:
 
 
 def has_logit_transform(lm: Any) -> bool:
-    """Models that post-process logits (soft-capping, scaling) need their real head in the forward."""
-    cfg = lm.config
+    """Models that post-process logits (soft-capping, scaling) need their real head in the forward.
+    A vision-language model keeps these in its language model's config (Gemma 4's soft-capping)."""
+    cfg = lm.config.get_text_config() if hasattr(lm.config, "get_text_config") else lm.config
     return bool(getattr(cfg, "final_logit_softcapping", None)) or getattr(cfg, "logit_scale", None) not in (
         None,
         1.0,
@@ -99,6 +101,9 @@ def _padded_inputs(lm: Any, batch: dict[str, Any]) -> dict[str, Any]:
     ``twinkle.model.vision_positions``)."""
     if "pixel_values" not in batch:
         return {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids")}
+    gemma = gemma_image_inputs(lm, batch)  # Gemma 3 and 4: their images and token types
+    if gemma is not None:
+        return gemma
     check_patches(lm, batch["pixel_values"])
     inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "pixel_values", "image_grid_thw")}
     return {**inputs, **token_type_inputs(lm, batch["input_ids"])}

@@ -162,17 +162,21 @@ def split_rows(batch: Mapping[str, Any], micro_batch_size: int, loss: Any) -> li
     return out
 
 
-IMAGE_KEYS = ("pixel_values", "image_grid_thw", "image_counts")
+IMAGE_KEYS = ("pixel_values", "image_grid_thw", "image_position_ids", "image_counts")
 
 
 def _images_of_rows(images: Mapping[str, torch.Tensor], start: int, stop: int) -> dict[str, torch.Tensor]:
     """The images of rows ``start:stop`` (``twinkle.processor.collate``): their grids by the rows'
-    image counts, their patches by the grids' sizes (t * h * w patches an image). A part without
+    image counts, their patches by the grids' sizes (t * h * w patches an image); without grids
+    (Gemma) one ``pixel_values`` entry (and ``image_position_ids`` entry) an image. A part without
     images holds none of the keys, as a text-only batch."""
     counts = images["image_counts"]
     first, last = int(counts[:start].sum()), int(counts[:stop].sum())
     if first == last:
         return {}
+    if "image_grid_thw" not in images:
+        out = {k: images[k][first:last] for k in ("pixel_values", "image_position_ids") if k in images}
+        return {**out, "image_counts": counts[start:stop]}
     sizes = images["image_grid_thw"].prod(dim=1)
     return {
         "pixel_values": images["pixel_values"][int(sizes[:first].sum()) : int(sizes[:last].sum())],

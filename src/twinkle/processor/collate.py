@@ -106,10 +106,21 @@ def collate(
     }
     with_images = [s for s in samples if "pixel_values" in s]
     if with_images:  # every row's patches, in row order; one (t, h, w) per image
-        batch["pixel_values"] = torch.cat([torch.as_tensor(s["pixel_values"]) for s in with_images])
-        batch["image_grid_thw"] = torch.cat([torch.as_tensor(s["image_grid_thw"]) for s in with_images])
+        for key in IMAGE_TENSORS:
+            if key in with_images[0]:
+                batch[key] = torch.cat([torch.as_tensor(s[key]) for s in with_images])
         # how many images each row holds: what splitting the batch into parts of rows needs
-        batch["image_counts"] = torch.tensor(
-            [len(s["image_grid_thw"]) if "pixel_values" in s else 0 for s in samples], dtype=torch.long
-        )
+        batch["image_counts"] = torch.tensor([images_in(s) for s in samples], dtype=torch.long)
     return batch
+
+
+# a row's image tensors: Qwen's patches and grids, or (Gemma) one entry per image and Gemma 4's
+# patch positions
+IMAGE_TENSORS = ("pixel_values", "image_grid_thw", "image_position_ids")
+
+
+def images_in(sample: dict[str, Any]) -> int:
+    """How many images a row holds: one grid each (Qwen), else one ``pixel_values`` entry each."""
+    if "pixel_values" not in sample:
+        return 0
+    return len(sample["image_grid_thw"] if "image_grid_thw" in sample else sample["pixel_values"])
