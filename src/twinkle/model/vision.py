@@ -27,8 +27,11 @@ def sharded_layers(lm: Any) -> list[str] | None:
     return [n for n in names if n in text]
 
 
-# the vision tower and the projector of the families transformers ships, as module names
-VISION_MODULES = r"(.*\.)?(visual|vision_tower|vision_model|multi_modal_projector)\..*"
+# the vision tower and the projector of the families transformers ships, as module names (Gemma 4
+# projects with embed_vision, and its audio tower and projector stay frozen as well)
+VISION_MODULES = (
+    r"(.*\.)?(visual|vision_tower|vision_model|multi_modal_projector|embed_vision|audio_tower|embed_audio)\..*"
+)
 
 
 def language_model_lora(lm: Any, config: Any) -> Any:
