@@ -38,7 +38,9 @@ class GemmaVisionTemplate(VisionTemplate):
     def _check_options(self) -> None:
         super()._check_options()
         name = type(self).__name__
-        missing = [a for a in ("boi_token", "eoi_token", "image_token") if not getattr(self.tokenizer, a, None)]
+        missing = [
+            a for a in ("boi_token", "eoi_token", "image_token") if not getattr(self.tokenizer, a, None)
+        ]
         if missing:
             raise UserError(
                 f"{name}: the tokenizer of {self.model_id or 'this model'} does not name its {', '.join(missing)}; "
@@ -62,7 +64,9 @@ class GemmaVisionTemplate(VisionTemplate):
         keys = {k: getattr(image_processor, k, None) for k in self.PROCESSOR_KEYS}
         return {**super(VisionTemplate, self).settings(), "image_processor": keys}
 
-    def _expand(self, pieces: list[tuple[str, bool]], counts: list[int], index: int | None) -> list[tuple[str, bool]]:
+    def _expand(
+        self, pieces: list[tuple[str, bool]], counts: list[int], index: int | None
+    ) -> list[tuple[str, bool]]:
         """Each placeholder of the rendered pieces replaced by its image's text."""
         found = sum(text.count(self.placeholder) for text, _ in pieces)
         if found != len(counts):
@@ -80,7 +84,9 @@ class GemmaVisionTemplate(VisionTemplate):
             out.append((text, supervised))
         return out
 
-    def _run_processor(self, images: list[Any], index: int | None, fields: list[str] | None) -> dict[str, Any]:
+    def _run_processor(
+        self, images: list[Any], index: int | None, fields: list[str] | None
+    ) -> dict[str, Any]:
         try:
             return self._processor.image_processor(images=images, return_tensors="pt")
         except ValueError as exc:
@@ -102,9 +108,14 @@ class Gemma3Template(GemmaVisionTemplate):
         """Soft tokens per image: the processor's ``image_seq_length`` (``processor_config.json``),
         else the model's ``mm_tokens_per_image``, else ``Gemma3Processor``'s default of 256."""
         if not hasattr(self, "_image_seq_length"):
-            self._image_seq_length = _folder_setting(
-                self.tokenizer, ("processor_config.json", "image_seq_length"), ("config.json", "mm_tokens_per_image")
-            ) or 256
+            self._image_seq_length = (
+                _folder_setting(
+                    self.tokenizer,
+                    ("processor_config.json", "image_seq_length"),
+                    ("config.json", "mm_tokens_per_image"),
+                )
+                or 256
+            )
         return self._image_seq_length
 
     def image_text(self, count: int) -> str:
@@ -137,7 +148,14 @@ class Gemma4Template(GemmaVisionTemplate):
     ``image_token`` per soft token + ``<image|>``, as ``Gemma4Processor`` writes it."""
 
     PLACEHOLDER_NAME = "image_token"
-    PROCESSOR_KEYS = ("patch_size", "max_soft_tokens", "pooling_kernel_size", "resample", "image_mean", "image_std")
+    PROCESSOR_KEYS = (
+        "patch_size",
+        "max_soft_tokens",
+        "pooling_kernel_size",
+        "resample",
+        "image_mean",
+        "image_std",
+    )
 
     def image_text(self, count: int) -> str:
         tok = self.tokenizer
