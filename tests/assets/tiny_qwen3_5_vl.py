@@ -1,7 +1,7 @@
 """Build a tiny random Qwen3.5 checkpoint with its vision tower offline
 (``Qwen3_5ForConditionalGeneration``): the tests' 600-token BPE tokenizer with Qwen's vision
-tokens and ``<think>``/``</think>`` added, Qwen3-VL's chat template for images and its image
-processor settings (16-pixel patches, 2x2 merge: a 64x64 image is 4 visual tokens), a 2-block
+tokens and ``<think>``/``</think>`` added, Qwen3-VL's chat template for images with Qwen3.5's
+thinking switch, Qwen3-VL's image processor settings (16-pixel patches, 2x2 merge: a 64x64 image is 4 visual tokens), a 2-block
 vision tower, and a hybrid language model of one linear-attention (Gated DeltaNet) layer then
 one full-attention layer, as Qwen3.5 alternates them.
 
@@ -17,6 +17,15 @@ from tiny import build_tokenizer  # noqa: E402  (after this folder is on the pat
 from tiny_qwen3_vl import CHAT_TEMPLATE, PATCH, VISION_TOKENS  # noqa: E402
 
 MODEL_CLS = "Qwen3_5ForConditionalGeneration"
+# Qwen3-VL's chat format with Qwen3.5's thinking switch: enable_thinking=False opens the reply
+# with an empty think block, as Qwen3.5's own template does
+QWEN3_5_CHAT_TEMPLATE = CHAT_TEMPLATE.replace(
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}",
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}"
+    "{% endif %}",
+)
+assert QWEN3_5_CHAT_TEMPLATE != CHAT_TEMPLATE
 
 
 def build_tiny_qwen3_5_vl(out: str | Path, seed: int = 0, scale: float = 1.0) -> Path:
@@ -30,7 +39,7 @@ def build_tiny_qwen3_5_vl(out: str | Path, seed: int = 0, scale: float = 1.0) ->
     out.mkdir(parents=True, exist_ok=True)
     tok = build_tokenizer(out)
     tok.add_tokens(VISION_TOKENS + ["<think>", "</think>"], special_tokens=True)
-    tok.chat_template = CHAT_TEMPLATE
+    tok.chat_template = QWEN3_5_CHAT_TEMPLATE
     tok.save_pretrained(out)
     ids = {t: tok.convert_tokens_to_ids(t) for t in VISION_TOKENS}
     image_processor = Qwen2VLImageProcessorPil(

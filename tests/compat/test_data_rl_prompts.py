@@ -115,15 +115,19 @@ def test_competition_math_prompts_keep_the_solution(tiny_model_dir):
 def test_olympiad_bench_text_rows_and_image_rows(tiny_model_dir):
     assert FromModule is OlympiadBenchProcessor
     path = str(asset_path("olympiad_bench_tiny.jsonl"))
-    with pytest.raises(UserError, match="olympiad_bench_tiny.jsonl:4: row 3 has images .* not supported yet"):
-        Dataset(DatasetMeta(path)).map(OlympiadBenchProcessor(language="en"))
-    dataset = Dataset(DatasetMeta(path), skip_bad_rows=True).map(OlympiadBenchProcessor(language="en"))
+    dataset = Dataset(DatasetMeta(path)).map(OlympiadBenchProcessor(language="en"))
     truths = [dict(map(tuple, dataset[i]["user_data"]))["ground_truth"] for i in range(len(dataset))]
-    assert truths == ["40", "3, -3", "10"]
+    assert truths == ["40", "3, -3", "10", "7"]
     assert (
         dataset[2]["messages"][1]["content"]
         == "Context: The triangle has base 4 and height 5.\n\nWhat is the area of the triangle?"
     )
+    assert dataset[3]["messages"][1]["content"].startswith("<image>") and dataset[3]["messages"][1]["images"]
+    dataset.set_template("Template", model_id=str(tiny_model_dir), max_length=256)
+    # the text template reads no image: the image row is one line, and skip_bad_rows drops it
+    with pytest.raises(UserError, match="olympiad_bench_tiny.jsonl:4: row 3: messages.1. has images, but Template"):
+        dataset.encode(add_generation_prompt=True)
+    dataset = Dataset(DatasetMeta(path), skip_bad_rows=True).map(OlympiadBenchProcessor(language="en"))
     dataset.set_template("Template", model_id=str(tiny_model_dir), max_length=256).encode(
         add_generation_prompt=True
     )

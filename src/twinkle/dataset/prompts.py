@@ -52,6 +52,14 @@ def _prompt_messages(messages: Any, index: int) -> list[dict[str, Any]]:
 def encode_prompt(template: Template, messages: Any, index: int) -> dict[str, Any] | None:
     """One prompt's tokens (None when ``truncation_strategy='delete'`` drops it)."""
     messages = _prompt_messages(messages, index)
+    for i, m in enumerate(messages):  # a text template would drop the images and prompt with the text
+        if m.get("images") and not getattr(template, "encodes_images", False):
+            raise BadRow(
+                index,
+                f"messages[{i}].images",
+                f": messages[{i}] has images, but {type(template).__name__} reads text only; "
+                "use a vision-language template and model",
+            )
     tokenizer = template.tokenizer
     if template.use_chat_template is False:  # plain text: the message is the prompt
         ids = tokenizer(messages[0]["content"], add_special_tokens=True)["input_ids"]

@@ -1,9 +1,10 @@
 """``OlympiadBenchProcessor``: OlympiadBench rows (``question``, optional ``context``,
-``final_answer``) -> prompts with the final answer kept for the reward."""
+``final_answer``, images in ``image_1`` ... ``image_9``) -> prompts with the final answer kept
+for the reward."""
 
 from typing import Any
 
-from twinkle.preprocessor.base import BadRow, Preprocessor, require_fields
+from twinkle.preprocessor.base import Preprocessor, require_fields
 from twinkle.utils.errors import UserError
 
 SYSTEM_PROMPTS = {
@@ -23,8 +24,12 @@ class OlympiadBenchProcessor(Preprocessor):
     The user turn is the ``context`` (when given) then the ``question``; ``answers`` joins the
     ``final_answer`` list with ', ' (the ``unit`` stays out: a completion may or may not name it).
     ``language`` (``'zh'``, the default, or ``'en'``) picks the default system prompt and the
-    context's label; ``system`` replaces the prompt. A row with images (``image_1`` ...) is a
-    ``BadRow``: image inputs are not supported yet, so ``skip_bad_rows`` keeps the text rows."""
+    context's label; ``system`` replaces the prompt. A row's images (``image_1`` ... in order,
+    empty columns skipped; any value ``Message.images`` takes: Hugging Face's image records, PIL
+    images, bytes, paths, base64 ``data:image/`` URIs) go in the user turn's ``images``, each with an ``<image>`` tag before
+    the text, as upstream puts the pictures ahead of the problem; a vision-language template
+    (``Qwen3_5Template`` on a Qwen3.5 checkpoint) encodes them, and a text template refuses such
+    a row in one line (``skip_bad_rows`` drops it)."""
 
     def __init__(self, system: str | None = None, language: str = "zh"):
         if language not in SYSTEM_PROMPTS:
@@ -34,13 +39,7 @@ class OlympiadBenchProcessor(Preprocessor):
 
     def preprocess(self, row: dict[str, Any], index: int | None = None) -> dict[str, Any]:
         require_fields(row, ("question",), index)
-        images = [name for name in IMAGE_COLUMNS if row.get(name) is not None]
-        if images:
-            raise BadRow(
-                index,
-                images[0],
-                f" has images ({', '.join(images)}); OlympiadBench's image inputs are not supported yet",
-            )
+        images = [row[name] for name in IMAGE_COLUMNS if row.get(name) is not None]
         context = row.get("context")
         question = row["question"]
         if isinstance(context, str) and context.strip():
@@ -49,5 +48,8 @@ class OlympiadBenchProcessor(Preprocessor):
         parts = answer if isinstance(answer, list) else [answer]
         truth = ", ".join(str(a).strip() for a in parts if a not in (None, ""))
         messages = [{"role": "system", "content": self.system}] if self.system else []
-        messages.append({"role": "user", "content": question})
+        if images:
+            messages.append({"role": "user", "content": "<image>" * len(images) + question, "images": images})
+        else:
+            messages.append({"role": "user", "content": question})
         return {"messages": messages, "user_data": [("ground_truth", truth)]}

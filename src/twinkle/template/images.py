@@ -7,6 +7,8 @@ user turn. A tag without an image, an image that cannot be read, one over PIL's 
 file (``PIL.Image.MAX_IMAGE_PIXELS``, which guards against a small file that decodes to gigabytes)
 and a URL (nothing is downloaded) are errors naming the row (``BadImage``)."""
 
+import base64
+import binascii
 import io
 from collections.abc import Mapping
 from pathlib import Path
@@ -54,9 +56,18 @@ def _open(data: bytes | str | Path, index: int | None, field: str) -> Any:
     return image.convert("RGB")
 
 
+def _base64_image(uri: str, index: int | None, field: str) -> bytes:
+    """The bytes of a ``data:image/...;base64,`` URI: how a JSON-lines file holds a picture inline."""
+    try:
+        return base64.b64decode(uri.split(",", 1)[1], validate=True)
+    except (binascii.Error, ValueError):
+        raise BadImage(index, field, f": {field} is a data URI whose base64 data does not decode") from None
+
+
 def load_image(value: Any, index: int | None = None, field: str = "image") -> Any:
-    """An RGB PIL image from a file path, the file's bytes, a PIL image or a ``{'bytes': ...,
-    'path': ...}`` record; ``index`` and ``field`` name the row and the value in an error."""
+    """An RGB PIL image from a file path, the file's bytes, a PIL image, a ``{'bytes': ...,
+    'path': ...}`` record or a base64 ``data:image/...`` URI; ``index`` and ``field`` name the
+    row and the value in an error."""
     from PIL import Image
 
     if isinstance(value, Image.Image):
@@ -67,6 +78,8 @@ def load_image(value: Any, index: int | None = None, field: str = "image") -> An
         value = bytes(value)
     if isinstance(value, bytes):
         return _open(value, index, field)
+    if isinstance(value, str) and value.startswith("data:image/") and ";base64," in value[:40]:
+        return _open(_base64_image(value, index, field), index, field)
     if isinstance(value, str) and value.lower().startswith(_URL_SCHEMES + ("data:",)):
         shown = value if len(value) <= 80 else value[:77] + "..."
         raise BadImage(
