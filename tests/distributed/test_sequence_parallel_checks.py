@@ -12,7 +12,7 @@ from twinkle import DeviceMesh
 from twinkle.distributed.mesh import refuse_unimplemented
 from twinkle.distributed.sequence_parallel import SequenceGroup
 from twinkle.kernel.attention.ulysses import masked_attention
-from twinkle.loss import build_loss
+from twinkle.loss import HeadLoss, build_loss
 from twinkle.model.parallel_sizes import refuse_cli_sizes
 from twinkle.model.ulysses import Ulysses, check_model
 from twinkle.utils.errors import UserError
@@ -47,12 +47,19 @@ def test_a_family_it_does_not_run():
     _one_line(info)
 
 
-@pytest.mark.parametrize("loss", ["DPOLoss", "GRPOLoss"])
+class _OverSamples(HeadLoss):
+    require_samples = True  # combines whole samples, without totalling them over the group
+
+
+@pytest.mark.parametrize("loss", [build_loss("GKDLoss"), _OverSamples()])
 def test_a_loss_over_whole_samples_or_with_token_inputs_is_refused(loss):
     ulysses = Ulysses(SequenceGroup(2, 0, None))
     ulysses.check_loss(build_loss("CrossEntropyLoss", reduction="sum"))  # a sum over tokens: runs
+    # the RL and preference losses declare sequence_parallel (tests/distributed/test_ulysses_rl_losses.py)
+    for runs in ("DPOLoss", "GRPOLoss", "GSPOLoss", "SimPOLoss"):
+        ulysses.check_loss(build_loss(runs))
     with pytest.raises(UserError, match="the loss must be a sum over tokens") as info:
-        ulysses.check_loss(build_loss(loss))
+        ulysses.check_loss(loss)
     _one_line(info)
 
 

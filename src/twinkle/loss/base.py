@@ -69,6 +69,9 @@ class LossView:
     # rows only: each row's position in the packed row when a scored shared prefix repeats some
     # (rows at one position hold the same hidden state and target); None otherwise
     positions: torch.Tensor | None = None
+    # rows only, under Ulysses: the group whose ranks score the rows' other positions (a
+    # ``SequenceGroup``; ``twinkle.loss.sequence_share``); None when the view holds every position
+    sequence: Any = None
 
     @property
     def rows(self) -> int:
@@ -84,11 +87,16 @@ class Loss:
     hands the logits too (they are left out otherwise, as they are the largest tensor of the
     step). ``extra_inputs``: batch keys the loss reads (reference or old log-probs, advantages,
     pair indices, token weights). ``require_samples``: a ``rows`` loss gets each row's batch row
-    (``LossView.samples``)."""
+    (``LossView.samples``). ``sequence_parallel``: the loss is exact when a Ulysses group's ranks
+    each score a share of the positions, with its per-token inputs and samples sliced alike
+    (``LossView.sequence``: a loss over whole samples totals them over the group,
+    ``twinkle.loss.sequence_share``); a loss without it runs under Ulysses only as a plain sum
+    over tokens without extra inputs."""
 
     consumes = POSITIONS
     extra_inputs: tuple[str, ...] = ()
     require_samples = False
+    sequence_parallel = False
     require_logits = False
     require_entropy = False
     require_logps = True

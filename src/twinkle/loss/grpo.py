@@ -41,6 +41,7 @@ import torch
 from twinkle.loss.base import ROWS, HeadLoss, LossView
 from twinkle.loss.cross_entropy import LossOutput
 from twinkle.loss.preference import row_logps
+from twinkle.loss.sequence_share import count_once, once, total
 from twinkle.loss.upstream_keywords import check_upstream_keywords
 from twinkle.utils.errors import UserError
 
@@ -62,6 +63,7 @@ class GRPOLoss(HeadLoss):
 
     consumes = ROWS
     require_samples = True
+    sequence_parallel = True  # a completion's sums are totalled over a Ulysses group (_per_row)
     reduction = "sum"  # the summed per-completion loss; the model divides by the completions
     correct_metric = "clip_fraction"  # the name the model reports num_correct / num_tokens under
     count_metric = "completions"  # the name the model reports num_tokens under
@@ -104,18 +106,21 @@ class GRPOLoss(HeadLoss):
         return ((ratio > 1 + self.epsilon_high) & (adv > 0)) | ((ratio < 1 - self.epsilon) & (adv < 0))
 
     def clip_count(
-        self, logps: torch.Tensor, old: torch.Tensor, adv: torch.Tensor, samples, rows
+        self, logps: torch.Tensor, old: torch.Tensor, adv: torch.Tensor, samples, rows, sequence=None
     ) -> torch.Tensor:
-        """Each completion's clipped share of its tokens, summed over completions."""
-        shares, lengths = _per_row(self.clipped(logps, old, adv).to(logps.dtype), samples, rows)
+        """Each completion's clipped share of its tokens, summed over completions. ``sequence``:
+        the Ulysses group holding the completions' other tokens (``twinkle.loss.sequence_share``)."""
+        shares, lengths = _per_row(self.clipped(logps, old, adv).to(logps.dtype), samples, rows, sequence)
         kept = lengths > 0
-        return (shares[kept] / lengths[kept]).sum()
+        return count_once((shares[kept] / lengths[kept]).sum(), sequence)
 
-    def reduce(self, terms: torch.Tensor, samples: torch.Tensor, rows: int) -> tuple[torch.Tensor, int]:
+    def reduce(
+        self, terms: torch.Tensor, samples: torch.Tensor, rows: int, sequence=None
+    ) -> tuple[torch.Tensor, int]:
         """(sum over completions of each one's token mean, completions)."""
-        sums, lengths = _per_row(terms, samples, rows)
+        sums, lengths = _per_row(terms, samples, rows, sequence)
         kept = lengths > 0
-        return (sums[kept] / lengths[kept]).sum(), int(kept.sum())
+        return once((sums[kept] / lengths[kept]).sum(), sequence), count_once(int(kept.sum()), sequence)
 
     def kl(self, logps: torch.Tensor, ref: torch.Tensor | None) -> torch.Tensor:
         """Each token's k3 estimate of KL(policy || reference)."""
@@ -132,12 +137,13 @@ class GRPOLoss(HeadLoss):
         ref: Any,
         samples: torch.Tensor,
         rows: int,
+        sequence: Any = None,
     ) -> tuple[torch.Tensor, int]:
         """(the summed loss, its count) of one micro-batch's completion tokens."""
         terms = self.token_terms(logps, old, adv)
         if self.beta > 0:
             terms = terms + self.beta * self.kl(logps, ref)
-        return self.reduce(terms, samples, rows)
+        return self.reduce(terms, samples, rows, sequence)
 
     # ----------------------------------------------------------------- the protocol
     def compute(self, view: LossView) -> LossOutput:
@@ -151,6 +157,7 @@ class GRPOLoss(HeadLoss):
             view.samples,
             view.rows,
             extras.get("ref_logps"),
+            view.sequence,
         )
 
     def from_rows(
@@ -161,19 +168,22 @@ class GRPOLoss(HeadLoss):
         samples: torch.Tensor,
         rows: int,
         ref: torch.Tensor | None = None,
+        sequence: Any = None,
     ) -> LossOutput:
         """The loss from the completion tokens' log-probabilities ``(N,)`` (with the graph), the
         sampler's ``old`` and each token's row advantage ``adv`` at the same tokens, their batch
-        rows ``samples`` ``(N,)``, the batch's row count, and the reference's values."""
-        if logps.numel() == 0:  # a rank's empty share: backward must still run
+        rows ``samples`` ``(N,)``, the batch's row count, and the reference's values.
+        ``sequence``: the Ulysses group whose ranks hold the completions' other tokens (their
+        per-completion sums are totalled over it first)."""
+        if logps.numel() == 0 and sequence is None:  # a rank's empty share: backward must still run
             zero = logps.sum() * 0.0
             return LossOutput(zero, zero, 0, torch.zeros((), dtype=torch.long))
         old = old.detach().to(logps.device, logps.dtype)
         adv = adv.detach().to(logps.device, logps.dtype)
         ref = None if ref is None else ref.detach().to(logps.device, logps.dtype)
         samples = samples.to(logps.device)
-        loss_sum, count = self.sequence_loss(logps, old, adv, ref, samples, rows)
-        correct = self.clip_count(logps.detach(), old, adv, samples, rows)
+        loss_sum, count = self.sequence_loss(logps, old, adv, ref, samples, rows, sequence)
+        correct = self.clip_count(logps.detach(), old, adv, samples, rows, sequence)
         return LossOutput(loss_sum / max(1, count), loss_sum, count, correct)
 
 
@@ -186,11 +196,17 @@ def _own_logps(labels: Any, logps: Any, logits: Any) -> torch.Tensor:
     return torch.log_softmax(logits.detach().float(), dim=-1).gather(-1, targets[..., None])[..., 0]
 
 
-def _per_row(values: torch.Tensor, samples: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each batch row's sum of ``values`` and its count of tokens."""
+def _per_row(
+    values: torch.Tensor, samples: torch.Tensor, rows: int, sequence: Any = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each batch row's sum of ``values`` and its count of tokens, over the ``sequence`` group's
+    ranks when there is one (each holds a share of the row's tokens)."""
     sums = torch.zeros(rows, dtype=values.dtype, device=values.device).index_add(0, samples, values)
     lengths = torch.bincount(samples, minlength=rows).to(values.dtype)
-    return sums, lengths
+    if sequence is None:
+        return sums, lengths
+    both = total(torch.stack([sums, lengths]), sequence)  # one all-reduce for the two
+    return both[0], both[1]
 
 
 class GSPOLoss(GRPOLoss):
@@ -208,27 +224,26 @@ class GSPOLoss(GRPOLoss):
     ):
         super().__init__(epsilon, epsilon_high, beta, entropy_coef, ignore_index)
 
-    def sequence_loss(self, logps, old, adv, ref, samples, rows):
-        log_ratio, lengths = _per_row((logps - old).clamp(-20.0, 20.0), samples, rows)
+    def sequence_loss(self, logps, old, adv, ref, samples, rows, sequence=None):
+        log_ratio, lengths = _per_row((logps - old).clamp(-20.0, 20.0), samples, rows, sequence)
         kept = lengths > 0
-        seq_adv = _per_row(adv, samples, rows)[0][kept] / lengths[kept]  # the row's advantage
+        seq_adv = _per_row(adv, samples, rows, sequence)[0][kept] / lengths[kept]  # the row's advantage
         ratio = torch.exp(log_ratio[kept] / lengths[kept])
         clipped = ratio.clamp(1 - self.epsilon, 1 + self.epsilon_high)
         values = -torch.minimum(ratio * seq_adv, clipped * seq_adv)
         if self.beta > 0:
-            values = (
-                values + self.beta * _per_row(self.kl(logps, ref), samples, rows)[0][kept] / lengths[kept]
-            )
-        return values.sum(), int(kept.sum())
+            kl = _per_row(self.kl(logps, ref), samples, rows, sequence)[0]
+            values = values + self.beta * kl[kept] / lengths[kept]
+        return once(values.sum(), sequence), count_once(int(kept.sum()), sequence)
 
-    def clip_count(self, logps, old, adv, samples, rows):
+    def clip_count(self, logps, old, adv, samples, rows, sequence=None):
         """Completions whose clipped ratio was the one taken."""
-        log_ratio, lengths = _per_row((logps - old).clamp(-20.0, 20.0), samples, rows)
+        log_ratio, lengths = _per_row((logps - old).clamp(-20.0, 20.0), samples, rows, sequence)
         kept = lengths > 0
         ratio = torch.exp(log_ratio[kept] / lengths[kept])
-        seq_adv = _per_row(adv, samples, rows)[0][kept] / lengths[kept]
+        seq_adv = _per_row(adv, samples, rows, sequence)[0][kept] / lengths[kept]
         high = (ratio > 1 + self.epsilon_high) & (seq_adv > 0)
-        return (high | ((ratio < 1 - self.epsilon) & (seq_adv < 0))).sum()
+        return count_once((high | ((ratio < 1 - self.epsilon) & (seq_adv < 0))).sum(), sequence)
 
 
 class DRGRPOLoss(GRPOLoss):
@@ -261,10 +276,10 @@ class DRGRPOLoss(GRPOLoss):
             )
         self.max_tokens = max_tokens
 
-    def reduce(self, terms: torch.Tensor, samples: torch.Tensor, rows: int) -> tuple[torch.Tensor, int]:
-        sums, lengths = _per_row(terms, samples, rows)
+    def reduce(self, terms, samples, rows, sequence=None):
+        sums, lengths = _per_row(terms, samples, rows, sequence)
         kept = lengths > 0
-        return sums[kept].sum() / self.max_tokens, int(kept.sum())
+        return once(sums[kept].sum() / self.max_tokens, sequence), count_once(int(kept.sum()), sequence)
 
 
 class CISPOLoss(GRPOLoss):
@@ -281,12 +296,12 @@ class CISPOLoss(GRPOLoss):
     def clipped(self, logps: torch.Tensor, old: torch.Tensor, adv: torch.Tensor) -> torch.Tensor:
         return torch.exp((logps - old).clamp(-20.0, 20.0)) > 1 + self.epsilon_high
 
-    def clip_count(self, logps, old, adv, samples, rows):
-        """Clipped tokens (the loss counts tokens)."""
+    def clip_count(self, logps, old, adv, samples, rows, sequence=None):
+        """Clipped tokens (the loss counts tokens; each rank of a Ulysses group its own)."""
         return self.clipped(logps, old, adv).sum()
 
-    def reduce(self, terms: torch.Tensor, samples: torch.Tensor, rows: int) -> tuple[torch.Tensor, int]:
-        return terms.sum(), int(terms.numel())
+    def reduce(self, terms, samples, rows, sequence=None):
+        return terms.sum(), int(terms.numel())  # a sum over tokens: each rank its own share
 
 
 class BNPOLoss(GRPOLoss):
@@ -295,8 +310,8 @@ class BNPOLoss(GRPOLoss):
 
     count_metric = "supervised_tokens"
 
-    def clip_count(self, logps, old, adv, samples, rows):
+    def clip_count(self, logps, old, adv, samples, rows, sequence=None):
         return self.clipped(logps, old, adv).sum()
 
-    def reduce(self, terms: torch.Tensor, samples: torch.Tensor, rows: int) -> tuple[torch.Tensor, int]:
-        return terms.sum(), int(terms.numel())
+    def reduce(self, terms, samples, rows, sequence=None):
+        return terms.sum(), int(terms.numel())  # a sum over tokens: each rank its own share

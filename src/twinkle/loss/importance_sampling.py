@@ -34,6 +34,8 @@ class ImportanceSamplingLoss(HeadLoss):
     """``-sum(ratio * advantages)`` with ``ratio = exp(logp - old_logps)``; ``reduction`` decides
     only the reported value (``sum`` or per-token ``mean``)."""
 
+    sequence_parallel = True  # a sum over tokens: a Ulysses rank's share needs its own inputs only
+
     def __init__(
         self, reduction: str = "sum", old_key: str = "old_logps", advantages_key: str = "advantages"
     ):

@@ -15,6 +15,7 @@ token negative log-likelihood, one value per pair, so it too is a mean over pair
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +23,7 @@ import torch.nn.functional as F
 from twinkle.loss.base import ROWS, HeadLoss, LossView
 from twinkle.loss.cross_entropy import LossOutput
 from twinkle.loss.head_logps import head_logps
+from twinkle.loss.sequence_share import count_once, once, total
 from twinkle.loss.upstream_keywords import check_ignore_index
 from twinkle.utils.errors import UserError
 
@@ -92,6 +94,7 @@ class PreferenceLoss(HeadLoss):
 
     consumes = ROWS
     require_samples = True
+    sequence_parallel = True  # a row's sums are totalled over a Ulysses group (_pairs)
     reduction = "sum"  # the summed pair loss; the model divides by the pairs of the global batch
     count_metric = "pairs"  # the name the model reports num_tokens under
 
@@ -101,14 +104,26 @@ class PreferenceLoss(HeadLoss):
     def compute(self, view: LossView) -> PreferenceOutput:
         if view.samples is None:
             raise UserError(f"{self.name} needs each row's sample; run it through model.set_loss")
-        return self.from_rows(row_logps(view), view.samples, view.rows, view.extras.get("ref_logps"))
+        return self.from_rows(
+            row_logps(view), view.samples, view.rows, view.extras.get("ref_logps"), view.sequence
+        )
 
     def from_rows(
-        self, logps: torch.Tensor, samples: torch.Tensor, rows: int, ref: torch.Tensor | None = None
+        self,
+        logps: torch.Tensor,
+        samples: torch.Tensor,
+        rows: int,
+        ref: torch.Tensor | None = None,
+        sequence: Any = None,
     ) -> PreferenceOutput:
         """The loss from the supervised rows' log-probabilities ``(N,)``, their batch rows
-        ``(N,)``, the batch's row count and the reference's values at the same rows."""
-        if logps.numel() == 0:  # a rank's empty share: nothing to pair, but backward must run
+        ``(N,)``, the batch's row count and the reference's values at the same rows.
+        ``sequence``: the Ulysses group whose ranks hold the rows' other tokens (each row's sums
+        are totalled over it first, ``twinkle.loss.sequence_share``)."""
+        empty = logps.numel() == 0
+        if sequence is not None:  # a rank's share may be empty while the group's is not
+            empty = not bool(total(logps.new_tensor([float(logps.numel())]), sequence)[0])
+        if empty:  # nothing to pair, but backward must run
             zero = logps.sum() * 0.0
             return PreferenceOutput(zero, zero, 0, torch.zeros((), dtype=torch.long), logps.detach())
         if rows % 2:
@@ -116,19 +131,30 @@ class PreferenceLoss(HeadLoss):
                 f"{self.name} needs rows in pairs [chosen_1, rejected_1, chosen_2, ...], but the batch "
                 f"has {rows} rows; keep both sides of every pair in the batch"
             )
-        pairs = self._pairs(logps, samples, rows, ref)
+        pairs = self._pairs(logps, samples, rows, ref, sequence)
         losses, logits = self.pair_losses(pairs)
-        loss_sum = losses.sum()
-        count = losses.numel()
-        correct = (logits.detach() > 0).sum()
-        return PreferenceOutput(loss_sum / count, loss_sum, count, correct, logps.detach())
+        loss_sum = once(losses.sum(), sequence)
+        count = count_once(losses.numel(), sequence)
+        correct = count_once((logits.detach() > 0).sum(), sequence)
+        return PreferenceOutput(loss_sum / max(1, count), loss_sum, count, correct, logps.detach())
 
     def _pairs(
-        self, logps: torch.Tensor, samples: torch.Tensor, rows: int, ref: torch.Tensor | None
+        self,
+        logps: torch.Tensor,
+        samples: torch.Tensor,
+        rows: int,
+        ref: torch.Tensor | None,
+        sequence: Any = None,
     ) -> Pairs:
         samples = samples.to(logps.device)
         sums = torch.zeros(rows, dtype=logps.dtype, device=logps.device).index_add(0, samples, logps)
-        lengths = torch.bincount(samples, minlength=rows)
+        lengths = torch.bincount(samples, minlength=rows).to(logps.dtype)
+        if ref is not None:
+            ref = ref.detach().to(logps.device, logps.dtype)  # the reference is a constant
+            ref_sums = torch.zeros_like(sums).index_add(0, samples, ref)
+            sums, lengths, ref_sums = total(torch.stack([sums, lengths, ref_sums]), sequence).unbind(0)
+        else:
+            sums, lengths = total(torch.stack([sums, lengths]), sequence).unbind(0)
         empty = (lengths == 0).nonzero()
         if empty.numel():
             row = int(empty[0])
@@ -137,11 +163,8 @@ class PreferenceLoss(HeadLoss):
                 f"{self.name}: row {row} (the {side} side of pair {row // 2}) has no supervised token; "
                 "every chosen and rejected row needs a labelled response"
             )
-        lengths = lengths.to(logps.dtype)
         pairs = Pairs(sums[0::2], sums[1::2], lengths[0::2], lengths[1::2])
         if ref is not None:
-            ref = ref.detach().to(logps.device, logps.dtype)  # the reference is a constant
-            ref_sums = torch.zeros_like(sums).index_add(0, samples, ref)
             pairs.ref_chosen, pairs.ref_rejected = ref_sums[0::2], ref_sums[1::2]
         return pairs
 

@@ -154,11 +154,11 @@ def loss_and_view(
         view = rows_view(lm, batch, padding_free, loss.extra_inputs, share_prefix)
         if loss.require_samples:
             view.samples = supervised_samples(batch)
-    out = loss.compute(view)
-    # a training step over hidden rows keeps no logps of a sum-over-tokens loss (outputs.step_logps)
-    if ulysses is None or (lm.training and view.hidden is not None):
+    if ulysses is None:
+        out = loss.compute(view)
         return out, view
-    return out, ulysses.whole_view(view)
+    view = ulysses.local_view(view)  # this rank's per-token inputs and samples, and the group
+    return ulysses.whole(loss.compute(view), view, loss, lm.training)
 
 
 def supervised_samples(batch: Mapping[str, torch.Tensor]) -> torch.Tensor:

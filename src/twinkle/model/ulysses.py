@@ -9,9 +9,13 @@ process, as the gathered row has the whole row's ``Segments``.
 
 Each rank computes the loss of its own positions' targets; the shares are disjoint, so the
 step's reduction over every rank (token counts and gradients, ``optimizer_step``) gives the mean
-over the global batch's supervised tokens, as without Ulysses. That needs a loss that is a sum
-over tokens: a loss over whole samples (preference pairs), with per-token inputs, or of
-upstream's positions convention is refused in one line.
+over the global batch's supervised tokens, as without Ulysses. A loss's per-token inputs (old and
+reference log-probabilities, advantages) and each position's sample are sliced as the targets
+are (``local_view``). A loss over whole samples (GRPO's completion means, DPO's pair sums) totals
+its per-sample sums over the group and counts its value once (``twinkle.loss.sequence_share``);
+the losses that do declare ``sequence_parallel``. Any other loss with per-token inputs or over
+whole samples, and a loss of upstream's positions convention (it takes whole rows' logits), is
+refused in one line.
 
 What the model refuses when it is built, in one line each (before the weights load where the
 model is a local folder): heads (query or key/value) that N does not divide; hybrid
@@ -57,10 +61,14 @@ class Ulysses:
         return self.group.size
 
     def check_loss(self, loss: Loss) -> None:
-        """One line for a loss that is not a sum over tokens each rank can compute alone."""
+        """One line for a loss the ranks cannot compute from their shares of the positions: a
+        rows loss over whole samples or with per-token inputs that does not declare
+        ``sequence_parallel`` (``twinkle.loss.base``), or one of upstream's positions convention."""
         why = None
         if loss.consumes == POSITIONS:
             why = "it takes the (batch, sequence) logits of whole rows (upstream's positions convention)"
+        elif getattr(loss, "sequence_parallel", False):
+            return
         elif loss.require_samples:
             why = "it combines the tokens of whole samples"
         elif loss.extra_inputs:
@@ -68,7 +76,8 @@ class Ulysses:
         if why is not None:
             raise UserError(
                 f"ulysses_size={self.size}: each rank computes the loss of its share of the positions, so "
-                f"the loss must be a sum over tokens; {loss.name} is not ({why}); use ulysses_size=1"
+                f"the loss must be a sum over tokens or declare sequence_parallel; {loss.name} is not ({why}); "
+                "use ulysses_size=1"
             )
 
     def share(
@@ -107,6 +116,35 @@ class Ulysses:
         local_gather = None if gather is None else gather[mine] - start
         return local, targets_2d[:, start:end], (rows[mine], cols[mine] - start), local_gather
 
+    def local_view(self, view: LossView) -> LossView:
+        """``view`` with this rank's share of its per-token inputs and samples (read for the whole
+        batch, in its row-major order, as the targets before ``share``) and the group, which a loss
+        over whole samples totals its per-sample sums over."""
+        mine = self._ordinals
+        extras = {name: value[mine.to(value.device)] for name, value in view.extras.items()}
+        samples = None if view.samples is None else view.samples[mine.to(view.samples.device)]
+        return dataclasses.replace(view, extras=extras, samples=samples, sequence=self.group)
+
+    def whole(self, out: Any, view: LossView, loss: Loss, training: bool) -> tuple[Any, LossView]:
+        """What ``twinkle.model.forward.loss_and_view`` returns under Ulysses: ``out`` and, where
+        a step's log-probabilities are read, the whole batch's view (``whole_view``; the rows'
+        log-probabilities a preference loss keeps, gathered alike). A training step over hidden
+        rows of a loss without extra inputs or samples keeps its own view: its logps are not read
+        (``twinkle.model.outputs.step_logps``), so the hidden rows are not gathered."""
+        reads = bool(loss.extra_inputs or loss.require_samples)
+        if training and view.hidden is not None and not reads:
+            return out, view
+        rows = getattr(out, "logps", None)
+        if rows is not None:
+            out = dataclasses.replace(out, logps=self.whole_rows(rows))
+        return out, self.whole_view(view)
+
+    def whole_rows(self, values: torch.Tensor) -> torch.Tensor:
+        """Per-row ``values`` of this rank's scored rows -> every rank's, in the whole batch's
+        order, detached."""
+        order = torch.cat(gather_rows(self._ordinals, self.group)).argsort()
+        return torch.cat(gather_rows(values, self.group))[order]
+
     def whole_view(self, view: LossView) -> LossView:
         """``view`` (this rank's scored rows) with every rank's rows, detached, in the whole
         batch's order: what an evaluation's outputs read (``logps``) after the loss was computed,
@@ -117,7 +155,9 @@ class Ulysses:
             value = getattr(view, name)
             if value is not None:
                 whole[name] = torch.cat(gather_rows(value, self.group))[order]
-        return dataclasses.replace(view, positions=self._gather, **whole)
+        return dataclasses.replace(
+            view, positions=self._gather, extras={}, samples=None, sequence=None, **whole
+        )
 
 
 def _padded(
