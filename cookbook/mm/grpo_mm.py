@@ -56,6 +56,7 @@ from twinkle.dataset.digits import digit_trajectory, digits_file
 from twinkle.loss import CrossEntropyLoss, GRPOLoss
 from twinkle.metric import CompletionRewardMetric
 from twinkle.model import TransformersModel
+from twinkle.optim import build_scheduler
 from twinkle.sampler import TorchSampler
 from twinkle.utils.errors import UserError
 
@@ -199,8 +200,15 @@ def main() -> None:
     if sft_steps:
         sft_warm_up(model, model_id, sft_steps, extra_number("sft_lr", SFT_LR, float))
     model.set_optimizer(args.optimizer.optimizer_cls, lr=LR)
-    model.set_lr_scheduler(args.scheduler.scheduler_cls, num_warmup_steps=args.scheduler.num_warmup_steps,
-                           num_training_steps=MAX_STEPS * -(-BATCH_SIZE * NUM_GENERATIONS // MINI_BATCH_SIZE))  # fmt: skip
+    grpo_steps = MAX_STEPS * -(-BATCH_SIZE * NUM_GENERATIONS // MINI_BATCH_SIZE)  # forward_backward calls
+
+    def grpo_schedule(optimizer):
+        """The schedule over GRPO's steps alone: it starts after the warm-up."""
+        return build_scheduler(args.scheduler.scheduler_cls, optimizer, args.scheduler.num_warmup_steps, grpo_steps)
+
+    # num_training_steps is the run's length, which the progress line counts against: the
+    # warm-up's steps and GRPO's (they share the step counter); the schedule is GRPO's own
+    model.set_lr_scheduler(grpo_schedule, num_training_steps=sft_steps + grpo_steps)
     model.set_loss(GRPOLoss(epsilon=args.loss.epsilon, epsilon_high=args.loss.epsilon_high))
 
     sampler = TorchSampler(model)  # the trainer's own modules, its adapter

@@ -88,3 +88,18 @@ def test_the_warm_up_gives_groups_whose_rewards_differ(tmp_path):
     assert any(int(varied) > 0 and float(norm) > 0 for varied, norm in steps), steps
     train = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert any(r["kind"] == "train" and r.get("train/format_reward", 0) > 0 for r in train)
+
+
+@pytest.mark.slow  # a subprocess that warms up, samples and trains: about 30 s
+def test_the_progress_counts_the_warm_up_and_ends_at_100_percent(tiny_vl, tmp_path):
+    """The warm-up's steps share the step counter with GRPO's: the progress line's total holds
+    both, so it ends at 100% (it read 200% and more when the total was GRPO's alone)."""
+    command = [sys.executable, str(SCRIPT), "--model-id", str(tiny_vl), "--output-dir", str(tmp_path / "out"),
+               *FLAGS[:-2], "--sft-steps", "3"]  # fmt: skip
+    done = subprocess.run(
+        command, cwd=tmp_path, env=script_env(tmp_path), capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "supervised warm-up: 3 steps" in done.stderr
+    shown = [(int(a), int(b), int(p)) for a, b, p in re.findall(r"progress: step (\d+)/(\d+) \((\d+)%\)", done.stderr)]
+    assert shown == [(4, 5, 80), (5, 5, 100)], done.stderr[-4000:]
