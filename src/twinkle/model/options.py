@@ -40,6 +40,10 @@ def resolve_strategy(
     fsdp_config = dict(fsdp_config or {})
     # upstream's EP switch and options, read by twinkle.model.expert_parallel.resolve_options
     fsdp_config.pop("expert_parallel", None)
+    # what FSDP2 does here anyway: each decoder layer frees its gathered weights after its forward
+    # (the root keeps its own until backward, which needs them first: FSDP2's default for a root)
+    if fsdp_config.get("reshard_after_forward") is True:
+        del fsdp_config["reshard_after_forward"]
     if fsdp_config:
         raise UserError(
             f"fsdp_config keys {sorted(fsdp_config)} are not supported here: FSDP2 shards each decoder "
