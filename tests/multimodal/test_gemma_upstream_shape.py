@@ -10,10 +10,10 @@ optimizer and schedule from the flags, training steps with their metric and an e
 ``forward_only`` + ``calculate_loss``.
 
 One call differs: upstream builds ``Dataset`` and calls ``encode()``, which keeps every encoded
-row; a Gemma 4 image row holds its patches padded to the image processor's budget (the released
-checkpoints: 280 soft tokens of 3x3 pooled 16-pixel patches, 2520 x 768 float32 values, 7.4 MiB),
-so its 2000 training rows would hold about 15 GiB. Here ``Dataset.encode()`` with an image template
-is one line naming ``LazyDataset``, which the recipe runs with (rows encoded when read)."""
+row; a Gemma 4 image row holds its patches padded to the image processor's budget (with its
+defaults, 280 soft tokens of 3x3 pooled 16-pixel patches: 2520 x 768 float32 values, 7.4 MiB), so
+the recipe's 2000 training rows would hold about 14 GiB. Here ``Dataset.encode()`` with an image
+template is one line naming ``LazyDataset``, which the recipe runs with (rows encoded when read)."""
 
 import json
 import subprocess
