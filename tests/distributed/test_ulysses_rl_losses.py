@@ -10,7 +10,9 @@ per-pair value is totalled over the two ranks before the loss reads it. Compared
 process: the per-step losses and gradient norms within ``run_loss_rtol`` (relative) of the tiny
 model's chain of fp32 sums and the ranks' reduction (``tests/assets/tolerances.py``); every LoRA
 gradient of the first step elementwise within the same relative bound of its tensor's largest
-magnitude (an element is a sum of terms of about that scale, summed in another order). A
+magnitude (an element is a sum of terms of about that scale, summed in another order); each
+rank's step logps, and DPO's reward margin (``DPOMetric``, which must count each pair once
+though both ranks hold it), within the loss's bound. A
 per-completion value from one rank's tokens only, or a loss counted on both ranks, moves the
 loss and the gradients by a sizeable fraction, far outside the bound."""
 
@@ -36,6 +38,7 @@ def _run(launcher, model_dir, out: Path, nproc: int, loss: str, extra: list[str]
     assert job.returncode == 0, job.output[-6000:]
     result = json.loads((out / "result.json").read_text())
     result["grads"] = torch.load(out / "grads.pt")
+    result["logps"] = [json.loads((out / f"logps-{r}.json").read_text()) for r in range(nproc)]
     return result
 
 
@@ -60,7 +63,8 @@ def test_rl_and_preference_losses_under_ulysses_equal_one_process(
     for a, b in zip(one["steps"], two["steps"], strict=True):
         assert a[count] == b[count] > 0, (count, a[count], b[count])  # counted once over the group
         assert 0 < b["rank_tokens"] < a["rank_tokens"] or count != "supervised_tokens"
-        for key in ("loss", "grad_norm"):
+        keys = ("loss", "grad_norm") + (("reward_margin", "chosen_logps") if loss == "dpo" else ())
+        for key in keys:
             assert abs(a[key] - b[key]) <= rtol * max(1.0, abs(a[key])), (key, a[key], b[key], rtol)
     assert one["steps"][0]["grad_norm"] > 0
     # the first step's gradients: every LoRA weight, elementwise
@@ -69,7 +73,8 @@ def test_rl_and_preference_losses_under_ulysses_equal_one_process(
         assert grad.abs().max() > 0, name
         allowed = rtol * scale_of(grad)
         assert (grad - two["grads"][name]).abs().max() <= allowed, (name, allowed)
-    # the step's logps (rank 0's, the whole batch): every rank's positions in place
-    for row_a, row_b in zip(one["logps"], two["logps"], strict=True):
-        for x, y in zip(row_a, row_b, strict=True):
-            assert abs(x - y) <= rtol * max(1.0, abs(x)), (x, y, rtol)
+    # each rank's step logps: the whole batch, every rank's positions in place
+    for logps in two["logps"]:
+        for row_a, row_b in zip(one["logps"][0], logps, strict=True):
+            for x, y in zip(row_a, row_b, strict=True):
+                assert abs(x - y) <= rtol * max(1.0, abs(x)), (x, y, rtol)

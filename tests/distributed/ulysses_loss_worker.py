@@ -10,13 +10,14 @@ each runs half of the positions. ``--loss``:
   differ from 1 and some clip); GRPO and GSPO with a KL term to the base model
   (``ref_outputs``); PPO's advantage per token;
 - ``dpo``: 4 pairs interleaved [chosen, rejected, ...], the first chosen answer long, against
-  the base model (``ref_outputs``), with an SFT term.
+  the base model (``ref_outputs``), with an SFT term and ``DPOMetric`` (it reads the step's
+  logps of every row).
 
 Each step: the reference pass, ``forward_backward``, the gradient rescaled to the step's mean
 (``clip_grad_norm(0)``: measured, not clipped), the optimizer step, the metrics. Rank 0 writes
 ``OUT/result.json`` (per step the loss, gradient norm and counts; the world size; the samples'
-lengths; the step's logps) and ``OUT/grads.pt`` (every LoRA weight's gradient of the first
-step, full size)."""
+lengths) and ``OUT/grads.pt`` (every LoRA weight's gradient of the first
+step, full size); every rank writes its last step's logps (``OUT/logps-RANK.json``)."""
 
 import argparse
 import json
@@ -30,6 +31,7 @@ import twinkle
 from twinkle import DeviceMesh
 from twinkle.dataloader import collate
 from twinkle.loss.ppo import PPOLoss
+from twinkle.metric import DPOMetric
 from twinkle.model import TransformersModel
 
 PAIRS = [
@@ -67,6 +69,8 @@ def main() -> None:
     model.set_optimizer("AdamW", lr=1e-2)
     loss, options = LOSSES[args.loss]
     model.set_loss(loss, **options)
+    if args.loss == "dpo":  # reads the step's logps of every row
+        model.add_metric(DPOMetric, beta=0.1)
     if args.loss == "dpo":
         questions = [(q, a) for q, chosen, rejected in PAIRS for a in (chosen, rejected)]
     else:
@@ -99,12 +103,13 @@ def main() -> None:
         steps.append({k: v for k, v in metric.items() if isinstance(v, int | float)})
         steps[-1]["rank_tokens"] = out.get("num_tokens")
         logps = out.get("logps")
+    # every rank's step logps cover the whole batch
+    Path(args.out, f"logps-{runtime.rank}.json").write_text(json.dumps(logps.tolist()))
     if runtime.rank == 0:
         result = {
             "world_size": runtime.world_size,
             "steps": steps,
             "lengths": [len(r["input_ids"]) for r in encoded],
-            "logps": logps.tolist(),
         }
         Path(args.out, "result.json").write_text(json.dumps(result))
         torch.save(grads, Path(args.out, "grads.pt"))

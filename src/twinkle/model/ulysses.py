@@ -127,16 +127,19 @@ class Ulysses:
 
     def whole(self, out: Any, view: LossView, loss: Loss, training: bool) -> tuple[Any, LossView]:
         """What ``twinkle.model.forward.loss_and_view`` returns under Ulysses: ``out`` and, where
-        a step's log-probabilities are read, the whole batch's view (``whole_view``; the rows'
-        log-probabilities a preference loss keeps, gathered alike). A training step over hidden
+        a step's log-probabilities are read, the whole batch's view (``whole_view``). The rows'
+        log-probabilities a preference loss keeps are gathered alike and kept on the group's first
+        rank only: the added metrics that read them (``DPOMetric``) then count each row once, and
+        the other ranks' step logps come from the whole view. A training step over hidden
         rows of a loss without extra inputs or samples keeps its own view: its logps are not read
         (``twinkle.model.outputs.step_logps``), so the hidden rows are not gathered."""
         reads = bool(loss.extra_inputs or loss.require_samples)
         if training and view.hidden is not None and not reads:
             return out, view
         rows = getattr(out, "logps", None)
-        if rows is not None:
-            out = dataclasses.replace(out, logps=self.whole_rows(rows))
+        if rows is not None:  # a collective: every rank gathers, the group's first keeps them
+            rows = self.whole_rows(rows)
+            out = dataclasses.replace(out, logps=rows if self.group.rank == 0 else None)
         return out, self.whole_view(view)
 
     def whole_rows(self, values: torch.Tensor) -> torch.Tensor:
