@@ -19,10 +19,14 @@ FAMILY_TEMPLATES = {
     "qwen2_5_vl": ("Qwen2.5-VL", "Qwen2_5VLTemplate"),
     "qwen3_vl": ("Qwen3-VL", "Qwen3VLTemplate"),
     "qwen3_vl_moe": ("Qwen3-VL-MoE", "Qwen3VLTemplate"),
-    "gemma3": ("Gemma 3", "Gemma3Template"),
-    "gemma4": ("Gemma 4", "Gemma4Template"),
     "qwen3_5": ("Qwen3.5", "Qwen3VLTemplate"),
     "qwen3_5_moe": ("Qwen3.5-MoE", "Qwen3VLTemplate"),
+}
+# families whose rows carry one pixel_values entry per image and no grid sizes: trained here, not
+# served (the server places the images of FAMILY_TEMPLATES' families)
+GEMMA_TEMPLATES = {
+    "gemma3": ("Gemma 3", "Gemma3Template"),
+    "gemma4": ("Gemma 4", "Gemma4Template"),
 }
 
 
@@ -37,11 +41,12 @@ def model_type_of(folder: str | Path) -> str | None:
 
 def check_family(template_name: str, folder: str | Path) -> None:
     """One line when ``folder`` holds a model of a known family that another template encodes."""
+    families = {**FAMILY_TEMPLATES, **GEMMA_TEMPLATES}
     model_type = model_type_of(folder)
-    if model_type not in FAMILY_TEMPLATES:
+    if model_type not in families:
         return
-    family, wanted = FAMILY_TEMPLATES[model_type]
-    served = {name for _, name in FAMILY_TEMPLATES.values()}
+    family, wanted = families[model_type]
+    served = {name for _, name in families.values()}
     if template_name in served and template_name != wanted:
         raise UserError(
             f"{template_name}: {folder} is a {family} model (model_type {model_type}), whose images "
