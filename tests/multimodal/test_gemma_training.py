@@ -184,3 +184,29 @@ def test_rows_of_another_family_are_one_line(family, tiny_vl_dir):
     with pytest.raises(UserError, match="the rows were encoded for another model family") as info:
         model.forward_only(inputs=[row])
     assert "\n" not in str(info.value)
+
+
+def test_sampling_with_images_is_one_line_and_text_prompts_sample(family):
+    from tiny_qwen3_vl import picture
+
+    from twinkle.data_format import SamplingParams
+    from twinkle.sampler import TorchSampler
+
+    model_type, folder, _ = family
+    sampler = TorchSampler(str(folder))
+    sampler.set_template(TEMPLATES[model_type], model_id=str(folder))
+    message = {"role": "user", "content": "<image>What colour?", "images": [picture()]}
+    with pytest.raises(UserError, match="input row 0 holds images without image_grid_thw") as info:
+        sampler.sample([{"messages": [message]}])
+    assert "\n" not in str(info.value)
+    out = sampler.sample(
+        [{"messages": [{"role": "user", "content": "Say hello."}]}], SamplingParams(max_tokens=3)
+    )
+    assert 1 <= len(out[0].sequences[0].tokens) <= 3
+
+
+def test_a_served_gemma_checkpoint_places_no_images(family):
+    from twinkle.server.images import load_vision
+
+    _, folder, _ = family
+    assert load_vision(str(folder)).template is None  # images in requests stay a one-line refusal

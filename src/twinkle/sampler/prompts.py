@@ -19,6 +19,17 @@ from twinkle.utils.errors import UserError
 VISION_KEYS = ("pixel_values", "image_grid_thw", "image_counts")
 
 
+def _vision(i: int, row: Mapping[str, Any]) -> Vision | None:
+    """Row ``i``'s images (``vision_of``); one line for rows without grid sizes (the Gemma
+    families' rows), whose sampling with images is not built."""
+    if row.get("pixel_values") is not None and row.get("image_grid_thw") is None:
+        raise UserError(
+            f"input row {i} holds images without image_grid_thw (a Gemma template's rows): sampling with "
+            "images is built for the Qwen vision-language families; sample this model with text prompts"
+        )
+    return vision_of(row)
+
+
 @dataclass
 class Prompt:
     """One row's prompt tokens, its messages (when given as chat) and its other keys
@@ -81,7 +92,7 @@ def _prompt(i: int, row: Any, template: Callable[[], Template], scoring: bool) -
             raise UserError(
                 f"input row {i} is longer than the template's max_length (truncation_strategy='delete')"
             )
-        ids, labels, vision = encoded["input_ids"], encoded["labels"], vision_of(encoded)
+        ids, labels, vision = encoded["input_ids"], encoded["labels"], _vision(i, encoded)
     else:
         messages = without_empty_reply(messages)
         if not messages or messages[-1].get("role") == "assistant":
@@ -92,7 +103,7 @@ def _prompt(i: int, row: Any, template: Callable[[], Template], scoring: bool) -
         chosen = template()
         if getattr(chosen, "encodes_images", False):  # a vision-language template
             ids, _, images = chosen.tokens(messages, add_generation_prompt=True, index=i)
-            vision = vision_of(images)
+            vision = _vision(i, images)
         else:
             ids = chosen.prompt_ids(messages)
     if not ids:
