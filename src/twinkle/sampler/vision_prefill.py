@@ -25,13 +25,18 @@ from twinkle.model.vision_positions import reads_images, rope_positions
 from twinkle.utils.errors import UserError
 
 Vision = dict[str, torch.Tensor]  # pixel_values, image_grid_thw
+# families with a text-only class whose checkpoints sample with images when they have an image processor
+IMAGE_PATH_TYPES = ("qwen3_5", "qwen3_5_moe")
 
 
 def image_text_class(model_id: str | None) -> Any:
-    """``'AutoModelForImageTextToText'`` for a vision-language checkpoint whose family has no
-    text-only class that ``AutoModelForCausalLM`` loads (Qwen2-VL, Qwen2.5-VL, Qwen3-VL), so a
-    sampler given its folder alone reads images, as a vLLM engine does; else None (the default
-    class). A family with a text class (Qwen3.5) keeps it: its text prompts run as before."""
+    """``'AutoModelForImageTextToText'`` for a vision-language checkpoint, so that a sampler given
+    its folder alone reads images, as a vLLM engine does: a family with no text-only class that
+    ``AutoModelForCausalLM`` loads (Qwen2-VL, Qwen2.5-VL, Qwen3-VL), and Qwen3.5 with its image
+    processor saved beside it (where upstream's ``Qwen3_5Template`` encodes images: the sampler's
+    model then has the vision tower the template's rows need, and the trainer's parameter names).
+    Else None (the default class): a Qwen3.5 folder without an image processor samples with its
+    language model alone."""
     import json
 
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
@@ -46,11 +51,10 @@ def image_text_class(model_id: str | None) -> Any:
         return None  # the loader says what is wrong with the folder
     if not isinstance(config, dict) or "vision_config" not in config:
         return None
-    return (
-        None
-        if config.get("model_type") in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-        else "AutoModelForImageTextToText"
-    )
+    model_type = config.get("model_type")
+    if model_type in IMAGE_PATH_TYPES and (resolve_model(model_id) / "preprocessor_config.json").is_file():
+        return "AutoModelForImageTextToText"
+    return None if model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES else "AutoModelForImageTextToText"
 
 
 def placeholder_ids(lm: Any, device: torch.device) -> torch.Tensor | None:
