@@ -109,3 +109,20 @@ def test_quality_prefers_worked_reasoning_to_repetition_and_to_a_bare_answer():
     scores = OlympiadBenchQualityReward()([_trajectory(c) for c in (worked, repeated, r"\boxed{40}")])
     assert scores[0] > scores[1] and scores[0] > scores[2]
     assert all(0.0 <= s <= 1.0 for s in scores)
+
+
+def test_an_image_row_on_a_text_sampler_is_one_line(tiny_model_dir):
+    """A text template would sample the question without its picture: refused instead."""
+    from twinkle.data_format import SamplingParams
+    from twinkle.sampler import TorchSampler
+    from twinkle.utils.errors import UserError
+
+    meta = DatasetMeta(str(asset_path("olympiad_bench_tiny.jsonl")))
+    dataset = LazyDataset(meta)
+    dataset.map(OlympiadBenchProcessor(language="en"), dataset_meta=meta)
+    sampler = TorchSampler(str(tiny_model_dir))
+    sampler.set_template("Template", model_id=str(tiny_model_dir))
+    assert sampler.sample([dataset[0]], SamplingParams(max_tokens=2))[0].sequences[0].tokens
+    with pytest.raises(UserError, match=r"input row 1: messages\[1\] has images, but Template reads text only") as info:
+        sampler.sample([dataset[0], dataset[3]], SamplingParams(max_tokens=2))
+    assert "\n" not in str(info.value)

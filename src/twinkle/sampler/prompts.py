@@ -105,6 +105,13 @@ def _prompt(i: int, row: Any, template: Callable[[], Template], scoring: bool) -
             ids, _, images = chosen.tokens(messages, add_generation_prompt=True, index=i)
             vision = _vision(i, images)
         else:
+            held = [k for k, m in enumerate(messages) if isinstance(m, Mapping) and m.get("images")]
+            if held:  # the text template would prompt with the text alone, the pictures dropped
+                raise UserError(
+                    f"input row {i}: messages[{held[0]}] has images, but {type(chosen).__name__} reads text only; "
+                    "sample a vision-language model with its template (set_template('Qwen3_5Template', model_id=...) "
+                    "on a Qwen3.5 checkpoint with an image processor)"
+                )
             ids = chosen.prompt_ids(messages)
     if not ids:
         raise UserError(f"input row {i} has an empty prompt; give at least one token or message")
