@@ -127,3 +127,16 @@ def test_a_template_of_another_family_is_one_line(family, wrong):
 def test_a_gemma_template_on_a_qwen_model_names_the_qwen_template(tiny_vl_dir):
     with pytest.raises(UserError, match="Qwen2.5-VL model .* use --template-cls Qwen2_5VLTemplate$"):
         get_template("Gemma3Template", str(tiny_vl_dir))
+
+
+def test_pan_and_scan_is_one_line(tmp_path):
+    import json
+
+    folder = BUILDERS["gemma3"](tmp_path)
+    path = folder / "preprocessor_config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "do_pan_and_scan": True}))
+    template = get_template("Gemma3Template", str(folder))
+    message = {"role": "user", "content": "<image>Which?", "images": [picture()]}
+    with pytest.raises(UserError, match="do_pan_and_scan, whose crops add images") as info:
+        template.encode([message, {"role": "assistant", "content": "x"}])
+    assert "\n" not in str(info.value)

@@ -210,3 +210,25 @@ def test_a_served_gemma_checkpoint_places_no_images(family):
 
     _, folder, _ = family
     assert load_vision(str(folder)).template is None  # images in requests stay a one-line refusal
+
+
+def test_kernelize_keeps_the_logits(family):
+    """No kernel is registered for the Gemma families (their norms scale by 1 + w): ``kernelize``
+    must leave the forward as it is."""
+    import copy
+
+    import transformers
+
+    from twinkle.kernel import DEFAULT_KERNEL_CONFIG, kernelize
+
+    model_type, folder, rows = family
+    plain = (
+        getattr(transformers, CLASSES[model_type]).from_pretrained(str(folder), dtype=torch.float32).eval()
+    )
+    kernelized = copy.deepcopy(plain)
+    kernelize(kernelized, DEFAULT_KERNEL_CONFIG)
+    batch = collate(rows, pad_token_id=0)
+    with torch.no_grad():
+        expected = plain(**_processor_inputs(model_type, plain, batch)).logits
+        got = kernelized(**_processor_inputs(model_type, kernelized, batch)).logits
+    torch.testing.assert_close(got, expected, **_tolerances(batch, expected))
