@@ -126,3 +126,32 @@ def test_an_image_row_on_a_text_sampler_is_one_line(tiny_model_dir):
     with pytest.raises(UserError, match=r"input row 1: messages\[1\] has images, but Template reads text only") as info:
         sampler.sample([dataset[0], dataset[3]], SamplingParams(max_tokens=2))
     assert "\n" not in str(info.value)
+
+
+def test_upstreams_content_parts_sample_as_tagged_images(tmp_path):
+    """Upstream's OlympiadBench rows give the user turn as parts (``{'type': 'image', 'url': ...}``
+    then text): they sample as the same turn written with an ``<image>`` tag and ``images``."""
+    import torch
+
+    from tiny_qwen3_5_vl import MODEL_CLS, build_tiny_qwen3_5_vl
+    from tiny_qwen3_vl import picture
+    from twinkle.data_format import SamplingParams
+    from twinkle.sampler import TorchSampler
+    from twinkle.template.images import BadImage
+
+    folder = str(build_tiny_qwen3_5_vl(tmp_path / "q35", scale=6.0))
+    sampler = TorchSampler(folder, model_cls=MODEL_CLS, dtype=torch.float32)
+    sampler.set_template("Qwen3_5Template", model_id=folder, enable_thinking=False)
+    image = picture((64, 64), (200, 30, 30))
+    system = {"role": "system", "content": "Solve it."}
+    parts = [{"type": "image", "url": image}, {"type": "text", "text": "What is shown?"}]
+    upstream = {"messages": [system, {"role": "user", "content": parts}]}
+    ours = {"messages": [system, {"role": "user", "content": "<image>What is shown?", "images": [image]}]}
+    greedy = SamplingParams(max_tokens=6, temperature=0)
+    a, b = (sampler.sample([p], greedy)[0] for p in (upstream, ours))
+    assert a.prompt_token_ids == b.prompt_token_ids and a.sequences[0].tokens == b.sequences[0].tokens
+    assert "pixel_values" in a.sequences[0].new_input_feature
+    bad = {"messages": [{"role": "user", "content": [{"type": "audio", "audio": b""}]}]}
+    with pytest.raises(BadImage, match=r"messages\[0\]\.content\[0\] has type 'audio'; content parts are") as info:
+        sampler.sample([bad], greedy)
+    assert "\n" not in str(info.value)

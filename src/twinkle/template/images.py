@@ -2,7 +2,9 @@
 into a PIL image, and the images paired with the ``<image>`` tags of the user turns.
 
 A conversation's images are taken in turn order and fill the ``<image>`` tags of its user turns
-in order (upstream Twinkle's placement); images beyond the tags go before the text of the first
+in order (upstream Twinkle's placement); a turn may also give its content as upstream's parts
+(``{'type': 'text', 'text': ...}`` and ``{'type': 'image', 'url': ...}``), each image part a
+tag with its picture; images beyond the tags go before the text of the first
 user turn. A tag without an image, an image that cannot be read, one over PIL's size limit for a
 file (``PIL.Image.MAX_IMAGE_PIXELS``, which guards against a small file that decodes to gigabytes)
 and a URL (nothing is downloaded) are errors naming the row (``BadImage``)."""
@@ -18,6 +20,7 @@ from twinkle.utils.errors import UserError
 from twinkle.utils.values import kind_of
 
 IMAGE_TAG = "<image>"
+_PART_KEYS = ("image", "url", "path")
 _URL_SCHEMES = ("http://", "https://", "ftp://", "s3://", "gs://", "oss://", "ms://", "hf://")
 
 
@@ -99,6 +102,9 @@ def _images_given(messages: list[dict[str, Any]], index: int | None) -> list[tup
     """``(field, value)`` of every image of the conversation, in turn order."""
     found = []
     for i, message in enumerate(messages):
+        content = message.get("content") if isinstance(message, Mapping) else None
+        if isinstance(content, list | tuple):  # upstream's content parts: their images come first
+            found += [(f"messages[{i}].content[{j}]", _part_image(p)) for j, p in _image_parts(content)]
         images = message.get("images") if isinstance(message, Mapping) else None
         if images is None:
             continue
@@ -108,6 +114,41 @@ def _images_given(messages: list[dict[str, Any]], index: int | None) -> list[tup
             )
         found += [(f"messages[{i}].images[{j}]", value) for j, value in enumerate(images)]
     return found
+
+
+def _image_parts(content: Any) -> list[tuple[int, Mapping[str, Any]]]:
+    return [(j, p) for j, p in enumerate(content) if isinstance(p, Mapping) and p.get("type") == "image"]
+
+
+def _part_image(part: Mapping[str, Any]) -> Any:
+    """The picture of an image part: under ``image``, ``url`` (upstream's OlympiadBench rows) or
+    ``path``; None when it has none (``load_image`` names the field)."""
+    return next((part[k] for k in _PART_KEYS if part.get(k) is not None), None)
+
+
+def _text_of(message: Mapping[str, Any], i: int, index: int | None) -> str:
+    """A turn's text; content parts (``[{'type': 'text', 'text': ...}, {'type': 'image', ...}]``,
+    upstream's multimodal content) joined, an ``<image>`` tag where each image part was."""
+    content = message.get("content")
+    if not isinstance(content, list | tuple):
+        return content
+    pieces = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, Mapping) else None
+        if kind == "text" and isinstance(part.get("text"), str):
+            pieces.append(part["text"])
+        elif kind == "image":
+            pieces.append(IMAGE_TAG)
+        else:
+            raise BadImage(
+                index,
+                f"messages[{i}].content[{j}]",
+                f": messages[{i}].content[{j}] "
+                + (f"has type {kind!r}" if isinstance(part, Mapping) else f"is {kind_of(part)}")
+                + "; content parts are "
+                "{'type': 'text', 'text': ...} or {'type': 'image', 'image' | 'url' | 'path': ...}",
+            )
+    return "".join(pieces)
 
 
 def image_fields(messages: list[dict[str, Any]], index: int | None = None) -> list[str]:
@@ -123,8 +164,9 @@ def place_images(
     ...}`` and ``{'type': 'image'}`` parts (the shape processors' chat templates read, one image
     part per image, in order), and the images read, in the same order."""
     given = _images_given(messages, index)
+    texts = [_text_of(m, i, index) for i, m in enumerate(messages)]
     users = [i for i, m in enumerate(messages) if m.get("role") == "user"]
-    tags = sum(messages[i]["content"].count(IMAGE_TAG) for i in users)
+    tags = sum(texts[i].count(IMAGE_TAG) for i in users)
     if tags > len(given):
         raise BadImage(
             index,
@@ -138,7 +180,7 @@ def place_images(
     untagged = len(given) - tags
     turns = []
     for i, message in enumerate(messages):
-        text = message["content"]
+        text = texts[i]
         turn = {k: v for k, v in message.items() if k not in ("content", "images")}
         if i not in users:
             turn["content"] = [{"type": "text", "text": text}]
