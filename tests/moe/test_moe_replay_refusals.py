@@ -1,6 +1,6 @@
 """Routing replay asked for on a model whose routes it cannot replay, in one line before any work:
-a dense model has no router; a mixture of experts outside the routers it hooks (DeepSeek-V3's
-group-limited sigmoid router, gpt-oss's) is named as such, not called dense."""
+a dense model has no router; a mixture of experts outside the routers it hooks (Mixtral's) is
+named as such, not called dense."""
 
 import json
 
@@ -32,12 +32,8 @@ def _one_line(info) -> str:
     [
         (transformers.LlamaConfig(**SMALL), "the model (llama) has no mixture-of-experts router to replay"),
         (
-            transformers.DeepseekV3Config(**SMALL, n_routed_experts=8, n_group=1, topk_group=1),
-            "deepseek_v3's router is not one of them; leave routing replay off",
-        ),
-        (
-            transformers.GptOssConfig(**SMALL, num_local_experts=8),
-            "gpt_oss's router is not one of them; leave routing replay off",
+            transformers.MixtralConfig(**SMALL, num_local_experts=8),
+            "mixtral's router is not one of them; leave routing replay off",
         ),
     ],
 )
@@ -49,13 +45,9 @@ def test_a_folder_is_refused_before_loading(tmp_path, config, needle):
 
 
 def test_a_loaded_moe_without_a_hooked_router_is_named_as_moe():
-    config = transformers.DeepseekV3Config(
-        **SMALL, vocab_size=64, n_routed_experts=4, n_group=1, topk_group=1, first_k_dense_replace=0,
-        moe_intermediate_size=8, kv_lora_rank=8, q_lora_rank=None, qk_rope_head_dim=4, qk_nope_head_dim=4,
-        v_head_dim=4,
-    )  # fmt: skip
+    config = transformers.MixtralConfig(**SMALL, vocab_size=64, intermediate_size=16, num_local_experts=4)
     torch.manual_seed(0)
-    model = transformers.DeepseekV3ForCausalLM(config)
+    model = transformers.MixtralForCausalLM(config)
     with pytest.raises(UserError) as info:
         RouterReplay.install(model)
-    assert "deepseek_v3's router is not one of them" in _one_line(info)
+    assert "mixtral's router is not one of them" in _one_line(info)

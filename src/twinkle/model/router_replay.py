@@ -6,8 +6,15 @@ to the sampler's. In a mixture-of-experts model a small change of the weights (a
 sampling and training, another kernel's rounding) can flip a router's top-k choice, and the
 trained policy's probabilities are then those of another route than the one the token was drawn
 with. Replay keeps the route: each router's top-k experts are the recorded ones, and their weights
-are still computed from the current router logits (a softmax over all experts, read at the
-recorded experts, renormalised where the family renormalises), so the router keeps its gradient.
+are still computed from the current router logits as the family computes the weights of the
+experts it chose (``ROUTERS``), so the router keeps its gradient:
+
+- Qwen2-MoE, Qwen3-MoE, Qwen3-Next, Qwen3.5-MoE: a softmax over all experts, read at the
+  recorded experts, renormalised where the family renormalises (``norm_topk_prob``);
+- DeepSeek-V3: the sigmoid of each recorded expert's logit (its bias correction,
+  ``e_score_correction_bias``, and the group limit only choose experts; they weigh nothing),
+  renormalised where ``norm_topk_prob`` says, times ``routed_scaling_factor``;
+- gpt-oss: a softmax over the recorded experts' logits alone.
 
 ``RouterReplay.install(lm)`` hooks the routers of one model instance (``ROUTERS``; never the
 class): a forward hook on each router reads or replaces its output ``(logits, weights,
@@ -23,8 +30,9 @@ the model never ran), a ``(rows, length, moe_layers, top_k)`` tensor in a batch.
 marks a token without a recorded route, which the router routes itself."""
 
 import json
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -36,16 +44,50 @@ from twinkle.utils.errors import UserError
 
 NO_ROUTE = -1
 KEY = "routed_experts"
-# router class -> whether it renormalises its top-k weights (None: as its ``norm_topk_prob`` says).
-# Each returns ``(logits, top-k weights, top-k experts)`` from a softmax over the logits in fp32.
-ROUTERS: dict[str, bool | None] = {
-    "Qwen2MoeTopKRouter": None,
-    "Qwen3MoeTopKRouter": None,
-    "Qwen3NextTopKRouter": None,
-    "Qwen3_5MoeTopKRouter": True,
+
+
+def softmax_over_all(
+    router: torch.nn.Module, logits: torch.Tensor, chosen: torch.Tensor, renormalise: bool | None
+) -> torch.Tensor:
+    """The Qwen routers' weights: a softmax over all experts in fp32 at the ``chosen`` ones,
+    renormalised where ``renormalise`` (None: as the router's ``norm_topk_prob`` says)."""
+    weights = torch.softmax(logits, dim=-1, dtype=torch.float).gather(-1, chosen)
+    if renormalise is None:
+        renormalise = bool(getattr(router, "norm_topk_prob", False))
+    if renormalise:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights
+
+
+def sigmoid_scaled(router: torch.nn.Module, logits: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+    """DeepSeek-V3's weights: the sigmoid of the ``chosen`` experts' logits (without the bias
+    correction, which only chooses), renormalised with the router's small denominator guard where
+    ``norm_topk_prob``, times ``routed_scaling_factor``."""
+    weights = logits.float().sigmoid().gather(-1, chosen)
+    if router.norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * router.routed_scaling_factor
+
+
+def softmax_over_chosen(router: torch.nn.Module, logits: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+    """gpt-oss's weights: a softmax over the ``chosen`` experts' logits, in the logits' dtype."""
+    return torch.softmax(logits.gather(-1, chosen), dim=-1, dtype=logits.dtype)
+
+
+# router class -> the weights of given experts from its logits, as the family weighs its own top-k.
+# Each router returns ``(logits, top-k weights, top-k experts)``.
+ROUTERS: dict[str, Callable[[torch.nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "Qwen2MoeTopKRouter": partial(softmax_over_all, renormalise=None),
+    "Qwen3MoeTopKRouter": partial(softmax_over_all, renormalise=None),
+    "Qwen3NextTopKRouter": partial(softmax_over_all, renormalise=None),
+    "Qwen3_5MoeTopKRouter": partial(softmax_over_all, renormalise=True),
+    "DeepseekV3TopkRouter": sigmoid_scaled,
+    "GptOssTopKRouter": softmax_over_chosen,
 }
 # the model types whose routers are in ROUTERS (read from a folder's config.json before loading)
-MOE_MODEL_TYPES = ("qwen2_moe", "qwen3_moe", "qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text")
+MOE_MODEL_TYPES = (
+    "qwen2_moe", "qwen3_moe", "qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text", "deepseek_v3", "gpt_oss",
+)  # fmt: skip
 _ATTRIBUTE = "_twinkle_router_replay"  # the lm instance's RouterReplay
 
 
@@ -107,7 +149,7 @@ class RouterReplay:
         self._armed: dict[str, Any] | None = None  # for the next forward
         self._current: dict[str, Any] | None = None  # the running forward's (and its backward's)
         self._handles = [
-            router.register_forward_hook(self._hook(i, _renormalises(router)))
+            router.register_forward_hook(self._hook(i, ROUTERS[type(router).__name__]))
             for i, router in enumerate(routers)
         ]
         decoder = lm.get_decoder() if hasattr(lm, "get_decoder") else lm
@@ -136,14 +178,14 @@ class RouterReplay:
     def _enter(self, module: Any, args: Any) -> None:
         self._current, self._armed = self._armed, None
 
-    def _hook(self, layer: int, renormalise: bool | None):
+    def _hook(self, layer: int, weigh: Callable[[torch.nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]):
         def hook(router: torch.nn.Module, args: Any, output: Any) -> Any:
             current = self._current
             if current is None and not self.recording:
                 return None
             logits, weights, experts = output
             if current is not None and current["targets"] is not None:
-                weights, experts = self._replayed(router, layer, renormalise, logits, experts)
+                weights, experts = self._replayed(router, layer, weigh, logits, experts, weights.dtype)
                 output = (logits, weights, experts)
             if self.recording or current is not None:
                 self.recorded[layer] = experts.detach()
@@ -155,9 +197,10 @@ class RouterReplay:
         self,
         router: torch.nn.Module,
         layer: int,
-        renormalise: bool | None,
+        weigh: Callable[[torch.nn.Module, torch.Tensor, torch.Tensor], torch.Tensor],
         logits: torch.Tensor,
         experts: torch.Tensor,
+        dtype: torch.dtype,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         targets = self._current["targets"][:, layer]
         if targets.shape != experts.shape:
@@ -167,13 +210,8 @@ class RouterReplay:
                 "for these same rows"
             )
         chosen = torch.where(targets >= 0, targets, experts)
-        # as the router computes its own weights, at the recorded experts
-        weights = torch.softmax(logits, dim=-1, dtype=torch.float).gather(-1, chosen)
-        if renormalise is None:
-            renormalise = bool(getattr(router, "norm_topk_prob", False))
-        if renormalise:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        return weights.to(logits.dtype), chosen
+        # as the router computes its own weights, at the recorded experts, in its weights' dtype
+        return weigh(router, logits, chosen).to(dtype), chosen
 
     # ------------------------------------------------------------------ a step's forward
     def arm(self, batch: Mapping[str, Any], where: torch.Tensor | None) -> None:
@@ -248,10 +286,6 @@ class RouterReplay:
         taken = torch.stack(self.recorded, dim=1)
         self.recorded = [None] * self.layers
         return taken
-
-
-def _renormalises(router: torch.nn.Module) -> bool | None:
-    return ROUTERS[type(router).__name__]
 
 
 def sources(where: torch.Tensor) -> torch.Tensor:
