@@ -126,6 +126,9 @@ def test_an_image_row_on_a_text_sampler_is_one_line(tiny_model_dir):
     with pytest.raises(UserError, match=r"input row 1: messages\[1\] has images, but Template reads text only") as info:
         sampler.sample([dataset[0], dataset[3]], SamplingParams(max_tokens=2))
     assert "\n" not in str(info.value)
+    parts = [{"type": "image", "url": dataset[3]["messages"][1]["images"][0]}, {"type": "text", "text": "Read it."}]
+    with pytest.raises(UserError, match=r"input row 0: messages\[0\] has images, but Template reads text only"):
+        sampler.sample([{"messages": [{"role": "user", "content": parts}]}], SamplingParams(max_tokens=2))
 
 
 def test_upstreams_content_parts_sample_as_tagged_images(tmp_path):

@@ -53,6 +53,15 @@ class Prompt:
         return row
 
 
+def _has_images(message: Any) -> bool:
+    """``Message.images``, or an image among upstream's content parts."""
+    if not isinstance(message, Mapping):
+        return False
+    content = message.get("content")
+    parts = content if isinstance(content, list | tuple) else ()
+    return bool(message.get("images")) or any(isinstance(p, Mapping) and p.get("type") == "image" for p in parts)
+
+
 def prompts_of(inputs: Any, template: Callable[[], Template], scoring: bool = False) -> list[Prompt]:
     """``inputs``: a row or a list of rows, each ``{'messages': [...]}`` or ``{'input_ids': [...]}``
     (an empty list is allowed: under FSDP a rank's share of the prompts may be empty). A row's
@@ -105,7 +114,7 @@ def _prompt(i: int, row: Any, template: Callable[[], Template], scoring: bool) -
             ids, _, images = chosen.tokens(messages, add_generation_prompt=True, index=i)
             vision = _vision(i, images)
         else:
-            held = [k for k, m in enumerate(messages) if isinstance(m, Mapping) and m.get("images")]
+            held = [k for k, m in enumerate(messages) if _has_images(m)]
             if held:  # the text template would prompt with the text alone, the pictures dropped
                 raise UserError(
                     f"input row {i}: messages[{held[0]}] has images, but {type(chosen).__name__} reads text only; "
