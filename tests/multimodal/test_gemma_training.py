@@ -232,3 +232,15 @@ def test_kernelize_keeps_the_logits(family):
         expected = plain(**_processor_inputs(model_type, plain, batch)).logits
         got = kernelized(**_processor_inputs(model_type, kernelized, batch)).logits
     torch.testing.assert_close(got, expected, **_tolerances(batch, expected))
+
+
+def test_gemma_rows_on_a_qwen_model_are_one_line(family, tiny_vl_dir):
+    from twinkle.model import TransformersModel
+
+    _, _, rows = family
+    model = TransformersModel(str(tiny_vl_dir), model_cls="Qwen2_5_VLForConditionalGeneration")
+    for padding_free in (True, False):  # the packed path and the padded one
+        model.padding_free = padding_free
+        with pytest.raises(UserError, match="carry no image_grid_thw.*encoded for a Gemma model") as info:
+            model.forward_only(inputs=rows)
+        assert "\n" not in str(info.value)

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from twinkle.model.vision_inputs import check_row_family
 from twinkle.utils.errors import UserError
 
 
@@ -29,9 +30,7 @@ def sharded_layers(lm: Any) -> list[str] | None:
 
 # the vision tower and the projector of the families transformers ships, as module names (Gemma 4
 # projects with embed_vision, and its audio tower and projector stay frozen as well)
-VISION_MODULES = (
-    r"(.*\.)?(visual|vision_tower|vision_model|multi_modal_projector|embed_vision|audio_tower|embed_audio)\..*"
-)
+VISION_MODULES = r"(.*\.)?(visual|vision_tower|vision_model|multi_modal_projector|embed_vision|audio_tower|embed_audio)\..*"
 
 
 def language_model_lora(lm: Any, config: Any) -> Any:
@@ -75,7 +74,10 @@ def check_reads_images(lm: Any, batch: Mapping[str, Any]) -> None:
     with a vision-language template) and ``lm`` has no vision tower: a text model would fail deep
     inside on the image tokens' ids, or, where its vocabulary holds them, train on them with the
     pictures silently dropped."""
-    if "pixel_values" not in batch or getattr(getattr(lm, "config", None), "vision_config", None) is not None:
+    if "pixel_values" not in batch:
+        return
+    if getattr(getattr(lm, "config", None), "vision_config", None) is not None:
+        check_row_family(lm, batch)  # rows of a Gemma template on a Qwen model, or the reverse
         return
     counts = batch.get("image_counts")
     where = "the batch holds images"

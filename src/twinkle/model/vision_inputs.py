@@ -56,16 +56,28 @@ def _check_rows(lm: Any, model_type: str, batch: Mapping[str, Any]) -> None:
         )
 
 
+def check_row_family(lm: Any, batch: Mapping[str, Any]) -> None:
+    """One line, before any forward (packed or padded), when the batch's images were encoded for
+    the other kind of family: Gemma rows (no ``image_grid_thw``) on a Qwen model, or rows of
+    another shape on a Gemma model."""
+    if "pixel_values" not in batch:
+        return
+    model_type = getattr(lm.config, "model_type", None)
+    if model_type in GEMMA_IMAGE_INPUTS:
+        _check_rows(lm, model_type, batch)
+    elif "image_grid_thw" not in batch:
+        raise UserError(
+            f"the rows' images carry no image_grid_thw, which {type(lm).__name__} needs: the rows were "
+            "encoded for a Gemma model; encode them with this model's template (--template-cls)"
+        )
+
+
 def gemma_image_inputs(lm: Any, batch: Mapping[str, Any]) -> dict[str, Any] | None:
     """The padded forward's inputs for a batch with images on a Gemma model: the rows, their
     images and the token types under the forward's name; None for a model of another family."""
     model_type = getattr(lm.config, "model_type", None)
     if model_type not in GEMMA_IMAGE_INPUTS:
-        if "pixel_values" in batch and "image_grid_thw" not in batch:
-            raise UserError(
-                f"the rows' images carry no image_grid_thw, which {type(lm).__name__} needs: the rows were "
-                "encoded for a Gemma model; encode them with this model's template (--template-cls)"
-            )
+        check_row_family(lm, batch)
         return None
     _check_rows(lm, model_type, batch)
     keys, token_types = GEMMA_IMAGE_INPUTS[model_type]
