@@ -204,7 +204,9 @@ def main() -> None:
 
     def grpo_schedule(optimizer):
         """The schedule over GRPO's steps alone: it starts after the warm-up."""
-        return build_scheduler(args.scheduler.scheduler_cls, optimizer, args.scheduler.num_warmup_steps, grpo_steps)
+        return build_scheduler(
+            args.scheduler.scheduler_cls, optimizer, args.scheduler.num_warmup_steps, grpo_steps
+        )
 
     # num_training_steps is the run's length, which the progress line counts against: the
     # warm-up's steps and GRPO's (they share the step counter); the schedule is GRPO's own

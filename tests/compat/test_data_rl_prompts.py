@@ -125,7 +125,9 @@ def test_olympiad_bench_text_rows_and_image_rows(tiny_model_dir):
     assert dataset[3]["messages"][1]["content"].startswith("<image>") and dataset[3]["messages"][1]["images"]
     dataset.set_template("Template", model_id=str(tiny_model_dir), max_length=256)
     # the text template reads no image: the image row is one line, and skip_bad_rows drops it
-    with pytest.raises(UserError, match="olympiad_bench_tiny.jsonl:4: row 3: messages.1. has images, but Template"):
+    with pytest.raises(
+        UserError, match="olympiad_bench_tiny.jsonl:4: row 3: messages.1. has images, but Template"
+    ):
         dataset.encode(add_generation_prompt=True)
     dataset = Dataset(DatasetMeta(path), skip_bad_rows=True).map(OlympiadBenchProcessor(language="en"))
     dataset.set_template("Template", model_id=str(tiny_model_dir), max_length=256).encode(

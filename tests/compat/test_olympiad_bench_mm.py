@@ -32,7 +32,13 @@ def test_the_processor_puts_a_rows_images_before_its_question():
     from tiny_qwen3_vl import picture
 
     first, second = picture((64, 64), (200, 30, 30)), picture((32, 32), (30, 30, 200))
-    row = {"question": "Which is larger?", "final_answer": ["A"], "image_1": first, "image_2": None, "image_3": second}
+    row = {
+        "question": "Which is larger?",
+        "final_answer": ["A"],
+        "image_1": first,
+        "image_2": None,
+        "image_3": second,
+    }
     out = OlympiadBenchProcessor(language="en").preprocess(row, 0)
     user = out["messages"][1]
     assert user == {"role": "user", "content": "<image><image>Which is larger?", "images": [first, second]}
@@ -60,14 +66,18 @@ def test_the_bundled_image_row_encodes_on_a_qwen3_5_checkpoint(tmp_path):
 def test_a_bad_data_uri_is_one_line_naming_the_row():
     from twinkle.template.images import BadImage, load_image
 
-    with pytest.raises(BadImage, match=r"row 3: image_1 is a data URI whose base64 data does not decode") as info:
+    with pytest.raises(
+        BadImage, match=r"row 3: image_1 is a data URI whose base64 data does not decode"
+    ) as info:
         load_image("data:image/png;base64,@@@", 3, "image_1")
     assert "\n" not in str(info.value)
 
 
 def test_boxed_answers_and_normalization():
     assert boxed_answers(r"a \boxed{x^{2}} b \boxed{\{1,2\}} c \boxed{open") == ["x^{2}", r"\{1,2\}"]
-    assert normalize_answer(r"\dfrac{\sqrt{3}}{2}") == normalize_answer(r"\frac{\sqrt{3}}{2}") == "(sqrt(3))/(2)"
+    assert (
+        normalize_answer(r"\dfrac{\sqrt{3}}{2}") == normalize_answer(r"\frac{\sqrt{3}}{2}") == "(sqrt(3))/(2)"
+    )
     assert normalize_answer("４０") == "40" and normalize_answer(r"\text{km}") == "km"
 
 
@@ -123,11 +133,18 @@ def test_an_image_row_on_a_text_sampler_is_one_line(tiny_model_dir):
     sampler = TorchSampler(str(tiny_model_dir))
     sampler.set_template("Template", model_id=str(tiny_model_dir))
     assert sampler.sample([dataset[0]], SamplingParams(max_tokens=2))[0].sequences[0].tokens
-    with pytest.raises(UserError, match=r"input row 1: messages\[1\] has images, but Template reads text only") as info:
+    with pytest.raises(
+        UserError, match=r"input row 1: messages\[1\] has images, but Template reads text only"
+    ) as info:
         sampler.sample([dataset[0], dataset[3]], SamplingParams(max_tokens=2))
     assert "\n" not in str(info.value)
-    parts = [{"type": "image", "url": dataset[3]["messages"][1]["images"][0]}, {"type": "text", "text": "Read it."}]
-    with pytest.raises(UserError, match=r"input row 0: messages\[0\] has images, but Template reads text only"):
+    parts = [
+        {"type": "image", "url": dataset[3]["messages"][1]["images"][0]},
+        {"type": "text", "text": "Read it."},
+    ]
+    with pytest.raises(
+        UserError, match=r"input row 0: messages\[0\] has images, but Template reads text only"
+    ):
         sampler.sample([{"messages": [{"role": "user", "content": parts}]}], SamplingParams(max_tokens=2))
 
 
@@ -135,9 +152,9 @@ def test_upstreams_content_parts_sample_as_tagged_images(tmp_path):
     """Upstream's OlympiadBench rows give the user turn as parts (``{'type': 'image', 'url': ...}``
     then text): they sample as the same turn written with an ``<image>`` tag and ``images``."""
     import torch
-
     from tiny_qwen3_5_vl import MODEL_CLS, build_tiny_qwen3_5_vl
     from tiny_qwen3_vl import picture
+
     from twinkle.data_format import SamplingParams
     from twinkle.sampler import TorchSampler
     from twinkle.template.images import BadImage
@@ -155,6 +172,8 @@ def test_upstreams_content_parts_sample_as_tagged_images(tmp_path):
     assert a.prompt_token_ids == b.prompt_token_ids and a.sequences[0].tokens == b.sequences[0].tokens
     assert "pixel_values" in a.sequences[0].new_input_feature
     bad = {"messages": [{"role": "user", "content": [{"type": "audio", "audio": b""}]}]}
-    with pytest.raises(BadImage, match=r"messages\[0\]\.content\[0\] has type 'audio'; content parts are") as info:
+    with pytest.raises(
+        BadImage, match=r"messages\[0\]\.content\[0\] has type 'audio'; content parts are"
+    ) as info:
         sampler.sample([bad], greedy)
     assert "\n" not in str(info.value)

@@ -35,7 +35,12 @@ def olympiad_file(tmp_path_factory):
     folder = tmp_path_factory.mktemp("olympiad")
     (folder / "figure.png").write_bytes(picture((64, 64), (40, 160, 90)))
     rows = [
-        {"question": "图中的数是多少？", "final_answer": ["7"], "image_1": str(folder / "figure.png"), "image_2": None},
+        {
+            "question": "图中的数是多少？",
+            "final_answer": ["7"],
+            "image_1": str(folder / "figure.png"),
+            "image_2": None,
+        },
         {"question": "求 x^2 = 9 的实数解。", "final_answer": ["3", "-3"], "image_1": None, "image_2": None},
     ]
     path = folder / "olympiad.jsonl"
@@ -120,7 +125,10 @@ def test_grpo_mm_steps_with_image_prompts(tiny_q35, olympiad_file):
         rows = [seq.new_input_feature for r in responses for seq in r.sequences]
         old_logps = [[lp[0][1] for lp in seq.logprobs] for r in responses for seq in r.sequences]
         images_seen += sum("pixel_values" in row for row in rows)
-        scores = [f()(rows) for f in (OlympiadBenchAccuracyReward, OlympiadBenchFormatReward, OlympiadBenchQualityReward)]
+        scores = [
+            f()(rows)
+            for f in (OlympiadBenchAccuracyReward, OlympiadBenchFormatReward, OlympiadBenchQualityReward)
+        ]
         total = [(2 * a + f + q) / 4 for a, f, q in zip(*scores, strict=True)]
         assert all(0.0 <= t <= 1.0 for t in total)
         metrics.accumulate(completion_lengths=[8] * len(rows), rewards={"total": total})
@@ -145,14 +153,18 @@ def test_gkd_on_policy_step_with_image_prompts(tiny_q35, olympiad_file):
     model = _student(tiny_q35, GKDLoss(beta=0.5, temperature=1.0))
     student, teacher = _sampler(tiny_q35, max_loras=1), _sampler(tiny_q35, logprobs_mode="raw_logprobs")
     CheckpointEngineManager(model=model, sampler=student).sync_weights(merge_and_sync=False)
-    batch = next(iter(DataLoader(dataset=lambda: _dataset(olympiad_file, tiny_q35), batch_size=2, min_batch_size=2)))
+    batch = next(
+        iter(DataLoader(dataset=lambda: _dataset(olympiad_file, tiny_q35), batch_size=2, min_batch_size=2))
+    )
     sampled = student.sample(batch, SamplingParams(max_tokens=8, temperature=1.0, seed=0))
     rows = [seq.new_input_feature for r in sampled for seq in r.sequences]
     assert all("pixel_values" in row for row in rows)
     scored = teacher.sample(rows, SamplingParams(max_tokens=0, temperature=1.0, prompt_logprobs=topk))
     # upstream's conversion: each position's top-k (the first, predicted by nothing, as zeros),
     # padded to the batch's longest row and rolled so that position t holds token t+1's
-    tables = [[[0.0] * topk if e is None else [lp for _, lp in e] for e in r.topk_prompt_logprobs] for r in scored]
+    tables = [
+        [[0.0] * topk if e is None else [lp for _, lp in e] for e in r.topk_prompt_logprobs] for r in scored
+    ]
     ids = [[[0] * topk if e is None else [i for i, _ in e] for e in r.topk_prompt_logprobs] for r in scored]
     longest = max(len(t) for t in tables)
     for t, i in zip(tables, ids, strict=True):

@@ -101,5 +101,8 @@ def test_the_progress_counts_the_warm_up_and_ends_at_100_percent(tiny_vl, tmp_pa
     )
     assert done.returncode == 0, done.stderr[-4000:]
     assert "supervised warm-up: 3 steps" in done.stderr
-    shown = [(int(a), int(b), int(p)) for a, b, p in re.findall(r"progress: step (\d+)/(\d+) \((\d+)%\)", done.stderr)]
+    shown = [
+        (int(a), int(b), int(p))
+        for a, b, p in re.findall(r"progress: step (\d+)/(\d+) \((\d+)%\)", done.stderr)
+    ]
     assert shown == [(4, 5, 80), (5, 5, 100)], done.stderr[-4000:]

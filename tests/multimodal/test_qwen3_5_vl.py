@@ -45,7 +45,9 @@ def rows(tiny_dir):
     return [
         _row(template, "What colour?", "red", [picture((64, 64), RED)]),
         _row(template, "Say hello.", "hello there", []),
-        _row(template, "Which is bigger?", "the second", [picture((96, 64), GREEN), picture((128, 96), BLUE)]),
+        _row(
+            template, "Which is bigger?", "the second", [picture((96, 64), GREEN), picture((128, 96), BLUE)]
+        ),
     ]
 
 
@@ -102,7 +104,11 @@ def test_upstreams_qwen3_5_template_encodes_images_on_the_checkpoint(tiny_dir, r
     # 16-pixel patches merged 2x2: 64x64 -> 4 tokens; 96x64 -> 6; 128x96 -> 12
     assert [sum(t == image_id for t in r["input_ids"]) for r in rows] == [4, 0, 18]
     assert rows[0]["image_grid_thw"].tolist() == [[1, 4, 4]]
-    assert all(label == IGNORE for t, label in zip(rows[0]["input_ids"], rows[0]["labels"]) if t == image_id)
+    assert all(
+        label == IGNORE
+        for t, label in zip(rows[0]["input_ids"], rows[0]["labels"], strict=True)
+        if t == image_id
+    )
     with pytest.raises(UserError, match=r"is a Qwen3.5 model .* use --template-cls Qwen3VLTemplate"):
         get_template("Qwen2_5VLTemplate", str(tiny_dir))
 
@@ -192,7 +198,9 @@ def sampler(tmp_path_factory):
 
 def _prompt(text, *images):
     content = "<image>" * len(images) + text
-    return {"messages": [{"role": "user", "content": content, **({"images": list(images)} if images else {})}]}
+    return {
+        "messages": [{"role": "user", "content": content, **({"images": list(images)} if images else {})}]
+    }
 
 
 def test_greedy_sampling_with_an_image_equals_hf_generate(sampler):

@@ -21,9 +21,7 @@ from twinkle.reward.base import Reward, ground_truth_of
 RELATIVE_TOLERANCE = 1e-2  # OlympiadBench's physics answers are given to 2-3 significant figures
 ABSOLUTE_TOLERANCE = 1e-6  # answers of 0
 NEAR_MISS_CREDIT = 0.5  # the most a wrong single answer earns (a numeric near miss)
-_FULL_WIDTH = str.maketrans(
-    "０１２３４５６７８９，。（）：；－＋", "0123456789,.():;-+"
-)
+_FULL_WIDTH = str.maketrans("０１２３４５６７８９，。（）：；－＋", "0123456789,.():;-+")
 _DROPPED = re.compile(r"\\left|\\right|\\[,;:! ]|\\quad|\\qquad|\\displaystyle|\$|\s+")
 _TEXT_COMMANDS = re.compile(r"\\(?:text|mathrm|mathbf|mathit|operatorname)\{([^{}]*)\}")
 _FRACTION = re.compile(r"\\[dt]?frac\{([^{}]*)\}\{([^{}]*)\}")
@@ -32,7 +30,9 @@ _CONNECTIVES = re.compile(
     r"\b(first|then|next|since|because|therefore|thus|hence|so)\b|首先|然后|因为|所以|因此",
     re.IGNORECASE,
 )
-_CONCLUSION = re.compile(r"(therefore|thus|hence|so|answer|所以|因此|故|答案|综上)[^\n]*?\\boxed", re.IGNORECASE)
+_CONCLUSION = re.compile(
+    r"(therefore|thus|hence|so|answer|所以|因此|故|答案|综上)[^\n]*?\\boxed", re.IGNORECASE
+)
 
 
 def boxed_answers(text: str) -> list[str]:

@@ -59,7 +59,9 @@ def _has_images(message: Any) -> bool:
         return False
     content = message.get("content")
     parts = content if isinstance(content, list | tuple) else ()
-    return bool(message.get("images")) or any(isinstance(p, Mapping) and p.get("type") == "image" for p in parts)
+    return bool(message.get("images")) or any(
+        isinstance(p, Mapping) and p.get("type") == "image" for p in parts
+    )
 
 
 def prompts_of(inputs: Any, template: Callable[[], Template], scoring: bool = False) -> list[Prompt]:
