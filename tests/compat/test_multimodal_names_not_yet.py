@@ -19,7 +19,9 @@ def test_an_unknown_name_lists_the_valid_ones():
 def test_the_command_line_takes_upstreams_gemma4_name():
     from twinkle.cli import CLI
 
-    assert CLI.from_args(["--template-cls", "Gemma4Template"], env={}).template.template_cls == "Gemma4Template"
+    assert (
+        CLI.from_args(["--template-cls", "Gemma4Template"], env={}).template.template_cls == "Gemma4Template"
+    )
 
 
 def test_a_dataset_schema_for_image_columns_is_one_line():
