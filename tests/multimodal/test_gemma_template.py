@@ -140,3 +140,18 @@ def test_pan_and_scan_is_one_line(tmp_path):
     with pytest.raises(UserError, match="do_pan_and_scan, whose crops add images") as info:
         template.encode([message, {"role": "assistant", "content": "x"}])
     assert "\n" not in str(info.value)
+
+
+def test_a_tokenizer_without_the_image_tokens_named_is_one_line(tmp_path):
+    import json
+
+    folder = BUILDERS["gemma4"](tmp_path)
+    path = folder / "tokenizer_config.json"
+    saved = json.loads(path.read_text())
+    saved.pop("extra_special_tokens")
+    path.write_text(json.dumps(saved))
+    with pytest.raises(
+        UserError, match="does not name its boi_token, eoi_token, image_token; is it a Gemma4"
+    ) as info:
+        get_template("Gemma4Template", str(folder))
+    assert "\n" not in str(info.value)
