@@ -1,7 +1,8 @@
 """Routing replay on DeepSeek-V3 (group-limited top-k over sigmoid scores with a bias correction,
 ``routed_scaling_factor``) and gpt-oss (top-k over a linear with a bias, a softmax over the
 chosen): a forward armed with recorded routes runs every token through exactly the recorded
-experts, and weighs them as the family weighs the experts it chooses itself.
+experts, and weighs them as the family weighs the experts it chooses itself; the sampler records
+the routes its tokens were drawn with, and training replays them.
 
 The weights are checked twice: against the router's own output, bit for bit, where the replayed
 experts are the router's choice (directly on a router, and as a whole model whose replayed
@@ -17,10 +18,12 @@ import torch
 import transformers
 from peft import LoraConfig
 
+from twinkle.data_format import SamplingParams
 from twinkle.model import TransformersModel
 from twinkle.model.forward import causal_lm_of
 from twinkle.model.router_replay import ROUTERS
 from twinkle.model.transformers.moe.router_replay import RouterReplayAction
+from twinkle.sampler import TorchSampler
 
 RECORD, REPLAY = RouterReplayAction.RECORD, RouterReplayAction.REPLAY_FORWARD
 EXPERTS, TOP_K, LAYERS = 8, 2, 2
@@ -172,3 +175,27 @@ def test_replay_routes_the_training_forward_through_the_recorded_experts(checkpo
     assert torch.equal(model.router_replay.recorded_routes(), recorded)  # every token and layer
     assert torch.isfinite(torch.tensor(float(loss)))
     model.clip_grad_and_step()
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "gpt_oss"])
+def test_the_sampler_records_the_routes_training_replays(checkpoints, family):
+    model = _model(checkpoints[family])
+    sampler = TorchSampler(model, engine_args={"enable_return_routed_experts": True})
+    prompts = [list(range(20, 32)) + [40, 41], list(range(20, 28))]
+    responses = sampler.sample(
+        [{"input_ids": p} for p in prompts], SamplingParams(max_tokens=5, num_samples=2, seed=0)
+    )
+    rows, routes = [], []
+    for prompt, response in zip(prompts, responses, strict=True):
+        for seq in response.sequences:
+            # every token the model ran: the prompt and each sampled token but the last
+            assert seq.routed_experts.shape == (len(prompt) + len(seq.tokens) - 1, LAYERS, TOP_K)
+            rows.append(seq.new_input_feature)
+            routes.append(seq.routed_experts)
+    _shift(causal_lm_of(model.model))
+    model.forward_backward(inputs=rows, router_replay_action=REPLAY)
+    chosen = model.router_replay.recorded_routes()
+    for i, r in enumerate(routes):
+        ran = chosen[i, : r.shape[0]] >= 0
+        assert bool(ran.any())
+        assert torch.equal(chosen[i, : r.shape[0]][ran], r[ran])
