@@ -2,10 +2,11 @@
 front of a language model of one linear-attention and one full-attention layer).
 
 - upstream's ``Qwen3_5Template`` on the checkpoint encodes images (Qwen3-VL's rows);
-- ``TransformersModel`` trains it on image rows padded: the loss, the labels' log-probabilities
-  and the LoRA gradients equal Hugging Face's padded forward with the images; ``padding_free``
-  leaves the batch padded (a packed row would carry the linear-attention layers' recurrent state
-  from one sample into the next);
+- ``TransformersModel`` trains it on image rows packed into one row
+  (``twinkle.model.vision_packing``, its linear-attention layers run per sample:
+  ``twinkle.model.vision_linear_attention``): the logits at every kept token, the loss, the
+  labels' log-probabilities and the LoRA gradients equal Hugging Face's padded forward with the
+  images, and a padded step's; run across the samples, the linear-attention layers would not;
 - the saved adapter loads in ``peft`` on ``Qwen3_5ForConditionalGeneration`` and gives our logits;
 - ``TorchSampler``'s greedy tokens with an image equal ``generate``'s, and follow the pixels."""
 
@@ -113,14 +114,59 @@ def test_upstreams_qwen3_5_template_encodes_images_on_the_checkpoint(tiny_dir, r
         get_template("Qwen2_5VLTemplate", str(tiny_dir))
 
 
+@pytest.fixture
+def packed_calls(monkeypatch):
+    """The packed rows the model's forward builds, recorded."""
+    calls = []
+    real = forward_module.pack_images
+
+    def recording(lm, batch):
+        out = real(lm, batch)
+        calls.append(out)
+        return out
+
+    monkeypatch.setattr(forward_module, "pack_images", recording)
+    return calls
+
+
+def test_the_packed_row_has_every_kept_tokens_logits(tiny_dir, rows):
+    model = _model(tiny_dir)
+    lm = forward_module.causal_lm_of(model.model).eval()
+    batch = collate(rows, pad_token_id=0)
+    inputs, _, _ = forward_module._model_inputs(lm, dict(batch), True, True)
+    assert inputs["position_ids"].shape == (4, 1, inputs["input_ids"].shape[1])
+    where = forward_module.pack_images(lm, dict(batch))["where"]
+    kept = where >= 0
+    with torch.no_grad():
+        ours = lm(**inputs, use_cache=False).logits.float()[0][where[kept]]
+        expected = _hf_logits(lm, batch)[kept]
+    torch.testing.assert_close(ours, expected, **_tolerances(batch, expected))
+
+
+def test_the_linear_attention_layers_must_run_per_sample(tiny_dir, rows, monkeypatch):
+    """Run across the packed row's samples, the linear-attention layers give other logits than
+    the padded forward's: the check above sees the samples' boundaries."""
+    import twinkle.model.vision_packing as vision_packing
+
+    monkeypatch.setattr(vision_packing, "run_per_sample", lambda lm: None)
+    model = _model(tiny_dir)
+    lm = forward_module.causal_lm_of(model.model).eval()
+    batch = collate(rows, pad_token_id=0)
+    inputs, _, _ = forward_module._model_inputs(lm, dict(batch), True, True)
+    where = forward_module.pack_images(lm, dict(batch))["where"]
+    kept = where >= 0
+    with torch.no_grad():
+        ours = lm(**inputs, use_cache=False).logits.float()[0][where[kept]]
+        expected = _hf_logits(lm, batch)[kept]
+    assert (ours - expected).abs().max() > 1e3 * _tolerances(batch, expected)["atol"]
+
+
 @pytest.mark.parametrize("loss", ["CrossEntropyLoss", "FusedLinearCrossEntropyLoss"])
-def test_loss_and_logps_equal_hf_padded_forward_and_the_batch_stays_padded(tiny_dir, rows, loss, monkeypatch):
-    packed = []
-    monkeypatch.setattr(forward_module, "pack_images", lambda lm, batch: packed.append(1))
-    model = _model(tiny_dir)  # padding_free=True: the batch still runs padded
+def test_packed_loss_and_logps_equal_hf_padded_forward(tiny_dir, rows, loss, packed_calls):
+    model = _model(tiny_dir)
     model.set_loss(loss)
     out = model.forward_only(inputs=rows)
-    assert packed == []
+    assert packed_calls and packed_calls[-1] is not None and "pixel_values" in packed_calls[-1]
     batch = collate(rows, pad_token_id=0)
     with torch.no_grad():
         _, loss_sum, logps, count = _hf_reference(model.model.eval(), batch)
@@ -149,18 +195,20 @@ def test_the_pixels_and_positions_reach_the_loss(tiny_dir, rows):
     assert (plain - rope).abs().max() > 1e-3
 
 
-def test_gradients_of_a_padding_free_step_are_the_padded_steps(tiny_dir, rows):
+def test_a_packed_step_has_the_padded_steps_loss_and_gradients(tiny_dir, rows):
     results = []
     for padding_free in (True, False):
         model = _model(tiny_dir, padding_free=padding_free)
         value = float(model.forward_backward(inputs=rows))
         grads = {n: p.grad.clone() for n, p in model.model.named_parameters() if p.grad is not None}
         results.append((value, grads))
-    (first, first_grads), (second, second_grads) = results
-    assert first == second
-    assert any("linear_attn" in n for n in first_grads) and not any(".visual." in n for n in first_grads)
-    for name, grad in first_grads.items():
-        assert torch.equal(grad, second_grads[name]), name
+    (packed, packed_grads), (padded, padded_grads) = results
+    batch = collate(rows, pad_token_id=0)
+    assert packed == pytest.approx(padded, rel=1e-5)
+    assert any("linear_attn" in n for n in packed_grads) and not any(".visual." in n for n in packed_grads)
+    assert packed_grads.keys() == padded_grads.keys()
+    for name, grad in packed_grads.items():
+        torch.testing.assert_close(grad, padded_grads[name], **_tolerances(batch, padded_grads[name]))
 
 
 def test_the_saved_adapter_loads_in_peft_and_gives_our_logits(tiny_dir, rows, tmp_path):

@@ -1,6 +1,8 @@
 """Padding-free batches of image rows on the Qwen vision-language families (Qwen2-VL,
-Qwen2.5-VL, Qwen3-VL): the samples laid end to end in one row, as ``twinkle.model.packing`` lays
-out text rows, with each kept image's patches and each token's M-RoPE positions.
+Qwen2.5-VL, Qwen3-VL, Qwen3.5): the samples laid end to end in one row, as
+``twinkle.model.packing`` lays out text rows, with each kept image's patches and each token's
+M-RoPE positions. Qwen3.5's linear-attention layers run each sample's span on its own
+(``twinkle.model.vision_linear_attention``).
 
 What a packed image row needs beyond a text one:
 
@@ -33,13 +35,12 @@ import torch
 from twinkle.kernel.attention.packed import enable_segment_attention
 from twinkle.model.packing import pack
 from twinkle.model.vision import check_patches
+from twinkle.model.vision_linear_attention import run_per_sample
 from twinkle.model.vision_positions import token_types
 from twinkle.utils.errors import UserError
 
-# Qwen3.5 (qwen3_5) runs padded: its linear-attention layers carry a recurrent state and a
-# convolution window from each token to the next, which in a packed row would run from one
-# sample into the next (transformers' PyTorch scan ignores the samples' boundaries)
-PACKABLE_VISION_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+# Qwen3.5's linear-attention layers run each sample on its own (vision_linear_attention)
+PACKABLE_VISION_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5")
 _HOOKED = "_twinkle_drops_segments"
 
 
@@ -130,6 +131,7 @@ def pack_images(lm: Any, batch: dict[str, torch.Tensor]) -> dict[str, Any] | Non
     ``(4, 1, T)`` position ids and the kept images (see the module docstring); None when the
     batch does not pack (``pack``'s reasons)."""
     check_no_video(lm, batch["input_ids"])
+    run_per_sample(lm)
     packed = pack(batch, share_prefix=False)
     if packed is None:
         return None
