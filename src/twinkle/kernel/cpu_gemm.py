@@ -25,7 +25,11 @@ is about as fast as a packed copy of ``W.T``. The copies cost the weights' size 
 packs only when it trains unsharded on the CPU, in ``auto`` only shapes whose forward oneDNN wins
 here, and at most 1/``PACK_SHARE`` of installed memory or of the container's limit (not free
 memory, so every run on one machine packs the same weights). A weight changed in place is
-packed again on its next use, and a copy is freed with its weight. Design notes 23 and 24."""
+packed again on its next use, and a copy is freed with its weight. ``keep_dense(weights)`` frees
+the copies of weights whose dense form is the one in use and packs them no more: a sampler that
+shares a trainer's model decodes from the dense weights every token, and there the copies would
+serve only the prefill and the training forward, a few percent of an on-policy step, at the
+frozen model's size again. Design notes 23 and 24."""
 
 import hashlib
 import json
@@ -62,6 +66,8 @@ PACK_SHARE = 4  # packed copies take at most 1/PACK_SHARE of physical memory
 PACK_ROWS_HINT = 256  # the row count oneDNN picks the layout for (any count runs; 32-2048 measured equal)
 # id(weight) -> (weak reference, weight._version, data_ptr, packed copy)
 _packed: dict[int, tuple[weakref.ref, int, int, torch.Tensor]] = {}
+# id(weight) -> weak reference: weights kept dense only (``keep_dense``), which ``pack_frozen`` skips
+_dense_only: dict[int, weakref.ref] = {}
 _ON, _OFF, _AUTO = ("1", "true", "on", "yes"), ("0", "false", "off", "no"), ("auto", "")
 
 
@@ -344,7 +350,7 @@ def pack_frozen(weights: list[torch.Tensor]) -> int:
     budget = _physical_bytes() // PACK_SHARE - packed_bytes()
     packed = 0
     for w in weights:
-        if not _packable(w) or id(w) in _packed:
+        if not _packable(w) or id(w) in _packed or _kept_dense(w):
             continue
         if _mode() == "auto" and _faster.get(("linear", *w.shape)) is False:
             continue  # torch's product is faster for this shape here: no copy
@@ -362,6 +368,27 @@ def pack_frozen(weights: list[torch.Tensor]) -> int:
         weakref.finalize(w, _drop, id(w))
         packed += w.nbytes
     return packed
+
+
+def _kept_dense(w: torch.Tensor) -> bool:
+    ref = _dense_only.get(id(w))
+    return ref is not None and ref() is w
+
+
+def keep_dense(weights: list[torch.Tensor]) -> int:
+    """Free the packed copies of ``weights`` and make none of them from now on (``pack_frozen``
+    skips them); returns the bytes freed. Their products then run from the dense weights, with the
+    same sums from 7 rows up (see the module docstring), so a step's losses do not change."""
+    freed = 0
+    for w in weights:
+        entry = _packed.get(id(w))
+        if entry is not None and entry[0]() is w:
+            freed += entry[3].nbytes
+            _drop(id(w))
+        if not _kept_dense(w):
+            _dense_only[id(w)] = weakref.ref(w)
+            weakref.finalize(w, _dense_only.pop, id(w), None)
+    return freed
 
 
 def packed_bytes() -> int:

@@ -6,7 +6,9 @@ Two ways to build it:
   sampler runs the trainer's own modules (colocated: no copy of any weight). ``adapter_name=``
   picks the trainer's adapter; every optimizer step is visible to the next ``sample`` without a
   sync. A model in training mode is put in eval mode for sampling; its next ``forward`` puts it
-  back.
+  back. On a CPU the trainer's oneDNN-packed copies of its frozen weights are freed
+  (``cpu_gemm.keep_dense``): decoding reads the dense weights, and the copies would hold the
+  frozen model twice for a few percent of a step.
 - ``TorchSampler(model_id)``: the sampler loads its own copy of the base model. Adapters come
   from ``adapter_path=`` (a PEFT folder, loaded once per path) or from a trainer through
   ``twinkle.checkpoint_engine.CheckpointEngineManager.sync_weights``.
@@ -37,6 +39,7 @@ from typing import Any
 import torch
 
 from twinkle.data_format.sampling import SampledSequence, SampleResponse, SamplingParams
+from twinkle.kernel import cpu_gemm
 from twinkle.model import TransformersModel
 from twinkle.model.forward import causal_lm_of
 from twinkle.model.loading import load_causal_lm, resolve_dtype
@@ -96,6 +99,9 @@ class TorchSampler(SamplerAdapters):
                 raise UserError("TorchSampler(model): a sampler sharing a model runs its weights; drop dtype")
             self.source = model_id
             self.tokenizer, self.device = model_id.tokenizer, model_id.device
+            if self.device.type == "cpu":  # decoding reads the dense weights: no packed copies
+                weights = [m.weight for m in self.lm.modules() if isinstance(m, torch.nn.Linear)]
+                cpu_gemm.keep_dense(weights)  # see twinkle.kernel.cpu_gemm
             self._hook_routers()
             return
         if model_id is not None and not isinstance(model_id, str | Path):
