@@ -19,6 +19,9 @@ FAMILY_TEMPLATES = {
     "qwen2_5_vl": ("Qwen2.5-VL", "Qwen2_5VLTemplate"),
     "qwen3_vl": ("Qwen3-VL", "Qwen3VLTemplate"),
     "qwen3_vl_moe": ("Qwen3-VL-MoE", "Qwen3VLTemplate"),
+}
+# Qwen3.5 encodes its images as Qwen3-VL: trained and sampled here, not served
+QWEN3_5_TEMPLATES = {
     "qwen3_5": ("Qwen3.5", "Qwen3VLTemplate"),
     "qwen3_5_moe": ("Qwen3.5-MoE", "Qwen3VLTemplate"),
 }
@@ -41,7 +44,7 @@ def model_type_of(folder: str | Path) -> str | None:
 
 def check_family(template_name: str, folder: str | Path) -> None:
     """One line when ``folder`` holds a model of a known family that another template encodes."""
-    families = {**FAMILY_TEMPLATES, **GEMMA_TEMPLATES}
+    families = {**FAMILY_TEMPLATES, **QWEN3_5_TEMPLATES, **GEMMA_TEMPLATES}
     model_type = model_type_of(folder)
     if model_type not in families:
         return
