@@ -64,9 +64,10 @@ def main() -> None:
     model.model._no_split_modules = sorted(layers)
     torch.manual_seed(0)
     experts = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"] if args.target_parameters else None
-    # attention, and the shared expert's gate where the family has one (PEFT maps 'all-linear' and
+    # attention (DeepSeek-V4: its q_b_proj, o_b_proj), and the shared expert's gate where the family has
+    # one (PEFT maps 'all-linear' and
     # the MLP names gate_proj, up_proj, down_proj onto the fused experts too)
-    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "shared_expert_gate"]
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "shared_expert_gate", "q_b_proj", "o_b_proj"]
     lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=targets, target_parameters=experts)
     lora.init_lora_weights = False  # B random too: every LoRA weight has a gradient from the first step
     name = None if args.full_parameter else "default"

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from twinkle.distributed.mesh import DeviceMesh
+from twinkle.distributed.unused_grads import fill_unused_grads
 from twinkle.utils.errors import UserError
 from twinkle.utils.logger import get_logger
 
@@ -97,5 +98,6 @@ def apply_fsdp2(
     for layer in layers:
         fully_shard(layer, mesh=dmesh, mp_policy=policy, ignored_params=ignored)
     fully_shard(root, mesh=dmesh, mp_policy=policy, ignored_params=ignored)
+    fill_unused_grads(layers)
     logger.info(f"fsdp2: sharded {len(layers)} x {type(layers[0]).__name__} + root over {mesh.describe()}")
     return root

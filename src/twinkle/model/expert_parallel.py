@@ -7,8 +7,8 @@ For the families whose experts transformers keeps as fused 3-D weights behind on
 ``down_proj`` sliced along the expert dimension when the model is placed, once its adapters are
 attached), and the experts' forward on this instance is replaced by an exchange
 (``twinkle.distributed.expert_parallel``): each (token, chosen expert) pair is sent to the rank
-of the exchange group that holds the expert, run there, sent back, weighted and summed in the
-family's order (ascending expert). The router, its routing weights (the family's softmax in
+of the exchange group that holds the expert, run there (with the family's own activation where
+it has one, ``gated``), sent back, weighted and summed in the family's order (ascending expert). The router, its routing weights (the family's softmax in
 fp32, renormalised where the family does) and its logits, hence the auxiliary loss computed
 from them, are the family's own and run on every rank's own tokens.
 
@@ -51,7 +51,9 @@ logger = get_logger()
 ATTRIBUTE = "_twinkle_expert_parallel"
 # model types whose MoE block calls experts(hidden, top_k_index, top_k_weights) on fused
 # gate_up_proj (experts, 2 * intermediate, hidden) and down_proj (experts, hidden, intermediate)
-FAMILIES = ("qwen3_moe", "qwen2_moe", "qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text", "deepseek_v3")
+FAMILIES = (
+    "qwen3_moe", "qwen2_moe", "qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text", "deepseek_v3", "deepseek_v4",
+)  # fmt: skip
 # MoE families whose experts hold weights of another shape or compute otherwise, and why
 NOT_FUSED = {
     "gpt_oss": "its experts add a bias to each projection and run a clamped SwiGLU on interleaved "
@@ -281,6 +283,16 @@ def install(lm: Any, mesh: DeviceMesh, rank: int, device: torch.device, checkpoi
     return ep
 
 
+def gated(experts: torch.nn.Module, gate_up: torch.Tensor) -> torch.Tensor:
+    """The experts' activation on ``gate_up`` (an expert's ``gate_up_proj`` product): the
+    family's own ``_apply_gate`` where it has one (DeepSeek-V4 clamps gate and up to
+    ``swiglu_limit`` before its SwiGLU), else the plain SwiGLU on the two halves."""
+    if hasattr(experts, "_apply_gate"):
+        return experts._apply_gate(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return experts.act_fn(gate) * up
+
+
 def _exchanging_forward(eg: ExpertGroup, experts: int) -> Any:
     local = experts // eg.size
 
@@ -307,8 +319,7 @@ def _exchanging_forward(eg: ExpertGroup, experts: int) -> Any:
         # (zero), so FSDP2 reduces the same tensors on every rank
         outputs = []
         for j, part in enumerate(rows[by_expert].split(counts)):
-            gate, up = F.linear(part, self.gate_up_proj[j]).chunk(2, dim=-1)
-            outputs.append(F.linear(self.act_fn(gate) * up, self.down_proj[j]))
+            outputs.append(F.linear(gated(self, F.linear(part, self.gate_up_proj[j])), self.down_proj[j]))
         done = torch.cat(outputs)
         back = exchange_rows(done[by_expert.argsort()], receive, send, eg)
         weighted = back * top_k_weights.reshape(-1)[order, None]
