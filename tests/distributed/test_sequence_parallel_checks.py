@@ -51,12 +51,16 @@ class _OverSamples(HeadLoss):
     require_samples = True  # combines whole samples, without totalling them over the group
 
 
-@pytest.mark.parametrize("loss", [build_loss("GKDLoss"), _OverSamples()])
+class _TokenInputs(HeadLoss):
+    extra_inputs = ("token_weights",)  # per-token inputs, without declaring how a share reads them
+
+
+@pytest.mark.parametrize("loss", [_TokenInputs(), _OverSamples()])
 def test_a_loss_over_whole_samples_or_with_token_inputs_is_refused(loss):
     ulysses = Ulysses(SequenceGroup(2, 0, None))
     ulysses.check_loss(build_loss("CrossEntropyLoss", reduction="sum"))  # a sum over tokens: runs
-    # the RL and preference losses declare sequence_parallel (tests/distributed/test_ulysses_rl_losses.py)
-    for runs in ("DPOLoss", "GRPOLoss", "GSPOLoss", "SimPOLoss"):
+    # the RL, preference and GKD losses declare sequence_parallel (tests/distributed/test_ulysses_rl_losses.py)
+    for runs in ("DPOLoss", "GRPOLoss", "GSPOLoss", "SimPOLoss", "GKDLoss"):
         ulysses.check_loss(build_loss(runs))
     with pytest.raises(UserError, match="the loss must be a sum over tokens") as info:
         ulysses.check_loss(loss)

@@ -26,7 +26,9 @@ from tolerances import run_loss_rtol, scale_of
 pytestmark = [pytest.mark.slow, pytest.mark.cluster]  # 2-process runs, with the other `-m cluster` suites
 
 WORKER = Path(__file__).with_name("ulysses_loss_worker.py")
-COUNTS = {"grpo": "completions", "gspo": "completions", "ppo": "supervised_tokens", "dpo": "pairs"}
+COUNTS = {
+    "grpo": "completions", "gspo": "completions", "ppo": "supervised_tokens", "dpo": "pairs", "gkd": "supervised_tokens"
+}  # fmt: skip
 
 
 def _run(launcher, model_dir, out: Path, nproc: int, loss: str, extra: list[str]) -> dict:
@@ -43,7 +45,8 @@ def _run(launcher, model_dir, out: Path, nproc: int, loss: str, extra: list[str]
 
 
 @pytest.mark.parametrize(
-    ("loss", "layout"), [("grpo", "packed"), ("gspo", "packed"), ("ppo", "padded"), ("dpo", "packed")]
+    ("loss", "layout"),
+    [("grpo", "packed"), ("gspo", "packed"), ("ppo", "padded"), ("dpo", "packed"), ("gkd", "packed")],
 )
 def test_rl_and_preference_losses_under_ulysses_equal_one_process(
     tiny_model_dir, tmp_path, launcher, loss, layout

@@ -11,7 +11,9 @@ each runs half of the positions. ``--loss``:
   (``ref_outputs``); PPO's advantage per token;
 - ``dpo``: 4 pairs interleaved [chosen, rejected, ...], the first chosen answer long, against
   the base model (``ref_outputs``), with an SFT term and ``DPOMetric`` (it reads the step's
-  logps of every row).
+  logps of every row);
+- ``gkd``: the 4 chat samples with a teacher's top-8 log-probabilities and token ids at every
+  position (random, fixed by a seed: each position's 8 distinct ids hold 0.9 of the mass).
 
 Each step: the reference pass, ``forward_backward``, the gradient rescaled to the step's mean
 (``clip_grad_norm(0)``: measured, not clipped), the optimizer step, the metrics. Rank 0 writes
@@ -45,6 +47,7 @@ LOSSES = {
     "gspo": ("GSPOLoss", {"epsilon": 0.05, "epsilon_high": 0.05, "beta": 0.04}),
     "ppo": (PPOLoss, {}),  # not a registered name: the class
     "dpo": ("DPOLoss", {"beta": 0.1, "sft_weight": 0.1}),
+    "gkd": ("GKDLoss", {"beta": 0.5, "topk": 8}),
 }
 
 
@@ -78,7 +81,14 @@ def main() -> None:
     encoded = rows(model.tokenizer, questions)
     batch = collate(encoded, model.tokenizer.pad_token_id)  # every rank reads every row
     keywords = {}
-    if args.loss != "dpo":
+    if args.loss == "gkd":
+        teacher = torch.Generator().manual_seed(2)
+        shape = (*batch["input_ids"].shape, 8)
+        vocab = model.model.get_input_embeddings().weight.shape[0]
+        keywords["teacher_topk_logprobs"] = torch.log_softmax(torch.randn(shape, generator=teacher), -1) - 0.1
+        ids = torch.rand((*shape[:2], vocab), generator=teacher).argsort(-1)  # distinct at each position
+        keywords["teacher_topk_indices"] = ids[..., :8]
+    elif args.loss != "dpo":
         own = model.forward_only(inputs=batch)["logps"]
         noise = torch.Generator().manual_seed(1)
         keywords["old_logps"] = own + 0.1 * torch.randn(own.shape, generator=noise)
@@ -90,7 +100,7 @@ def main() -> None:
     group = model._group(None)
     steps, grads = [], {}
     for step in range(args.steps):
-        if args.loss != "ppo":
+        if args.loss not in ("ppo", "gkd"):
             keywords["ref_outputs"] = model.forward_only(inputs=batch, disable_lora=True)
         out = model.forward_backward(inputs=batch, **keywords)
         model.clip_grad_norm(0)  # the gradients rescaled to the step's mean; measured only

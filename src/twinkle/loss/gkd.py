@@ -89,6 +89,7 @@ class GKDLoss(HeadLoss):
     consumes = ROWS
     reduction = "mean"
     extra_inputs = (LOGPS, INDICES)
+    sequence_parallel = True  # a sum over scored positions: each Ulysses rank sums its own
     step_keywords = (LOGITS, "topk")  # taken by the step and turned into the two above (batch_inputs)
     correct_metric = "top1_agreement"
 
