@@ -28,8 +28,8 @@ memory, so every run on one machine packs the same weights). A weight changed in
 packed again on its next use, and a copy is freed with its weight. ``keep_dense(weights)`` frees
 the copies of weights whose dense form is the one in use and packs them no more: a sampler that
 shares a trainer's model decodes from the dense weights every token, and there the copies would
-serve only the prefill and the training forward, a few percent of an on-policy step, at the
-frozen model's size again. Design notes 23 and 24."""
+speed only the prefill's and the training forward's products, by a few percent of those, while
+holding the frozen model twice. Design notes 23 and 24."""
 
 import hashlib
 import json

@@ -8,7 +8,7 @@ Two ways to build it:
   sync. A model in training mode is put in eval mode for sampling; its next ``forward`` puts it
   back. On a CPU the trainer's oneDNN-packed copies of its frozen weights are freed
   (``cpu_gemm.keep_dense``): decoding reads the dense weights, and the copies would hold the
-  frozen model twice for a few percent of a step.
+  frozen model twice to speed the prefill and the training forward by a few percent.
 - ``TorchSampler(model_id)``: the sampler loads its own copy of the base model. Adapters come
   from ``adapter_path=`` (a PEFT folder, loaded once per path) or from a trainer through
   ``twinkle.checkpoint_engine.CheckpointEngineManager.sync_weights``.
