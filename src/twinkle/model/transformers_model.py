@@ -43,7 +43,7 @@ from twinkle.model.train_state import OptimizerGroup
 from twinkle.model.ulysses import check_folder as check_ulysses_folder
 from twinkle.model.ulysses import counted as counted_rows
 from twinkle.model.ulysses import install as install_ulysses
-from twinkle.model.vision import check_reads_images, language_model_lora, sharded_layers
+from twinkle.model.vision import check_reads_images, language_model_lora, plain_vision_weights, sharded_layers
 from twinkle.runtime import get_runtime, preemption
 from twinkle.runtime.remote import remote_class  # remote_group= hook
 from twinkle.utils.errors import UserError
@@ -244,8 +244,14 @@ class TransformersModel(InputsAPI, MetricsAPI, OptimizerStepAPI, Checkpoints):
     def _pack_frozen_weights(self) -> None:
         """The frozen linear weights' forward products from oneDNN-packed copies (see
         ``twinkle.kernel.cpu_gemm.pack_frozen``): unsharded CPU training only, as the copies cost
-        the weights' memory again."""
-        weights = [m.weight for m in self.model.modules() if isinstance(m, torch.nn.Linear)]
+        the weights' memory again. The vision tower's plain layers are left dense: no product of
+        theirs reads a copy (``twinkle.model.vision.plain_vision_weights``)."""
+        dense = {id(w) for w in plain_vision_weights(self.model)}
+        weights = [
+            m.weight
+            for m in self.model.modules()
+            if isinstance(m, torch.nn.Linear) and id(m.weight) not in dense
+        ]
         packed = gemm.pack_frozen(weights)
         if packed:
             logger.info("frozen weights packed for oneDNN: %.0f MiB", packed / 2**20)

@@ -5,9 +5,17 @@ A batch's images run through the vision tower only on the ranks whose rows hold 
 with text rows only, or the pad row of an empty share, skips it). A layer sharded on its own
 gathers its weights when it runs, a collective every rank must join, so the vision tower's
 blocks stay in the root's unit, gathered with the embedding and the head at the start of every
-forward, and only the language model's decoder layers are sharded one by one."""
+forward, and only the language model's decoder layers are sharded one by one.
+
+Unsharded CPU training packs frozen weights for oneDNN (``twinkle.kernel.cpu_gemm.pack_frozen``);
+the vision tower's and projector's plain linear layers are left dense (``plain_vision_weights``).
+
+The frozen tower (default LoRA) saves nothing for backward: none of its weights requires a
+gradient and the pixels never do, so autograd records none of its operations and its activations
+are freed as each block finishes."""
 
 import copy
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -31,6 +39,24 @@ def sharded_layers(lm: Any) -> list[str] | None:
 # the vision tower and the projector of the families transformers ships, as module names (Gemma 4
 # projects with embed_vision, and its audio tower and projector stay frozen as well)
 VISION_MODULES = r"(.*\.)?(visual|vision_tower|vision_model|multi_modal_projector|embed_vision|audio_tower|embed_audio)\..*"
+
+
+def plain_vision_weights(model: Any) -> list[torch.Tensor]:
+    """The frozen weights of the plain ``nn.Linear`` layers in ``model``'s vision tower and
+    projector (``VISION_MODULES``); a LoRA layer's base layer is not plain. A training step reads
+    ``cpu_gemm``'s packed copies only in the fused LoRA nodes and the output head; these layers
+    run torch's own ``F.linear`` there, so their copies would sit unread (a sampling or scoring
+    pass that routes them through ``cpu_gemm`` takes the dense weight, with the same products),
+    and for a tower the size of Qwen2.5-VL's (670M parameters) they would hold 2.5 GiB."""
+    inside = re.compile(VISION_MODULES)
+    return [
+        module.weight
+        for name, module in model.named_modules()
+        if type(module) is torch.nn.Linear
+        and not module.weight.requires_grad
+        and inside.fullmatch(name)
+        and not name.endswith(".base_layer")
+    ]
 
 
 def language_model_lora(lm: Any, config: Any) -> Any:
