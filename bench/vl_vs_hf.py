@@ -31,10 +31,13 @@ percent over minutes):
 
 Measured per side: samples per second from the median step time after ``--warmup`` steps (a step
 from the end of the one before to the end of this one, so reading and encoding the rows counts on
-both sides: the Trainer fetches a batch before its ``on_step_begin``), peak resident memory, and
-that peak less the memory resident just before the first step (what the steps add: activations,
-gradients, optimizer state; with a model this small the imports and weights are most of the
-peak), the loss of every step. Target (issue 64): Twinkle at least 2x the Trainer's samples/s at at most
+both sides: the Trainer fetches a batch before its ``on_step_begin``), peak resident memory, the
+memory resident before the model loads (Python, torch, transformers, PEFT, ``datasets``, the
+tokenizer and image processor: the same modules on both sides; with the fp32 weights the model
+maps in, a floor under either side's peak), that peak less the memory resident just before the
+first step (what the steps add: activations, gradients, optimizer state; on the Trainer's side
+the weights as well, which transformers maps from the checkpoint and the first step reads in,
+where Twinkle reads them when it packs the frozen ones), the loss of every step. Target (issue 64): Twinkle at least 2x the Trainer's samples/s at at most
 0.6x its peak memory. The losses should agree closely (same weights, rows, LoRA initialisation
 and optimizer), not to rounding: the kernels differ.
 
@@ -137,6 +140,7 @@ def twinkle_side(opts: argparse.Namespace, work: Path) -> dict:
     dataset.set_template("Qwen2_5VLTemplate", model_id=opts.model_id, max_length=opts.max_length)
     dataset.map(PictureRow(opts.image_size))
     dataset.encode()
+    unloaded = rss_mib()
     model = kernelize(TransformersModel(model_id=opts.model_id, model_cls=MODEL_CLS, dtype=torch.float32))
     torch.manual_seed(opts.seed)  # the same LoRA initialisation as the Trainer side
     model.add_adapter_to_model("default", lora_config())
@@ -155,7 +159,7 @@ def twinkle_side(opts: argparse.Namespace, work: Path) -> dict:
             last = now
             if len(steps) == opts.steps:
                 break
-    return {"steps": steps, "rss_before_steps_mib": before}
+    return {"steps": steps, "rss_before_steps_mib": before, "rss_before_model_mib": unloaded}
 
 
 class EncodedRows:
@@ -203,6 +207,7 @@ def trainer_side(opts: argparse.Namespace, work: Path) -> dict:
 
     template = get_template("Qwen2_5VLTemplate", opts.model_id, max_length=opts.max_length)
     rows = [json.loads(line) for line in digits_file("train").read_text().splitlines() if line.strip()]
+    unloaded = rss_mib()
     model = getattr(transformers, MODEL_CLS).from_pretrained(opts.model_id, dtype=torch.float32)
     torch.manual_seed(opts.seed)
     model = get_peft_model(model, lora_config())
@@ -242,7 +247,7 @@ def trainer_side(opts: argparse.Namespace, work: Path) -> dict:
     for quiet in (PrinterCallback, ProgressCallback):
         trainer.remove_callback(quiet)
     trainer.train()
-    return {"steps": steps, "rss_before_steps_mib": before[0]}
+    return {"steps": steps, "rss_before_steps_mib": before[0], "rss_before_model_mib": unloaded}
 
 
 def run_side(opts: argparse.Namespace) -> None:
@@ -286,6 +291,7 @@ def summary(result: dict, opts: argparse.Namespace) -> dict:
         "steps_rss_mib": None
         if result["rss_before_steps_mib"] is None
         else result["peak_rss_mib"] - result["rss_before_steps_mib"],
+        "before_model_rss_mib": result["rss_before_model_mib"],
         "losses": [s.get("loss") for s in result["steps"]],
     }
 
@@ -325,6 +331,11 @@ def report(opts: argparse.Namespace, rounds: list[dict]) -> str:
         f"| peak RSS (MiB) | {statistics.median(a['peak_rss_mib'] for a in tw):.0f} | "
         f"{statistics.median(b['peak_rss_mib'] for b in hf):.0f} | {memory:.2f}x | <= 0.6x |",
     ]
+    if all(r["before_model_rss_mib"] is not None for r in tw + hf):
+        lines.append(
+            f"| resident before the model loads (MiB) | {statistics.median(a['before_model_rss_mib'] for a in tw):.0f} | "
+            f"{statistics.median(b['before_model_rss_mib'] for b in hf):.0f} | | |"
+        )
     if all(r["steps_rss_mib"] is not None for r in tw + hf):
         lines.append(
             f"| peak RSS above the loaded model (MiB) | {statistics.median(a['steps_rss_mib'] for a in tw):.0f} | "
