@@ -37,9 +37,10 @@ tokenizer and image processor: the same modules on both sides; with the fp32 wei
 maps in, a floor under either side's peak), that peak less the memory resident just before the
 first step (what the steps add: activations, gradients, optimizer state; on the Trainer's side
 the weights as well, which transformers maps from the checkpoint and the first step reads in,
-where Twinkle reads them when it packs the frozen ones), the loss of every step. Target (issue 64): Twinkle at least 2x the Trainer's samples/s at at most
-0.6x its peak memory. The losses should agree closely (same weights, rows, LoRA initialisation
-and optimizer), not to rounding: the kernels differ.
+where Twinkle reads them when it packs the frozen ones), the loss of every step. Target (issue
+64): Twinkle at least 2x the Trainer's samples/s at at most 0.6x its peak memory. The losses
+should agree closely (same weights, rows, LoRA initialisation and optimizer), not to rounding:
+the kernels differ.
 
 Writes a markdown report to ``--out`` (and ``.json`` beside it) and prints it. It times things, so
 it is not part of the test suite."""
