@@ -7,7 +7,8 @@ from typing import Any
 import datasets
 
 from twinkle.dataset import combine
-from twinkle.dataset.encode import encode_dataset
+from twinkle.dataset import image_rows
+from twinkle.dataset.encode import ENCODED_COLUMNS, encode_dataset
 from twinkle.dataset.export import save_rows
 from twinkle.dataset.meta import DatasetMeta, load_rows
 from twinkle.dataset.ops import filter_rows, map_rows, reject_unsupported, resolve_function
@@ -55,6 +56,7 @@ class Dataset:
         self._parts: list[tuple[str | None, datasets.Dataset]] = []
         self._origins: list[RowOrigin] = []
         self._joined: datasets.Dataset | None = None
+        self._image_columns = datasets.Features({})  # a vision template's tensors, once encoded
         if dataset_meta is not None:
             self.add_dataset(dataset_meta)
 
@@ -75,7 +77,8 @@ class Dataset:
         return sum(len(rows) for _, rows in self._parts)
 
     def __getitem__(self, index: int) -> dict[str, Any]:
-        return self.data[index]
+        row = self.data[index]
+        return image_rows.read_back(row, self._image_columns) if self._image_columns else row
 
     def add_dataset(self, dataset_meta: "DatasetMeta | Dataset") -> "Dataset":
         """Load another dataset (a ``DatasetMeta``, or the rows of another ``Dataset``) next to these."""
@@ -265,18 +268,24 @@ class Dataset:
         columns (``messages``, ``user_data``) kept for the sampler and the reward
         (``twinkle.dataset.prompts``).
 
+        With a vision-language template each sample also holds the image processor's tensors
+        (``pixel_values``, ``image_grid_thw``, ...), decoded from the rows' images here and read
+        back as tensors, equal to what ``LazyDataset`` gives for the row; they stay in memory
+        with the dataset, so an image set larger than memory goes through ``LazyDataset``.
+
         ``batched`` and ``num_proc`` (capped at the rows and CPUs) only change the speed.
         ``load_from_cache_file=True`` reuses rows encoded before from the same rows, template,
         settings, tokenizer and code (``twinkle.dataset.cache``), and stores them otherwise."""
         reject_unsupported("encode", unsupported)
         if self.template is None:
             raise UserError("call dataset.set_template(...) before dataset.encode()")
-        if getattr(self.template, "encodes_images", False):
-            raise UserError(
-                f"{type(self.template).__name__}: rows with images are encoded when read, so that the "
-                "images never sit in memory whole; use LazyDataset"
-            )
         pairs = holds_pairs(self.data.column_names)
+        if getattr(self.template, "encodes_images", False) and (add_generation_prompt or pairs):
+            what = "prompt rows (add_generation_prompt=True)" if add_generation_prompt else "preference pairs"
+            raise UserError(
+                f"Dataset.encode: {what} are not supported yet for {type(self.template).__name__}; "
+                "encode conversations with replies"
+            )
         if "messages" not in self.data.column_names and not (pairs and not add_generation_prompt):
             raise UserError("rows have no 'messages'; call dataset.map(<preprocessor>) before encode()")
         encoded, origin = encode_dataset(
@@ -291,6 +300,10 @@ class Dataset:
             prompts=add_generation_prompt,
         )
         self._replace_all(encoded, origin)
+        images = getattr(self.template, "encodes_images", False)  # then encoded holds samples only
+        self._image_columns = datasets.Features(
+            {key: feature for key, feature in encoded.features.items() if images and key not in ENCODED_COLUMNS}
+        )
         return self
 
     def save_as(

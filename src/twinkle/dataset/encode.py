@@ -16,6 +16,7 @@ import datasets
 import numpy as np
 from datasets.fingerprint import generate_random_fingerprint
 
+from twinkle.dataset import image_rows
 from twinkle.dataset import pairs as pairs_module
 from twinkle.dataset import prompts as prompts_module
 from twinkle.dataset.cache import Built, EncodeCache, encode_key
@@ -24,7 +25,7 @@ from twinkle.dataset.origin import RowOrigin, bad_rows_text, located, report_ski
 from twinkle.preprocessor.base import BadRow
 from twinkle.template import Template
 from twinkle.template.base import IGNORE_INDEX
-from twinkle.template.images import BadImage
+from twinkle.template.images import BadImage, tagged_messages
 from twinkle.utils.errors import UserError
 from twinkle.utils.logger import get_logger
 from twinkle.utils.values import kind_of
@@ -58,7 +59,8 @@ _KEPT_BAD = 20  # bad rows whose reasons an encoding keeps (the summary quotes t
 
 def _check_encodable(messages: Any, index: int) -> None:
     """What the template needs of every row, whoever wrote its ``messages``: a list of messages
-    whose ``role`` and ``content`` are text (rows a function built, not a preprocessor)."""
+    whose ``role`` is text and whose ``content`` is text or upstream's content parts (a list,
+    read by ``twinkle.template.images``) (rows a function built, not a preprocessor)."""
     if not isinstance(messages, list) or not messages:
         raise BadRow(
             index,
@@ -68,7 +70,7 @@ def _check_encodable(messages: Any, index: int) -> None:
     for i, m in enumerate(messages):
         for key in ("role", "content"):
             value = m.get(key) if isinstance(m, dict) else None
-            if not isinstance(value, str):
+            if not isinstance(value, str) and not (key == "content" and isinstance(value, list)):
                 raise BadRow(
                     index, f"messages[{i}].{key}", f": messages[{i}].{key} is {kind_of(value)}, not text"
                 )
@@ -77,13 +79,25 @@ def _check_encodable(messages: Any, index: int) -> None:
 def _refuse_images(template: Template, messages: list[dict[str, Any]], index: int) -> None:
     """A text template would drop a row's images and train on the text alone."""
     for i, m in enumerate(messages):
-        if m.get("images"):
+        content = m.get("content")
+        parts = [j for j, p in enumerate(content) if isinstance(p, dict) and p.get("type") == "image"] if isinstance(content, list) else []
+        if m.get("images") or parts:
+            field = f"messages[{i}].content[{parts[0]}]" if parts else f"messages[{i}].images"
             raise BadRow(
                 index,
-                f"messages[{i}].images",
+                field,
                 f": messages[{i}] has images, but {type(template).__name__} reads text only; "
                 "use a vision-language template (--template-cls Qwen2_5VLTemplate) and model",
             )
+
+
+def _as_text(messages: list[dict[str, Any]], index: int) -> list[dict[str, Any]]:
+    """Turns given as text-only content parts joined into their text, for a text template."""
+    try:
+        turns = tagged_messages(messages, index)
+    except BadImage as exc:  # a part of another type
+        raise BadRow(exc.index, exc.field, exc.text) from None
+    return [{k: v for k, v in m.items() if k != "images" or v} for m in turns]
 
 
 def _learns_something(template: Template, messages: list[dict[str, str]]) -> bool:
@@ -98,6 +112,7 @@ def _encode_one(template: Template, messages: list[dict[str, str]], index: int) 
     _check_encodable(messages, index)
     if not getattr(template, "encodes_images", False):
         _refuse_images(template, messages, index)
+        messages = _as_text(messages, index)
     try:
         out = template.encode(messages, index=index)
     except BadImage as exc:  # a vision template's image: a bad row like any other
@@ -118,12 +133,19 @@ def _encode_one(template: Template, messages: list[dict[str, str]], index: int) 
 class _Encoder:
     """Encodes conversations (``messages``) or, with ``pairs``, preference pairs."""
 
-    def __init__(self, template: Template, skip_bad_rows: bool, pairs: bool = False):
+    def __init__(
+        self,
+        template: Template,
+        skip_bad_rows: bool,
+        pairs: bool = False,
+        images: datasets.Features | None = None,
+    ):
         self.template = template
         self.skip_bad_rows = skip_bad_rows
         self.pairs = pairs
-        self.empty = pairs_module.EMPTY_PAIR if pairs else _EMPTY
-        self.features = _PAIR_OUT_FEATURES if pairs else _OUT_FEATURES
+        self.images = images or datasets.Features({})  # a vision template's tensors (image_rows)
+        self.empty = {**(pairs_module.EMPTY_PAIR if pairs else _EMPTY), **dict.fromkeys(self.images)}
+        self.features = datasets.Features({**(_PAIR_OUT_FEATURES if pairs else _OUT_FEATURES), **self.images})
 
     def one(self, row: dict[str, Any], index: int) -> dict[str, Any]:
         """The sample, ``empty`` when truncation drops it, a marker for a bad row that is skipped."""
@@ -141,7 +163,10 @@ class _Encoder:
                 ROW_COLUMN: index,
                 BAD_COLUMN: json.dumps([exc.field, exc.text]),
             }
-        return {**(out or self.empty), ROW_COLUMN: index, BAD_COLUMN: ""}
+        if out is None:
+            return {**self.empty, ROW_COLUMN: index, BAD_COLUMN: ""}
+        out = {**out, **image_rows.to_columns(out, self.images), ROW_COLUMN: index, BAD_COLUMN: ""}
+        return {key: out[key] for key in self.features}
 
 
 class _BatchEncoder(_Encoder):
@@ -181,20 +206,22 @@ def encode_rows(
     pairs = pairs_module.holds_pairs(data.column_names)
     if pairs:
         pairs_module.check_pair_template(template)
+    images = image_rows.image_features(data, template) if getattr(template, "encodes_images", False) else None
+    columns = _Encoder(template, skip_bad_rows, pairs, images).features
     common: dict[str, Any] = dict(
         with_indices=True,
         remove_columns=data.column_names,
         keep_in_memory=True,
-        features=_PAIR_OUT_FEATURES if pairs else _OUT_FEATURES,
+        features=columns,
         num_proc=cap_num_proc(num_proc, len(data), "encode"),
         new_fingerprint=generate_random_fingerprint(),
         desc="encode",
     )
     if batched:
-        encoder: Any = _BatchEncoder(template, skip_bad_rows, pairs)
+        encoder: Any = _BatchEncoder(template, skip_bad_rows, pairs, images)
         encoded = data.map(encoder, batched=True, batch_size=batch_size, **common)
     else:
-        encoded = data.map(_RowEncoder(template, skip_bad_rows, pairs), **common)
+        encoded = data.map(_RowEncoder(template, skip_bad_rows, pairs, images), **common)
     lengths = np.asarray(encoded["length"], dtype=np.int64)
     bad_at, keep = np.flatnonzero(lengths < 0), np.flatnonzero(lengths > 0)
     bad = [
@@ -239,7 +266,8 @@ def encode_dataset(
         build = functools.partial(encode_rows, data, template, batched, batch_size, num_proc, skip_bad_rows)
     try:
         if load_from_cache_file:
-            key = encode_key(data, template, __name__, pairs_module.__name__, prompts_module.__name__)
+            modules = (__name__, pairs_module.__name__, prompts_module.__name__, image_rows.__name__)
+            key = encode_key(data, template, *modules)
             key["prompts"] = prompts
             encoded, info = EncodeCache(key).get_or_build(build)
         else:

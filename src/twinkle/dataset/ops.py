@@ -14,6 +14,7 @@ from typing import Any
 import datasets
 from datasets.fingerprint import generate_random_fingerprint
 
+from twinkle.dataset.image_rows import storable, storable_columns
 from twinkle.dataset.origin import RowOrigin, located
 from twinkle.preprocessor.base import BadRow, DataFilter, Preprocessor, per_row, row_core
 from twinkle.utils.errors import UserError
@@ -124,7 +125,7 @@ class RowMapper:
             raise UserError(
                 f"Dataset.map: row {index}: the function returned {type(out).__name__}; return a dict, or None to drop the row"
             )
-        return out
+        return None if out is None else storable(out, index)
 
     def call_or_skip(self, row: dict[str, Any], index: int) -> dict[str, Any] | None:
         try:
@@ -171,7 +172,7 @@ class BatchMapper:
                 f"Dataset.map(batched=True): the function returned {max(lengths)} rows for {len(indices)}; "
                 f"pass remove_columns={keep} (the input columns it does not return)"
             )
-        return {**{key: batch[key] for key in keep}, **out}
+        return {**{key: batch[key] for key in keep}, **storable_columns(out, indices)}
 
 
 def map_rows(

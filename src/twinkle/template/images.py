@@ -151,6 +151,27 @@ def _text_of(message: Mapping[str, Any], i: int, index: int | None) -> str:
     return "".join(pieces)
 
 
+def tagged_messages(messages: list[dict[str, Any]], index: int | None = None) -> list[dict[str, Any]]:
+    """The conversation with each turn given as content parts rewritten as text with an
+    ``<image>`` tag at each image part and those images first in its ``images``: what
+    ``place_images`` reads either way, in a shape that a table of rows (Arrow) can hold beside
+    turns whose content is text. Other turns are returned as they are."""
+    out = []
+    for i, message in enumerate(messages):
+        content = message.get("content") if isinstance(message, Mapping) else None
+        if not isinstance(content, list | tuple):
+            out.append(message)
+            continue
+        own = message.get("images")
+        if own is not None and (isinstance(own, str | bytes) or not isinstance(own, list | tuple)):
+            raise BadImage(
+                index, f"messages[{i}].images", f": messages[{i}].images is {kind_of(own)}, not a list"
+            )
+        parts = [_part_image(p) for _, p in _image_parts(content)]
+        out.append({**message, "content": _text_of(message, i, index), "images": parts + list(own or [])})
+    return out
+
+
 def image_fields(messages: list[dict[str, Any]], index: int | None = None) -> list[str]:
     """The field of each image of the conversation (``messages[i].images[j]``), in the order
     ``place_images`` returns the images."""
