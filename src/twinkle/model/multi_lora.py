@@ -7,6 +7,11 @@ lends a free slot to an adapter of rank ``r <= max_r``, ``remove_adapter`` gives
 adapter has its own ``OptimizerGroup`` (optimizer over its rank-r weights, schedule, loss,
 template, metrics, checkpoints), named by ``adapter_name=`` in every per-adapter call.
 
+The slots go where ``lora_config=`` (upstream's keyword) or ``target_modules=`` says
+(``twinkle.model.slot_config``); on a mixture-of-experts model they may reach the fused experts
+(``target_parameters``, ``twinkle.model.slot_experts``), also when the first adapter that names
+them is added before the model is placed, and under expert parallelism as a single adapter does.
+
 One adapter is active per forward/backward (time-sharing). Switching sets the slot's layers,
 and moves the global torch RNG to the incoming adapter's own stream (the outgoing one's state is
 kept in its group), so each adapter draws the same dropout masks whatever else trains. Gradients
@@ -26,15 +31,18 @@ from twinkle.checkpoint import integrity, layout
 from twinkle.model.adapters import Adapters, Build
 from twinkle.model.forward import causal_lm_of
 from twinkle.model.lora import add_lora
+from twinkle.model.optim_setup import set_window
+from twinkle.model.slot_config import adapter_layout, converted, expert_targets, slot_config
+from twinkle.model.slot_experts import attach as attach_expert_slots
+from twinkle.model.slot_experts import has_fused_experts
 from twinkle.model.slot_optimizer import SlotOptimizer
-from twinkle.model.slots import SLOT_PREFIX, SlotTable
+from twinkle.model.slots import SLOT_PREFIX, SlotTable, is_param_wrapper
 from twinkle.model.step import restore_grad
 from twinkle.model.train_state import stream_seed
 from twinkle.model.transformers_model import TransformersModel
 from twinkle.runtime.remote import remote_class  # remote_group= hook
 from twinkle.utils.errors import UserError
 
-DEFAULT_TARGETS = "all-linear"  # the targets of a single adapter by default (``--target-modules``)
 _SLOT_NAME = re.compile(rf"\.{SLOT_PREFIX}\d+\.")
 
 
@@ -42,9 +50,15 @@ _SLOT_NAME = re.compile(rf"\.{SLOT_PREFIX}\d+\.")
 class MultiLoraTransformersModel(TransformersModel):
     """``TransformersModel`` with ``max_loras`` adapter slots of rank ``max_r`` (``SlotAdapters``).
 
-    ``target_modules``: the slots' modules (default ``all-linear``); each adapter's
-    ``target_modules`` must be among them. ``max_length``: the default ``max_length`` of the
-    templates ``set_template`` builds. Other keywords are ``TransformersModel``'s."""
+    ``target_modules``: the slots' modules (default ``all-linear``); ``lora_config``: upstream's
+    slot config, a ``peft.LoraConfig`` (or dict) whose ``target_modules``, ``exclude_modules`` and
+    ``target_parameters`` place the slots (``twinkle.model.slot_config``). Each adapter's targets
+    must be among the slots'. ``max_length``: the default ``max_length`` of the templates
+    ``set_template`` builds. Other keywords are ``TransformersModel``'s.
+
+    A model with fused experts is placed (sharded, its experts split) at its first per-adapter
+    call or ``_lazy_wrap_model()``, so that adapters added before may bring LoRA on the experts
+    (``twinkle.model.slot_experts``); any other model when it is built."""
 
     def __init__(
         self,
@@ -54,6 +68,7 @@ class MultiLoraTransformersModel(TransformersModel):
         max_r: int = 32,
         max_length: int = 8192,
         target_modules: Any = None,
+        lora_config: Any = None,
         **kwargs: Any,
     ):
         for key, value in (("max_loras", max_loras), ("max_r", max_r), ("max_length", max_length)):
@@ -61,13 +76,35 @@ class MultiLoraTransformersModel(TransformersModel):
                 raise UserError(
                     f"MultiLoraTransformersModel({key}={value!r}): {key} must be a positive integer"
                 )
+        slots = slot_config(lora_config, target_modules, max_r)  # its refusals before loading
         super().__init__(model_id, device_mesh=device_mesh, **kwargs)
         self.max_loras, self.max_r, self.max_length = max_loras, max_r, max_length
         self.template_defaults["max_length"] = max_length
         self.adapters = SlotAdapters(self.optimizer_group, self.runtime, max_loras, max_r)
-        self.model = self.adapters.attach(self.model, target_modules or DEFAULT_TARGETS)
+        self.model = self.adapters.attach(self.model, slots)
         self.slots = self.adapters.table
-        self._place_adapters()  # FSDP2 wraps once, with every slot in place
+        if not has_fused_experts(causal_lm_of(self.model)):
+            self._lazy_wrap_model()
+
+    def _lazy_wrap_model(self) -> None:
+        """Place the model once (FSDP2 wraps it, expert parallelism keeps this rank's experts),
+        with every slot in place; later calls do nothing."""
+        if not self.adapters.placed:
+            self.adapters.placed = True
+            self._place_adapters()
+
+    def _group(self, adapter_name: str | None) -> Any:
+        self._lazy_wrap_model()  # every per-adapter call runs on the placed model
+        return super()._group(adapter_name)
+
+    def forward_backward(
+        self, inputs: Any, *args: Any, gradient_accumulation_steps: int | None = None, **kwargs: Any
+    ) -> Any:
+        """``TransformersModel.forward_backward``; ``gradient_accumulation_steps`` (upstream's
+        per-call keyword, as ``clip_grad_and_step`` takes it) sets the adapter's window length."""
+        if gradient_accumulation_steps is not None:
+            set_window(self._group(kwargs.get("adapter_name")), gradient_accumulation_steps)
+        return super().forward_backward(inputs, *args, **kwargs)
 
 
 class SlotAdapters(Adapters):
@@ -81,19 +118,16 @@ class SlotAdapters(Adapters):
         super().__init__(groups, runtime)
         self.max_loras, self.max_r = max_loras, max_r
         self.table: SlotTable | None = None
-        self.configs: dict[str, Any] = {}  # adapter name -> its LoRA config
+        self.configs: dict[str, Any] = {}  # adapter name -> its LoRA config (as PEFT converts it)
         self.active: str | None = None
+        self.placed = False  # the model is sharded / its experts split (no new slot layers)
 
-    def attach(self, model: Any, target_modules: Any) -> Any:
-        """``max_loras`` PEFT adapters of rank ``max_r`` on ``target_modules`` of ``model``, every
-        weight trainable (which slot learns is decided by activation); returns the PEFT model."""
-        from peft import LoraConfig
-
-        slot_config = dict(
-            r=self.max_r, lora_alpha=self.max_r, lora_dropout=0.0, target_modules=target_modules
-        )
+    def attach(self, model: Any, config: Any) -> Any:
+        """``max_loras`` PEFT adapters of ``config`` (the slots', ``slot_config``) on ``model``,
+        every weight trainable (which slot learns is decided by activation); returns the PEFT
+        model."""
         for i in range(self.max_loras):
-            model = add_lora(model, f"{SLOT_PREFIX}{i}", LoraConfig(**slot_config))
+            model = add_lora(model, f"{SLOT_PREFIX}{i}", copy.deepcopy(config))
         for name, param in model.named_parameters():
             if ".lora_" in name:
                 param.requires_grad_(True)
@@ -103,13 +137,24 @@ class SlotAdapters(Adapters):
 
     def add(self, model: Any, name: str, config: Any) -> Any:
         """Lend a free slot to adapter ``name`` (a ``peft.LoraConfig``: its own ``r``,
-        ``lora_alpha``, ``lora_dropout``, ``use_rslora``, ``target_modules``)."""
+        ``lora_alpha``, ``lora_dropout``, ``use_rslora``, ``rank_pattern``, ``alpha_pattern``,
+        ``target_modules``, ``exclude_modules``, ``target_parameters``). Expert parameters it
+        names that no slot holds yet get slots first (``twinkle.model.slot_experts``)."""
         if name in self.groups:
             raise UserError(
                 f"adapter {name!r} already exists; remove_adapter({name!r}) first or pick another name"
             )
-        config = self._check_config(name, config)
-        self.table.acquire(name, config, self._targets_of(name, config), self.runtime.seed)
+        lm = causal_lm_of(self.model)
+        config = converted(self._check_config(name, config), lm)
+        self._check_parameters(name, config, lm)
+        held = [k for k, m in self.table.layers.items() if is_param_wrapper(m)]
+        new = [t for t in expert_targets(config) if not any(k == t or k.endswith("." + t) for k in held)]
+        if new:
+            attach_expert_slots(lm, self.table.names, new, self.max_r, self.placed)
+            self.table.refresh(lm)
+        modules = self._targets_of(name, config)
+        layout = adapter_layout(name, config, self.table.layers, modules, self.table.names[0])
+        self.table.acquire(name, config, layout, self.runtime.seed)
         self.configs[name] = config
         return model
 
@@ -205,7 +250,7 @@ class SlotAdapters(Adapters):
             raise UserError(
                 f"adapter {name!r}: {', '.join(wrong)} is not supported in an adapter slot; leave it at PEFT's default"
             )
-        if config.target_modules is None:
+        if config.target_modules is None and not config.target_parameters:
             model_type = getattr(causal_lm_of(self.model).config, "model_type", None)
             if model_type not in DEFAULTS:
                 raise UserError(
@@ -215,20 +260,38 @@ class SlotAdapters(Adapters):
             config.target_modules = set(DEFAULTS[model_type])
         return config
 
+    @staticmethod
+    def _check_parameters(name: str, config: Any, lm: Any) -> None:
+        """One line for ``target_parameters`` the model does not hold (a dense model's experts)."""
+        plain = [n.replace(".base_layer", "") for n, _ in lm.named_parameters()]
+        absent = [t for t in expert_targets(config) if not any(n == t or n.endswith("." + t) for n in plain)]
+        if absent:
+            raise UserError(
+                f"adapter {name!r}: target_parameters {absent}: the model ({lm.config.model_type}) has no such "
+                "parameter; LoRA on experts needs a mixture-of-experts model with fused expert weights"
+            )
+
     def _targets_of(self, name: str, config: Any) -> list[str]:
-        """The slot modules ``config`` targets; ``UserError`` for one outside the slots."""
+        """The slot modules ``config`` targets (none where it names only ``target_parameters``);
+        ``UserError`` for one outside the slots."""
         from peft.tuners.tuners_utils import check_target_module_exists
 
         lm = causal_lm_of(self.model)
         if config.target_modules == "all-linear":
             head = lm.get_output_embeddings()
-            wanted = [k for k, m in lm.named_modules() if _is_linear(m) and m is not head and _plain_key(k)]
+            wanted = [
+                k
+                for k, m in lm.named_modules()
+                if _is_linear(m) and m is not head and _plain_key(k) and not _excluded(config, k)
+            ]
+        elif not config.target_modules:
+            wanted = []
         else:
             wanted = [
                 k for k, _ in lm.named_modules() if _plain_key(k) and check_target_module_exists(config, k)
             ]
         outside = [k for k in wanted if k not in self.table.layers]
-        if outside or not wanted:
+        if outside or not (wanted or config.target_parameters):
             slot_modules = sorted({k.rsplit(".", 1)[-1] for k in self.table.layers})
             what = f"targets {outside[0]!r}, which is" if outside else "targets no module that is"
             raise UserError(
@@ -236,6 +299,17 @@ class SlotAdapters(Adapters):
                 "pick target_modules among them or widen MultiLoraTransformersModel(target_modules=...)"
             )
         return wanted
+
+
+def _excluded(config: Any, key: str) -> bool:
+    """``key`` is among ``config.exclude_modules`` (PEFT's match: a regex on the whole key, or a
+    name equal to the key or its dotted end)."""
+    exclude = config.exclude_modules
+    if not exclude:
+        return False
+    if isinstance(exclude, str):
+        return re.fullmatch(exclude, key) is not None
+    return any(key == e or key.endswith("." + e) for e in exclude)
 
 
 def _plain_key(key: str) -> bool:

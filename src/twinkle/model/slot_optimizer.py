@@ -1,7 +1,7 @@
 """``SlotOptimizer``: an adapter's optimizer over the rank-r parts of its slot's weights.
 
 The user's optimizer runs on full-size copies of exactly the parts the adapter uses (``A[:r]``,
-``B[:, :r]``), so it sees the shapes of a plain rank-r adapter: Muon's shape-dependent learning
+``B[:, :r]``; on experts, each expert's: ``twinkle.model.slots.Part``), so it sees the shapes of a plain rank-r adapter: Muon's shape-dependent learning
 rate (``adjust_lr_fn``) and orthogonalisation, AdamW's state and the saved optimizer state are
 those of a rank-r adapter, not of the ``max_r`` slot. The step writes the copies back into the
 slot (each rank its shard under FSDP2); the unused rows and columns stay zero. The rest (the
@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from twinkle.model.slots import full, write_full
+from twinkle.model.slots import Part, full, write_full
 from twinkle.optim.replicated import ReplicatedOptimizer
 
 
@@ -23,13 +23,13 @@ class SlotOptimizer(ReplicatedOptimizer):
 
     def __init__(
         self,
-        parts: list[tuple[torch.nn.Parameter, tuple[slice, ...]]],
+        parts: list[tuple[torch.nn.Parameter, Part]],
         build: Callable[[list[torch.nn.Parameter]], Any],
     ):
         self.params = [p for p, _ in parts]
         self.slices = [s for _, s in parts]
         self.copies = [
-            torch.nn.Parameter(full(p).detach()[s].clone())
+            torch.nn.Parameter(s.of(full(p).detach()).clone())
             for p, s in zip(self.params, self.slices, strict=True)
         ]
         self.direct = False  # the copies are always parts, never the parameters themselves
@@ -38,7 +38,7 @@ class SlotOptimizer(ReplicatedOptimizer):
     def gather_grads(self, scale: float) -> None:
         """The used parts of the slot's gradients onto the copies, multiplied by ``scale``."""
         for p, c, s in zip(self.params, self.copies, self.slices, strict=True):
-            c.grad = None if p.grad is None else full(p.grad).detach()[s].to(c.dtype) * scale
+            c.grad = None if p.grad is None else s.of(full(p.grad).detach()).to(c.dtype) * scale
 
     @torch.no_grad()
     def step(self) -> None:
@@ -46,13 +46,13 @@ class SlotOptimizer(ReplicatedOptimizer):
         for p, c, s in zip(self.params, self.copies, self.slices, strict=True):
             if hasattr(p, "to_local"):
                 value = torch.zeros(p.shape, dtype=c.dtype, device=c.device)
-                value[s] = c
+                s.put(value, c)
                 write_full(p, value)
             else:
-                p[s].copy_(c)
+                s.put(p.data, c)
 
     def sync_copies(self) -> None:
         """Refresh the copies from the (possibly just loaded) slot weights."""
         with torch.no_grad():
             for p, c, s in zip(self.params, self.copies, self.slices, strict=True):
-                c.copy_(full(p)[s])
+                c.copy_(s.of(full(p)))
