@@ -16,18 +16,7 @@ from twinkle.template.rows import (
 )
 from twinkle.utils.errors import UserError
 
-VISION_KEYS = ("pixel_values", "image_grid_thw", "image_counts")
-
-
-def _vision(i: int, row: Mapping[str, Any]) -> Vision | None:
-    """Row ``i``'s images (``vision_of``); one line for rows without grid sizes (the Gemma
-    families' rows), whose sampling with images is not built."""
-    if row.get("pixel_values") is not None and row.get("image_grid_thw") is None:
-        raise UserError(
-            f"input row {i} holds images without image_grid_thw (a Gemma template's rows): sampling with "
-            "images is built for the Qwen vision-language families; sample this model with text prompts"
-        )
-    return vision_of(row)
+VISION_KEYS = ("pixel_values", "image_grid_thw", "image_position_ids", "image_counts")
 
 
 @dataclass
@@ -39,7 +28,7 @@ class Prompt:
     messages: list[dict[str, Any]] | None = None
     extras: dict[str, Any] = field(default_factory=dict)
     labels: list[int] | None = None  # a scored row's own labels (``max_tokens=0``)
-    vision: Vision | None = None  # its images' pixel_values and image_grid_thw
+    vision: Vision | None = None  # its images' pixel_values and image_grid_thw (Gemma 4: image_position_ids)
 
     def row(self, labels: list[int] | None = None) -> dict[str, Any]:
         """The prompt as an encoded row: its other keys, its messages, its images, its tokens
@@ -68,7 +57,8 @@ def prompts_of(inputs: Any, template: Callable[[], Template], scoring: bool = Fa
     """``inputs``: a row or a list of rows, each ``{'messages': [...]}`` or ``{'input_ids': [...]}``
     (an empty list is allowed: under FSDP a rank's share of the prompts may be empty). A row's
     images: its messages' (``Message.images``, encoded by a vision-language template) or an
-    encoded row's ``pixel_values`` and ``image_grid_thw``.
+    encoded row's ``pixel_values`` and ``image_grid_thw`` (a Gemma row: ``pixel_values`` and,
+    on Gemma 4, ``image_position_ids``).
     ``scoring`` (``max_tokens=0``): messages are the whole conversation to score, encoded with
     its labels, rather than a prompt that the generation prompt ends."""
     rows = [inputs] if isinstance(inputs, Mapping) else inputs
@@ -103,7 +93,7 @@ def _prompt(i: int, row: Any, template: Callable[[], Template], scoring: bool) -
             raise UserError(
                 f"input row {i} is longer than the template's max_length (truncation_strategy='delete')"
             )
-        ids, labels, vision = encoded["input_ids"], encoded["labels"], _vision(i, encoded)
+        ids, labels, vision = encoded["input_ids"], encoded["labels"], vision_of(encoded)
     else:
         messages = without_empty_reply(messages)
         if not messages or messages[-1].get("role") == "assistant":
@@ -114,7 +104,7 @@ def _prompt(i: int, row: Any, template: Callable[[], Template], scoring: bool) -
         chosen = template()
         if getattr(chosen, "encodes_images", False):  # a vision-language template
             ids, _, images = chosen.tokens(messages, add_generation_prompt=True, index=i)
-            vision = _vision(i, images)
+            vision = vision_of(images)
         else:
             held = [k for k, m in enumerate(messages) if _has_images(m)]
             if held:  # the text template would prompt with the text alone, the pictures dropped

@@ -15,6 +15,7 @@ import torch
 from twinkle.model.packing import can_pack
 from twinkle.model.scoring_topk import topk_at_targets, vocab_size
 from twinkle.model.vision_positions import token_type_inputs
+from twinkle.sampler.gemma_images import image_token_types, is_gemma
 from twinkle.template.base import IGNORE_INDEX
 
 PromptScores = tuple[list[float | None], list[list[tuple[int, float]] | None]]
@@ -26,13 +27,14 @@ def score_prompt(
 ) -> PromptScores:
     """``(prompt_logprobs, topk_prompt_logprobs)`` of one prompt; both start with None (nothing
     predicts the first token). ``vision``: the prompt's images (``pixel_values``,
-    ``image_grid_thw``), with which the model works out its M-RoPE positions."""
+    ``image_grid_thw``), with which the model works out its M-RoPE positions; on Gemma the
+    token types go with them (an image's tokens attend both ways)."""
     device = next(lm.parameters()).device
     tokens = torch.tensor([ids], device=device)
     images = {}
     if vision is not None:
         images = {key: value.to(device) for key, value in vision.items()}
-        images.update(token_type_inputs(lm, tokens))
+        images.update(image_token_types(lm, tokens) if is_gemma(lm) else token_type_inputs(lm, tokens))
     logits = lm(input_ids=tokens, use_cache=False, **images).logits[0, :-1].float()
     logps = torch.log_softmax(logits, dim=-1)
     chosen = logps.gather(-1, tokens[0, 1:, None]).squeeze(-1).tolist()
