@@ -8,7 +8,7 @@ import datasets
 
 from twinkle.dataset import combine
 from twinkle.dataset import image_rows
-from twinkle.dataset.encode import ENCODED_COLUMNS, encode_dataset
+from twinkle.dataset.encode import encode_dataset
 from twinkle.dataset.export import save_rows
 from twinkle.dataset.meta import DatasetMeta, load_rows
 from twinkle.dataset.ops import filter_rows, map_rows, reject_unsupported, resolve_function
@@ -56,7 +56,7 @@ class Dataset:
         self._parts: list[tuple[str | None, datasets.Dataset]] = []
         self._origins: list[RowOrigin] = []
         self._joined: datasets.Dataset | None = None
-        self._image_columns = datasets.Features({})  # a vision template's tensors, once encoded
+        self._pixels_on_read = False  # encoded with a vision template: a read makes the image tensors
         if dataset_meta is not None:
             self.add_dataset(dataset_meta)
 
@@ -78,7 +78,7 @@ class Dataset:
 
     def __getitem__(self, index: int) -> dict[str, Any]:
         row = self.data[index]
-        return image_rows.read_back(row, self._image_columns) if self._image_columns else row
+        return image_rows.with_pixels(row, self.template, index) if self._pixels_on_read else row
 
     def add_dataset(self, dataset_meta: "DatasetMeta | Dataset") -> "Dataset":
         """Load another dataset (a ``DatasetMeta``, or the rows of another ``Dataset``) next to these."""
@@ -268,10 +268,11 @@ class Dataset:
         columns (``messages``, ``user_data``) kept for the sampler and the reward
         (``twinkle.dataset.prompts``).
 
-        With a vision-language template each sample also holds the image processor's tensors
-        (``pixel_values``, ``image_grid_thw``, ...), decoded from the rows' images here and read
-        back as tensors, equal to what ``LazyDataset`` gives for the row; they stay in memory
-        with the dataset, so an image set larger than memory goes through ``LazyDataset``.
+        With a vision-language template every image is decoded and processed here (a bad one is
+        a bad row), and each sample keeps its pictures as ``map`` stored them (``images``); a
+        read runs them through the image processor again, so a sample read holds the tensors
+        (``pixel_values``, ``image_grid_thw``, ...) equal to ``LazyDataset``'s for the row, and
+        the dataset holds compressed pictures, not the tensors (``twinkle.dataset.image_rows``).
 
         ``batched`` and ``num_proc`` (capped at the rows and CPUs) only change the speed.
         ``load_from_cache_file=True`` reuses rows encoded before from the same rows, template,
@@ -300,10 +301,7 @@ class Dataset:
             prompts=add_generation_prompt,
         )
         self._replace_all(encoded, origin)
-        images = getattr(self.template, "encodes_images", False)  # then encoded holds samples only
-        self._image_columns = datasets.Features(
-            {key: feature for key, feature in encoded.features.items() if images and key not in ENCODED_COLUMNS}
-        )
+        self._pixels_on_read = getattr(self.template, "encodes_images", False)
         return self
 
     def save_as(

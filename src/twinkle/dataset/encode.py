@@ -138,14 +138,17 @@ class _Encoder:
         template: Template,
         skip_bad_rows: bool,
         pairs: bool = False,
-        images: datasets.Features | None = None,
     ):
         self.template = template
         self.skip_bad_rows = skip_bad_rows
         self.pairs = pairs
-        self.images = images or datasets.Features({})  # a vision template's tensors (image_rows)
-        self.empty = {**(pairs_module.EMPTY_PAIR if pairs else _EMPTY), **dict.fromkeys(self.images)}
-        self.features = datasets.Features({**(_PAIR_OUT_FEATURES if pairs else _OUT_FEATURES), **self.images})
+        # a vision template's samples keep their pictures, not its tensors (twinkle.dataset.image_rows)
+        self.images = getattr(template, "encodes_images", False) and not pairs
+        self.empty = pairs_module.EMPTY_PAIR if pairs else _EMPTY
+        self.features = _PAIR_OUT_FEATURES if pairs else _OUT_FEATURES
+        if self.images:
+            self.empty = {**self.empty, image_rows.IMAGES: []}
+            self.features = datasets.Features({**self.features, image_rows.IMAGES: image_rows.IMAGES_FEATURE})
 
     def one(self, row: dict[str, Any], index: int) -> dict[str, Any]:
         """The sample, ``empty`` when truncation drops it, a marker for a bad row that is skipped."""
@@ -165,7 +168,9 @@ class _Encoder:
             }
         if out is None:
             return {**self.empty, ROW_COLUMN: index, BAD_COLUMN: ""}
-        out = {**out, **image_rows.to_columns(out, self.images), ROW_COLUMN: index, BAD_COLUMN: ""}
+        if self.images:
+            out = {**out, image_rows.IMAGES: image_rows.stored_images(row["messages"], index)}
+        out = {**out, ROW_COLUMN: index, BAD_COLUMN: ""}
         return {key: out[key] for key in self.features}
 
 
@@ -206,8 +211,7 @@ def encode_rows(
     pairs = pairs_module.holds_pairs(data.column_names)
     if pairs:
         pairs_module.check_pair_template(template)
-    images = image_rows.image_features(data, template) if getattr(template, "encodes_images", False) else None
-    columns = _Encoder(template, skip_bad_rows, pairs, images).features
+    columns = _Encoder(template, skip_bad_rows, pairs).features
     common: dict[str, Any] = dict(
         with_indices=True,
         remove_columns=data.column_names,
@@ -218,10 +222,10 @@ def encode_rows(
         desc="encode",
     )
     if batched:
-        encoder: Any = _BatchEncoder(template, skip_bad_rows, pairs, images)
+        encoder: Any = _BatchEncoder(template, skip_bad_rows, pairs)
         encoded = data.map(encoder, batched=True, batch_size=batch_size, **common)
     else:
-        encoded = data.map(_RowEncoder(template, skip_bad_rows, pairs, images), **common)
+        encoded = data.map(_RowEncoder(template, skip_bad_rows, pairs), **common)
     lengths = np.asarray(encoded["length"], dtype=np.int64)
     bad_at, keep = np.flatnonzero(lengths < 0), np.flatnonzero(lengths > 0)
     bad = [

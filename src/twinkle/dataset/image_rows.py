@@ -1,5 +1,5 @@
 """Image rows in a table of rows (``Dataset``, on Arrow): what ``map`` stores of each image, what
-``encode`` stores of the image processor's tensors, and how a read gives those tensors back.
+``encode`` keeps of an image row, and how a read makes the image processor's tensors.
 
 Arrow holds one type per column and cannot hold a PIL image (``datasets`` would store its
 attributes and lose the picture), and ``datasets`` writes turns whose keys differ as JSON, which
@@ -9,8 +9,12 @@ a ``data:`` URI) as it is, bytes and a ``{'bytes': ..., 'path': ...}`` record (w
 those bytes, a PIL image as the URI of the PNG of its RGB pixels (lossless, and RGB is what the
 template reads of any image). A turn given as content parts becomes its text with ``<image>``
 tags and the parts' images (``tagged_messages``), because a column cannot mix text and lists.
-``encode`` decodes the images then, as ``LazyDataset`` does when a row is read, so a bad image
-is a bad row of ``encode``: named, or counted and dropped with ``skip_bad_rows``."""
+
+``encode`` decodes every image and runs the template on it, so a bad image is a bad row of
+``encode`` (named, or counted and dropped with ``skip_bad_rows``), but keeps the row's pictures
+as stored (``IMAGES``) rather than the processor's tensors: those are many times the size of a
+compressed picture (a Gemma 4 image is 7.4 MiB of float32 patches), and a read makes them again
+(``with_pixels``), equal to what ``LazyDataset`` gives for the row."""
 
 import base64
 import io
@@ -22,7 +26,7 @@ from typing import Any
 import datasets
 
 from twinkle.preprocessor.base import BadRow
-from twinkle.template.images import BadImage, image_fields, load_image, tagged_messages
+from twinkle.template.images import BadImage, load_image, tagged_messages
 
 SIDES = ("positive", "negative")  # a preference row's trajectories (twinkle.dataset.pairs)
 
@@ -89,63 +93,25 @@ def storable(row: dict[str, Any], index: int | None) -> dict[str, Any]:
     return row
 
 
-def _holds_images(messages: Any, index: int) -> bool:
-    try:
-        return isinstance(messages, list) and bool(image_fields(messages, index))
-    except BadImage:
-        return False
+IMAGES = "images"  # an encoded row's pictures as stored, in the order the template placed them
+IMAGES_FEATURE = datasets.List(datasets.Value("string"))
 
 
-def _value_type(tensor: Any) -> str:
-    """The Arrow value type that keeps ``tensor``'s numbers exactly (``bfloat16`` widened)."""
-    name = str(tensor.dtype).removeprefix("torch.")
-    return "float32" if name == "bfloat16" else name
+def stored_images(messages: list[dict[str, Any]], index: int | None) -> list[str]:
+    """The row's images in the order the template places them (turn order, each turn's content
+    parts first, as ``place_images`` reads them), stored as ``stored_image`` stores them."""
+    values = [v for turn in tagged_messages(messages, index) for v in (turn.get("images") or [])]
+    return [stored_image(v, index, f"{IMAGES}[{k}]") for k, v in enumerate(values)]
 
 
-def _nested(tensor: Any) -> Any:
-    feature: Any = datasets.Value(_value_type(tensor))
-    for _ in range(tensor.ndim):
-        feature = datasets.List(feature)
-    return feature
-
-
-def image_features(data: datasets.Dataset, template: Any) -> datasets.Features:
-    """The columns a vision template's samples add (``pixel_values``, ``image_grid_thw``, ...),
-    typed from the first row whose images encode: a table needs its columns' types before
-    the rows are written. Empty when no row holds a readable image."""
-    from twinkle.utils.errors import UserError
-
-    for index in range(len(data)):
-        messages = data[index].get("messages")
-        if not _holds_images(messages, index):
-            continue
-        try:
-            out = template.encode(messages, index=index)
-        except UserError:  # a bad row: encoding names it in its turn
-            continue
-        if out is not None:
-            return datasets.Features(
-                {key: _nested(value) for key, value in out.items() if hasattr(value, "ndim")}
-            )
-    return datasets.Features({})
-
-
-def to_columns(sample: dict[str, Any], features: datasets.Features) -> dict[str, Any]:
-    """The image tensors of ``sample`` as nested lists, None where the row has none."""
-    return {key: sample[key].tolist() if key in sample else None for key in features}
-
-
-def read_back(row: dict[str, Any], features: datasets.Features) -> dict[str, Any]:
-    """A stored row's image columns as the tensors the template gave (a row without images
-    holds none of them, as the template's own sample does)."""
-    import torch
-
-    for key, feature in features.items():
-        value = row.pop(key, None)
-        while isinstance(feature, datasets.List):
-            feature = feature.feature
-        if value is not None:
-            row[key] = torch.tensor(value, dtype=getattr(torch, feature.dtype))
+def with_pixels(row: dict[str, Any], template: Any, index: int | None) -> dict[str, Any]:
+    """An encoded row read back: its stored pictures through the template's image processor,
+    the tensors the template's own sample holds (``pixel_values``, ``image_grid_thw``, ...)."""
+    images = row.pop(IMAGES, None)
+    if images:
+        pictures = [load_image(v, index, f"{IMAGES}[{k}]") for k, v in enumerate(images)]
+        vision, _ = template.process_images(pictures, index)
+        row.update(vision)
     return row
 
 
