@@ -20,6 +20,15 @@ from twinkle.preprocessor import Preprocessor
 from twinkle.utils.errors import UserError
 
 COLOURS = [(200, 30, 30), (30, 200, 30), (30, 30, 200), (120, 120, 40)]
+SAMPLE_KEYS = [
+    "input_ids",
+    "labels",
+    "attention_mask",
+    "position_ids",
+    "length",
+    "pixel_values",
+    "image_grid_thw",
+]
 SIZES = [(64, 64), (96, 64), (64, 128), (32, 32)]  # 16, 24, 32 and 4 patches of 16 pixels
 
 
@@ -47,7 +56,9 @@ def _hf_rows(decode: bool = True) -> datasets.Dataset:
 def ocr(row):
     return Trajectory(
         messages=[
-            Message(role="user", content="<image>Using LaTeX to perform OCR on the image.", images=[row["image"]]),
+            Message(
+                role="user", content="<image>Using LaTeX to perform OCR on the image.", images=[row["image"]]
+            ),
             Message(role="assistant", content=row["text"]),
         ]
     )
@@ -70,9 +81,7 @@ def _assert_same(eager, lazy):
     assert len(eager) == len(lazy)
     for i in range(len(eager)):
         a, b = eager[i], lazy[i]
-        assert sorted(a) == sorted(b) == sorted(
-            ["input_ids", "labels", "attention_mask", "position_ids", "length", "pixel_values", "image_grid_thw"]
-        )
+        assert sorted(a) == sorted(b) == sorted(SAMPLE_KEYS)
         for key in ("input_ids", "labels", "attention_mask", "position_ids"):
             assert list(a[key]) == list(b[key]), (i, key)
         assert a["length"] == b["length"]
@@ -91,7 +100,9 @@ def test_an_image_column_encodes_as_lazy_dataset_does(model_dir, decode):
 
 def test_upstreams_batched_preprocessor_and_plain_bytes(model_dir):
     rows = _hf_rows(decode=False)
-    as_bytes = datasets.Dataset.from_dict({"image": [r["bytes"] for r in rows["image"]], "text": rows["text"]})
+    as_bytes = datasets.Dataset.from_dict(
+        {"image": [r["bytes"] for r in rows["image"]], "text": rows["text"]}
+    )
     eager = _encoded(Dataset, as_bytes, model_dir, LatexOCRProcessor)
     _assert_same(eager, _encoded(LazyDataset, _hf_rows(), model_dir))
 
@@ -154,7 +165,10 @@ def test_a_value_that_is_no_image_is_one_line_at_map(model_dir, caplog):
         Dataset(DatasetMeta(data=rows)).map(numbered)
     message = str(info.value)
     assert "\n" not in message
-    assert "row 0: messages[0].images[0] is a number (7); give a file path, the file's bytes or a PIL image" in message
+    assert (
+        "row 0: messages[0].images[0] is a number (7); give a file path, the file's bytes or a PIL image"
+        in message
+    )
     with caplog.at_level(logging.WARNING):
         kept = Dataset(DatasetMeta(data=rows), skip_bad_rows=True).map(numbered)
     assert len(kept) == 1 and kept[0]["messages"][1]["content"] == "b"

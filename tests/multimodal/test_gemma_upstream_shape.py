@@ -9,11 +9,12 @@ True, 'expert_parallel': {...}})`` (no ``model_cls``: the auto class loads the V
 optimizer and schedule from the flags, training steps with their metric and an evaluation of
 ``forward_only`` + ``calculate_loss``.
 
-One call differs: upstream builds ``Dataset`` and calls ``encode()``, which keeps every encoded
-row; a Gemma 4 image row holds its patches padded to the image processor's budget (with its
-defaults, 280 soft tokens of 3x3 pooled 16-pixel patches: 2520 x 768 float32 values, 7.4 MiB), so
-the recipe's 2000 training rows would hold about 14 GiB. Here ``Dataset.encode()`` with an image
-template is one line naming ``LazyDataset``, which the recipe runs with (rows encoded when read)."""
+One call differs: upstream builds ``Dataset`` and calls ``encode()``; the recipe here runs with
+``LazyDataset`` (rows encoded when read). A Gemma 4 image row holds its patches padded to the
+image processor's budget (with its defaults, 280 soft tokens of 3x3 pooled 16-pixel patches: 2520 x
+768 float32 values, 7.4 MiB), so the recipe's 2000 training rows would hold about 14 GiB: here
+``Dataset.encode()`` keeps each row's picture and a read makes its patches, equal to
+``LazyDataset``'s (the last test)."""
 
 import json
 import subprocess
@@ -23,8 +24,6 @@ import pytest
 from harness import script_env
 from tiny_gemma_vl import build_tiny_gemma4
 from tiny_qwen3_vl import picture
-
-from twinkle.utils.errors import UserError
 
 RECIPE = """
 import sys
@@ -130,12 +129,29 @@ def test_the_recipe_trains_and_evaluates(ocr, tmp_path):
     assert [line for line in out if line.startswith("eval ")], out
 
 
-def test_dataset_encode_with_images_names_lazy_dataset(ocr):
-    from twinkle.dataset import Dataset, DatasetMeta
+def test_dataset_encode_with_images_reads_as_lazy_dataset(ocr):
+    import torch
+
+    from twinkle.data_format import Message, Trajectory
+    from twinkle.dataset import Dataset, DatasetMeta, LazyDataset
 
     folder, rows = ocr
-    data = Dataset(dataset_meta=DatasetMeta(str(rows), data_slice=range(2)))
-    data.set_template("Gemma4Template", model_id=str(folder))
-    with pytest.raises(UserError, match="rows with images are encoded when read.*use LazyDataset") as info:
-        data.encode()
-    assert "\n" not in str(info.value)
+
+    def preprocess(row):
+        user = Message(role="user", content="<image>Read the formula.", images=[row["image"]])
+        return Trajectory(messages=[user, Message(role="assistant", content=row["text"])])
+
+    read = []
+    for cls in (Dataset, LazyDataset):
+        data = cls(dataset_meta=DatasetMeta(str(rows), data_slice=range(2)))
+        data.set_template("Gemma4Template", model_id=str(folder))
+        data.map(preprocess).encode()
+        read.append([data[i] for i in range(2)])
+    for eager, lazy in zip(*read, strict=True):
+        assert sorted(eager) == sorted(lazy) and "pixel_values" in eager
+        for key, value in eager.items():
+            if isinstance(value, torch.Tensor):
+                assert value.dtype == lazy[key].dtype and torch.equal(value, lazy[key]), key
+            else:
+                same = list(value) == list(lazy[key]) if isinstance(value, list) else value == lazy[key]
+                assert same, key

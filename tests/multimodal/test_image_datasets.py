@@ -1,10 +1,11 @@
 """Image rows through the data path: ``LazyDataset`` encodes them when read (with the bundled
-image set, a missing image and ``skip_bad_rows``); a whole-dataset ``Dataset.encode`` and a
-text template refuse them in one line."""
+image set, a missing image and ``skip_bad_rows``); a whole-dataset ``Dataset.encode`` reads
+the same samples; a text template refuses them in one line."""
 
 import json
 
 import pytest
+import torch
 
 from twinkle.dataset import Dataset, DatasetMeta, LazyDataset
 from twinkle.dataset.digits import digit_trajectory, digits_file
@@ -55,15 +56,16 @@ def test_a_missing_image_names_the_file_and_line_or_is_skipped(tmp_path, tiny_vl
     assert [lenient[i] is None for i in range(3)] == [False, True, False] and lenient.skipped_rows == 1
 
 
-def test_a_whole_dataset_encode_points_to_lazy_dataset(tmp_path, tiny_vl_dir, png):
+def test_a_whole_dataset_encode_reads_as_lazy_dataset(tmp_path, tiny_vl_dir, png):
     good = tmp_path / "good.png"
     good.write_bytes(png())
-    dataset = Dataset(DatasetMeta(str(_write_rows(tmp_path, [str(good)]))))
-    dataset.set_template("Qwen2_5VLTemplate", model_id=str(tiny_vl_dir))
-    with pytest.raises(
-        UserError, match=r"^Qwen2_5VLTemplate: rows with images are encoded when read.*use LazyDataset$"
-    ):
-        dataset.encode()
+    path = _write_rows(tmp_path, [str(good)])
+    dataset = Dataset(DatasetMeta(str(path)))
+    dataset.set_template("Qwen2_5VLTemplate", model_id=str(tiny_vl_dir), max_length=128).encode()
+    eager, lazy = dataset[0], _lazy(path, tiny_vl_dir).encode()[0]
+    assert eager["input_ids"] == list(lazy["input_ids"]) and eager["labels"] == list(lazy["labels"])
+    assert eager["pixel_values"].shape == (64, 96)
+    assert torch.equal(eager["pixel_values"], lazy["pixel_values"])
 
 
 def test_prompt_rows_with_a_vision_template_are_refused(tiny_vl_dir):

@@ -21,8 +21,13 @@ def _rows(tmp_path, png):
     path.write_bytes(png((32, 48), (30, 30, 200)))
     parts = [
         [{"type": "image", "image": red}, {"type": "text", "text": QUESTION}],
-        [{"type": "text", "text": "Compare "}, {"type": "image", "url": str(path)}, {"type": "text", "text": " and "},
-         {"type": "image", "image": green}, {"type": "text", "text": "."}],  # fmt: skip
+        [
+            {"type": "text", "text": "Compare "},
+            {"type": "image", "url": str(path)},
+            {"type": "text", "text": " and "},
+            {"type": "image", "image": green},
+            {"type": "text", "text": "."},
+        ],
         [{"type": "text", "text": QUESTION}, {"type": "image", "path": str(path)}],
         [{"type": "text", "text": "No picture here."}],
     ]
@@ -84,7 +89,9 @@ def test_a_part_of_another_type_names_the_row_and_part(tmp_path, png, tiny_vl_di
     parts, _ = _rows(tmp_path, png)
     parts[2]["messages"][0]["content"].append({"type": "audio", "audio": "a.wav"})
     strict = _lazy(parts, tiny_vl_dir)
-    with pytest.raises(UserError, match=r"row 2: messages\[0\]\.content\[2\] has type 'audio'; content parts are") as info:
+    with pytest.raises(
+        UserError, match=r"row 2: messages\[0\]\.content\[2\] has type 'audio'; content parts are"
+    ) as info:
         strict[2]
     assert "\n" not in str(info.value)
     lenient = _lazy(parts, tiny_vl_dir, skip_bad_rows=True)

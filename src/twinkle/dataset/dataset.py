@@ -6,8 +6,7 @@ from typing import Any
 
 import datasets
 
-from twinkle.dataset import combine
-from twinkle.dataset import image_rows
+from twinkle.dataset import combine, image_rows
 from twinkle.dataset.encode import encode_dataset
 from twinkle.dataset.export import save_rows
 from twinkle.dataset.meta import DatasetMeta, load_rows

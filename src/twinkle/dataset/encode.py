@@ -80,7 +80,11 @@ def _refuse_images(template: Template, messages: list[dict[str, Any]], index: in
     """A text template would drop a row's images and train on the text alone."""
     for i, m in enumerate(messages):
         content = m.get("content")
-        parts = [j for j, p in enumerate(content) if isinstance(p, dict) and p.get("type") == "image"] if isinstance(content, list) else []
+        parts = (
+            [j for j, p in enumerate(content) if isinstance(p, dict) and p.get("type") == "image"]
+            if isinstance(content, list)
+            else []
+        )
         if m.get("images") or parts:
             field = f"messages[{i}].content[{parts[0]}]" if parts else f"messages[{i}].images"
             raise BadRow(
