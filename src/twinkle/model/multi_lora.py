@@ -153,6 +153,8 @@ class SlotAdapters(Adapters):
             attach_expert_slots(lm, self.table.names, new, self.max_r, self.placed)
             self.table.refresh(lm)
         modules = self._targets_of(name, config)
+        if config.target_modules == "all-linear":  # saved as PEFT saves it: the linear layers' names
+            config.target_modules = {k.rsplit(".", 1)[-1] for k in self._linear_keys(lm)}
         layout = adapter_layout(name, config, self.table.layers, modules, self.table.names[0])
         self.table.acquire(name, config, layout, self.runtime.seed)
         self.configs[name] = config
@@ -261,6 +263,12 @@ class SlotAdapters(Adapters):
         return config
 
     @staticmethod
+    def _linear_keys(lm: Any) -> list[str]:
+        """The keys of ``lm``'s linear layers but its output head (what ``all-linear`` names)."""
+        head = lm.get_output_embeddings()
+        return [k for k, m in lm.named_modules() if _is_linear(m) and m is not head and _plain_key(k)]
+
+    @staticmethod
     def _check_parameters(name: str, config: Any, lm: Any) -> None:
         """One line for ``target_parameters`` the model does not hold (a dense model's experts)."""
         plain = [n.replace(".base_layer", "") for n, _ in lm.named_parameters()]
@@ -278,12 +286,7 @@ class SlotAdapters(Adapters):
 
         lm = causal_lm_of(self.model)
         if config.target_modules == "all-linear":
-            head = lm.get_output_embeddings()
-            wanted = [
-                k
-                for k, m in lm.named_modules()
-                if _is_linear(m) and m is not head and _plain_key(k) and not _excluded(config, k)
-            ]
+            wanted = [k for k in self._linear_keys(lm) if not _excluded(config, k)]
         elif not config.target_modules:
             wanted = []
         else:

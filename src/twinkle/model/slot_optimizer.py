@@ -49,7 +49,7 @@ class SlotOptimizer(ReplicatedOptimizer):
                 s.put(value, c)
                 write_full(p, value)
             else:
-                s.put(p.data, c)
+                s.put(p, c)  # on the parameter itself: its version moves, as caches of it check
 
     def sync_copies(self) -> None:
         """Refresh the copies from the (possibly just loaded) slot weights."""
