@@ -77,16 +77,19 @@ def _encoded(cls, rows, model_dir, preprocess=ocr, skip_bad_rows=None):
     return dataset.map(preprocess).encode()
 
 
+def _assert_same_row(a, b):
+    assert sorted(a) == sorted(b) == sorted(SAMPLE_KEYS)
+    for key in ("input_ids", "labels", "attention_mask", "position_ids"):
+        assert list(a[key]) == list(b[key]), key
+    assert a["length"] == b["length"]
+    for key in ("pixel_values", "image_grid_thw"):  # the same pictures through the same processor
+        assert a[key].dtype == b[key].dtype and torch.equal(a[key], b[key]), key
+
+
 def _assert_same(eager, lazy):
     assert len(eager) == len(lazy)
     for i in range(len(eager)):
-        a, b = eager[i], lazy[i]
-        assert sorted(a) == sorted(b) == sorted(SAMPLE_KEYS)
-        for key in ("input_ids", "labels", "attention_mask", "position_ids"):
-            assert list(a[key]) == list(b[key]), (i, key)
-        assert a["length"] == b["length"]
-        for key in ("pixel_values", "image_grid_thw"):  # the same pictures through the same processor
-            assert a[key].dtype == b[key].dtype and torch.equal(a[key], b[key]), (i, key)
+        _assert_same_row(eager[i], lazy[i])
 
 
 @pytest.mark.parametrize("decode", [True, False], ids=["pil", "bytes-and-path-records"])
@@ -173,3 +176,25 @@ def test_a_value_that_is_no_image_is_one_line_at_map(model_dir, caplog):
         kept = Dataset(DatasetMeta(data=rows), skip_bad_rows=True).map(numbered)
     assert len(kept) == 1 and kept[0]["messages"][1]["content"] == "b"
     assert any("1 of 2" in r.getMessage() and "row 0" in r.getMessage() for r in caplog.records), caplog.text
+
+
+def test_dataloader_rows_and_the_encode_cache(model_dir):
+    from twinkle.dataloader import DataLoader
+
+    rows = _hf_rows()
+    lazy = _encoded(LazyDataset, rows, model_dir)
+    batches = zip(
+        DataLoader(dataset=_encoded(Dataset, rows, model_dir), batch_size=2),
+        DataLoader(dataset=lazy, batch_size=2),
+    )
+    count = 0
+    for eager_batch, lazy_batch in batches:
+        assert len(eager_batch) == len(lazy_batch) == 2
+        for a, b in zip(eager_batch, lazy_batch, strict=True):
+            _assert_same_row(a, b)
+            count += 1
+    assert count == 4
+    for _ in range(2):  # stored, then read from the cache
+        cached = Dataset(DatasetMeta(data=rows)).map(ocr)
+        cached.set_template("Qwen3VLTemplate", model_id=str(model_dir), max_length=256)
+        _assert_same(cached.encode(load_from_cache_file=True), lazy)

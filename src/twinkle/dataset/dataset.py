@@ -77,7 +77,9 @@ class Dataset:
 
     def __getitem__(self, index: int) -> dict[str, Any]:
         row = self.data[index]
-        return image_rows.with_pixels(row, self.template, index) if self._pixels_on_read else row
+        if self._pixels_on_read and hasattr(index, "__index__"):  # one row, not a slice of columns
+            return image_rows.with_pixels(row, self.template, int(index))
+        return row
 
     def add_dataset(self, dataset_meta: "DatasetMeta | Dataset") -> "Dataset":
         """Load another dataset (a ``DatasetMeta``, or the rows of another ``Dataset``) next to these."""

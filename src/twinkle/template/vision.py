@@ -47,7 +47,7 @@ class VisionTemplate(Template):
     its tokens). Rows without images encode as text, without ``pixel_values``."""
 
     IMAGE_TOKEN = ""  # the placeholder token the chat template writes for an image
-    encodes_images = True  # rows carry pixel_values: encoded when read (LazyDataset), never cached
+    encodes_images = True  # samples carry pixel_values, made when a row is read (twinkle.dataset.image_rows)
 
     def __init__(
         self,
