@@ -1,6 +1,6 @@
-"""What upstream's multimodal cookbooks name and Twinkle does not build yet is refused in one line
-that names the capability: ``Dataset(features=)`` for image columns. Their template names are
-built (``Gemma4Template`` among them), and an unknown template name lists the valid ones."""
+"""Upstream's multimodal cookbooks' names: their template names are built (``Gemma4Template``
+among them), an unknown template name lists the valid ones, and ``Dataset(features=)`` given
+something other than ``datasets`` features is one line."""
 
 import pytest
 
@@ -24,8 +24,10 @@ def test_the_command_line_takes_upstreams_gemma4_name():
     )
 
 
-def test_a_dataset_schema_for_image_columns_is_one_line():
+def test_a_dataset_schema_of_text_is_one_line():
     from twinkle.dataset import Dataset
 
-    with pytest.raises(UserError, match=r"Dataset\(features=...\) is not supported yet: .*multimodal"):
+    with pytest.raises(
+        UserError, match=r"Dataset\(features=...\): 'image' is the text 'Image'; give a datasets"
+    ):
         Dataset(features={"image": "Image"})

@@ -198,3 +198,44 @@ def test_dataloader_rows_and_the_encode_cache(model_dir):
         cached = Dataset(DatasetMeta(data=rows)).map(ocr)
         cached.set_template("Qwen3VLTemplate", model_id=str(model_dir), max_length=256)
         _assert_same(cached.encode(load_from_cache_file=True), lazy)
+
+
+def test_upstreams_schema_for_image_columns(model_dir, tmp_path):
+    """Upstream's ``fsdp2_gemma4_12b_mm.py`` shape: ``Dataset(features=...)`` naming the image
+    column ``Image()`` and a ``messages`` schema, over rows that hold image paths."""
+    import json
+
+    lines = []
+    for i, (size, colour) in enumerate(zip(SIZES, COLOURS, strict=True)):
+        path = tmp_path / f"{i}.png"
+        path.write_bytes(picture(size, colour))
+        lines.append(json.dumps({"image": str(path), "text": f"x^{i}"}))
+    rows = tmp_path / "latex.jsonl"
+    rows.write_text("\n".join(lines) + "\n")
+    turn = datasets.Features(
+        {
+            "role": datasets.Value("string"),
+            "content": datasets.Value("string"),
+            "images": datasets.List(datasets.Image()),
+        }
+    )
+    schema = datasets.Features(
+        {"image": datasets.Image(), "text": datasets.Value("string"), "messages": datasets.List(turn)}
+    )
+    eager = Dataset(features=schema, dataset_meta=DatasetMeta(str(rows)))
+    assert type(eager[0]["image"]).__name__.endswith("ImageFile")  # the paths read as PIL images
+    eager.set_template("Qwen3VLTemplate", model_id=str(model_dir), max_length=256)
+    eager.map(preprocess_func=LatexOCRProcessor).encode()
+    lazy = LazyDataset(DatasetMeta(str(rows))).map(ocr)
+    lazy.set_template("Qwen3VLTemplate", model_id=str(model_dir), max_length=256)
+    _assert_same(eager, lazy.encode())
+    with pytest.raises(
+        UserError, match=r"^Dataset\(features=...\): 'image' is the text 'Image'; give a datasets"
+    ):
+        Dataset(features={"image": "Image"})
+    with pytest.raises(
+        UserError, match=r"^Dataset\(features=...\): cannot cast the column\(s\) text of .*latex.jsonl"
+    ):
+        Dataset(
+            features=datasets.Features({"text": datasets.Value("int64")}), dataset_meta=DatasetMeta(str(rows))
+        )

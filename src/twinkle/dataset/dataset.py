@@ -9,7 +9,7 @@ import datasets
 from twinkle.dataset import combine, image_rows
 from twinkle.dataset.encode import encode_dataset
 from twinkle.dataset.export import save_rows
-from twinkle.dataset.meta import DatasetMeta, load_rows
+from twinkle.dataset.meta import DatasetMeta, load_rows, schema_of, with_schema
 from twinkle.dataset.ops import filter_rows, map_rows, reject_unsupported, resolve_function
 from twinkle.dataset.origin import RowOrigin, bad_rows_text, report_skipped
 from twinkle.dataset.pairs import holds_pairs
@@ -38,13 +38,10 @@ class Dataset:
     def __init__(
         self, dataset_meta: DatasetMeta | None = None, skip_bad_rows: bool | None = None, features: Any = None
     ):
-        """``features``: upstream's ``datasets`` schema for the loaded rows, which its cookbooks give
-        for image columns; not supported yet (one line)."""
-        if features is not None:
-            raise UserError(
-                "Dataset(features=...) is not supported yet: a datasets schema for the loaded rows "
-                "(image columns: multimodal data); leave it out for text rows"
-            )
+        """``features``: a ``datasets.Features`` schema (upstream's cookbooks give one for image
+        columns); each dataset loaded has the columns it names cast to its types (``with_schema``).
+        Image columns need none: ``map`` stores the images it gets (``twinkle.dataset.image_rows``)."""
+        self._schema = schema_of(features)
         self.template: Template | None = None
         from twinkle.runtime import run_defaults
 
@@ -85,6 +82,9 @@ class Dataset:
         """Load another dataset (a ``DatasetMeta``, or the rows of another ``Dataset``) next to these."""
         if isinstance(dataset_meta, DatasetMeta):
             rows, origin = load_rows(dataset_meta, self.skip_bad_rows)
+            if self._schema is not None:
+                name = dataset_meta.dataset_id if dataset_meta.data is None else "DatasetMeta(data=...)"
+                rows = with_schema(rows, self._schema, str(name or "the bundled rows"))
             self._parts.append((dataset_meta.get_id(), rows))
             self._origins.append(origin)
         elif isinstance(dataset_meta, Dataset):

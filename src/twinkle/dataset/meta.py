@@ -157,3 +157,42 @@ def load_rows(meta: DatasetMeta, skip_bad_rows: bool = False) -> tuple[datasets.
     if len(indices) > len(data):
         logger.info(f"data_slice asks for {len(indices)} samples of a {len(data)}-row dataset: rows repeat")
     return data.select(indices), origin.take(indices)
+
+
+def schema_of(features: Any) -> datasets.Features | None:
+    """``Dataset(features=...)`` (upstream's name) as ``datasets.Features``, or None."""
+    if features is None or isinstance(features, datasets.Features):
+        return features
+    if not isinstance(features, dict):
+        raise UserError(f"Dataset(features=...) takes datasets.Features, got {type(features).__name__}")
+    for name, feature in features.items():
+        if isinstance(feature, str):
+            raise UserError(
+                f"Dataset(features=...): {name!r} is the text {feature!r}; give a datasets feature, "
+                "e.g. datasets.Image() or datasets.Value('string')"
+            )
+    return datasets.Features(features)
+
+
+def with_schema(rows: datasets.Dataset, schema: datasets.Features, name: str) -> datasets.Dataset:
+    """The loaded ``rows`` with the columns ``schema`` names cast to its types (a column of image
+    paths or bytes to ``datasets.Image()``: rows then give PIL images, as upstream's do). The
+    columns it names that loading does not give (upstream's ``messages``) are what ``map``
+    writes; ``map`` stores the images of ``messages`` itself (``twinkle.dataset.image_rows``)."""
+    loaded = {key: feature for key, feature in schema.items() if key in rows.column_names}
+    later = [key for key in schema if key not in rows.column_names]
+    if later:
+        logger.info(
+            f"Dataset(features=...): {', '.join(later)} are not columns of {name}; map writes them "
+            "(the images of messages as paths or data URIs)"
+        )
+    if not loaded or all(rows.features[key] == feature for key, feature in loaded.items()):
+        return rows
+    try:
+        return rows.cast(datasets.Features({**rows.features, **loaded}))
+    except Exception as exc:  # datasets raises ValueError, TypeError or pyarrow's errors
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UserError(
+            f"Dataset(features=...): cannot cast the column(s) {', '.join(loaded)} of {name}: {reason}; "
+            "give the types the columns hold, or leave features out"
+        ) from None
