@@ -84,7 +84,8 @@ def main() -> None:
         names = list(ADAPTERS)
         for name in names:
             model.add_adapter_to_model(name, LoraConfig(**ADAPTERS[name]))
-        for name in names:  # the first per-adapter call places the model, its expert slots in place
+        model._lazy_wrap_model()  # as upstream's cookbook places it: expert slots in, experts split
+        for name in names:
             model.save(f"init-{name}", output_dir=args.out, adapter_name=name, save_optimizer=False)
     else:
         model = TransformersModel(model_id=args.model_id, **KEYWORDS)
@@ -95,11 +96,12 @@ def main() -> None:
     for name in names:
         model.set_optimizer("AdamW", lr=LR, adapter_name=name)
     batch, lengths = shard(model, mesh)
+    window = {"gradient_accumulation_steps": 1} if args.mode == "multi" else {}  # the cookbook's keyword
     steps = {name: [] for name in names}
     for _ in range(STEPS):
         for name in names:
-            model.forward_backward(inputs=batch, adapter_name=name)
-            model.clip_grad_and_step(adapter_name=name)
+            model.forward_backward(inputs=batch, adapter_name=name, **window)
+            model.clip_grad_and_step(adapter_name=name, **window)
             metric = model.calculate_metric(is_training=True, adapter_name=name)
             steps[name].append({k: metric[k] for k in ("loss", "grad_norm")})
     for name in names:
