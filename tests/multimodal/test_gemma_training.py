@@ -200,13 +200,6 @@ def test_text_prompts_sample(family):
     assert 1 <= len(out[0].sequences[0].tokens) <= 3
 
 
-def test_a_served_gemma_checkpoint_places_no_images(family):
-    from twinkle.server.images import load_vision
-
-    _, folder, _ = family
-    assert load_vision(str(folder)).template is None  # images in requests stay a one-line refusal
-
-
 def test_kernelize_keeps_the_logits(family):
     """No kernel is registered for the Gemma families (their norms scale by 1 + w): ``kernelize``
     must leave the forward as it is."""

@@ -184,6 +184,7 @@ def test_a_served_model_whose_images_the_server_does_not_place_is_one_line(
     # a vision-language family the server has no template for: one line naming the ones it has
     monkeypatch.delitem(images.TEMPLATES, "qwen3_vl")
     with pytest.raises(
-        UserError, match="the served model is qwen3_vl; the server places images for qwen2_5_vl, "
+        UserError,
+        match="the served model is qwen3_vl; the server places images for gemma3, gemma4, qwen2_5_vl, ",
     ):
         served_template(str(qwen3_vl))

@@ -82,7 +82,7 @@ class Decoder:
         self.routes = routes  # each forward's experts, per row (``twinkle.sampler.routes``)
         # finished rows' keys and values for a later turn; plain attention layers only (a
         # recurrent or sliding-window layer's cache is not a list of positions to reuse)
-        plain = lockstep is None and routes is None and _plain_cache_layers(lm.config)
+        plain = lockstep is None and routes is None and plain_cache_layers(lm.config)
         self.turns = turns if plain else None
 
     def run(
@@ -380,7 +380,7 @@ class CacheState:
         self.next_positions = self.next_positions.repeat_interleave(n, dim=0)
 
 
-def _plain_cache_layers(config: Any) -> bool:
+def plain_cache_layers(config: Any) -> bool:
     """Whether every layer of the model's cache is a plain list of positions (full attention)."""
     from transformers import DynamicCache
 

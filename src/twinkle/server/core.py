@@ -103,18 +103,20 @@ def datum_batch(data: list[Datum], loss_fn: str, pad_id: int) -> tuple[dict, dic
 
 def vision_batch(data: list[Datum]) -> dict[str, torch.Tensor]:
     """The datums' placed images (``twinkle.server.images``) as one batch's ``pixel_values``
-    and ``image_grid_thw``, in row order (the model matches them to the placeholder tokens in
+    and ``image_grid_thw`` (Gemma: ``pixel_values`` one entry per image, and Gemma 4's
+    ``image_position_ids``), in row order (the model matches them to the placeholder tokens in
     that order), and ``image_counts``, each row's number of images (as
     ``twinkle.processor.collate`` gives them: packing and micro-batches find a row's images by
     it); empty when no datum has one."""
     placed = [d.vision for d in data if d.vision is not None]
     if not placed:
         return {}
-    out = {
-        k: torch.from_numpy(np.concatenate([v[k] for v in placed]))
-        for k in ("pixel_values", "image_grid_thw")
-    }
-    counts = [0 if d.vision is None else len(d.vision["image_grid_thw"]) for d in data]
+    out = {k: torch.from_numpy(np.concatenate([v[k] for v in placed])) for k in placed[0]}
+
+    def images(vision: dict[str, np.ndarray]) -> int:
+        return len(vision["image_grid_thw"] if "image_grid_thw" in vision else vision["pixel_values"])
+
+    counts = [0 if d.vision is None else images(d.vision) for d in data]
     out["image_counts"] = torch.tensor(counts, dtype=torch.long)
     return out
 
@@ -392,6 +394,7 @@ class ModelCore:
         its processor's rows get. Under FSDP2 every rank runs the same forward."""
         from twinkle.model.forward import causal_lm_of
         from twinkle.model.vision_positions import token_type_inputs
+        from twinkle.sampler.gemma_images import image_token_types, is_gemma
 
         m = self.model
         m.adapters.activate(name)
@@ -401,7 +404,8 @@ class ModelCore:
         images: dict[str, torch.Tensor] = {}
         if vision is not None:
             images = {k: torch.from_numpy(v).to(m.device) for k, v in vision.items()}
-            images.update(token_type_inputs(causal_lm_of(m.model), tokens))
+            lm = causal_lm_of(m.model)  # Gemma's token types go by the family's own name
+            images.update(image_token_types(lm, tokens) if is_gemma(lm) else token_type_inputs(lm, tokens))
         out = m.model(input_ids=tokens, **images)
         return torch.log_softmax(out.logits[0].float().cpu(), dim=-1)
 
@@ -479,15 +483,17 @@ class ModelCore:
         """The decoding batch every sample on this model joins (``twinkle.sampler.batch``), made
         at the first sample; None where it does not apply: a model sharded over ranks (whose
         ranks must run the same forwards) or one with sliding-window attention (whose cache the
-        batch does not lay out)."""
+        batch does not lay out), or with linear-attention layers (a recurrent state, not a list of
+        positions): every cache layer must be a plain one, as the model's own config lays them
+        out (a vision-language config names its text layers' kinds in its text config)."""
         if self.batch is None and not self.model.runtime.is_distributed:
             from twinkle.model.forward import causal_lm_of
             from twinkle.sampler.batch import DecodeBatch
+            from twinkle.sampler.decode import plain_cache_layers
             from twinkle.sampler.row_adapters import SlotRowAdapters
 
             lm = causal_lm_of(self.model.model)
-            config = lm.config
-            if not (getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True)):
+            if plain_cache_layers(lm.config):
                 self.batch = DecodeBatch(lm, self.model.tokenizer, SlotRowAdapters(self.model))
         return self.batch
 

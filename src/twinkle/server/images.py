@@ -1,7 +1,8 @@
 """Images in Tinker datums and sample prompts, for a vision-language base model:
 ``Vision.place`` turns each datum's (or prompt's) images into what the model's forward takes,
-``pixel_values`` and ``image_grid_thw``, with the model's image placeholder token repeated once
-per visual token where each image sits.
+``pixel_values`` and ``image_grid_thw`` (Gemma 3: one square image each; Gemma 4: its patches and
+``image_position_ids``), with the model's image placeholder token repeated once per visual token
+where each image sits.
 
 A datum brings its images in one of two ways:
 
@@ -9,14 +10,21 @@ A datum brings its images in one of two ways:
   text chunks. The server decodes them and runs the model's own image processor (the one its
   vision-language template uses, ``twinkle.template.vision``), so the chunk stands for as many
   placeholder tokens as the processor makes of it (for Qwen2-VL, Qwen2.5-VL and Qwen3-VL,
-  ``t*h*w / merge_size^2`` of its patch grid), which is also what the SDK counts when ``expected_tokens`` is set: a declared
+  ``t*h*w / merge_size^2`` of its patch grid; Gemma 3 a fixed ``mm_tokens_per_image``; Gemma 4
+  its pooled patches), which is also what the SDK counts when ``expected_tokens`` is set: a declared
   count that differs is refused rather than trained on shifted targets. The text chunks hold
   the rest of the chat format around it (for Qwen-VL, ``<|vision_start|>`` before the image and
-  ``<|vision_end|>`` after it, as the tinker-cookbook renderers write them).
+  ``<|vision_end|>`` after it, as the tinker-cookbook renderers write them; for Gemma the
+  tokenizer's ``boi_token`` before it and ``eoi_token`` after it).
 - ``pixel_values`` and ``image_grid_thw`` in ``loss_fn_inputs``, the placeholders already in the
   text (what ``twinkle.server.common.input_feature_to_datum`` sends for a row a
   vision-language template encoded, as upstream's does): the processed images, checked
-  against the placeholders they must fill.
+  against the placeholders they must fill. A Gemma row carries no grid sizes to check its
+  images against: a Gemma base takes ``ImageChunk`` only.
+
+The families placed are the vision-language template tables' (``twinkle.template.vision_family``):
+Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Gemma 3, Gemma 4, and Qwen3.5 where its folder holds an image
+processor (without one a Qwen3.5 base serves text, as ``TorchSampler`` samples it).
 
 A sample request's prompt is placed as a datum of its own (``ImageChunk`` only: a prompt has no
 ``loss_fn_inputs``), so it is decoded, processed and checked as training's are.
@@ -33,13 +41,14 @@ import numpy as np
 
 from twinkle.server.errors import BadRequest
 from twinkle.server.wire import IMAGE_INPUTS, Datum, ImageIn
-from twinkle.template.vision_family import FAMILY_TEMPLATES
+from twinkle.template.vision_family import FAMILY_TEMPLATES, GEMMA_TEMPLATES, QWEN3_5_TEMPLATES
 from twinkle.utils.errors import UserError
 
 # the vision-language template of each model type whose images the server places: the one its
 # rows are encoded with in process (Qwen3-VL's image processor cuts 16-pixel patches, Qwen2-VL's
 # and Qwen2.5-VL's 14, so each family counts its own placeholder tokens per image)
-TEMPLATES = {model_type: template for model_type, (_, template) in FAMILY_TEMPLATES.items()}
+FAMILIES = {**FAMILY_TEMPLATES, **QWEN3_5_TEMPLATES, **GEMMA_TEMPLATES}
+TEMPLATES = {model_type: template for model_type, (_, template) in FAMILIES.items()}
 FORMATS = {"png": "PNG", "jpeg": "JPEG"}  # ImageChunk.format -> PIL's name of it
 
 
@@ -75,15 +84,21 @@ class Vision:
     def __init__(self, model_id: str, config: dict[str, Any]):
         self.model_type = config.get("model_type")
         self.template: Any = None
-        if self.model_type in TEMPLATES:
-            from twinkle.template import get_template
-
-            self.template = get_template(TEMPLATES[self.model_type], model_id=model_id)
-            self.image_id = int(self.template.image_token_id)
-            self.image_token = self.template.image_token
-            processor = self.template.processor.image_processor
-            self.patch_width = 3 * int(processor.temporal_patch_size) * int(processor.patch_size) ** 2
+        self.gemma = self.model_type in GEMMA_TEMPLATES  # images without grid sizes
         self.start_id = config.get("vision_start_token_id")
+        if self.model_type not in TEMPLATES or not _places_images(model_id, self.model_type):
+            return
+        from twinkle.template import get_template
+
+        self.template = get_template(TEMPLATES[self.model_type], model_id=model_id)
+        self.image_id = int(self.template.image_token_id)
+        self.image_token = self.template.image_token
+        if self.gemma:  # an image's soft tokens follow the tokenizer's boi_token
+            tokenizer = self.template.tokenizer
+            self.start_id = int(tokenizer.convert_tokens_to_ids(tokenizer.boi_token))
+            return
+        processor = self.template.processor.image_processor
+        self.patch_width = 3 * int(processor.temporal_patch_size) * int(processor.patch_size) ** 2
 
     def place(self, data: list[Datum], names: list[str] | None = None) -> None:
         """Each datum's images placed (``tokens`` and ``vision`` set, ``images`` and the image
@@ -147,10 +162,11 @@ class Vision:
         parts, last = [], 0
         for j, (image, count) in enumerate(zip(d.images, counts, strict=True)):
             if image.expected is not None and image.expected != count:
-                grid = "x".join(str(int(v)) for v in vision["image_grid_thw"][j])
+                grids = vision.get("image_grid_thw")
+                grid = "" if grids is None else " (grid " + "x".join(str(int(v)) for v in grids[j]) + ")"
                 raise BadRequest(
-                    f"{where}: image {j} is {count} tokens for this model's image processor (grid "
-                    f"{grid}), but its chunk declares expected_tokens={image.expected}; declare {count}"
+                    f"{where}: image {j} is {count} tokens for this model's image processor{grid}, "
+                    f"but its chunk declares expected_tokens={image.expected}; declare {count}"
                 )
             if self.start_id is not None and (image.at == 0 or int(d.tokens[image.at - 1]) != self.start_id):
                 raise BadRequest(
@@ -164,6 +180,11 @@ class Vision:
         d.vision = {k: v.numpy() for k, v in vision.items()}
 
     def _from_inputs(self, d: Datum, where: str, sent: dict[str, np.ndarray]) -> None:
+        if self.gemma:
+            raise BadRequest(
+                f"{where}: a {self.model_type} model's images carry no image_grid_thw to check them by; "
+                "send each image as an ImageChunk in place of its soft tokens"
+            )
         missing = [k for k in IMAGE_INPUTS if k not in sent]
         if missing:
             raise BadRequest(f"{where}: loss_fn_inputs has {', '.join(sent)} without {missing[0]!r}")
@@ -184,6 +205,16 @@ class Vision:
             raise BadRequest(f"{where}: loss_fn_inputs['pixel_values'] holds NaN or inf")
         self._no_loose_placeholders(d, where, sum(self.template.image_tokens(g) for g in grid))
         d.vision = {"pixel_values": pixels.astype(np.float32), "image_grid_thw": grid.astype(np.int64)}
+
+
+def _places_images(model_id: str, model_type: str) -> bool:
+    """Whether a base of a known family places images: Qwen3.5 only with its image processor
+    saved beside it (``twinkle.sampler.vision_prefill.image_text_class`` decides the same)."""
+    if model_type not in QWEN3_5_TEMPLATES:
+        return True
+    from twinkle.hub import resolve_model
+
+    return (Path(resolve_model(model_id)) / "preprocessor_config.json").is_file()
 
 
 def place_images(

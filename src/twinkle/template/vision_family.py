@@ -20,13 +20,14 @@ FAMILY_TEMPLATES = {
     "qwen3_vl": ("Qwen3-VL", "Qwen3VLTemplate"),
     "qwen3_vl_moe": ("Qwen3-VL-MoE", "Qwen3VLTemplate"),
 }
-# Qwen3.5 encodes its images as Qwen3-VL: trained and sampled here, not served
+# Qwen3.5 encodes its images as Qwen3-VL; a table of its own: its checkpoints sample and serve
+# images only with an image processor saved beside them (else as the text model they also are)
 QWEN3_5_TEMPLATES = {
     "qwen3_5": ("Qwen3.5", "Qwen3VLTemplate"),
     "qwen3_5_moe": ("Qwen3.5-MoE", "Qwen3VLTemplate"),
 }
-# families whose rows carry one pixel_values entry per image and no grid sizes: trained here, not
-# served (the server places the images of FAMILY_TEMPLATES' families)
+# families whose rows carry one pixel_values entry per image and no grid sizes: the server places
+# their images from ImageChunks only (there are no grid sizes to check sent pixel_values by)
 GEMMA_TEMPLATES = {
     "gemma3": ("Gemma 3", "Gemma3Template"),
     "gemma4": ("Gemma 4", "Gemma4Template"),
