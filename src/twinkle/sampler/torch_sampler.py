@@ -22,10 +22,11 @@ finished rows' keys and values are kept (``twinkle.sampler.turn_cache``), so a l
 continues one (a multi-turn rollout's next turn) runs only its new tokens; ``reset_prefix_cache``
 drops them.
 
-Prompts may hold images on a vision-language model (Qwen2-VL / Qwen2.5-VL family): chat rows whose
-messages carry ``images`` (rendered by the vision-language template, e.g. ``Qwen2_5VLTemplate``)
-or encoded rows with ``pixel_values`` and ``image_grid_thw``; they are prefilled with their pixels
-and M-RoPE positions (``twinkle.sampler.vision_prefill``), and each sequence's
+Prompts may hold images on a vision-language model (the Qwen-VL families, Qwen3.5, Gemma 3 and
+Gemma 4): chat rows whose messages carry ``images`` (rendered by the vision-language template, e.g.
+``Qwen2_5VLTemplate``) or encoded rows with ``pixel_values`` and ``image_grid_thw`` (Gemma: no
+grid); they are prefilled with their pixels and M-RoPE positions, or on Gemma with the token types
+that let an image's tokens attend both ways (``twinkle.sampler.vision_prefill``), and each sequence's
 ``new_input_feature`` carries its prompt's images to training. Nothing of an image outlives its
 call (no encoder cache; rows with images are not kept for later turns), so ``reset_mm_cache``
 and ``reset_encoder_cache`` have nothing to drop."""
