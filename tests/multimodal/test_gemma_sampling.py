@@ -258,3 +258,16 @@ def test_a_qwen_row_on_a_gemma_model_is_one_line(family, tiny_vl_dir):
     with pytest.raises(UserError, match="input row 0: .*encoded for another model family") as info:
         sampler.sample([{k: v for k, v in row.items() if k != "messages"}], greedy(2))
     assert "\n" not in str(info.value)
+
+
+def test_prompt_logprobs_with_images_equal_a_forward_with_the_token_types(family):
+    model_type, _, sampler = family
+    response = sampler.sample(PROMPTS[2], SamplingParams(max_tokens=1, prompt_logprobs=0))[0]
+    row = {**response.sequences[0].new_input_feature, "input_ids": response.prompt_token_ids}
+    inputs = hf_inputs(model_type, sampler.lm, row)
+    with torch.no_grad():
+        logps = torch.log_softmax(sampler.lm(**inputs, use_cache=False).logits.float(), dim=-1)
+    expected = logps[0, :-1].gather(-1, inputs["input_ids"][0, 1:, None]).squeeze(-1)
+    assert response.prompt_logprobs[0] is None
+    got = torch.tensor(response.prompt_logprobs[1:])
+    torch.testing.assert_close(got, expected, **tolerances(row, expected))
