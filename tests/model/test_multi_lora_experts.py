@@ -162,6 +162,16 @@ def test_deepseek_v4_upstream_shape_attaches_expert_slots_on_the_first_adapter(d
     )  # 3 MoE layers, 2 parameters, A and B
 
 
+def test_a_mixed_batch_over_expert_slots_is_one_line(qwen3_moe):
+    model = MultiLoraTransformersModel(
+        str(qwen3_moe), max_loras=2, max_r=8
+    )  # all-linear: PEFT reaches the experts
+    model.add_adapter_to_model("a", LoraConfig(r=4, target_modules=["q_proj"]))
+    with pytest.raises(UserError, match="one adapter per forward") as info:
+        model.forward_only(inputs=ROWS, adapter_names=["a", None])
+    assert "\n" not in str(info.value)
+
+
 def test_expert_slots_after_placement_are_one_line(deepseek_v4):
     model = MultiLoraTransformersModel(str(deepseek_v4), max_loras=2, max_r=8)
     model.add_adapter_to_model("plain", LoraConfig(r=4, target_modules=["q_b_proj"]))
