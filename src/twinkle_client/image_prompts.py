@@ -131,6 +131,11 @@ def served_template(served: str) -> Any:
             f"the served model is {vision.model_type}; the server places images for "
             f"{', '.join(sorted(TEMPLATES))} models"
         )
+    if vision is not None and vision.gemma:  # the chunks here are built from Qwen's patch grids
+        raise UserError(
+            f"the served model is {vision.model_type}, whose images this client does not send yet; "
+            "send each image as a tinker ImageChunk in place of its soft tokens (tinker SDK)"
+        )
     return None if vision is None else vision.template
 
 

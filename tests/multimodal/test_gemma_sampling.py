@@ -271,3 +271,30 @@ def test_prompt_logprobs_with_images_equal_a_forward_with_the_token_types(family
     assert response.prompt_logprobs[0] is None
     got = torch.tensor(response.prompt_logprobs[1:])
     torch.testing.assert_close(got, expected, **tolerances(row, expected))
+
+
+def test_prompts_sharing_a_prefix_with_rests_of_other_lengths_sample_as_alone(family, monkeypatch):
+    """The sliding-window layers count their window in cache slots: with the shared prefix run
+    apart, the pads between it and a shorter rest would take up slots of the shortest prompt's
+    window (its tokens change). So the prefix runs apart only where the rests are
+    equally long, and each prompt samples what it samples alone."""
+    import twinkle.sampler.decode as decode
+
+    _, _, sampler = family
+    lead = "Look closely at the words below and answer in one word, please, as you would. "
+    prompts = [
+        user(lead + "Hi?"),
+        user(lead + "What is the colour of the sky at noon on a clear day?"),
+        user(lead + "<image>Say what you see here now.", ((32, 32), GREEN)),
+    ]
+    alone = [sampler.sample(p, greedy(6))[0].sequences[0].tokens for p in prompts]
+    assert [r.sequences[0].tokens for r in sampler.sample(prompts, greedy(6))] == alone
+    real = decode.Decoder.__init__
+
+    def pads_between(self, *args, **kwargs):  # the prefix run apart whatever the rests
+        real(self, *args, **kwargs)
+        self.even_rests = False
+
+    monkeypatch.setattr(decode.Decoder, "__init__", pads_between)
+    apart = [r.sequences[0].tokens for r in sampler.sample(prompts, greedy(6))]
+    assert apart != alone  # the check sees the window

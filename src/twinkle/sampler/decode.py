@@ -12,7 +12,9 @@ row), and draws from one ``torch.Generator`` seeded per call. It also does less 
   cache rows are repeated afterwards;
 - the prompts' common prefix (a chat template's system turn, say) runs once, in a row of its own,
   and its cache is repeated for every prompt before the rest of each prompt runs: the pads then
-  sit between the prefix and the rest, hidden by the mask as before;
+  sit between the prefix and the rest, hidden by the mask as before (on a model whose cache has
+  sliding-window or linear-attention layers, only where every rest is equally long: a sliding
+  window counts cache slots, pads included, and a recurrent state decays over the pads);
 - only the last position's logits are computed (``logits_to_keep=1``);
 - a row that stops leaves the batch (its cache rows are dropped), so later steps run only the
   rows still generating, and a batch without pads passes no attention mask at all.
@@ -82,8 +84,12 @@ class Decoder:
         self.routes = routes  # each forward's experts, per row (``twinkle.sampler.routes``)
         # finished rows' keys and values for a later turn; plain attention layers only (a
         # recurrent or sliding-window layer's cache is not a list of positions to reuse)
-        plain = lockstep is None and routes is None and plain_cache_layers(lm.config)
+        plain_layers = plain_cache_layers(lm.config)
+        plain = lockstep is None and routes is None and plain_layers
         self.turns = turns if plain else None
+        # pads between a shared prefix and the rests would move a sliding window or a recurrent
+        # state: such a model runs a prefix apart only where the rests are equally long
+        self.even_rests = not plain_layers
 
     def run(
         self, prompts: list[list[int]], budgets: list[int], visions: list[Any] | None = None
@@ -106,7 +112,7 @@ class Decoder:
             self._idle()
             return []
         if visions is not None and any(v is not None for v in visions):
-            shared = 0 if self.lockstep is not None else shared_prefix(prompts)
+            shared = 0 if self.lockstep is not None else shared_prefix(prompts, self.even_rests)
             logits, state = prefill_with_images(self, prompts, visions, shared, SHARED_MIN, CacheState)
         else:
             logits, state = self._prefill(prompts)
@@ -165,7 +171,7 @@ class Decoder:
             hits = [self.turns.match(p) for p in prompts]
             if any(kept is not None for _, kept in hits):
                 return self._prefill_after(prompts, hits)
-        shared = 0 if self.lockstep is not None else shared_prefix(prompts)
+        shared = 0 if self.lockstep is not None else shared_prefix(prompts, self.even_rests)
         rests = [p[shared:] for p in prompts]
         width = max(len(p) for p in rests)
         ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
@@ -325,16 +331,19 @@ def drain(steps: Generator[None, None, Any]) -> Any:
 SHARED_MIN = 16  # prompt tokens a shared prefix must save to run apart (about one extra forward's cost)
 
 
-def shared_prefix(prompts: list[list[int]]) -> int:
+def shared_prefix(prompts: list[list[int]], even: bool = False) -> int:
     """The tokens all ``prompts`` start with, where running them once saves at least
     ``SHARED_MIN`` tokens; each prompt keeps at least one token of its own (its last position's
-    logits start the decoding). 0: no prefix run apart."""
+    logits start the decoding). ``even``: only where the prompts' rests are equally long (no pads
+    between the prefix and a rest). 0: no prefix run apart."""
     if len(prompts) < 2:
         return 0
     shortest = min(len(p) for p in prompts)
     shared = 0
     while shared < shortest - 1 and all(p[shared] == prompts[0][shared] for p in prompts):
         shared += 1
+    if even and len({len(p) - shared for p in prompts}) > 1:
+        return 0
     return shared if shared * (len(prompts) - 1) >= SHARED_MIN else 0
 
 

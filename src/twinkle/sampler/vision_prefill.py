@@ -17,9 +17,9 @@ prefix once in a row of its own), with three differences:
 - the common prefix runs apart only where every prompt has the same images in it (equal image
   tokens do not mean equal pixels), and never ends inside an image's tokens: otherwise it ends
   before its first image (GRPO's copies of one prompt share the whole prompt, images included).
-  On Gemma it also runs apart only where the rest of every prompt is equally long: the
-  sliding-window layers count their window in cache slots, and pads between the prefix and a
-  shorter rest would narrow it.
+  On a model with sliding-window or linear-attention layers (Gemma, Qwen3.5) it also runs apart
+  only where the rest of every prompt is equally long (``Decoder.even_rests``): pads between the
+  prefix and a shorter rest would take up window slots or decay the recurrent state.
 
 Decoding then goes on from each row's largest prompt position plus one, on every axis, as
 ``generate`` continues a Qwen-VL prompt."""
@@ -195,7 +195,7 @@ def prefill_with_images(
     k = 0
     if shared:
         shared, k = prefix_with_images(prompts, images, counts, shared, lm.config.image_token_id)
-        uneven = gemma and len({len(p) - shared for p in prompts}) > 1  # see the module docstring
+        uneven = decoder.even_rests and len({len(p) - shared for p in prompts}) > 1  # module docstring
         if shared * (len(prompts) - 1) < shared_min or uneven:
             shared, k = 0, 0
     rests = [p[shared:] for p in prompts]
