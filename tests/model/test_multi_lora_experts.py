@@ -172,6 +172,13 @@ def test_a_mixed_batch_over_expert_slots_is_one_line(qwen3_moe):
     assert "\n" not in str(info.value)
 
 
+def test_target_parameters_on_a_dense_model_are_one_line(tiny_model_dir):
+    model = MultiLoraTransformersModel(str(tiny_model_dir), max_loras=1, max_r=4)
+    with pytest.raises(UserError, match="has no such parameter") as info:
+        model.add_adapter_to_model("a", LoraConfig(r=4, target_modules=["q_proj"], target_parameters=EXPERTS))
+    assert "\n" not in str(info.value)
+
+
 def test_expert_slots_after_placement_are_one_line(deepseek_v4):
     model = MultiLoraTransformersModel(str(deepseek_v4), max_loras=2, max_r=8)
     model.add_adapter_to_model("plain", LoraConfig(r=4, target_modules=["q_b_proj"]))
