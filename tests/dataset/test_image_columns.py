@@ -186,6 +186,7 @@ def test_dataloader_rows_and_the_encode_cache(model_dir):
     batches = zip(
         DataLoader(dataset=_encoded(Dataset, rows, model_dir), batch_size=2),
         DataLoader(dataset=lazy, batch_size=2),
+        strict=True,
     )
     count = 0
     for eager_batch, lazy_batch in batches:
