@@ -19,7 +19,6 @@ from twinkle.runtime import controller, controller_restarts, output_lock, preemp
 from twinkle.runtime.run_config import RunDefaults, take_handed_over
 from twinkle.utils.errors import UserError
 from twinkle.utils.framework import Torch
-from twinkle.utils.memory import fixed_mmap_threshold
 
 MODES = ("local", "ray")
 RAY_WORKER = "TWINKLE_RAY_WORKER"  # set in the processes a Ray job's driver starts
@@ -110,8 +109,6 @@ def initialize(
     - under ``--mode ray``, in the driver: the job on the workers, then exit with its status;
     - the device (cuda > npu > cpu) and, under torchrun, the process group, whose collectives wait
       ``timeout_s`` (default ``process_group_timeout_s``) for a dead peer;
-    - on the CPU, glibc's malloc serving large blocks from mappings of their own
-      (``twinkle.utils.memory.fixed_mmap_threshold``), so a step's freed tensors leave the process;
     - the seeds (``seed``, default the configuration's): every rank the same, so that LoRA weights
       start identical;
     - the SIGTERM handler that saves at the next step boundary (``preemption``).
@@ -178,8 +175,6 @@ def _start(
         )
     output_lock.take_for_run(run, owner=rank == 0 and not ray_worker)
     device = _pick_device(local_rank)
-    if device.type == "cpu":  # a step's freed tensors go back to the system
-        fixed_mmap_threshold()
     if world > 1 and not dist.is_initialized():
         if timeout_s is None:
             timeout_s = run.process_group_timeout_s
