@@ -14,7 +14,7 @@ import torch
 
 from twinkle.server.common import IGNORE, images_of, shifted
 
-IMAGES = ("pixel_values", "image_grid_thw")
+IMAGES = ("pixel_values", "image_grid_thw", "image_position_ids")  # any VL family's row's
 
 
 def _as_list(values: Any) -> list:
@@ -91,8 +91,12 @@ def datums_of(rows: list[dict[str, list[int]]], values: dict[str, torch.Tensor] 
         for name, tensor in (values or {}).items():
             part = tensor[b, 1 : len(row["input_ids"])].numpy().astype(np.float32)
             inputs[name] = types.TensorData.from_numpy(np.ascontiguousarray(part))
-        inputs.update(images_of(row))  # its processed images, as input_feature_to_datum sends them
-        data.append(types.Datum(model_input=types.ModelInput.from_ints(model_input), loss_fn_inputs=inputs))
+        # a Gemma row's input with its images as ImageChunks (image_prompts.training_input)
+        chunked = row.get("chunked")
+        if chunked is None:
+            inputs.update(images_of(row))  # its processed images, as input_feature_to_datum sends them
+            chunked = types.ModelInput.from_ints(model_input)
+        data.append(types.Datum(model_input=chunked, loss_fn_inputs=inputs))
     return data
 
 

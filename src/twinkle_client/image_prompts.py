@@ -20,7 +20,8 @@ import numpy as np
 
 from twinkle.utils.errors import UserError
 
-IMAGES = ("pixel_values", "image_grid_thw")
+IMAGES = ("pixel_values", "image_grid_thw")  # a Qwen-VL row's
+ROW_IMAGES = (*IMAGES, "image_position_ids")  # what any family's row holds its images in
 
 
 def _array(value: Any, dtype: Any) -> np.ndarray:
@@ -35,19 +36,32 @@ def png(picture: Any) -> bytes:
     return out.getvalue()
 
 
-def rebuilt_pictures(row: dict[str, Any], template: Any, where: str) -> list[Any]:
-    """The PIL pictures the row's ``pixel_values`` were processed from (see the module's
-    docstring), each checked by processing it again."""
-    from PIL import Image
+def _levels(values: np.ndarray, processor: Any, channels_at: int, where: str, j: int) -> np.ndarray:
+    """``values`` (float64, RGB on axis ``channels_at``) undone through the processor's
+    normalization and rescaling back to 8-bit levels; ones that are not 8-bit levels are refused."""
+    shape = [1] * values.ndim
+    shape[channels_at] = 3
+    mean, std = np.zeros(3), np.ones(3)
+    if getattr(processor, "do_normalize", True):
+        mean = np.broadcast_to(np.asarray(processor.image_mean, dtype=np.float64), (3,))
+        std = np.broadcast_to(np.asarray(processor.image_std, dtype=np.float64), (3,))
+    scale = float(processor.rescale_factor) if getattr(processor, "do_rescale", True) else 1.0
+    levels = np.rint((values * std.reshape(shape) + mean.reshape(shape)) / scale)
+    if levels.min() < -0.5 or levels.max() > 255.5:
+        raise UserError(
+            f"{where}: image {j}'s pixel_values are not 8-bit pixels through this model's normalization; "
+            "sample the trajectory (Message.images) instead"
+        )
+    return levels.clip(0, 255).astype(np.uint8)
 
-    processor = template.processor.image_processor
+
+def _qwen_pictures(row: dict[str, Any], processor: Any, where: str) -> list[np.ndarray]:
+    """Qwen-VL: each image's patches (``image_grid_thw`` of them, merged in ``merge_size``
+    squares) put back on its grid, ``(height, width, 3)`` 8-bit arrays."""
     pixels = _array(row["pixel_values"], np.float32)
     grids = _array(row["image_grid_thw"], np.int64).reshape(-1, 3)
     p, m = int(processor.patch_size), int(getattr(processor, "merge_size", 1))
     t_patch = int(getattr(processor, "temporal_patch_size", 1))
-    mean = np.broadcast_to(np.asarray(processor.image_mean, dtype=np.float64), (3,)).reshape(3, 1, 1)
-    std = np.broadcast_to(np.asarray(processor.image_std, dtype=np.float64), (3,)).reshape(3, 1, 1)
-    scale = float(getattr(processor, "rescale_factor", 1 / 255))
     if pixels.ndim != 2 or pixels.shape[1] != 3 * t_patch * p * p:
         raise UserError(
             f"{where}: pixel_values of shape {list(pixels.shape)} are not this model's image patches "
@@ -58,7 +72,7 @@ def rebuilt_pictures(row: dict[str, Any], template: Any, where: str) -> list[Any
         raise UserError(
             f"{where}: image_grid_thw covers {sum(patches_of)} patches but pixel_values holds {len(pixels)}"
         )
-    pictures, start = [], 0
+    out, start = [], 0
     for j, (t, gh, gw) in enumerate(grids.tolist()):
         if t != 1 or gh % m or gw % m:
             raise UserError(f"{where}: image {j} has grid {t}x{gh}x{gw}; only still images are sampled")
@@ -66,30 +80,112 @@ def rebuilt_pictures(row: dict[str, Any], template: Any, where: str) -> list[Any
         start += gh * gw
         patches = patches.reshape(gh // m, gw // m, m, m, 3, t_patch, p, p)[:, :, :, :, :, 0]
         image = patches.transpose(4, 0, 2, 5, 1, 3, 6).reshape(3, gh * p, gw * p)
-        values = np.rint((image * std + mean) / scale)
-        if values.min() < -0.5 or values.max() > 255.5:
-            raise UserError(
-                f"{where}: image {j}'s pixel_values are not 8-bit pixels through this model's normalization; "
-                "sample the trajectory (Message.images) instead"
-            )
-        pictures.append(Image.fromarray(values.clip(0, 255).astype(np.uint8).transpose(1, 2, 0), "RGB"))
-    again, _ = template.process_images(pictures)
-    if not np.allclose(again["pixel_values"].numpy(), pixels, rtol=0, atol=1e-5) or not np.array_equal(
-        again["image_grid_thw"].numpy(), grids
-    ):
+        out.append(_levels(image, processor, 0, where, j).transpose(1, 2, 0))
+    return out
+
+
+def _gemma3_pictures(row: dict[str, Any], processor: Any, where: str) -> list[np.ndarray]:
+    """Gemma 3: ``pixel_values`` are the resized images themselves, ``(images, 3, H, W)``."""
+    pixels = _array(row["pixel_values"], np.float64)
+    if pixels.ndim != 4 or pixels.shape[1] != 3:
         raise UserError(
-            f"{where}: its pictures cannot be rebuilt from its pixel_values (the model's processor makes "
-            "other numbers of them); sample the trajectory (Message.images) instead"
+            f"{where}: pixel_values of shape {list(pixels.shape)} are not (images, 3, height, width) "
+            "images; encode the row with the served model's template"
         )
-    return pictures
+    return [_levels(image, processor, 0, where, j).transpose(1, 2, 0) for j, image in enumerate(pixels)]
 
 
-def model_input(ids: list[int], template: Any, pictures: list[Any], grids: Any, where: str) -> Any:
+def _gemma4_pictures(row: dict[str, Any], processor: Any, where: str) -> list[np.ndarray]:
+    """Gemma 4: each image's ``patch_size`` patches (``(p, p, 3)`` flattened) put back at their
+    ``image_position_ids`` ``(x, y)``; positions of -1 are the budget's padding."""
+    if row.get("image_position_ids") is None:
+        raise UserError(
+            f"{where} has pixel_values without image_position_ids; encode the row and its images together"
+        )
+    pixels = _array(row["pixel_values"], np.float64)
+    positions = _array(row["image_position_ids"], np.int64)
+    p = int(processor.patch_size)
+    if pixels.ndim != 3 or pixels.shape[2] != 3 * p * p or positions.shape != (*pixels.shape[:2], 2):
+        raise UserError(
+            f"{where}: pixel_values {list(pixels.shape)} and image_position_ids {list(positions.shape)} are not "
+            f"this model's (images, patches, {3 * p * p}) patches and (images, patches, 2) positions"
+        )
+    out = []
+    for j, (patches, at) in enumerate(zip(pixels, positions, strict=True)):
+        real = at[:, 0] >= 0
+        xs, ys = at[real, 0], at[real, 1]
+        if not real.any() or real.sum() != (xs.max() + 1) * (ys.max() + 1):
+            raise UserError(f"{where}: image {j}'s image_position_ids do not cover a whole grid of patches")
+        image = np.zeros((ys.max() + 1, p, xs.max() + 1, p, 3))
+        image[ys, :, xs] = patches[real].reshape(-1, p, p, 3)
+        out.append(_levels(image.reshape((ys.max() + 1) * p, (xs.max() + 1) * p, 3), processor, 2, where, j))
+    return out
+
+
+def gemma(template: Any) -> bool:
+    """Whether the template's family writes images without grid sizes (Gemma 3, Gemma 4): its
+    rows' images travel as ``ImageChunk``s only, training rows' too."""
+    from twinkle.template.gemma import GemmaVisionTemplate
+
+    return isinstance(template, GemmaVisionTemplate)
+
+
+def image_keys(template: Any) -> tuple[str, ...]:
+    """The keys a row this template encoded holds its processed images in."""
+    from twinkle.template.gemma import Gemma4Template
+
+    if isinstance(template, Gemma4Template):
+        return ("pixel_values", "image_position_ids")
+    return ("pixel_values",) if gemma(template) else IMAGES
+
+
+def rebuilt_pictures(row: dict[str, Any], template: Any, where: str) -> tuple[list[Any], list[int]]:
+    """``(pictures, token counts)``: the PIL pictures the row's processed images were made from
+    (see the module's docstring), each checked by processing it again, and how many
+    placeholder tokens each stands for."""
+    from PIL import Image
+
+    from twinkle.template.gemma import Gemma4Template
+
+    processor = template.processor.image_processor
+    keys = image_keys(template)
+    rebuild = _gemma4_pictures if isinstance(template, Gemma4Template) else _gemma3_pictures
+    arrays = rebuild(row, processor, where) if gemma(template) else _qwen_pictures(row, processor, where)
+    pictures = [Image.fromarray(a, "RGB") for a in arrays]
+    again, counts = template.process_images(pictures)
+    for k in keys:
+        given, made = _array(row[k], np.float64), again[k].numpy()
+        same = given.shape == made.shape and (
+            np.allclose(made, given, rtol=0, atol=1e-5)
+            if k == "pixel_values"
+            else np.array_equal(made, given)
+        )
+        if not same:
+            raise UserError(
+                f"{where}: its pictures cannot be rebuilt from its {k} (the model's processor makes other "
+                "numbers of them); send the trajectory (Message.images) instead"
+            )
+    return pictures, counts
+
+
+def counts_of(row: dict[str, Any], template: Any) -> list[int]:
+    """Each image's count of placeholder tokens as the row's processed images say."""
+    from twinkle.template.gemma import Gemma3Template
+
+    if isinstance(template, Gemma3Template):
+        return [template.image_seq_length] * len(_array(row["pixel_values"], np.float32))
+    if gemma(template):
+        kernel = int(template.processor.image_processor.pooling_kernel_size) ** 2
+        real = _array(row["image_position_ids"], np.int64)[..., 0] >= 0
+        return [int(n) // kernel for n in real.sum(axis=1)]
+    return [template.image_tokens(g) for g in _array(row["image_grid_thw"], np.int64).reshape(-1, 3)]
+
+
+def model_input(ids: list[int], template: Any, pictures: list[Any], counts: list[int], where: str) -> Any:
     """``ids`` as text chunks with ``pictures[j]`` an ``ImageChunk`` in place of image ``j``'s run
-    of placeholder tokens (as many as its grid in ``grids`` makes, its ``expected_tokens``)."""
+    of ``counts[j]`` placeholder tokens (its ``expected_tokens``)."""
     from tinker import types
 
-    counts = [template.image_tokens(g) for g in _array(grids, np.int64).reshape(-1, 3)]
     image_id = int(template.image_token_id)
     chunks: list[Any] = []
     last, at = 0, 0
@@ -108,7 +204,7 @@ def model_input(ids: list[int], template: Any, pictures: list[Any], grids: Any, 
         found = ids.count(image_id) - sum(counts)
         raise UserError(
             f"{where}: {found} image placeholder token(s) {template.image_token} beyond its "
-            f"{len(counts)} image(s); give each image its pixel_values and image_grid_thw"
+            f"{len(counts)} image(s); give each image its {' and '.join(image_keys(template))}"
         )
     if last < len(ids):
         chunks.append(types.EncodedTextChunk(tokens=ids[last:]))
@@ -116,7 +212,17 @@ def model_input(ids: list[int], template: Any, pictures: list[Any], grids: Any, 
 
 
 def has_images(row: Any) -> bool:
-    return isinstance(row, dict) and any(row.get(k) is not None for k in IMAGES)
+    return isinstance(row, dict) and any(row.get(k) is not None for k in ROW_IMAGES)
+
+
+def images_in(row: dict[str, Any], template: Any, where: str) -> dict[str, Any]:
+    """The row's processed images under the keys ``template`` writes them (``image_keys``),
+    all of them or a one-line error."""
+    keys = image_keys(template)
+    given = [k for k in ROW_IMAGES if row.get(k) is not None]
+    if given and not set(keys) <= set(given):
+        raise UserError(f"{where} has {given[0]} without the other of {', '.join(keys)}")
+    return {k: row[k] for k in keys}
 
 
 def served_template(served: str) -> Any:
@@ -131,20 +237,15 @@ def served_template(served: str) -> Any:
             f"the served model is {vision.model_type}; the server places images for "
             f"{', '.join(sorted(TEMPLATES))} models"
         )
-    if vision is not None and vision.gemma:  # the chunks here are built from Qwen's patch grids
-        raise UserError(
-            f"the served model is {vision.model_type}, whose images this client does not send yet; "
-            "send each image as a tinker ImageChunk in place of its soft tokens (tinker SDK)"
-        )
     return None if vision is None else vision.template
 
 
 def prompt_input(prompt: Any, template: Any, where: str) -> tuple[Any, list[int], dict[str, Any]]:
     """``(ModelInput, input_ids, images)`` of a prompt: token ids, a ``ModelInput`` (sent as it
-    is), or an encoded row (``input_ids``, and ``pixel_values`` with ``image_grid_thw`` when it
-    has images, placed as ``model_input`` says). ``template``: a callable giving the
+    is), or an encoded row (``input_ids``, and its processed images under the keys its family
+    writes, ``image_keys``, placed as ``model_input`` says). ``template``: a callable giving the
     vision-language template, called only for a row with images. ``images``: the row's
-    ``pixel_values`` and ``image_grid_thw``, empty without."""
+    processed images, empty without."""
     from tinker import types
 
     if isinstance(prompt, types.ModelInput):
@@ -155,15 +256,12 @@ def prompt_input(prompt: Any, template: Any, where: str) -> tuple[Any, list[int]
     if "input_ids" not in prompt:
         raise UserError(f"{where} has no input_ids; encode it first (set_template, or Template.encode)")
     ids = _array(prompt["input_ids"], np.int64).reshape(-1).tolist()
-    given = [k for k in IMAGES if prompt.get(k) is not None]
-    if not given:
+    if not has_images(prompt):
         return types.ModelInput.from_ints(ids), ids, {}
-    if len(given) == 1:
-        raise UserError(f"{where} has {given[0]} without the other of {', '.join(IMAGES)}")
     vl = template()
-    pictures = rebuilt_pictures(prompt, vl, where)
-    images = {k: prompt[k] for k in IMAGES}
-    return model_input(ids, vl, pictures, prompt["image_grid_thw"], where), ids, images
+    images = images_in(prompt, vl, where)
+    pictures, counts = rebuilt_pictures(prompt, vl, where)
+    return model_input(ids, vl, pictures, counts, where), ids, images
 
 
 def trajectory_input(trajectory: Any, template: Any, where: str) -> tuple[Any, list[int], dict[str, Any]]:
@@ -181,5 +279,15 @@ def trajectory_input(trajectory: Any, template: Any, where: str) -> tuple[Any, l
     if not has_images(row):
         return types.ModelInput.from_ints(ids), ids, {}
     _, pictures = place_images(without_empty_reply(messages_of(trajectory)[0]))
-    images = {k: row[k] for k in IMAGES}
-    return model_input(ids, template, pictures, row["image_grid_thw"], where), ids, images
+    images = images_in(row, template, where)
+    return model_input(ids, template, pictures, counts_of(row, template), where), ids, images
+
+
+def training_input(row: dict[str, Any], template: Any, where: str) -> Any:
+    """The ``ModelInput`` of a training row's shifted input (``input_ids[:-1]``) with each image an
+    ``ImageChunk``, for a family whose images travel that way only (``gemma``); the targets stay
+    the row's tokens (the server puts the placeholders back before it reads them)."""
+    images_in(row, template, where)
+    ids = _array(row["input_ids"], np.int64).reshape(-1).tolist()
+    pictures, counts = rebuilt_pictures(row, template, where)
+    return model_input(ids[:-1], template, pictures, counts, where)

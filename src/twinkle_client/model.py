@@ -3,7 +3,10 @@ upstream's client shapes, each adapter a Tinker training run on the server.
 
 Inputs are encoded rows (``{"input_ids", "labels"}``, labels aligned with the inputs, -100
 where a token is not trained) or a padded batch of tensors; they travel as shifted Tinker
-datums (``twinkle_client.batches``). The step is the local one:
+datums (``twinkle_client.batches``); a row's images go as its processed images in the datum's
+``loss_fn_inputs`` (Qwen-VL), or for a Gemma 3 / Gemma 4 base, whose rows carry no grid sizes
+the server could check them by, as ``ImageChunk``s in place of their soft tokens
+(``twinkle_client.image_prompts.training_input``). The step is the local one:
 
 - cross entropy (the default, or ``set_loss('CrossEntropyLoss')``) is the server's
   ``cross_entropy`` asking for the local gradient, the mean over the window's trained tokens
@@ -32,7 +35,7 @@ from typing import Any
 import torch
 
 from twinkle.server.common import local_model_id, serves
-from twinkle_client import batches, tasks
+from twinkle_client import batches, image_prompts, tasks
 from twinkle_client.adapter import Adapter, warn_unapplied, window_steps
 from twinkle_client.connection import Connection, current_client
 from twinkle_client.optim import AdamSettings
@@ -62,6 +65,7 @@ class MultiLoraTransformersModel:
             raise ValueError(f"the server serves {served!r}, not {model_id!r}")
         self.model_id = served
         self.adapters: dict[str, Adapter] = {}
+        self.served_template: Any = False  # the served model's vision-language template, read when needed
 
     @property
     def runs(self) -> dict[str, Any]:
@@ -186,7 +190,20 @@ class MultiLoraTransformersModel:
             if a.template is None:
                 raise ValueError("rows without input_ids need set_template(...) first")
             rows = [a.template[1].encode(r) for r in rows]
-        return batches.rows_of(rows)
+        rows = batches.rows_of(rows)
+        for i, row in enumerate(rows):
+            if image_prompts.has_images(row) and image_prompts.gemma(template := self._vision(a)):
+                row["chunked"] = image_prompts.training_input(row, template, f"row {i}")
+        return rows
+
+    def _vision(self, a: Adapter) -> Any:
+        """The template whose rows' images are sent: the adapter's own vision-language one, else
+        the served model's (``image_prompts.served_template``; None for a text model)."""
+        if a.template is not None and hasattr(a.template[1], "image_token_id"):
+            return a.template[1]
+        if self.served_template is False:
+            self.served_template = image_prompts.served_template(self.model_id)
+        return self.served_template
 
     def _step_values(self, a: Adapter, labels: Any, given: dict[str, Any]) -> dict[str, Any]:
         reads = set(getattr(a.loss, "extra_inputs", ()))

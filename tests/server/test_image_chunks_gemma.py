@@ -228,15 +228,10 @@ def test_a_text_prompt_samples_as_the_in_process_sampler(served, family, templat
     assert list(out.sequences[0].tokens) == mine.sequences[0].tokens
 
 
-def test_twinkle_clients_image_prompts_on_a_gemma_base_are_one_line(family):
-    """``twinkle_client`` builds a prompt's image chunks from Qwen's patch grids: on a Gemma base
-    it says so in one line, rather than failing on a missing ``image_grid_thw``."""
-    from twinkle.utils.errors import UserError
+def test_twinkle_client_places_a_gemma_bases_images_with_its_template(family):
+    """``twinkle_client`` builds a Gemma prompt's image chunks with the family's template
+    (``test_client_image_gemma`` samples and trains through it)."""
     from twinkle_client.image_prompts import served_template
 
     model_type, folder = family
-    with pytest.raises(
-        UserError, match=f"the served model is {model_type}, whose images this client"
-    ) as info:
-        served_template(str(folder))
-    assert "\n" not in str(info.value)
+    assert type(served_template(str(folder))).__name__ == TEMPLATES[model_type]
