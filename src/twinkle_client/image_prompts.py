@@ -1,17 +1,22 @@
-"""Prompts with images for the server's sampler: a Tinker ``ModelInput`` whose text chunks hold
-the prompt's tokens and whose ``ImageChunk``s (PNG bytes) stand where each image's placeholder
-tokens were, which is the one way a sample request carries images (``asample`` takes no
-arrays beside the prompt). The server runs its model's own image processor on each picture and
-puts the placeholders back, so the pictures must be the ones the row's ``pixel_values`` were
-made from.
+"""Images sent to the server: a Tinker ``ModelInput`` whose text chunks hold the row's tokens
+and whose ``ImageChunk``s (PNG bytes) stand where each image's placeholder tokens were. This is
+the one way a sample request carries images (``asample`` takes no arrays beside the prompt), and
+the way a Gemma 3 / Gemma 4 training row does (its images carry no grid sizes the server could
+check sent pixels by; a Qwen-VL row's go in ``loss_fn_inputs``). The server runs its model's own
+image processor on each picture and puts the placeholders back, so the pictures must be the ones
+the row's ``pixel_values`` were made from.
 
 A trajectory brings them (``Message.images``, read as the template reads them). An encoded row
-brings only ``pixel_values`` and ``image_grid_thw``; its pictures are rebuilt from them: the
-Qwen-VL processors resize a picture to its patch grid in 8-bit pixels, rescale and normalize,
-and cut it into patches, all of which undoes exactly (the rebuilt picture is already at its
-grid's size, which the processor's resize keeps as it is). Each rebuilt picture is run
-through the processor here and must give the row's ``pixel_values`` back; one that does not is
-refused in one line rather than sampled on other numbers than the row holds."""
+brings only its processed images; its pictures are rebuilt from them, since each family's
+processor resizes a picture in 8-bit pixels, rescales, normalizes and lays the pixels out in a
+way that undoes exactly: Qwen-VL cuts the picture into patches on its grid
+(``image_grid_thw``), Gemma 3 keeps the resized picture whole, Gemma 4 flattens its patches with
+their positions (``image_position_ids``, -1 on the padding). A rebuilt picture is already at the
+size the processor resized it to, which the processor keeps as it is, except where Gemma 4's
+aspect-ratio fit of the rebuilt picture lands on another patch grid (long, thin pictures). Each
+rebuilt picture is therefore run through the processor here and must give the row's numbers
+back; one that does not is refused in one line rather than sent with other numbers than the row
+holds."""
 
 import io
 from typing import Any

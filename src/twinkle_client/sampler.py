@@ -21,8 +21,10 @@ PARAMS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "num_sa
 
 class Sampler:
     """A sampler on saved weights (``model_path``) or the served base model. A prompt is token
-    ids, an encoded row (``input_ids``, with ``pixel_values`` and ``image_grid_thw`` for its
-    images, placed by the served model's vision-language template) or a Tinker ``ModelInput``."""
+    ids, an encoded row (``input_ids``, with its processed images as its family writes them:
+    ``pixel_values`` and ``image_grid_thw`` for Qwen-VL, ``pixel_values`` for Gemma 3, and
+    ``image_position_ids`` beside them for Gemma 4; placed by the served model's
+    vision-language template) or a Tinker ``ModelInput``."""
 
     def __init__(self, model_path: str | None = None, client: Connection | None = None):
         self.client = current_client(client)
