@@ -50,6 +50,8 @@ TARGETS = {"ep": {"memory": 0.6, "time": 1.0}, "sp": {"activation": 0.6}}
 EP_SHAPE = {
     "full": dict(num_hidden_layers=4, moe_intermediate_size=1024, rows=4, seq=256),
     "quick": dict(num_hidden_layers=2, moe_intermediate_size=128, rows=2, seq=64),
+    # --shape experts: the experts about 90% of the weights, as in released MoE checkpoints
+    "experts": dict(num_hidden_layers=2, moe_intermediate_size=8192, rows=4, seq=256),
 }
 SP_SHAPE = {
     "full": dict(num_hidden_layers=4, intermediate_size=1024, seq=8192),
@@ -333,8 +335,9 @@ def part_ep(opts, folder: Path) -> list[str]:
 
 
 def part_sp(opts, folder: Path) -> list[str]:
-    model_id = build_dense(folder, opts.size)
-    shape = SP_SHAPE[opts.size]
+    size = "quick" if opts.size == "quick" else "full"  # --shape is the EP part's
+    model_id = build_dense(folder, size)
+    shape = SP_SHAPE[size]
     sides = {
         "1 process": run_side(opts, "sp", model_id, 1, {}, shape),
         "Ulysses (ulysses_size=2, fsdp_size=2)": run_side(
@@ -387,6 +390,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=None, help="timed steps per side (ep 5, sp 2)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps first")
     parser.add_argument("--quick", action="store_true", help="tiny models and sequences: checks the script")
+    parser.add_argument(
+        "--shape", choices=("full", "experts"), default="full",
+        help="the EP part's model: full (experts two thirds of the weights) or experts (about 90%%)",
+    )  # fmt: skip
     parser.add_argument("--out", default="output/moe-parallel.md", help="the markdown report")
     # a worker's own arguments (the driver passes them)
     parser.add_argument("--worker", choices=PARTS, help=argparse.SUPPRESS)
@@ -411,7 +418,7 @@ def main() -> None:
     import transformers
 
     transformers.utils.logging.disable_progress_bar()
-    opts.size = "quick" if opts.quick else "full"
+    opts.size = "quick" if opts.quick else opts.shape
     folder = Path(tempfile.gettempdir()) / "twinkle-bench-models"
     folder.mkdir(parents=True, exist_ok=True)
     command = " ".join(["python", "bench/moe_parallel.py", *sys.argv[1:]])
