@@ -288,11 +288,18 @@ def trajectory_input(trajectory: Any, template: Any, where: str) -> tuple[Any, l
     return model_input(ids, template, pictures, counts_of(row, template), where), ids, images
 
 
-def training_input(row: dict[str, Any], template: Any, where: str) -> Any:
+def training_input(row: dict[str, Any], template: Any, where: str, trajectory: Any = None) -> Any:
     """The ``ModelInput`` of a training row's shifted input (``input_ids[:-1]``) with each image an
     ``ImageChunk``, for a family whose images travel that way only (``gemma``); the targets stay
-    the row's tokens (the server puts the placeholders back before it reads them)."""
+    the row's tokens (the server puts the placeholders back before it reads them). The pictures
+    are ``trajectory``'s (``Message.images``) where the row was encoded from it, else rebuilt."""
+    from twinkle.template.images import place_images
+    from twinkle.template.rows import messages_of
+
     images_in(row, template, where)
     ids = _array(row["input_ids"], np.int64).reshape(-1).tolist()
-    pictures, counts = rebuilt_pictures(row, template, where)
+    if trajectory is None:
+        pictures, counts = rebuilt_pictures(row, template, where)
+    else:
+        pictures, counts = place_images(messages_of(trajectory)[0])[1], counts_of(row, template)
     return model_input(ids[:-1], template, pictures, counts, where)

@@ -186,14 +186,16 @@ class MultiLoraTransformersModel:
     # ---------------------------------------------------------------- steps
     def _rows(self, a: Adapter, inputs: Any) -> list[dict]:
         rows = [inputs] if isinstance(inputs, dict) and "messages" in inputs else inputs
+        trajectories: list[Any] = []  # the rows' own, when they are encoded here
         if isinstance(rows, list) and rows and isinstance(rows[0], dict) and "input_ids" not in rows[0]:
             if a.template is None:
                 raise ValueError("rows without input_ids need set_template(...) first")
-            rows = [a.template[1].encode(r) for r in rows]
+            trajectories, rows = rows, [a.template[1].encode(r) for r in rows]
         rows = batches.rows_of(rows)
         for i, row in enumerate(rows):
             if image_prompts.has_images(row) and image_prompts.gemma(template := self._vision(a)):
-                row["chunked"] = image_prompts.training_input(row, template, f"row {i}")
+                given = trajectories[i] if trajectories else None
+                row["chunked"] = image_prompts.training_input(row, template, f"row {i}", given)
         return rows
 
     def _vision(self, a: Adapter) -> Any:

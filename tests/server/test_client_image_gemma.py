@@ -94,6 +94,12 @@ def local(family):
     return TorchSampler(str(family[1]), model_cls=CLASSES[family[0]], dtype=torch.float32)
 
 
+def conversation(question, answer, size, colour) -> dict:
+    image = picture(size, colour)
+    user = {"role": "user", "content": "<image>" + question, "images": [image]}
+    return {"messages": [user, {"role": "assistant", "content": answer}]}
+
+
 def trajectory(image: bytes) -> dict:
     return {"messages": [{"role": "user", "content": "<image>What colour?", "images": [image]}]}
 
@@ -171,6 +177,15 @@ def test_training_rows_train_as_the_in_process_model(served, family, template):
     assert state.keys() == expected_state.keys() and not [k for k in state if "vision" in k]
     for k, v in expected_state.items():
         torch.testing.assert_close(state[k], v, atol=1e-5, rtol=0, msg=lambda m, k=k: f"{k}: {m}")
+
+    # the same conversations as trajectories, encoded by the client: their own pictures are sent
+    model.set_template(TEMPLATES[model_type], adapter_name="mine")
+    as_rows = model.forward_only(rows, adapter_name="mine").result["logps"]
+    as_trajectories = model.forward_only([conversation(*c) for c in CONVERSATIONS], adapter_name="mine")
+    torch.testing.assert_close(as_trajectories.result["logps"], as_rows, atol=1e-6, rtol=0)
+    # a picture far from square, which no rebuilt picture could stand for on Gemma 4, goes as it is
+    wide = model.forward_only(conversation("What colour?", "red", (100, 20), RED), adapter_name="mine")
+    assert np.isfinite(wide.result["loss"]) and wide.result["num_tokens"] > 0
 
 
 def test_a_gemma4_image_the_processor_would_resize_again_is_one_line(served, family, template):
