@@ -4,8 +4,9 @@ grid sizes, so the client sends each of its images as an ``ImageChunk`` rebuilt 
 ``pixel_values`` (Gemma 4: with its ``image_position_ids``): an encoded row and a trajectory
 sample greedily what the in-process ``TorchSampler`` samples (tokens, and log-probs within fp32's
 bounds), another picture behind the same tokens samples otherwise, and training steps on encoded
-rows give the in-process model's losses and adapter. A Gemma 4 image of a shape the processor
-would resize again once rebuilt is one line.
+rows give the in-process model's losses and adapter (trajectories the client encodes score as
+their rows). A picture far from square samples on Gemma 3 (resized to its square); a Gemma 4
+row of one is one line (its rebuilt picture the processor would resize again).
 
 Tolerances as ``test_image_chunks_gemma``: the server sums the same fp32 terms in other orders
 (1e-5 relative on the losses, 1e-5 absolute on the adapter after Adam steps; log-probs within
@@ -188,14 +189,18 @@ def test_training_rows_train_as_the_in_process_model(served, family, template):
     assert np.isfinite(wide.result["loss"]) and wide.result["num_tokens"] > 0
 
 
-def test_a_gemma4_image_the_processor_would_resize_again_is_one_line(served, family, template):
-    """A 5:1 picture is resized to a patch grid that, rebuilt, the processor would resize to
-    another one: no picture sent as a chunk gives the row's pixels, so the row is refused."""
+def test_a_picture_far_from_square(served, family, template, local):
+    """Gemma 3 resizes every picture to one square, which the rebuilt picture keeps; Gemma 4
+    resizes a 5:1 picture to a patch grid that, rebuilt, its processor would resize to another:
+    no picture sent as a chunk gives the row's pixels, so the row is refused in one line."""
     from twinkle_client.sampler import vLLMSampler
 
-    if family[0] != "gemma4":
-        pytest.skip("Gemma 3 resizes every image to one square, which a rebuilt picture keeps")
     row = template.encode(trajectory(picture((100, 20), RED)), add_generation_prompt=True)
+    if family[0] == "gemma3":
+        want_tokens, want_logps = expected(local, row)
+        seq = vLLMSampler().sample(row, GREEDY)[0].sequences[0]
+        assert_same(seq.tokens, [pair[0][1] for pair in seq.logprobs], want_tokens, want_logps, row, template)
+        return
     with pytest.raises(ValueError, match="row 0: its pictures cannot be rebuilt") as caught:
         vLLMSampler().sample(row, GREEDY)
     assert "\n" not in str(caught.value) and "Message.images" in str(caught.value)
