@@ -43,7 +43,13 @@ from twinkle.model.train_state import OptimizerGroup
 from twinkle.model.ulysses import check_folder as check_ulysses_folder
 from twinkle.model.ulysses import counted as counted_rows
 from twinkle.model.ulysses import install as install_ulysses
-from twinkle.model.vision import check_reads_images, language_model_lora, plain_vision_weights, sharded_layers
+from twinkle.model.vision import (
+    check_reads_images,
+    language_model_lora,
+    plain_vision_weights,
+    run_tower_on_every_rank,
+    sharded_layers,
+)
 from twinkle.runtime import get_runtime, preemption
 from twinkle.runtime.remote import remote_class  # remote_group= hook
 from twinkle.utils.errors import UserError
@@ -235,6 +241,7 @@ class TransformersModel(InputsAPI, MetricsAPI, OptimizerStepAPI, Checkpoints):
             if self.expert_parallel is not None:  # this rank's experts, left out of FSDP2's units
                 ignored = self.expert_parallel.split(self.model)
             apply_fsdp2(lm, self.runtime.mesh, self.device, sharded_layers(lm), own, ignored)
+            run_tower_on_every_rank(lm)  # its vision blocks are units: every rank runs them
             # Every rank drew the same LoRA initialisation (one seed); from here on each rank
             # needs its own stream, or all ranks would draw the same dropout masks.
             torch.manual_seed(self.runtime.seed + 1_000_003 * self.runtime.rank)

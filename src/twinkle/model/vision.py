@@ -1,11 +1,13 @@
-"""Vision-language models in ``TransformersModel``: where LoRA goes by default, and which layers
-FSDP2 shards apart.
+"""Vision-language models in ``TransformersModel``: where LoRA goes by default, which layers
+FSDP2 shards apart, and the vision tower's run on every rank.
 
-A batch's images run through the vision tower only on the ranks whose rows hold images (a rank
-with text rows only, or the pad row of an empty share, skips it). A layer sharded on its own
-gathers its weights when it runs, a collective every rank must join, so the vision tower's
-blocks stay in the root's unit, gathered with the embedding and the head at the start of every
-forward, and only the language model's decoder layers are sharded one by one.
+Under FSDP2 on more than one rank, the vision tower's blocks of the Qwen families are units of
+their own, so that no rank gathers a whole tower at once (Qwen2.5-VL-7B's is ~675M parameters).
+A block gathers its weights when it runs, a collective every rank must join, so every rank runs
+the tower whenever any rank does: a rank whose rows hold no image runs it on one small dummy
+image whose features join the language model's input as exactly zero (``TowerOnEveryRank``).
+Gemma's towers stay in the root's unit, gathered with the embedding and the head at the start of
+every forward (a rank with text rows only skips them). One process runs no dummy.
 
 Unsharded CPU training packs frozen weights for oneDNN (``twinkle.kernel.cpu_gemm.pack_frozen``);
 the vision tower's and projector's plain linear layers are left dense (``plain_vision_weights``).
@@ -27,10 +29,13 @@ from twinkle.utils.errors import UserError
 
 def sharded_layers(lm: Any) -> list[str] | None:
     """The ``_no_split_modules`` classes that FSDP2 shards one by one: all of them for a text
-    model; for a model with a vision tower (``config.vision_config``), those inside its language
+    model and for a vision-language family whose tower runs on every rank (``shards_tower``);
+    for another model with a vision tower (``config.vision_config``), those inside its language
     model (``get_decoder()``)."""
     names = getattr(lm, "_no_split_modules", None)
     if not names or getattr(lm.config, "vision_config", None) is None or not hasattr(lm, "get_decoder"):
+        return names
+    if shards_tower(lm):
         return names
     text = {type(m).__name__ for m in lm.get_decoder().modules()}
     return [n for n in names if n in text]
@@ -114,3 +119,109 @@ def check_reads_images(lm: Any, batch: Mapping[str, Any]) -> None:
         f"{where} but {kind} has no vision tower; use a vision-language checkpoint "
         "(with its model_cls and template), or encode the rows without images"
     )
+
+
+# the families whose tower runs on a dummy image (``TowerOnEveryRank``): Qwen's towers take any
+# grid of whole merge windows. Gemma's towers stay in the root's unit.
+DUMMY_IMAGE_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5")
+
+
+def _inner(lm: Any) -> Any:
+    """The ``*Model`` under ``*ForConditionalGeneration`` (its ``visual`` and ``language_model``)."""
+    return lm.model if hasattr(lm.model, "get_image_features") else lm
+
+
+def shards_tower(lm: Any) -> bool:
+    """Whether FSDP2 shards ``lm``'s vision blocks one by one: a family whose tower can run on a
+    dummy image, so that every rank runs it in every forward (``TowerOnEveryRank``)."""
+    return getattr(lm.config, "model_type", None) in DUMMY_IMAGE_TYPES and hasattr(_inner(lm), "visual")
+
+
+def dummy_image(lm: Any, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(pixel_values, image_grid_thw)`` of the smallest image the tower takes: one merge window
+    (``spatial_merge_size`` x ``spatial_merge_size`` patches of zeros, one frame)."""
+    vision = lm.config.vision_config
+    merge = vision.spatial_merge_size
+    width = getattr(vision, "in_channels", 3) * vision.temporal_patch_size * vision.patch_size**2
+    pixels = torch.zeros((merge * merge, width), device=device)
+    return pixels, torch.tensor([[1, merge, merge]], device=device)
+
+
+class _AddZero(torch.autograd.Function):
+    """``embeds`` unchanged (a view, so the bits are the same); in backward, ``embeds``' gradient
+    passes through and each of ``features`` gets a zero one, so the tower's backward runs."""
+
+    @staticmethod
+    def forward(ctx: Any, embeds: torch.Tensor, *features: torch.Tensor) -> torch.Tensor:
+        ctx.shapes = [(f.shape, f.dtype, f.device) for f in features]
+        return embeds.view_as(embeds)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return (grad, *(torch.zeros(s, dtype=d, device=v) for s, d, v in ctx.shapes))
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if torch.is_tensor(value):
+        return [value]
+    if isinstance(value, Mapping):
+        value = list(value.values())
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors(v)]
+    return []
+
+
+class TowerOnEveryRank:
+    """Under FSDP2 with the vision blocks as units of their own, every rank runs the tower
+    whenever any rank does: a block gathers its weights in a collective every rank must join, and
+    with LoRA on the tower each block reduces its gradients in one too.
+
+    A pre-hook on the model (the FSDP2 root) asks the ranks, in one small all-reduce, whether any
+    of them has images in this forward; a rank without them then runs the tower on
+    ``dummy_image`` in a pre-hook on the language model, where a rank with images has just run
+    it, so the ranks' collectives come in one order, forward and backward. The dummy's features
+    join the language model's input through ``_AddZero``: the input keeps its bits (logits, loss
+    and gradients are those of the rank's own rows) and the tower's weights get zero gradients,
+    which add nothing to the ranks' sum. When no rank has images nobody runs the tower, so its
+    weights keep no gradient, as in one process (AdamW then skips them)."""
+
+    def __init__(self, lm: Any, group: Any = None):
+        self.lm = lm
+        self.group = group
+        self.armed = False
+
+    def install(self) -> None:
+        self.lm.register_forward_pre_hook(self.decide, with_kwargs=True)
+        _inner(self.lm).language_model.register_forward_pre_hook(self.add_dummy, with_kwargs=True)
+
+    def decide(self, module: Any, args: tuple, kwargs: dict) -> None:
+        import torch.distributed as dist
+
+        mine = kwargs.get("pixel_values") is not None
+        flag = torch.tensor([int(mine)], dtype=torch.uint8)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        self.armed = bool(flag.item()) and not mine
+
+    def add_dummy(self, module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        if not self.armed:
+            return None
+        self.armed = False
+        embeds = kwargs.get("inputs_embeds")
+        assert torch.is_tensor(embeds), "the language model is called with inputs_embeds"
+        pixels, grid = dummy_image(self.lm, embeds.device)
+        features = _inner(self.lm).get_image_features(pixels, grid, return_dict=True)
+        trained = [t for t in _tensors(features) if t.requires_grad]
+        if not trained:  # a frozen tower: it ran for its weights' gathers, nothing flows back
+            return None
+        return args, {**kwargs, "inputs_embeds": _AddZero.apply(embeds, *trained)}
+
+
+def run_tower_on_every_rank(lm: Any) -> None:
+    """Install ``TowerOnEveryRank`` on a model whose vision blocks FSDP2 sharded one by one
+    (``shards_tower``); every rank calls this, as it may create a gloo group over all ranks."""
+    import torch.distributed as dist
+
+    if not shards_tower(lm):
+        return
+    group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+    TowerOnEveryRank(lm, group).install()

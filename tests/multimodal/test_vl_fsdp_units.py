@@ -1,0 +1,122 @@
+"""The tiny Qwen2.5-VL's vision blocks are FSDP2 units of their own, and every rank runs the
+tower whenever any rank has images (``twinkle.model.vision.TowerOnEveryRank``).
+
+On 2 gloo ranks (``vl_units_worker.py``: 4 LoRA steps, one with images on both ranks, two with
+the second rank's rows text only, one with no image anywhere), with LoRA on the language model
+only and on the tower too: every vision block is an ``FSDPModule``; the text-only rank runs the
+tower (on the dummy image) exactly when the other has images; the per-step losses and the first
+two steps' gradient norms equal one process's up to summation order (twice the probabilistic
+bound of the chain of fp32 sums, ``tests/assets/tolerances.py``), and the saved adapters are
+within ``adamw_weight_atol``. With LoRA on the tower, a rank that skipped it would hold no
+gradient for the tower's weights while the other did, and the job would stop in the reduction.
+
+In one process, the dummy's features join the language model's input as exactly zero: logits
+and the language model's gradients are bit-equal with and without it, and the tower's LoRA
+weights get gradients that are all zero."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from ports import free_port
+from safetensors.torch import load_file
+from tolerances import adamw_weight_atol, llama_sums, probable_gamma
+
+WORKER = Path(__file__).with_name("vl_units_worker.py")
+TOKENS, PATCHES = 80, 400  # above the longest row's tokens and a batch's patches
+STEPS, LR = 4, 1e-2  # as vl_units_worker.py runs
+
+
+def _run(nproc: int, args: list[str], cache: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TWINKLE_")}
+    env.update(TWINKLE_CACHE=str(cache), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    command = [sys.executable, str(WORKER), *args]
+    if nproc > 1:
+        command = [
+            sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", str(nproc),
+            "--master_addr", "127.0.0.1", "--master_port", str(free_port()), str(WORKER),
+            *args, "--fsdp-size", str(nproc),
+        ]  # fmt: skip
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300, cwd=WORKER.parent)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-6000:]
+
+
+@pytest.mark.slow
+@pytest.mark.cluster  # 2-process runs, with the other `-m cluster` suites
+@pytest.mark.parametrize("tower_lora", [False, True], ids=["lm-lora", "tower-lora"])
+def test_vision_blocks_as_units_on_two_ranks_equal_one_process(tiny_vl_dir, tmp_path, tower_lora):
+    results = {}
+    for nproc in (1, 2):
+        out = tmp_path / f"x{nproc}"
+        out.mkdir()
+        flags = ["--tower-lora"] if tower_lora else []
+        _run(nproc, ["--model-id", str(tiny_vl_dir), "--out", str(out), *flags], tmp_path / "cache")
+        ranks = [json.loads((out / f"result-{r}.json").read_text()) for r in range(nproc)]
+        results[nproc] = {"ranks": ranks, "adapter": load_file(out / "adapter" / "adapter_model.safetensors")}
+    one, two = results[1]["ranks"][0], results[2]["ranks"]
+    assert two[0]["world_size"] == 2
+    assert (one["tower_lora"] > 0) == tower_lora
+    assert one["blocks_are_units"] == [False]  # one process shards nothing
+    for rank in two:
+        assert rank["blocks_are_units"] and all(rank["blocks_are_units"]), rank["blocks_are_units"]
+        # the tower ran in steps 1, 2 and 4 on both ranks (on the dummy image for rank 1's text
+        # rows in steps 2 and 4), and on neither in step 3, where no rank had an image
+        assert [s["tower_runs"] for s in rank["steps"]] == [1, 2, 2, 3]
+    sums = llama_sums(32, 64, 2, TOKENS, 700) + llama_sums(32, 64, 1, PATCHES) + [4 * TOKENS, 2]
+    rtol = 2 * probable_gamma(sum(sums))
+    a_steps, b_steps = one["steps"], two[0]["steps"]
+    print(f"\n[vl units, tower LoRA {tower_lora}] {a_steps}\n{b_steps}")
+    assert a_steps[-1]["loss"] < a_steps[0]["loss"]  # it trained
+    for step, (a, b) in enumerate(zip(a_steps, b_steps, strict=True)):
+        # a gradient norm after two AdamW steps also carries the optimizer's amplification of the
+        # weights' rounding differences (a gradient near zero may flip a weight's update)
+        for key in ("loss", "grad_norm") if step < 2 else ("loss",):
+            assert abs(a[key] - b[key]) <= rtol * max(1.0, abs(a[key])), (step, key, a[key], b[key], rtol)
+    adapter_one, adapter_two = results[1]["adapter"], results[2]["adapter"]
+    assert adapter_one.keys() == adapter_two.keys()
+    assert any(".visual." in name for name in adapter_one) == tower_lora
+    atol = adamw_weight_atol(LR, STEPS)
+    for name, weight in adapter_one.items():
+        assert (weight - adapter_two[name]).abs().max() <= atol, name
+
+
+def test_dummy_image_adds_exactly_zero(tiny_vl_dir):
+    from peft import LoraConfig, get_peft_model
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    from twinkle.model.vision import TowerOnEveryRank
+
+    torch.manual_seed(0)
+    base = Qwen2_5_VLForConditionalGeneration.from_pretrained(tiny_vl_dir, dtype=torch.float32)
+    config = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)
+    model = get_peft_model(base, config)  # PEFT's all-linear: the tower and projector too
+    tower = TowerOnEveryRank(base)  # only its language-model hook: one process has no collective
+    base.model.language_model.register_forward_pre_hook(tower.add_dummy, with_kwargs=True)
+    runs = []
+    base.model.visual.register_forward_hook(lambda *_: runs.append(1))
+    input_ids = torch.randint(0, 500, (2, 12), generator=torch.Generator().manual_seed(1))
+
+    def run(dummy: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor | None]]:
+        model.zero_grad(set_to_none=True)
+        tower.armed = dummy
+        logits = model(input_ids=input_ids, use_cache=False).logits
+        (logits * torch.linspace(-1, 1, logits.shape[-1])).sum().backward()
+        grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+        return logits.detach(), grads
+
+    plain_logits, plain = run(False)
+    assert runs == []
+    dummy_logits, dummy = run(True)
+    assert runs == [1]  # the tower ran once, on the dummy image
+    assert torch.equal(plain_logits, dummy_logits)
+    tower_names = [n for n in dummy if ".visual." in n]
+    assert tower_names and all(plain[n] is None for n in tower_names)
+    for name in tower_names:  # the tower's backward ran and added nothing
+        assert dummy[name] is not None and not dummy[name].any(), name
+    for name, grad in plain.items():
+        if name not in tower_names:
+            assert torch.equal(grad, dummy[name]), name
