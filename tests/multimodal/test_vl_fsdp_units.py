@@ -4,7 +4,8 @@ tower whenever any rank has images (``twinkle.model.vision.TowerOnEveryRank``).
 On 2 gloo ranks (``vl_units_worker.py``: 4 LoRA steps, one with images on both ranks, two with
 the second rank's rows text only, one with no image anywhere), with LoRA on the language model
 only and on the tower too: every vision block is an ``FSDPModule``; the text-only rank runs the
-tower (on the dummy image) exactly when the other has images; the per-step losses and the first
+tower (on the dummy image) exactly when the other has images; a sampler sharing the model samples
+an image prompt on one rank and a text prompt on the other; the per-step losses and the first
 two steps' gradient norms equal one process's up to summation order (twice the probabilistic
 bound of the chain of fp32 sums, ``tests/assets/tolerances.py``), and the saved adapters are
 within ``adamw_weight_atol``. With LoRA on the tower, a rank that skipped it would hold no
@@ -76,6 +77,17 @@ def test_vision_blocks_as_units_on_two_ranks_equal_one_process(tiny_vl_dir, tmp_
         # weights' rounding differences (a gradient near zero may flip a weight's update)
         for key in ("loss", "grad_norm") if step < 2 else ("loss",):
             assert abs(a[key] - b[key]) <= rtol * max(1.0, abs(a[key])), (step, key, a[key], b[key], rtol)
+    # a sampler sharing the sharded model, an image in rank 0's prompt and none in rank 1's, runs
+    # in lockstep to the end and draws one process's greedy tokens, up to a step whose runner-up
+    # lies within the rounding of the chosen token's log-probability
+    sampled_two = [seq for rank in two for seq in rank["sampled"]]
+    assert len(sampled_two) == len(one["sampled"]) == 2
+    for steps_one, steps_two in zip(one["sampled"], sampled_two, strict=True):
+        assert steps_two
+        for a, b in zip(steps_one, steps_two, strict=False):
+            if len(a) > 1 and a[0][1] - a[1][1] <= 4 * rtol * max(1.0, abs(a[0][1])):
+                break  # a near tie: either token may win
+            assert a[0][0] == b[0][0], (a, b)
     adapter_one, adapter_two = results[1]["adapter"], results[2]["adapter"]
     assert adapter_one.keys() == adapter_two.keys()
     assert any(".visual." in name for name in adapter_one) == tower_lora
@@ -84,14 +96,28 @@ def test_vision_blocks_as_units_on_two_ranks_equal_one_process(tiny_vl_dir, tmp_
         assert (weight - adapter_two[name]).abs().max() <= atol, name
 
 
-def test_dummy_image_adds_exactly_zero(tiny_vl_dir):
+FAMILIES = {  # model class, and the checkpoint's builder (None: the tiny_vl_dir fixture)
+    "qwen2_5_vl": ("Qwen2_5_VLForConditionalGeneration", None),
+    "qwen3_vl": ("Qwen3VLForConditionalGeneration", "build_tiny_qwen3_vl"),  # deepstack features
+    "qwen3_5": ("Qwen3_5ForConditionalGeneration", "build_tiny_qwen3_5_vl"),
+}
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_dummy_image_adds_exactly_zero(family, tiny_vl_dir, tmp_path):
+    import importlib
+
+    import transformers
     from peft import LoraConfig, get_peft_model
-    from transformers import Qwen2_5_VLForConditionalGeneration
 
     from twinkle.model.vision import TowerOnEveryRank
 
+    cls, builder = FAMILIES[family]
+    folder = tiny_vl_dir
+    if builder is not None:
+        folder = getattr(importlib.import_module(builder.replace("build_", "")), builder)(tmp_path / "model")
     torch.manual_seed(0)
-    base = Qwen2_5_VLForConditionalGeneration.from_pretrained(tiny_vl_dir, dtype=torch.float32)
+    base = getattr(transformers, cls).from_pretrained(folder, dtype=torch.float32)
     config = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)
     model = get_peft_model(base, config)  # PEFT's all-linear: the tower and projector too
     tower = TowerOnEveryRank(base)  # only its language-model hook: one process has no collective

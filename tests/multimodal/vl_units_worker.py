@@ -5,7 +5,8 @@ takes a contiguous share. The steps: both shares hold images; the second share h
 no share holds an image; the second share holds text only again. ``--tower-lora`` puts LoRA on
 the vision tower and projector too. Each rank writes ``OUT/result-RANK.json``: per step the loss,
 the gradient norm and how many times the tower has run so far, the world size, whether each
-vision block is an FSDP unit and the tower's LoRA parameters; the adapter is saved under
+vision block is an FSDP unit, the tower's LoRA parameters, and the greedy tokens a sampler
+sharing the model gave its prompts (each step's token and runner-up with their log-probs) (rank 0's holds an image, rank 1's none); the adapter is saved under
 ``OUT/adapter``."""
 
 import argparse
@@ -14,11 +15,13 @@ from pathlib import Path
 
 import torch
 from peft import LoraConfig
-from vl_worker import rows
+from vl_worker import png, rows
 
 import twinkle
 from twinkle import DeviceMesh
+from twinkle.data_format.sampling import SamplingParams
 from twinkle.model import TransformersModel
+from twinkle.sampler import TorchSampler
 from twinkle.template import get_template
 
 BATCHES = (
@@ -61,6 +64,14 @@ def main() -> None:
         model.clip_grad_and_step()
         metric = model.calculate_metric(is_training=True)
         steps.append({"loss": metric["loss"], "grad_norm": metric["grad_norm"], "tower_runs": len(runs)})
+    # a sampler sharing the model: rank 0's prompt holds an image, rank 1's is text only
+    image = {"role": "user", "content": "<image>What colour?", "images": [png((32, 32), (200, 30, 30))]}
+    shares = [[{"messages": [image]}], [{"messages": [{"role": "user", "content": "Say hello."}]}]]
+    sampler = TorchSampler(model)
+    greedy = SamplingParams(max_tokens=4, temperature=0.0, logprobs=2)  # the runner-up too
+    sampled = []
+    for share in shares if runtime.world_size == 1 else [shares[runtime.rank]]:
+        sampled += [s.logprobs for r in sampler.sample(share, greedy) for s in r.sequences]
     from torch.distributed.fsdp import FSDPModule
 
     blocks = [
@@ -73,6 +84,7 @@ def main() -> None:
         "steps": steps,
         "blocks_are_units": [isinstance(b, FSDPModule) for b in blocks],
         "tower_lora": tower_lora,
+        "sampled": sampled,
     }
     Path(args.out, f"result-{runtime.rank}.json").write_text(json.dumps(result))
 

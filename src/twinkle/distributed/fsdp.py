@@ -93,11 +93,12 @@ def apply_fsdp2(
             f"no module of the model is one of _no_split_modules {sorted(names)}; set "
             "model.model._no_split_modules to the decoder-layer class name"
         )
+    kinds = ", ".join(sorted({type(m).__name__ for m in layers}))  # before fully_shard renames them
     policy = precision_policy(device, root)
     dmesh = torch_mesh(mesh, device.type)
     for layer in layers:
         fully_shard(layer, mesh=dmesh, mp_policy=policy, ignored_params=ignored)
     fully_shard(root, mesh=dmesh, mp_policy=policy, ignored_params=ignored)
     fill_unused_grads(layers)
-    logger.info(f"fsdp2: sharded {len(layers)} x {type(layers[0]).__name__} + root over {mesh.describe()}")
+    logger.info(f"fsdp2: sharded {len(layers)} layers ({kinds}) + root over {mesh.describe()}")
     return root
