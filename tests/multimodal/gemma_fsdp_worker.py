@@ -3,8 +3,8 @@
 
 Run it as one process or under torchrun (``--fsdp-size N``). The global batch is 4 rows; each rank
 takes a contiguous share. Odd steps: rows with 1, 2 and 1 images and a text-only row; even steps:
-the second share holds text only, so that rank never runs the vision tower. Rank 0 writes
-``OUT/result.json``: per step the loss and gradient norm, and the world size."""
+the second share holds text only, so that rank runs the vision tower on a dummy image only.
+Rank 0 writes ``OUT/result.json``: per step the loss and gradient norm, and the world size."""
 
 import argparse
 import json

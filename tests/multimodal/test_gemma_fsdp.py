@@ -1,7 +1,7 @@
 """LoRA on a tiny Gemma 3 and Gemma 4 under FSDP2 on 2 gloo ranks equals one process on the same
 global batch of image rows (``gemma_fsdp_worker.py``): each rank holds 2 of the 4 rows, and every
-other step one rank holds text rows only, so it never runs the vision tower (whose blocks stay in
-the root's FSDP unit, ``twinkle.model.vision``). The loss is the mean over the global batch's
+other step one rank holds text rows only, so it runs the vision tower (whose blocks are FSDP
+units of their own) on a dummy image only (``twinkle.model.vision``). The loss is the mean over the global batch's
 supervised tokens either way, so the per-step losses (and the first two steps' gradient norms,
 before AdamW carries rounding differences over) agree up to summation order: within twice the
 probabilistic bound of the chain of fp32 sums (language model, vision tower over an image's

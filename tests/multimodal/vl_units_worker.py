@@ -1,4 +1,5 @@
-"""A few LoRA steps of the tiny Qwen2.5-VL on image rows, for ``test_vl_fsdp_units.py``.
+"""A few LoRA steps of the tiny Qwen2.5-VL, Gemma 3 or Gemma 4 on image rows, for
+``test_vl_fsdp_units.py``.
 
 Run it as one process or under torchrun (``--fsdp-size N``). The global batch is 4 rows; each rank
 takes a contiguous share. The steps: both shares hold images; the second share holds text only;
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import torch
 from peft import LoraConfig
-from vl_worker import png, rows
+from vl_worker import png
 
 import twinkle
 from twinkle import DeviceMesh
@@ -24,6 +25,17 @@ from twinkle.model import TransformersModel
 from twinkle.sampler import TorchSampler
 from twinkle.template import get_template
 
+# family -> (model_cls, template, the tower's attribute on the inner model, its block class)
+FAMILIES = {
+    "qwen2_5_vl": (
+        "Qwen2_5_VLForConditionalGeneration",
+        "Qwen2_5VLTemplate",
+        "visual",
+        "Qwen2_5_VLVisionBlock",
+    ),
+    "gemma3": (None, "Gemma3Template", "vision_tower", "SiglipEncoderLayer"),
+    "gemma4": (None, "Gemma4Template", "vision_tower", "Gemma4VisionEncoderLayer"),
+}
 BATCHES = (
     ["red", "two", "hello", "blue"],
     ["red", "two", "hello", "bye"],
@@ -37,24 +49,28 @@ def main() -> None:
     p.add_argument("--model-id", required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--fsdp-size", type=int, default=None)
+    p.add_argument("--family", choices=sorted(FAMILIES), default="qwen2_5_vl")
     p.add_argument("--tower-lora", action="store_true")
     args = p.parse_args()
     mesh = DeviceMesh.from_sizes(fsdp_size=args.fsdp_size)
     runtime = twinkle.initialize(mode="local", global_device_mesh=mesh, timeout_s=60)
     torch.manual_seed(0)
-    model = TransformersModel(
-        args.model_id, model_cls="Qwen2_5_VLForConditionalGeneration", dtype=torch.float32
-    )
+    model_cls, template, tower, block = FAMILIES[args.family]
+    model = TransformersModel(args.model_id, model_cls=model_cls, dtype=torch.float32)
     extra = {"exclude_modules": []} if args.tower_lora else {}
     lora = LoraConfig(
         r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear", init_lora_weights=False, **extra
     )
     model.add_adapter_to_model("default", lora)
-    model.set_template("Qwen2_5VLTemplate", model_id=args.model_id)
+    model.set_template(template, model_id=args.model_id)
     model.set_optimizer("AdamW", lr=1e-2)
-    encoded = rows(get_template("Qwen2_5VLTemplate", args.model_id))
+    if args.family == "qwen2_5_vl":
+        from vl_worker import rows
+    else:
+        from gemma_fsdp_worker import rows
+    encoded = rows(get_template(template, args.model_id))
     share = 4 // runtime.world_size
-    visual = model.model.get_base_model().model.visual
+    visual = getattr(model.model.get_base_model().model, tower)
     runs = []  # the tower's forwards, real or dummy
     visual.register_forward_hook(lambda *_: runs.append(1))
     steps = []
@@ -74,10 +90,10 @@ def main() -> None:
         sampled += [s.logprobs for r in sampler.sample(share, greedy) for s in r.sequences]
     from torch.distributed.fsdp import FSDPModule
 
-    blocks = [
-        m for m in model.model.modules() if "Qwen2_5_VLVisionBlock" in {c.__name__ for c in type(m).__mro__}
-    ]
-    tower_lora = sum(p.numel() for n, p in model.model.named_parameters() if "visual" in n and "lora_" in n)
+    blocks = [m for m in model.model.modules() if block in {c.__name__ for c in type(m).__mro__}]
+    tower_lora = sum(
+        p.numel() for n, p in model.model.named_parameters() if f".{tower}." in n and "lora_" in n
+    )
     model.save("adapter", output_dir=args.out, adapter_name="default", save_optimizer=False)
     result = {
         "world_size": runtime.world_size,

@@ -1,13 +1,12 @@
 """Vision-language models in ``TransformersModel``: where LoRA goes by default, which layers
 FSDP2 shards apart, and the vision tower's run on every rank.
 
-Under FSDP2 on more than one rank, the vision tower's blocks of the Qwen families are units of
-their own, so that no rank gathers a whole tower at once (Qwen2.5-VL-7B's is ~675M parameters).
-A block gathers its weights when it runs, a collective every rank must join, so every rank runs
-the tower whenever any rank does: a rank whose rows hold no image runs it on one small dummy
-image whose features join the language model's input as exactly zero (``TowerOnEveryRank``).
-Gemma's towers stay in the root's unit, gathered with the embedding and the head at the start of
-every forward (a rank with text rows only skips them). One process runs no dummy.
+Under FSDP2 on more than one rank, the vision tower's blocks (Qwen's vision blocks, Gemma 3's
+SigLIP layers, Gemma 4's encoder layers) are units of their own, so that no rank gathers a whole
+tower at once (Qwen2.5-VL-7B's is ~675M parameters). A block gathers its weights when it runs, a
+collective every rank must join, so every rank runs the tower whenever any rank does: a rank
+whose rows hold no image runs it on one small dummy image whose features join the language
+model's input as exactly zero (``TowerOnEveryRank``). One process runs no dummy.
 
 Unsharded CPU training packs frozen weights for oneDNN (``twinkle.kernel.cpu_gemm.pack_frozen``);
 the vision tower's and projector's plain linear layers are left dense (``plain_vision_weights``).
@@ -29,16 +28,15 @@ from twinkle.utils.errors import UserError
 
 def sharded_layers(lm: Any) -> list[str] | None:
     """The ``_no_split_modules`` classes that FSDP2 shards one by one: all of them for a text
-    model and for a vision-language family whose tower runs on every rank (``shards_tower``);
-    for another model with a vision tower (``config.vision_config``), those inside its language
-    model (``get_decoder()``)."""
+    model; for a model with a vision tower (``config.vision_config``), those inside its language
+    model (``get_decoder()``), and the tower's blocks where it runs on every rank
+    (``shards_tower``)."""
     names = getattr(lm, "_no_split_modules", None)
     if not names or getattr(lm.config, "vision_config", None) is None or not hasattr(lm, "get_decoder"):
         return names
-    if shards_tower(lm):
-        return names
     text = {type(m).__name__ for m in lm.get_decoder().modules()}
-    return [n for n in names if n in text]
+    layers = [n for n in names if n in text]
+    return layers + tower_blocks(lm) if shards_tower(lm) else layers
 
 
 # the vision tower and the projector of the families transformers ships, as module names (Gemma 4
@@ -121,30 +119,68 @@ def check_reads_images(lm: Any, batch: Mapping[str, Any]) -> None:
     )
 
 
-# the families whose tower runs on a dummy image (``TowerOnEveryRank``): Qwen's towers take any
-# grid of whole merge windows. Gemma's towers stay in the root's unit.
-DUMMY_IMAGE_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5")
+def _qwen_dummy(vision: Any) -> tuple[torch.Tensor, ...]:
+    """One merge window: ``spatial_merge_size`` x ``spatial_merge_size`` patches, one frame."""
+    merge = vision.spatial_merge_size
+    width = getattr(vision, "in_channels", 3) * vision.temporal_patch_size * vision.patch_size**2
+    return torch.zeros((merge * merge, width)), torch.tensor([[1, merge, merge]])
+
+
+def _gemma3_dummy(vision: Any) -> tuple[torch.Tensor, ...]:
+    """One image at the tower's fixed size (its position embeddings are one per patch of it)."""
+    return (torch.zeros((1, 3, vision.image_size, vision.image_size)),)
+
+
+def _gemma4_dummy(vision: Any) -> tuple[torch.Tensor, ...]:
+    """One soft token: a ``pooling_kernel_size`` square of patches, with their (x, y) positions."""
+    k = vision.pooling_kernel_size
+    positions = torch.tensor([[[x, y] for y in range(k) for x in range(k)]])
+    return torch.zeros((1, k * k, 3 * vision.patch_size**2)), positions
+
+
+# model_type -> the smallest image its tower takes, as ``get_image_features``' arguments; the
+# families whose towers FSDP2 shards block by block and run on every rank (``TowerOnEveryRank``)
+DUMMY_IMAGES = {
+    "qwen2_vl": _qwen_dummy,
+    "qwen2_5_vl": _qwen_dummy,
+    "qwen3_vl": _qwen_dummy,
+    "qwen3_5": _qwen_dummy,
+    "gemma3": _gemma3_dummy,
+    "gemma4": _gemma4_dummy,
+}
 
 
 def _inner(lm: Any) -> Any:
-    """The ``*Model`` under ``*ForConditionalGeneration`` (its ``visual`` and ``language_model``)."""
+    """The ``*Model`` under ``*ForConditionalGeneration`` (its tower and ``language_model``)."""
     return lm.model if hasattr(lm.model, "get_image_features") else lm
+
+
+def _tower(lm: Any) -> Any:
+    inner = _inner(lm)
+    return inner.visual if hasattr(inner, "visual") else getattr(inner, "vision_tower", None)
 
 
 def shards_tower(lm: Any) -> bool:
     """Whether FSDP2 shards ``lm``'s vision blocks one by one: a family whose tower can run on a
     dummy image, so that every rank runs it in every forward (``TowerOnEveryRank``)."""
-    return getattr(lm.config, "model_type", None) in DUMMY_IMAGE_TYPES and hasattr(_inner(lm), "visual")
+    return getattr(lm.config, "model_type", None) in DUMMY_IMAGES and _tower(lm) is not None
 
 
-def dummy_image(lm: Any, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(pixel_values, image_grid_thw)`` of the smallest image the tower takes: one merge window
-    (``spatial_merge_size`` x ``spatial_merge_size`` patches of zeros, one frame)."""
-    vision = lm.config.vision_config
-    merge = vision.spatial_merge_size
-    width = getattr(vision, "in_channels", 3) * vision.temporal_patch_size * vision.patch_size**2
-    pixels = torch.zeros((merge * merge, width), device=device)
-    return pixels, torch.tensor([[1, merge, merge]], device=device)
+def tower_blocks(lm: Any) -> list[str]:
+    """The ``_no_split_modules`` classes (the model's and its tower's own) inside the vision tower:
+    Qwen's vision blocks, Gemma 3's SigLIP layers, Gemma 4's encoder layers and patch embedder."""
+    tower = _tower(lm)
+    names = set(getattr(lm, "_no_split_modules", None) or []) | set(
+        getattr(tower, "_no_split_modules", None) or []
+    )
+    return sorted(names & {type(m).__name__ for m in tower.modules()})
+
+
+def dummy_image(lm: Any, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """The arguments of ``get_image_features`` for the smallest image ``lm``'s tower takes, all
+    zeros, in float32 as the processor gives pixels (the tower casts them)."""
+    build = DUMMY_IMAGES[lm.config.model_type]
+    return tuple(t.to(device) for t in build(lm.config.vision_config))
 
 
 class _AddZero(torch.autograd.Function):
@@ -213,8 +249,7 @@ class TowerOnEveryRank:
         self.armed = False
         embeds = kwargs.get("inputs_embeds")
         assert torch.is_tensor(embeds), "the language model is called with inputs_embeds"
-        pixels, grid = dummy_image(self.lm, embeds.device)
-        features = _inner(self.lm).get_image_features(pixels, grid, return_dict=True)
+        features = _inner(self.lm).get_image_features(*dummy_image(self.lm, embeds.device), return_dict=True)
         trained = [t for t in _tensors(features) if t.requires_grad]
         if not trained:  # a frozen tower: it ran for its weights' gathers, nothing flows back
             return None
