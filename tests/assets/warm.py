@@ -37,7 +37,7 @@ PRELOAD_TIMEOUT_S = 300
 PRELOAD = ("torch", "torch.optim", "transformers", "peft", "datasets", "safetensors.torch", "tqdm")
 
 SERVER = r"""
-import importlib, json, os, runpy, sys, threading
+import importlib, json, os, runpy, signal, sys, threading
 
 for name in sys.argv[1:]:
     importlib.import_module(name)
@@ -58,6 +58,10 @@ def exit_status(exc):
 
 def run(request):
     os.setpgid(0, 0)  # its own group: a timeout ends whatever it started
+    # Ctrl-C as a shell's child gets it, whatever the test process that started the warm process
+    # had ignored or blocked (a disposition and a mask are inherited across fork and exec)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     os.dup2(os.open(request["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), 1)
     if request["stderr"] is None:  # merged, as stderr=subprocess.STDOUT
         os.dup2(1, 2)

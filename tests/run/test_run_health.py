@@ -286,6 +286,13 @@ def test_ctrl_c_in_the_script_prints_one_line(tiny_model_dir, tmp_path):
     assert done.returncode != 0 and done.stderr.strip().splitlines()[-1] == "error: interrupted"
 
 
+def _as_a_shell_starts_it() -> None:
+    """SIGINT at its default and unblocked in the child, as a shell starts a command, whatever
+    this test process inherited or was left with (both carry across fork and exec)."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_ends_a_cli_parsed_process_as_interrupted(tmp_path):
     """In a fresh interpreter (the exit status is Python's own): status 130 in a shell. The hook is
     one of the effects ``initialize()`` applies for a parsed command line."""
@@ -295,7 +302,12 @@ def test_ctrl_c_ends_a_cli_parsed_process_as_interrupted(tmp_path):
     )
     command = [sys.executable, "-c", code, "--output-dir", str(tmp_path / "out")]
     proc = subprocess.Popen(
-        command, env=script_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        command,
+        env=script_env(tmp_path),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=_as_a_shell_starts_it,
     )
     try:
         assert proc.stdout.readline() == "ready\n"
