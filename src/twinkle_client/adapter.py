@@ -7,7 +7,7 @@ from typing import Any
 
 from twinkle_client.optim import AdamSettings
 
-# the server's LoRA (``twinkle.server.core.lora_config``): what a config may say and still be it
+# the server's LoRA (``twinkle.server.datums.lora_config``): what a config may say and still be it
 SERVER_LORA = {
     "lora_alpha": (32,),
     "lora_dropout": (0, 0.0),

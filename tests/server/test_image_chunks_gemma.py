@@ -90,7 +90,7 @@ def local_steps(model_type, folder, adapter: str, rows: list[dict], steps: int) 
     from twinkle.model import MultiLoraTransformersModel
     from twinkle.model.forward import causal_lm_of
     from twinkle.processor.collate import collate
-    from twinkle.server.core import lora_config
+    from twinkle.server.datums import lora_config
 
     model = MultiLoraTransformersModel(str(folder), max_loras=2, max_r=8, model_cls=CLASSES[model_type])
     model.add_adapter_to_model(adapter, lora_config(4, causal_lm_of(model.model)))

@@ -83,7 +83,7 @@ def local_steps(vl_dir, adapter: str, rows: list[dict], steps: int) -> tuple[dic
     from twinkle.model import MultiLoraTransformersModel
     from twinkle.model.forward import causal_lm_of
     from twinkle.processor.collate import collate
-    from twinkle.server.core import lora_config
+    from twinkle.server.datums import lora_config
 
     model = MultiLoraTransformersModel(str(vl_dir), max_loras=2, max_r=8, model_cls=VL_CLS)
     model.add_adapter_to_model(adapter, lora_config(4, causal_lm_of(model.model)))

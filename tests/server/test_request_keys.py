@@ -57,7 +57,7 @@ def test_every_tinker_loss_the_sdk_names_is_served_or_refused(server):
 
     from tinker import types
 
-    from twinkle.server.core import LOSS_INPUTS
+    from twinkle.server.datums import LOSS_INPUTS
     from twinkle.server.routes.training import check_datums
 
     names = typing.get_args(types.LossFnType)

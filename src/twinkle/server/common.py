@@ -6,7 +6,7 @@ and the model shifts them once. A Tinker datum is already shifted: ``model_input
 ``target_tokens`` ``y`` with ``y[i]`` predicted at position ``i``. So ``x = input_ids[:-1]``,
 ``y = input_ids[1:]`` and ``weights[i] = 1`` exactly where ``labels[i + 1]`` is trained (the
 assistant's tokens, as the template labelled them), 0 elsewhere. The server turns the datum
-back into the same row (``twinkle.server.core.datum_batch``), so the loss is the same.
+back into the same row (``twinkle.server.datums.datum_batch``), so the loss is the same.
 
 A row encoded by a vision-language template also sends its processed images, ``pixel_values``
 and ``image_grid_thw``, in ``loss_fn_inputs`` (upstream's layout; the image placeholder tokens

@@ -13,7 +13,7 @@ from fastapi import APIRouter, Request
 
 from twinkle.server import images, model_steps, objectives
 from twinkle.server.checks import page
-from twinkle.server.core import LOSS_INPUTS
+from twinkle.server.datums import LOSS_INPUTS
 from twinkle.server.errors import BadRequest
 from twinkle.server.requests import PROTO, body, field, future, server_of
 from twinkle.server.runs import SAVE_DIR, check_base, checkpoint_json, iso, open_run, start_run
