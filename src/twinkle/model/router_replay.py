@@ -14,7 +14,16 @@ experts it chose (``ROUTERS``), so the router keeps its gradient:
 - DeepSeek-V3: the sigmoid of each recorded expert's logit (its bias correction,
   ``e_score_correction_bias``, and the group limit only choose experts; they weigh nothing),
   renormalised where ``norm_topk_prob`` says, times ``routed_scaling_factor``;
+- DeepSeek-V4: its scoring function (sqrt-softplus) of each recorded expert's logit, without the
+  bias correction, renormalised, times ``routed_scaling_factor``;
 - gpt-oss: a softmax over the recorded experts' logits alone.
+
+DeepSeek-V4's hash-routed layers choose by a frozen token-to-expert table (``tid2eid``) and weigh
+as its scored layers do. They are recorded and replayed like every other layer, so
+``routed_experts`` keeps one layout over all MoE layers, and replay runs the recorded experts
+there too rather than reading the table again: the recorded route is the table's choice for the
+same token, so replaying the sampler's routes reproduces it, and wherever the two could part (a
+table not the sampler's) the token keeps the route it was drawn with, which is what replay is for.
 
 ``RouterReplay.install(lm)`` hooks the routers of one model instance (``ROUTERS``; never the
 class): a forward hook on each router reads or replaces its output ``(logits, weights,
@@ -69,6 +78,16 @@ def sigmoid_scaled(router: torch.nn.Module, logits: torch.Tensor, chosen: torch.
     return weights * router.routed_scaling_factor
 
 
+def scored_scaled(router: torch.nn.Module, logits: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+    """DeepSeek-V4's weights, for both of its routers: its scoring function (``score_fn``,
+    sqrt-softplus by default) of the ``chosen`` experts' logits, in the logits' dtype and without
+    the bias correction (which only chooses), renormalised with the router's small denominator
+    guard, times ``routed_scaling_factor``."""
+    weights = router.score_fn(logits).gather(-1, chosen)
+    weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * router.routed_scaling_factor
+
+
 def softmax_over_chosen(router: torch.nn.Module, logits: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
     """gpt-oss's weights: a softmax over the ``chosen`` experts' logits, in the logits' dtype."""
     return torch.softmax(logits.gather(-1, chosen), dim=-1, dtype=logits.dtype)
@@ -82,11 +101,14 @@ ROUTERS: dict[str, Callable[[torch.nn.Module, torch.Tensor, torch.Tensor], torch
     "Qwen3NextTopKRouter": partial(softmax_over_all, renormalise=None),
     "Qwen3_5MoeTopKRouter": partial(softmax_over_all, renormalise=True),
     "DeepseekV3TopkRouter": sigmoid_scaled,
+    "DeepseekV4TopKRouter": scored_scaled,
+    "DeepseekV4HashRouter": scored_scaled,
     "GptOssTopKRouter": softmax_over_chosen,
 }
 # the model types whose routers are in ROUTERS (read from a folder's config.json before loading)
 MOE_MODEL_TYPES = (
-    "qwen2_moe", "qwen3_moe", "qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text", "deepseek_v3", "gpt_oss",
+    "qwen2_moe", "qwen3_moe", "qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text", "deepseek_v3", "deepseek_v4",
+    "gpt_oss",
 )  # fmt: skip
 _ATTRIBUTE = "_twinkle_router_replay"  # the lm instance's RouterReplay
 
