@@ -116,6 +116,44 @@ def test_bad_messages_are_named_by_row_and_field(case):
         Dataset(DatasetMeta(data=[{"messages": CHAT}, {"messages": messages}])).map(MessagesProcessor())
 
 
+# rows given in Python may hold bytes (an image's PNG), which JSON cannot: (rows, regex of the error)
+BYTES_CASES = {
+    "number-where-bytes": (
+        [{"a": b"x"}, {"a": 1}, {"a": b"y"}],
+        r"row 1: 'a' is a number \(1\) where most rows hold bytes; fix the row",
+    ),
+    "bytes-where-number": (
+        [{"a": 1}, {"a": b"x"}, {"a": 2}],
+        r"row 1: 'a' is bytes where most rows hold a number",
+    ),
+    "bytes-where-object": (
+        [{"a": {"k": 1}}, {"a": b"x"}],
+        r"row 1: 'a' is bytes where most rows hold an object",
+    ),
+    "list-where-bytes": (
+        [{"a": b"x"}, {"a": b"y"}, {"a": [1]}],
+        r"row 2: 'a' is a list where most rows hold bytes",
+    ),
+    "bytes-in-a-list": (
+        [{"a": [1]}, {"a": [b"x"]}, {"a": [2]}],
+        r"row 1: 'a\[0\]' is bytes where most rows hold a number",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(BYTES_CASES))
+def test_bytes_beside_another_type_are_named_by_row_and_field(case):
+    rows, pattern = BYTES_CASES[case]
+    with pytest.raises(UserError, match=r"^DatasetMeta\(data=...\): " + pattern) as info:
+        Dataset(DatasetMeta(data=rows))
+    assert "\n" not in str(info.value)
+
+
+def test_skip_bad_rows_keeps_the_bytes_rows():
+    dataset = Dataset(DatasetMeta(data=[{"a": b"x"}, {"a": 1}, {"a": b"y"}]), skip_bad_rows=True)
+    assert [dataset[i]["a"] for i in range(len(dataset))] == [b"x", b"y"]
+
+
 def test_a_row_with_nothing_to_learn_after_the_template(tiny_model_dir):
     """Rows given as messages, no preprocessor: an assistant turn that opens the conversation is
     never supervised, so the row would train on nothing."""

@@ -78,14 +78,33 @@ def read_json_rows(path: Path) -> list[dict[str, Any]]:
 
 
 def _kind(value: Any) -> str | None:
-    """The Arrow-relevant kind of a JSON value; None (null) fits any column."""
+    """The Arrow-relevant kind of a row's value; None (null) fits any column. Rows given in
+    Python (``DatasetMeta(data=...)``) may hold values JSON cannot (bytes, tuples, images): bytes
+    are a kind of their own, a tuple is a list (as Arrow stores it), and any other value is
+    its type's name, looked at whole rather than walked into."""
     if value is None:
         return None
     if isinstance(value, bool):
         return "boolean"
     if isinstance(value, int | float):
         return "number"
-    return "text" if isinstance(value, str) else "list" if isinstance(value, list) else "object"
+    if isinstance(value, str):
+        return "text"
+    if isinstance(value, bytes | bytearray | memoryview):
+        return "bytes"
+    if isinstance(value, list | tuple):
+        return "list"
+    return "object" if isinstance(value, dict) else type(value).__name__
+
+
+def _described(value: Any) -> str:
+    """``kind_of``'s words for a value, with bytes said as such."""
+    return "bytes" if _kind(value) == "bytes" else kind_of(value)
+
+
+def _expected(kind: str) -> str:
+    """What most rows hold, as the conflict message says it."""
+    return {"text": "text", "bytes": "bytes", "object": "an object"}.get(kind, f"a {kind}")
 
 
 def _walk(value: Any, generic: str, exact: str, out: list[tuple[str, str, str, Any]]) -> None:
@@ -120,10 +139,9 @@ def type_conflicts(rows: list[dict[str, Any]]) -> list[tuple[int, str, str]]:
     for index, found in enumerate(walked):
         for generic, exact, kind, value in found:
             if kind != usual[generic]:
-                expected = usual[generic] if usual[generic] == "text" else f"a {usual[generic]}"
-                expected = "an object" if usual[generic] == "object" else expected
+                expected = _expected(usual[generic])
                 conflicts.append(
-                    (index, exact, f"{exact!r} is {kind_of(value)} where most rows hold {expected}")
+                    (index, exact, f"{exact!r} is {_described(value)} where most rows hold {expected}")
                 )
                 break
     return conflicts
