@@ -24,6 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from tiny import build_tokenizer  # noqa: E402  (after this folder is on the path)
+from tiny_vl_parts import VISION, folder, text_config  # noqa: E402
 
 GEMMA3_TOKENS = {
     "boi_token": "<start_of_image>",
@@ -57,9 +58,6 @@ GEMMA4_CHAT = (
     "{% endfor %}{% endif %}<turn|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|turn>model\n{% endif %}"
 )
-TEXT = dict(
-    hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
-)
 
 
 def _tokenizer(out: Path, named: dict[str, str], extra: list[str], chat_template: str):
@@ -90,8 +88,7 @@ def build_tiny_gemma3(out: str | Path, seed: int = 0) -> Path:
     from transformers import Gemma3Config, Gemma3ForConditionalGeneration
     from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
 
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = folder(out)
     tok = _tokenizer(out, GEMMA3_TOKENS, ["<start_of_turn>", "<end_of_turn>"], GEMMA3_CHAT)
     ids = {k: tok.convert_tokens_to_ids(v) for k, v in GEMMA3_TOKENS.items()}
     image_processor = Gemma3ImageProcessorPil(
@@ -99,26 +96,13 @@ def build_tiny_gemma3(out: str | Path, seed: int = 0) -> Path:
     )
     _processor_files(out, image_processor, {"image_seq_length": 16, "processor_class": "Gemma3Processor"})
     config = Gemma3Config(
-        text_config=dict(
-            vocab_size=len(tok),
-            **TEXT,
-            head_dim=8,
+        text_config=text_config(
+            tok,
             query_pre_attn_scalar=8,
             sliding_window=24,  # shorter than a row: the sliding layer's window cuts across images
             layer_types=["sliding_attention", "full_attention"],
-            max_position_embeddings=512,
-            eos_token_id=tok.eos_token_id,
-            pad_token_id=tok.pad_token_id,
-            bos_token_id=None,
         ),
-        vision_config=dict(
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            image_size=32,
-            patch_size=4,
-        ),
+        vision_config=dict(**VISION, num_hidden_layers=1, num_attention_heads=2, image_size=32, patch_size=4),
         mm_tokens_per_image=16,
         boi_token_index=ids["boi_token"],
         eoi_token_index=ids["eoi_token"],
@@ -137,17 +121,14 @@ def build_tiny_gemma4(out: str | Path, seed: int = 0) -> Path:
     from transformers import Gemma4Config, Gemma4ForConditionalGeneration
     from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
 
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = folder(out)
     tok = _tokenizer(out, GEMMA4_TOKENS, [GEMMA4_VIDEO, "<|turn>", "<turn|>"], GEMMA4_CHAT)
     ids = {k: tok.convert_tokens_to_ids(v) for k, v in GEMMA4_TOKENS.items()}
     image_processor = Gemma4ImageProcessorPil(patch_size=4, max_soft_tokens=70, pooling_kernel_size=3)
     _processor_files(out, image_processor, {"image_seq_length": 70, "processor_class": "Gemma4Processor"})
     config = Gemma4Config(
-        text_config=dict(
-            vocab_size=len(tok),
-            **TEXT,
-            head_dim=8,
+        text_config=text_config(
+            tok,
             global_head_dim=16,
             hidden_size_per_layer_input=8,
             vocab_size_per_layer_input=len(tok),
@@ -155,14 +136,9 @@ def build_tiny_gemma4(out: str | Path, seed: int = 0) -> Path:
             layer_types=["sliding_attention", "full_attention"],
             use_bidirectional_attention="vision",
             final_logit_softcapping=30.0,  # as Gemma 4's checkpoints: the head's logits are soft-capped
-            max_position_embeddings=512,
-            eos_token_id=tok.eos_token_id,
-            pad_token_id=tok.pad_token_id,
-            bos_token_id=None,
         ),
         vision_config=dict(
-            hidden_size=32,
-            intermediate_size=64,
+            **VISION,
             num_hidden_layers=1,
             num_attention_heads=2,
             num_key_value_heads=2,

@@ -7,14 +7,13 @@ one full-attention layer, as Qwen3.5 alternates them.
 
 ``python tests/assets/tiny_qwen3_5_vl.py OUT_DIR`` makes one by hand."""
 
-import json
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from tiny import build_tokenizer  # noqa: E402  (after this folder is on the path)
-from tiny_qwen3_vl import CHAT_TEMPLATE, PATCH, VISION_TOKENS  # noqa: E402
+from tiny_qwen3_vl import CHAT_TEMPLATE, qwen_processor_files, qwen_vision_config  # noqa: E402
+from tiny_vl_parts import folder, text_config  # noqa: E402
 
 MODEL_CLS = "Qwen3_5ForConditionalGeneration"
 # Qwen3-VL's chat format with Qwen3.5's thinking switch: enable_thinking=False opens the reply
@@ -33,38 +32,12 @@ def build_tiny_qwen3_5_vl(out: str | Path, seed: int = 0, scale: float = 1.0) ->
     test's greedy tokens vary, follow the pixels and win by margins far above fp32's rounding."""
     import torch
     from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    tok = build_tokenizer(out)
-    tok.add_tokens(VISION_TOKENS + ["<think>", "</think>"], special_tokens=True)
-    tok.chat_template = QWEN3_5_CHAT_TEMPLATE
-    tok.save_pretrained(out)
-    ids = {t: tok.convert_tokens_to_ids(t) for t in VISION_TOKENS}
-    image_processor = Qwen2VLImageProcessorPil(
-        patch_size=PATCH,
-        merge_size=2,
-        temporal_patch_size=2,
-        image_mean=[0.5, 0.5, 0.5],
-        image_std=[0.5, 0.5, 0.5],
-        min_pixels=32 * 32,
-        max_pixels=128 * 128,
-    )
-    image_processor.save_pretrained(out)
-    path = out / "preprocessor_config.json"  # named as a Qwen3.5 checkpoint names them
-    saved = json.loads(path.read_text())
-    saved.update(image_processor_type="Qwen2VLImageProcessorFast", processor_class="Qwen3VLProcessor")
-    path.write_text(json.dumps(saved, indent=2))
+    out = folder(out)
+    tok, token_ids = qwen_processor_files(out, ["<think>", "</think>"], QWEN3_5_CHAT_TEMPLATE)
     config = Qwen3_5Config(
-        text_config=dict(
-            vocab_size=len(tok),
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=8,
+        text_config=text_config(
+            tok,
             max_position_embeddings=4096,
             # the whole head rotates (Qwen3.5 rotates a quarter of its 256): 4 frequencies, so
             # that the height and width axes of M-RoPE each get one
@@ -80,25 +53,9 @@ def build_tiny_qwen3_5_vl(out: str | Path, seed: int = 0, scale: float = 1.0) ->
             linear_key_head_dim=8,
             linear_value_head_dim=8,
             layer_types=["linear_attention", "full_attention"],
-            eos_token_id=tok.eos_token_id,
-            pad_token_id=tok.pad_token_id,
-            bos_token_id=None,
         ),
-        vision_config=dict(
-            depth=2,
-            hidden_size=32,
-            intermediate_size=64,
-            num_heads=2,
-            patch_size=PATCH,
-            spatial_merge_size=2,
-            temporal_patch_size=2,
-            out_hidden_size=32,
-            num_position_embeddings=16,
-        ),
-        image_token_id=ids["<|image_pad|>"],
-        video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"],
-        vision_end_token_id=ids["<|vision_end|>"],
+        vision_config=qwen_vision_config(),
+        **token_ids,
         tie_word_embeddings=False,
     )
     torch.manual_seed(seed)

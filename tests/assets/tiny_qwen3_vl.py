@@ -15,6 +15,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from tiny import build_tokenizer  # noqa: E402  (after this folder is on the path)
+from tiny_vl_parts import VISION, folder, text_config  # noqa: E402
 
 VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 # Qwen3-VL's chat format for images: ChatML, each image part <|vision_start|><|image_pad|><|vision_end|>
@@ -30,18 +31,17 @@ CHAT_TEMPLATE = (
 PATCH = 16  # Qwen3-VL's patch (Qwen2.5-VL's is 14)
 
 
-def build_tiny_qwen3_vl(out: str | Path, seed: int = 0) -> Path:
-    import torch
-    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+def qwen_processor_files(out: Path, extra_tokens: list[str], chat_template: str):
+    """The tests' tokenizer with Qwen's vision tokens and ``extra_tokens`` added and
+    ``chat_template`` set, and Qwen3-VL's image processor, saved in ``out`` and named as a
+    Qwen3-VL (or Qwen3.5) checkpoint names them; the tokenizer and the config fields naming its
+    vision tokens."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
     tok = build_tokenizer(out)
-    tok.add_tokens(VISION_TOKENS, special_tokens=True)
-    tok.chat_template = CHAT_TEMPLATE
+    tok.add_tokens(VISION_TOKENS + extra_tokens, special_tokens=True)
+    tok.chat_template = chat_template
     tok.save_pretrained(out)
-    ids = {t: tok.convert_tokens_to_ids(t) for t in VISION_TOKENS}
     image_processor = Qwen2VLImageProcessorPil(
         patch_size=PATCH,
         merge_size=2,
@@ -52,47 +52,53 @@ def build_tiny_qwen3_vl(out: str | Path, seed: int = 0) -> Path:
         max_pixels=128 * 128,
     )
     image_processor.save_pretrained(out)
-    # name the processors as a Qwen3-VL checkpoint does (the torchvision class; loaded as PIL)
+    # the checkpoints name the torchvision class; transformers loads it as the PIL one
     path = out / "preprocessor_config.json"
     saved = json.loads(path.read_text())
     saved.update(image_processor_type="Qwen2VLImageProcessorFast", processor_class="Qwen3VLProcessor")
     path.write_text(json.dumps(saved, indent=2))
-    config = Qwen3VLConfig(
-        text_config=dict(
-            vocab_size=len(tok),
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=8,
-            max_position_embeddings=512,
-            rope_parameters={
-                "rope_type": "default",
-                "rope_theta": 10000.0,
-                "mrope_section": [2, 1, 1],
-                "mrope_interleaved": True,
-            },
-            eos_token_id=tok.eos_token_id,
-            pad_token_id=tok.pad_token_id,
-            bos_token_id=None,
-        ),
-        vision_config=dict(
-            depth=2,
-            hidden_size=32,
-            intermediate_size=64,
-            num_heads=2,
-            patch_size=PATCH,
-            spatial_merge_size=2,
-            temporal_patch_size=2,
-            out_hidden_size=32,
-            num_position_embeddings=16,  # a 4x4 grid of learned positions, interpolated per image
-            deepstack_visual_indexes=[0],
-        ),
+    ids = {t: tok.convert_tokens_to_ids(t) for t in VISION_TOKENS}
+    token_ids = dict(
         image_token_id=ids["<|image_pad|>"],
         video_token_id=ids["<|video_pad|>"],
         vision_start_token_id=ids["<|vision_start|>"],
         vision_end_token_id=ids["<|vision_end|>"],
+    )
+    return tok, token_ids
+
+
+def qwen_vision_config(**family) -> dict:
+    """A 2-block vision tower of Qwen3-VL's shape (16-pixel patches, 2x2 merge, a 4x4 grid of
+    learned positions interpolated per image), with the ``family``'s own fields."""
+    return dict(
+        depth=2,
+        **VISION,
+        num_heads=2,
+        patch_size=PATCH,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        out_hidden_size=32,
+        num_position_embeddings=16,
+        **family,
+    )
+
+
+def build_tiny_qwen3_vl(out: str | Path, seed: int = 0) -> Path:
+    import torch
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    out = folder(out)
+    tok, token_ids = qwen_processor_files(out, [], CHAT_TEMPLATE)
+    rope = {
+        "rope_type": "default",
+        "rope_theta": 10000.0,
+        "mrope_section": [2, 1, 1],
+        "mrope_interleaved": True,
+    }
+    config = Qwen3VLConfig(
+        text_config=text_config(tok, rope_parameters=rope),
+        vision_config=qwen_vision_config(deepstack_visual_indexes=[0]),
+        **token_ids,
     )
     torch.manual_seed(seed)
     Qwen3VLForConditionalGeneration(config).save_pretrained(out)
