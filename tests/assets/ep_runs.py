@@ -2,7 +2,7 @@
 process and on 2 gloo ranks (ep_size 2), then the runs compared: per-step losses, gradient norms
 and an evaluation pass's logps within ``run_loss_rtol``, the saved adapters within
 ``adamw_weight_atol``, every MoE layer's expert LoRA saved whole, and each rank holding exactly
-its own block of the experts one process loads."""
+its own block of the experts (weights, and biases where the family has them) one process loads."""
 
 import json
 from pathlib import Path
@@ -28,8 +28,10 @@ def run_ep_worker(launcher, model_dir: Path, out: Path, nproc: int, steps: int) 
 
 def assert_ep_equals_one_process(
     one: dict, two: dict, label: str, lr: float, steps: int, experts: int, moe_layers: tuple[int, ...],
-    one_dir: Path, two_dir: Path,
+    one_dir: Path, two_dir: Path, biases: bool = False,
 ) -> None:  # fmt: skip
+    """``biases``: the experts carry ``gate_up_proj_bias`` and ``down_proj_bias`` (gpt-oss), held
+    in blocks like their weights."""
     assert two["world_size"] == 2
     lengths = one["lengths"]
     rtol = run_loss_rtol(len(lengths), max(lengths), 2)
@@ -56,9 +58,9 @@ def assert_ep_equals_one_process(
         assert (weight - two["adapter"][name]).abs().max() <= atol, name
     # one process holds every expert of the MoE layers; rank r its block r, exactly
     full = load_file(one_dir / "experts-0.safetensors")
-    assert sorted(full) == [
-        f"model.layers.{i}.mlp.experts.{p}" for i in moe_layers for p in ("down_proj", "gate_up_proj")
-    ]
+    names = ("down_proj", "down_proj_bias", "gate_up_proj", "gate_up_proj_bias")
+    names = names if biases else names[::2]
+    assert sorted(full) == [f"model.layers.{i}.mlp.experts.{p}" for i in moe_layers for p in names]
     for rank in range(2):
         held = load_file(two_dir / f"experts-{rank}.safetensors")
         assert held.keys() == full.keys()

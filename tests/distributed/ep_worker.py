@@ -90,10 +90,10 @@ def main() -> None:
         name.replace("base_model.model.", "").replace(".base_layer", ""): param
         for name, param in model.model.named_parameters()
     }
-    held = {  # the experts' own weights (their LoRA weights are FSDP2's shards)
+    held = {  # the experts' own weights and biases (their LoRA weights are FSDP2's shards)
         name: param.detach().contiguous()
         for name, param in named.items()
-        if name.endswith(("experts.gate_up_proj", "experts.down_proj"))
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj", "_proj_bias")) and ".experts." in name
     }
     save_file(held, str(Path(args.out, f"experts-{runtime.rank}.safetensors")))
     if runtime.rank == 0:

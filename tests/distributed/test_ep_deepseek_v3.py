@@ -8,8 +8,7 @@ multi-head latent attention.
 the experts (``target_parameters``); the per-step losses, gradient norms and an evaluation pass's
 logps agree within ``run_loss_rtol`` (``tests/assets/tolerances.py``), the saved adapters within
 ``adamw_weight_atol``, and each rank holds exactly its own 4 of the 8 experts of each MoE layer,
-as one process loads them. gpt-oss, whose experts compute otherwise, is refused in one line
-saying why."""
+as one process loads them (gpt-oss: ``test_ep_gpt_oss.py``)."""
 
 import json
 from pathlib import Path
@@ -19,7 +18,7 @@ import torch
 import transformers
 from ep_runs import assert_ep_equals_one_process, run_ep_worker
 
-from twinkle.model.expert_parallel import check_folder, check_model
+from twinkle.model.expert_parallel import check_folder
 from twinkle.utils.errors import UserError
 
 pytestmark = [pytest.mark.slow, pytest.mark.cluster]  # 2-process runs, with the other `-m cluster` suites
@@ -70,11 +69,3 @@ def test_deepseek_v3_expert_count_is_read_from_its_folder(tiny_model_dir, tmp_pa
     with pytest.raises(UserError) as info:
         check_folder(str(folder), None, 2, False, 1)
     assert "ep_size=2 does not divide the model's 7 experts" in _one_line(info)
-
-
-def test_gpt_oss_is_refused_saying_why():
-    config = transformers.GptOssConfig(num_local_experts=8, num_hidden_layers=1)
-    with pytest.raises(UserError) as info:
-        check_model(config, 2)
-    text = _one_line(info)
-    assert text.startswith("ep_size=2 does not run gpt_oss: its experts add a bias") and "ep_size=1" in text

@@ -4,13 +4,15 @@
 For the families whose experts transformers keeps as fused 3-D weights behind one call,
 ``experts(hidden, top_k_index, top_k_weights)`` (``FAMILIES``): each rank keeps the
 ``ep_rank``-th of N contiguous blocks of every MoE layer's experts (``gate_up_proj`` and
-``down_proj`` sliced along the expert dimension when the model is placed, once its adapters are
-attached), and the experts' forward on this instance is replaced by an exchange
-(``twinkle.distributed.expert_parallel``): each (token, chosen expert) pair is sent to the rank
-of the exchange group that holds the expert, run there (with the family's own activation where
-it has one, ``gated``), sent back, weighted and summed in the family's order (ascending expert). The router, its routing weights (the family's softmax in
-fp32, renormalised where the family does) and its logits, hence the auxiliary loss computed
-from them, are the family's own and run on every rank's own tokens.
+``down_proj``, and gpt-oss's ``gate_up_proj_bias`` and ``down_proj_bias``, sliced along the
+expert dimension when the model is placed, once its adapters are attached), and the experts'
+forward on this instance is replaced by an exchange (``twinkle.distributed.expert_parallel``):
+each (token, chosen expert) pair is sent to the rank of the exchange group that holds the
+expert, run there as the family runs it (its weight layout and biases, ``_project``; its own
+activation, ``gated``), sent back, weighted and summed in the family's order (ascending expert).
+The router, its routing weights (the family's softmax, renormalised where the family does) and
+its logits, hence the auxiliary loss computed from them, are the family's own and run on every
+rank's own tokens.
 
 FSDP2 shards every other weight as before; the expert blocks are left out of its units
 (``ignored_params``), so they are never gathered. The experts' own weights are frozen, so the
@@ -24,9 +26,8 @@ each expert's tokens over the ranks that hold it, as one process does. Full-para
 training under ``ep_size > 1`` is refused in one line.
 
 One line each, before the weights load where the model is a local folder: a model without
-experts, N not dividing the expert count, a family not in ``FAMILIES`` (gpt-oss, whose experts
-compute otherwise, saying why: ``NOT_FUSED``), Ulysses with ``ep_size > 1``, an
-``expert_parallel`` option other than upstream's.
+experts, N not dividing the expert count, a family not in ``FAMILIES``, Ulysses with
+``ep_size > 1``, an ``expert_parallel`` option other than upstream's.
 
 Routing replay (``twinkle.model.router_replay``) runs under expert parallelism unchanged: its
 hooks replace each router's output on the rank's own tokens, before the MoE block calls the
@@ -49,17 +50,16 @@ from twinkle.utils.logger import get_logger
 logger = get_logger()
 
 ATTRIBUTE = "_twinkle_expert_parallel"
-# model types whose MoE block calls experts(hidden, top_k_index, top_k_weights) on fused
-# gate_up_proj (experts, 2 * intermediate, hidden) and down_proj (experts, hidden, intermediate)
+# model types whose MoE block calls experts(hidden, top_k_index, top_k_weights) on fused 3-D
+# gate_up_proj and down_proj: (experts, out, in), or (experts, in, out) where transformers marks
+# the experts ``is_transposed`` (gpt-oss, whose experts also carry ``*_proj_bias``)
 FAMILIES = (
     "qwen3_moe", "qwen2_moe", "qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text", "deepseek_v3", "deepseek_v4",
+    "gpt_oss",
 )  # fmt: skip
-# MoE families whose experts hold weights of another shape or compute otherwise, and why
-NOT_FUSED = {
-    "gpt_oss": "its experts add a bias to each projection and run a clamped SwiGLU on interleaved "
-    "gate/up columns of gate_up_proj stored (experts, hidden, 2 * intermediate), which the exchanged "
-    "experts' plain SwiGLU on (experts, 2 * intermediate, hidden) would not reproduce",
-}
+# an experts module's own weights: split into blocks, left out of FSDP2, never trained
+EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
+EXPERT_BIASES = ("gate_up_proj_bias", "down_proj_bias")
 OPTION_KEYS = ("enabled", "router_dtype", "keep_router_logits", "ep_size")
 
 
@@ -126,8 +126,6 @@ def check_model(config: Any, size: int) -> None:
     kind, experts = _experts_of(config)
     if not experts:
         raise UserError(f"ep_size={size}: {kind} is a dense model (no experts to split); use ep_size=1")
-    if kind in NOT_FUSED:
-        raise UserError(f"ep_size={size} does not run {kind}: {NOT_FUSED[kind]}; use ep_size=1")
     if kind not in FAMILIES:
         raise UserError(
             f"ep_size={size} runs the families {', '.join(FAMILIES)}; {kind} is not one of them; use ep_size=1"
@@ -183,13 +181,18 @@ class ExpertParallel:
         return self.group.rank * local, (self.group.rank + 1) * local
 
     def check_trainable(self, model: torch.nn.Module) -> None:
-        """One line when an expert's own weight would train (full-parameter training)."""
+        """One line when an expert's own weight would train beside LoRA adapters. Without an
+        adapter (full-parameter training) every rank trains its block of the experts
+        (``twinkle.model.expert_parallel_full``); with one, the optimizer keeps whole copies of
+        the trainable weights, which a block is not."""
         for name, param in model.named_parameters():
-            own = name.replace(".base_layer", "")  # a LoRA wrapper's base weight: the expert's own
-            if param.requires_grad and own.endswith((".experts.gate_up_proj", ".experts.down_proj")):
+            if ".base_layer" not in name or not param.requires_grad:
+                continue
+            if name.replace(".base_layer", "").endswith((".experts.gate_up_proj", ".experts.down_proj")):
                 raise UserError(
-                    f"ep_size={self.group.size}: the experts' own weights do not train under expert parallelism "
-                    f"({name} would); train a LoRA adapter (target_parameters reaches the experts), or use ep_size=1"
+                    f"ep_size={self.group.size}: {name} would train beside a LoRA adapter; under expert "
+                    "parallelism the experts' own weights train only without adapters (full-parameter "
+                    "training); keep them frozen, or build the model without add_adapter_to_model"
                 )
 
     def split(self, model: torch.nn.Module) -> set[torch.nn.Parameter]:
@@ -202,8 +205,9 @@ class ExpertParallel:
         start, end = self.block
         if not self.params:
             for module in self.modules:
-                for name in ("gate_up_proj", "down_proj"):
-                    self.params.append(_keep_block(module, name, start, end, self.device))
+                for name in (*EXPERT_WEIGHTS, *EXPERT_BIASES):
+                    if isinstance(getattr(module, name, None), torch.nn.Parameter):
+                        self.params.append(_keep_block(module, name, start, end, self.device))
                 module.forward = types.MethodType(_exchanging_forward(self.group, self.experts), module)
             logger.info(f"expert parallelism: experts {start}..{end - 1} of {self.experts} on this rank")
         owned = {id(m) for m in self.modules}
@@ -245,7 +249,7 @@ def _block_updates(wrapper: Any, start: int, end: int) -> None:
 def _expert_modules(lm: torch.nn.Module) -> list[torch.nn.Module]:
     found = []
     for module in lm.modules():
-        weights = [getattr(module, name, None) for name in ("gate_up_proj", "down_proj")]
+        weights = [getattr(module, name, None) for name in EXPERT_WEIGHTS]
         if all(isinstance(w, torch.nn.Parameter) and w.dim() == 3 for w in weights):
             found.append(module)
     return found
@@ -283,10 +287,22 @@ def install(lm: Any, mesh: DeviceMesh, rank: int, device: torch.device, checkpoi
     return ep
 
 
+def _project(experts: torch.nn.Module, x: torch.Tensor, name: str, j: int) -> torch.Tensor:
+    """``x`` through local expert ``j``'s ``name`` projection as the family computes it: ``x @ W``
+    on the transposed layout (experts, in, out), ``x @ W.T`` on (experts, out, in); plus the
+    expert's bias where the family has one (``has_bias``: gpt-oss)."""
+    weight = getattr(experts, name)[j]
+    out = x @ weight if getattr(experts, "is_transposed", False) else F.linear(x, weight)
+    if getattr(experts, "has_bias", False):
+        out = out + getattr(experts, name + "_bias")[j]
+    return out
+
+
 def gated(experts: torch.nn.Module, gate_up: torch.Tensor) -> torch.Tensor:
     """The experts' activation on ``gate_up`` (an expert's ``gate_up_proj`` product): the
     family's own ``_apply_gate`` where it has one (DeepSeek-V4 clamps gate and up to
-    ``swiglu_limit`` before its SwiGLU), else the plain SwiGLU on the two halves."""
+    ``swiglu_limit`` before its SwiGLU; gpt-oss clamps interleaved gate/up columns and computes
+    ``(up + 1) * gate * sigmoid(alpha * gate)``), else the plain SwiGLU on the two halves."""
     if hasattr(experts, "_apply_gate"):
         return experts._apply_gate(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
@@ -319,7 +335,8 @@ def _exchanging_forward(eg: ExpertGroup, experts: int) -> Any:
         # (zero), so FSDP2 reduces the same tensors on every rank
         outputs = []
         for j, part in enumerate(rows[by_expert].split(counts)):
-            outputs.append(F.linear(gated(self, F.linear(part, self.gate_up_proj[j])), self.down_proj[j]))
+            up = gated(self, _project(self, part, "gate_up_proj", j))
+            outputs.append(_project(self, up, "down_proj", j))
         done = torch.cat(outputs)
         back = exchange_rows(done[by_expert.argsort()], receive, send, eg)
         weighted = back * top_k_weights.reshape(-1)[order, None]
