@@ -27,6 +27,7 @@ import torch
 from twinkle.checkpoint import integrity, layout
 from twinkle.loss import build_loss
 from twinkle.model.adapters import Adapters, Build, PeftAdapters
+from twinkle.model.expert_parallel_full import ExpertBlocks, ExpertShardedOptimizer
 from twinkle.model.sharded_optimizer import ShardedOptimizer
 from twinkle.model.step import restore_grad
 from twinkle.model.train_state import OptimizerGroup
@@ -60,8 +61,12 @@ def full_parameter_group(model: Any, place: Callable[[], None]) -> OptimizerGrou
         )
     for p in model.model.parameters():
         p.requires_grad_(True)
-    model.adapters = FullParameterAdapters(groups, model.runtime, model)
+    adapters = FullParameterAdapters(groups, model.runtime, model)
+    model.adapters = adapters
     place()
+    ep = getattr(model, "expert_parallel", None)
+    if ep is not None:  # each rank trains its block of the experts (twinkle.model.expert_parallel_full)
+        adapters.experts = ExpertBlocks(ep, model.model, model.runtime.mesh, model.runtime.rank)
     groups[FULL] = OptimizerGroup(FULL, 1, loss_fn=build_loss("CrossEntropyLoss", reduction="sum"))
     logger.info(f"{name}: no adapter, so every weight trains (full-parameter)")
     return groups[FULL]
@@ -92,6 +97,7 @@ class FullParameterAdapters(Adapters):
     def __init__(self, groups: dict[str, Any], runtime: Any, owner: Any):
         super().__init__(groups, runtime)
         self.owner = owner
+        self.experts: ExpertBlocks | None = None  # this rank's expert blocks under expert parallelism
 
     @property
     def lm(self) -> Any:
@@ -124,12 +130,17 @@ class FullParameterAdapters(Adapters):
         params = list(self.lm.parameters())
         vectors = [p.dim() < 2 for p in params]
         grouped = lambda copies: without_decay(build(copies), copies, vectors)  # noqa: E731
+        if self.experts is not None:  # and its own expert blocks
+            return ExpertShardedOptimizer(params, grouped, self.runtime.rank, self.experts)
         if any(hasattr(p, "full_tensor") for p in params):  # sharded: each rank steps its shards
             return ShardedOptimizer(params, grouped, self.runtime.rank)
         return ReplicatedOptimizer(params, grouped)
 
     def trainable_count(self, name: str) -> int:
-        return sum(p.numel() for p in self.lm.parameters())
+        if self.experts is None:
+            return sum(p.numel() for p in self.lm.parameters())
+        own = sum(p.numel() for p in self.lm.parameters() if not self.experts.holds(p))
+        return own + self.experts.count()
 
     def describe(self) -> str:
         return " full_parameter=True"
@@ -137,7 +148,11 @@ class FullParameterAdapters(Adapters):
     def state_dict(self, name: str) -> dict[str, torch.Tensor]:
         """Every weight, full size on the CPU, under the model's own names (a collective under
         FSDP: each rank gathers the whole model)."""
-        return {k: _full_tensor(v).detach().to("cpu") for k, v in self.lm.state_dict().items()}
+        state = {k: _full_tensor(v).detach().to("cpu") for k, v in self.lm.state_dict().items()}
+        if self.experts is not None:
+            for k, block in self.experts.named.items():
+                state[k] = self.experts.all_gather(block)
+        return state
 
     def export(self, name: str) -> tuple[dict, Any]:
         """The full state dict, gathered on rank 0 (empty elsewhere: only rank 0 writes it), and
@@ -153,6 +168,8 @@ class FullParameterAdapters(Adapters):
             state = get_model_state_dict(self.lm, options=options)
         else:
             state = self.lm.state_dict()
+        if self.experts is not None:  # every expert, gathered from the blocks on rank 0
+            state = self.experts.gather_state_dict(state)
         return {}, HFModelFiles(self.lm, state)
 
     def window_params(self, name: str) -> Iterable[tuple[str, torch.nn.Parameter]]:
@@ -165,7 +182,8 @@ class FullParameterAdapters(Adapters):
 
     def load_weights(self, folder: Path, name: str) -> None:
         """Every weight from the ``*.safetensors`` files of ``folder`` (verified against its
-        marker); each rank copies its own shard of the full tensors, without communication."""
+        marker); each rank copies its own shard (or expert block) of the full tensors, without
+        communication."""
         from safetensors.torch import load_file
 
         files = sorted(f.name for f in Path(folder).glob("*.safetensors") if f.name != layout.ADAPTER_WEIGHTS)
@@ -180,6 +198,9 @@ class FullParameterAdapters(Adapters):
             tensors.update(load_file(Path(folder) / file, device="cpu"))
         params = dict(self.lm.named_parameters())
         missing = [n for n in params if n not in tensors]
+        if missing:  # the files' layout is not the modules' (fused experts): from_pretrained's own reading
+            tensors = _as_loaded(self.lm, folder)
+            missing = [n for n in params if n not in tensors]
         if missing:
             raise UserError(
                 f"checkpoint {folder} lacks {len(missing)} weight(s) of this model (e.g. {missing[0]}); "
@@ -188,6 +209,8 @@ class FullParameterAdapters(Adapters):
         with torch.no_grad():
             for n, p in params.items():
                 full = tensors[n].to(p.dtype)
+                if self.experts is not None and self.experts.holds(p):
+                    full = self.experts.slice(full)
                 if tuple(full.shape) != tuple(p.shape):
                     raise UserError(
                         f"checkpoint {folder} holds {n} of shape {tuple(full.shape)}, this model's is "
@@ -200,6 +223,17 @@ class FullParameterAdapters(Adapters):
                     p.to_local().copy_(local.to_local())
                 else:
                     p.copy_(full)
+
+
+def _as_loaded(lm: Any, folder: Path) -> dict[str, torch.Tensor]:
+    """The weights of the Hugging Face ``folder`` under ``lm``'s own names and shapes, read by
+    ``lm``'s class's ``from_pretrained`` on the CPU. ``save_pretrained`` writes some families'
+    weights in another layout than their modules hold (MoE experts: one matrix per expert on
+    disk, fused 3-D ``gate_up_proj``/``down_proj`` in the model), and only transformers' loading
+    knows each family's conversion; it costs one more copy of the model while it runs."""
+    dtype = next(lm.parameters()).dtype
+    loaded = type(lm).from_pretrained(str(folder), config=lm.config, dtype=dtype)
+    return {n: t.detach() for n, t in loaded.state_dict().items()}
 
 
 def without_decay(optimizer: Any, params: list[torch.Tensor], exempt: list[bool]) -> Any:

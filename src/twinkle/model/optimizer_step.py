@@ -5,6 +5,7 @@ step with its NaN/inf guard, the schedule's step and closing the window.
 The model provides ``_group``, ``runtime``; the group (``OptimizerGroup``) holds the window."""
 
 import math
+from typing import Any
 
 from twinkle.distributed.collectives import all_reduce_sum
 from twinkle.model import health
@@ -17,6 +18,16 @@ from twinkle.utils.errors import UserError
 from twinkle.utils.logger import get_logger
 
 logger = get_logger()
+
+
+def _clip(optimizer: Any, max_norm: float, norm_type: float = 2) -> float:
+    """Clip ``optimizer``'s gradients to ``max_norm`` (0: measure only); the norm before. An
+    optimizer whose gradients are of several kinds (expert blocks beside FSDP2's shards,
+    ``twinkle.model.expert_parallel_full``) computes the norm itself (its ``clip``)."""
+    own = getattr(optimizer, "clip", None)
+    if own is not None:
+        return own(max_norm, norm_type)
+    return clip_gradients(optimizer.copies, max_norm if max_norm > 0 else math.inf, norm_type)
 
 
 class OptimizerStepAPI:
@@ -50,7 +61,7 @@ class OptimizerStepAPI:
         total, _, _ = self._reduce_window(group)
         if total == 0:
             return 0.0
-        group.window_grad_norm = clip_gradients(group.optimizer.copies, max_grad_norm, norm_type)
+        group.window_grad_norm = _clip(group.optimizer, max_grad_norm, norm_type)
         return group.window_grad_norm
 
     def step(self, max_nonfinite_steps: int = 5, adapter_name: str | None = None) -> bool:
@@ -70,7 +81,7 @@ class OptimizerStepAPI:
             return False
         norm = group.window_grad_norm
         if norm is None:  # clip_grad_norm did not run: measure only, without clipping
-            norm = clip_gradients(group.optimizer.copies, math.inf)
+            norm = _clip(group.optimizer, 0.0)
         if nonfinite or not math.isfinite(norm):
             self._drop_nonfinite_window(group, max_nonfinite_steps)
             return False

@@ -53,19 +53,22 @@ class ShardedOptimizer:
         """The parameters in the order of the state dict's indices."""
         return [p for group in self.optimizer.param_groups for p in group["params"]]
 
+    def full_value(self, param: torch.nn.Parameter, value: Any) -> Any:
+        """One state value of ``param`` at full size on the CPU (a collective for a shard's)."""
+        if hasattr(value, "full_tensor"):
+            return value.full_tensor().detach().to("cpu")
+        if isinstance(value, torch.Tensor):
+            return value.detach().to("cpu")
+        return value
+
     def gather_state(self) -> None:
         """A collective, every rank: the state at full size on the CPU, kept on rank 0 for the
         next ``state_dict`` (the other ranks drop each tensor once gathered)."""
         state = self.optimizer.state_dict()
+        params = self._ordered()
         full: dict[int, dict[str, Any]] = {}
         for index, values in sorted(state["state"].items()):
-            full[index] = {}
-            for key, value in values.items():
-                if hasattr(value, "full_tensor"):
-                    value = value.full_tensor().detach().to("cpu")
-                elif isinstance(value, torch.Tensor):
-                    value = value.detach().to("cpu")
-                full[index][key] = value
+            full[index] = {key: self.full_value(params[index], value) for key, value in values.items()}
             if self.rank != 0:
                 full[index] = {}
         self._gathered = {"state": full, "param_groups": state["param_groups"]} if self.rank == 0 else None
@@ -76,26 +79,31 @@ class ShardedOptimizer:
         state, self._gathered = self._gathered, None
         return state
 
+    def local_value(self, param: torch.nn.Parameter, value: Any) -> Any:
+        """This rank's part of one full-size state value of ``param`` (its shard's, for a value
+        of the parameter's shape), without communication."""
+        if (
+            hasattr(param, "device_mesh")
+            and isinstance(value, torch.Tensor)
+            and tuple(value.shape) == tuple(param.shape)
+        ):
+            from torch.distributed.tensor import distribute_tensor
+
+            return distribute_tensor(
+                value.to(param.to_local().device), param.device_mesh, param.placements, src_data_rank=None
+            )
+        return value
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """The full-size state (a single process's, or a save's), each rank keeping its shard."""
-        from torch.distributed.tensor import distribute_tensor
-
         params = self._ordered()
-        sharded = {}
+        local = {}
         for index, values in state.get("state", {}).items():
             p = params[int(index)] if 0 <= int(index) < len(params) else None
-            sharded[index] = {
-                key: distribute_tensor(
-                    value.to(p.to_local().device), p.device_mesh, p.placements, src_data_rank=None
-                )
-                if p is not None
-                and hasattr(p, "device_mesh")
-                and isinstance(value, torch.Tensor)
-                and tuple(value.shape) == tuple(p.shape)
-                else value
-                for key, value in values.items()
+            local[index] = {
+                key: value if p is None else self.local_value(p, value) for key, value in values.items()
             }
-        self.optimizer.load_state_dict({**state, "state": sharded})
+        self.optimizer.load_state_dict({**state, "state": local})
 
     def sync_copies(self) -> None:
         pass  # the parameters are stepped themselves
