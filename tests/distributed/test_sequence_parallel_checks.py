@@ -148,10 +148,47 @@ def test_a_rank_takes_its_share_of_a_packed_row_padded_to_a_multiple_of_the_size
     torch.testing.assert_close(out[:, :7], expected, **chain_tolerances(attention_sums(7, 4, 2), expected))
 
 
-def test_routing_replay_is_refused(tiny_model_dir):
+def test_each_rank_replays_the_routes_of_its_own_positions():
+    """Routing replay is accepted with ``ulysses_size`` 2, and a rank's forward replays the routes
+    of its share of every row's positions (the padding's routed by the router itself), as a rank's
+    share of the padded batch is sliced: 2 rows of 5 positions, padded to 6, rank 1 runs 3..5."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from twinkle.model.router_replay import NO_ROUTE, RouterReplay
+    from twinkle.model.transformers.moe.router_replay import RouterReplayAction
     from twinkle.model.ulysses import check_folder
 
-    check_folder(tiny_model_dir, None, 2)
-    with pytest.raises(UserError, match="enable_router_replay=True with ulysses_size=2") as info:
-        check_folder(tiny_model_dir, None, 2, replay=True)
-    _one_line(info)
+    config = Qwen3MoeConfig(
+        vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=8, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16, intermediate_size=32,
+    )  # fmt: skip
+    check_folder(None, config, 2)  # no refusal: heads divide, and replay is not in question
+    torch.manual_seed(0)
+    lm = Qwen3MoeForCausalLM(config)
+    replay = RouterReplay.install(lm)
+    replay.action = RouterReplayAction.REPLAY_FORWARD
+    ids = torch.randint(0, 64, (2, 5), generator=torch.Generator().manual_seed(1))
+    routes = torch.rand(2, 5, 2, 8, generator=torch.Generator().manual_seed(2)).argsort(-1)[..., :2]
+    batch = {
+        "input_ids": ids,
+        "attention_mask": torch.ones_like(ids),
+        "labels": ids,
+        "routed_experts": routes,
+    }
+    replay.arm(batch, None)
+    ulysses = Ulysses(SequenceGroup(2, 1, None))
+    inputs = {
+        "input_ids": ids,
+        "position_ids": torch.arange(5).expand(2, 5),
+        "attention_mask": batch["attention_mask"],
+    }
+    local = ulysses.share(inputs, ids, ids >= 0, None)[0]
+    assert ulysses.span == (2, 5, 3, 6)
+    replay.share(ulysses.group, ulysses.span)
+    with torch.no_grad():  # the rank's tokens alone (the attention's all-to-all left out)
+        lm(input_ids=local["input_ids"], position_ids=local["position_ids"])
+    ran = replay.take().reshape(2, 3, 2, 2)  # (rows, the share's positions, layers, top-k)
+    assert torch.equal(ran[:, :2], routes[:, 3:])  # positions 3 and 4: their recorded routes
+    expected = replay._current["targets"].reshape(2, 3, 2, 2)
+    assert bool((expected[:, 2] == NO_ROUTE).all())  # the padding: the router's own choice
+    assert bool((ran[:, 2] >= 0).all())

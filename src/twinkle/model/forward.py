@@ -202,6 +202,9 @@ def rows_view(
     ulysses = ulysses_of(lm)
     if ulysses is not None:  # this rank runs its share of the positions
         inputs, targets_2d, mask, gather = ulysses.share(inputs, targets_2d, mask, gather)
+        replay = replay_of(lm)
+        if replay is not None:  # and replays (or records) the routes of those positions
+            replay.share(ulysses.group, ulysses.span)
     targets = targets_2d[mask]
     padded = shifted_targets(batch["labels"], batch["attention_mask"]) if extra_inputs else targets_2d
     extras = {k: _rows_of(batch.get(k), padded)[padded != IGNORE_INDEX] for k in extra_inputs}

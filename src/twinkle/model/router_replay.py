@@ -47,6 +47,7 @@ from typing import Any
 
 import torch
 
+from twinkle.distributed.sequence_parallel import SequenceGroup, gather_rows
 from twinkle.model.transformers.moe.router_replay import RouterReplayAction
 from twinkle.template.base import IGNORE_INDEX
 from twinkle.utils.errors import UserError
@@ -261,6 +262,23 @@ class RouterReplay:
         self._armed = armed
         self.recorded = [None] * self.layers
 
+    def share(self, group: SequenceGroup, span: tuple[int, int, int, int]) -> None:
+        """The armed forward runs one share of its positions (Ulysses, ``twinkle.model.ulysses``):
+        ``span`` is ``(rows, length, start, end)``, positions ``start:end`` of each of its ``rows``
+        of ``length`` padded to a multiple of ``group.size``. The share's routes are replayed (the
+        padding's are ``NO_ROUTE``: the router routes those tokens itself), and
+        ``recorded_routes`` gathers every share's recorded routes back into whole rows."""
+        armed = self._armed
+        if armed is None:
+            return
+        rows, length, start, end = span
+        armed["share"] = (group, rows, length)
+        targets = armed["targets"]
+        if targets is not None:
+            whole = targets.new_full((rows, group.size * (end - start), self.layers, self.top_k), NO_ROUTE)
+            whole[:, :length] = targets.reshape(rows, length, self.layers, self.top_k)
+            armed["targets"] = whole[:, start:end].flatten(0, 1)
+
     def check(self, routes: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
         """``routes`` as ``(B, L, moe_layers, top_k)`` for a batch of ``shape`` ``(B, L)``."""
         want = (*shape, self.layers, self.top_k)
@@ -273,13 +291,20 @@ class RouterReplay:
 
     def recorded_routes(self) -> torch.Tensor | None:
         """The last armed forward's experts as ``(B, L, moe_layers, top_k)`` on the CPU,
-        ``NO_ROUTE`` at pads and at positions the packed row left out; None if it recorded none."""
+        ``NO_ROUTE`` at pads and at positions the packed row left out; None if it recorded none.
+        After a forward of one share of the positions (``share``) it gathers the other shares'
+        over the group, a collective: every rank of the group reads them, as ``forward_only``
+        does."""
         armed = self._current
         if armed is None or any(r is None for r in self.recorded):
             return None
         mask = armed["mask"]
         rows, length = mask.shape
         ran = torch.stack(self.recorded, dim=1)  # (forward's tokens, layers, k)
+        if armed.get("share") is not None:  # one share of each row's positions: gather the group's
+            group, forward_rows, forward_length = armed["share"]
+            mine = ran.reshape(forward_rows, -1, self.layers, self.top_k).transpose(0, 1)
+            ran = torch.cat(gather_rows(mine, group)).transpose(0, 1)[:, :forward_length].flatten(0, 1)
         where = armed["where"]
         if where is None:
             out = ran.reshape(rows * length, self.layers, self.top_k).clone()

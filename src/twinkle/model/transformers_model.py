@@ -122,7 +122,7 @@ class TransformersModel(InputsAPI, MetricsAPI, OptimizerStepAPI, Checkpoints):
         sizes = {"ulysses_size": mesh.ulysses_size, "ep_size": mesh.ep_size}
         refuse_cli_sizes(runtime.defaults.run_args, type(self).__name__, sizes)
         # heads, families, routing replay: before loading
-        check_ulysses_folder(model_id, config, mesh.ulysses_size, enable_router_replay)
+        check_ulysses_folder(model_id, config, mesh.ulysses_size)
         ep_size = mesh.ep_size if expert_parallel else 1
         check_ep_folder(model_id, config, ep_size, enable_router_replay, mesh.ulysses_size)
         defaults = runtime.defaults

@@ -11,11 +11,13 @@ Each rank computes the loss of its own positions' targets; the shares are disjoi
 step's reduction over every rank (token counts and gradients, ``optimizer_step``) gives the mean
 over the global batch's supervised tokens, as without Ulysses. A loss's per-token inputs (old and
 reference log-probabilities, advantages) and each position's sample are sliced as the targets
-are (``local_view``). A loss over whole samples (GRPO's completion means, DPO's pair sums) totals
-its per-sample sums over the group and counts its value once (``twinkle.loss.sequence_share``);
-the losses that do declare ``sequence_parallel``. Any other loss with per-token inputs or over
-whole samples, and a loss of upstream's positions convention (it takes whole rows' logits), is
-refused in one line.
+are (``local_view``), and so are the routes of routing replay (``routed_experts``): each rank
+replays its own positions' routes, and a recording forward gathers the shares' routes back into
+whole rows, which every rank returns (``twinkle.model.router_replay``). A loss over whole
+samples (GRPO's completion means, DPO's pair sums) totals its per-sample sums over the group and
+counts its value once (``twinkle.loss.sequence_share``); the losses that do declare
+``sequence_parallel``. Any other loss with per-token inputs or over whole samples, and a loss of
+upstream's positions convention (it takes whole rows' logits), is refused in one line.
 
 What the model refuses when it is built, in one line each (before the weights load where the
 model is a local folder): heads (query or key/value) that N does not divide; hybrid
@@ -55,6 +57,8 @@ class Ulysses:
         self.group = group
         self._ordinals: torch.Tensor | None = None  # this rank's scored rows' places in the whole list
         self._gather: torch.Tensor | None = None
+        # the last share: the forward's rows and length (before padding), and this rank's positions
+        self.span: tuple[int, int, int, int] | None = None
 
     @property
     def size(self) -> int:
@@ -91,7 +95,7 @@ class Ulysses:
         targets ``(B, L / N)``, its scored positions (rows, columns within the share) in the
         whole batch's row-major order, and its part of ``gather`` (columns within the share)."""
         size, rank = self.group.size, self.group.rank
-        length = inputs["input_ids"].shape[1]
+        rows, length = inputs["input_ids"].shape
         pad = -length % size
         segments = inputs.get("twinkle_segments")
         if pad:
@@ -99,12 +103,13 @@ class Ulysses:
             targets_2d = F.pad(targets_2d, (0, pad), value=IGNORE_INDEX)
         share = (length + pad) // size
         start, end = rank * share, (rank + 1) * share
+        self.span = (rows, length, start, end)
         # the scored positions as (row, column), in the order the loss lists them
         if isinstance(mask, tuple):
             cols = mask[1]
-            rows = torch.zeros_like(cols)
+            scored_rows = torch.zeros_like(cols)
         else:
-            rows, cols = mask.nonzero(as_tuple=True)
+            scored_rows, cols = mask.nonzero(as_tuple=True)
         mine = (cols >= start) & (cols < end)
         self._ordinals = mine.nonzero().squeeze(1)
         self._gather = gather
@@ -114,7 +119,7 @@ class Ulysses:
         key_mask = None if segments is not None else inputs["attention_mask"]
         local["twinkle_ulysses"] = UlyssesCall(self.group, key_mask)
         local_gather = None if gather is None else gather[mine] - start
-        return local, targets_2d[:, start:end], (rows[mine], cols[mine] - start), local_gather
+        return local, targets_2d[:, start:end], (scored_rows[mine], cols[mine] - start), local_gather
 
     def local_view(self, view: LossView) -> LossView:
         """``view`` with this rank's share of its per-token inputs and samples (read for the whole
@@ -211,17 +216,11 @@ def check_model(config: Any, size: int) -> None:
         )
 
 
-def check_folder(model_id: Any, config: Any, size: int, replay: bool = False) -> None:
+def check_folder(model_id: Any, config: Any, size: int) -> None:
     """``check_model`` before any weight loads: on ``config`` (the keyword the model was given) or
-    a local folder's ``config.json`` (other ids are checked once loaded, ``install``). ``replay``:
-    routing replay was asked for, whose routes cover whole sequences: one line."""
+    a local folder's ``config.json`` (other ids are checked once loaded, ``install``)."""
     if size == 1:
         return
-    if replay:
-        raise UserError(
-            f"enable_router_replay=True with ulysses_size={size}: routes are recorded and replayed for "
-            "whole sequences, and each rank runs a share of the positions; use ulysses_size=1"
-        )
     if config is None:
         path = Path(str(model_id)) / "config.json" if model_id is not None else None
         if path is None or not path.is_file():
