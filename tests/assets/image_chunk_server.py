@@ -32,6 +32,12 @@ from tiny_qwen3_vl import picture  # noqa: E402
 
 RED, BLUE = (200, 30, 30), (30, 30, 200)
 ADAM_EPS = 1e-12  # the SDK's AdamParams default
+QWEN_KEYS = ("input_ids", "pixel_values", "image_grid_thw")  # what a Qwen VL sampler is given
+
+
+def qwen_tower_sums(row: dict) -> list:
+    """The sums of a Qwen VL tower's 2 blocks over the row's patches."""
+    return llama_sums(32, 64, 2, tokens=len(row["pixel_values"]))
 
 
 def sharpened(build: Callable[[Path], Path], model_cls: str, out: Path, factor: Callable) -> Path:

@@ -12,14 +12,15 @@ from pathlib import Path
 import pytest
 import torch
 from test_image_chunks import chunked
-from tolerances import llama_sums
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "assets"))
 
 from image_chunk_server import (  # noqa: E402
     BLUE,
+    QWEN_KEYS,
     RED,
     greedy_as_the_in_process_sampler,
+    qwen_tower_sums,
     serve,
     sharpened,
     train_as_the_in_process_model,
@@ -74,6 +75,6 @@ def test_greedy_with_an_image_equals_the_in_process_sampler(vl_server, vl_dir, t
         template,
         VL_CLS,
         (64, 64),
-        keys=("input_ids", "pixel_values", "image_grid_thw"),
-        vision_sums=lambda row: llama_sums(32, 64, 2, tokens=len(row["pixel_values"])),  # the tower's blocks
+        keys=QWEN_KEYS,
+        vision_sums=qwen_tower_sums,
     )
