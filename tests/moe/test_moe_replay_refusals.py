@@ -51,3 +51,9 @@ def test_a_loaded_moe_without_a_hooked_router_is_named_as_moe():
     with pytest.raises(UserError) as info:
         RouterReplay.install(model)
     assert "mixtral's router is not one of them" in _one_line(info)
+
+
+def test_a_deepseek_v4_folder_is_accepted(tmp_path):
+    """DeepSeek-V4's routers (scored and hash-routed) are ones replay hooks: no refusal."""
+    config = transformers.DeepseekV4Config(**SMALL, n_routed_experts=8, num_experts_per_tok=2)
+    refuse_dense_folder(_folder(tmp_path, config))

@@ -275,8 +275,12 @@ class RouterReplay:
         armed["share"] = (group, rows, length)
         targets = armed["targets"]
         if targets is not None:
-            whole = targets.new_full((rows, group.size * (end - start), self.layers, self.top_k), NO_ROUTE)
-            whole[:, :length] = targets.reshape(rows, length, self.layers, self.top_k)
+            # every position of the forward's rows, NO_ROUTE past the last one a batch row maps to
+            shape = (self.layers, self.top_k)
+            ran = targets.new_full((rows * length, *shape), NO_ROUTE)
+            ran[: targets.shape[0]] = targets
+            whole = targets.new_full((rows, group.size * (end - start), *shape), NO_ROUTE)
+            whole[:, :length] = ran.reshape(rows, length, *shape)
             armed["targets"] = whole[:, start:end].flatten(0, 1)
 
     def check(self, routes: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
