@@ -14,11 +14,14 @@ from tolerances import adamw_weight_atol, run_loss_rtol
 WORKER = Path(__file__).resolve().parents[1] / "distributed" / "ep_worker.py"
 
 
-def run_ep_worker(launcher, model_dir: Path, out: Path, nproc: int, steps: int) -> dict:
+def run_ep_worker(
+    launcher, model_dir: Path, out: Path, nproc: int, steps: int, parallel: tuple[str, ...] = ()
+) -> dict:
+    """``parallel``: more of the worker's flags for the run on ``nproc > 1`` ranks (``--ulysses-size 2``)."""
     out.mkdir()
     args = ["--model-id", str(model_dir), "--out", str(out), "--steps", str(steps), "--target-parameters"]
     if nproc > 1:
-        args += ["--ep-size", "2"]
+        args += ["--ep-size", "2", *parallel]
     job = launcher.run(WORKER, args, nproc=nproc, timeout_s=240)
     assert job.returncode == 0, job.output[-6000:]
     result = json.loads((out / "result.json").read_text())

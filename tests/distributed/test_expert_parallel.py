@@ -14,9 +14,9 @@ weights are its own block of the checkpoint's experts, exactly (they are frozen)
 expert of the rank's block move the first gradient norm three times past the bound (the random
 experts add little to the tiny model's output, so the loss moves less).
 
-What is refused before training, in one line on every rank: a dense model, an expert count
-ep_size does not divide, full-parameter training (the experts' own weights), and Ulysses with
-ep_size 2 (routing replay with it runs: ``test_ep_replay.py``)."""
+What is refused before training, in one line on every rank: a dense model and an expert count
+ep_size does not divide. Ulysses, routing replay and full-parameter training with it run
+(``test_ep_ulysses.py``, ``test_ep_replay.py``, ``test_ep_full_parameter.py``)."""
 
 import json
 import shutil
@@ -147,22 +147,14 @@ def _without_weights(model_dir: Path, out: Path, **config_changes) -> Path:
     [
         ("dense", "ep_size=2: llama is a dense model (no experts to split)"),
         ("seven-experts", "ep_size=2 does not divide the model's 7 experts"),
-        ("full-parameter", "ep_size=2: the experts' own weights do not train under expert parallelism"),
-        ("ulysses", "ulysses_size=2 with ep_size=2"),
     ],
 )
 def test_what_expert_parallelism_refuses(tiny_model_dir, tmp_path, launcher, case, needle):
     extra = ["--ep-size", "2"]
     if case == "dense":
         model_dir = _without_weights(tiny_model_dir, tmp_path / "dense")
-    elif case == "seven-experts":
+    else:
         model_dir = _without_weights(
             build_qwen3_moe(tiny_model_dir, tmp_path / "moe"), tmp_path / "seven", num_local_experts=7
         )
-    else:
-        model_dir = build_qwen3_moe(tiny_model_dir, tmp_path / "moe")
-        extra += {
-            "full-parameter": ["--full-parameter"],
-            "ulysses": ["--ulysses-size", "2"],
-        }[case]
     _refused(launcher, model_dir, tmp_path / "out", extra, needle)

@@ -1,9 +1,10 @@
 """What expert parallelism refuses, in one line each, without starting any process: a dense
-model, an expert count ``ep_size`` does not divide, a family it does not run, Ulysses beside it
-(routing replay beside it runs: ``test_ep_replay.py``), upstream's ``expert_parallel`` options
-it cannot honour, a ``--ep-size`` the mesh left out, and the experts' own weights set to train
-(LoRA on them trains). The mesh plans ``ep_size`` for the model to run; the switch and the mesh
-agree or one of them is said once. (Two ranks: ``test_expert_parallel.py``.)"""
+model, an expert count ``ep_size`` does not divide, a family it does not run, upstream's
+``expert_parallel`` options it cannot honour, a ``--ep-size`` the mesh left out, and the experts'
+own weights set to train (LoRA on them trains). Ulysses and routing replay beside it run
+(``test_ep_ulysses.py``, ``test_ep_replay.py``). The mesh plans ``ep_size`` for the model to
+run; the switch and the mesh agree or one of them is said once. (Two ranks:
+``test_expert_parallel.py``.)"""
 
 import json
 import logging
@@ -11,7 +12,14 @@ import logging
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
-from transformers import LlamaConfig, Qwen3_5MoeConfig, Qwen3MoeConfig, Qwen3MoeForCausalLM
+from transformers import (
+    GptOssConfig,
+    LlamaConfig,
+    MixtralConfig,
+    Qwen3_5MoeConfig,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
 
 from twinkle import DeviceMesh
 from twinkle.distributed.mesh import refuse_unimplemented
@@ -60,6 +68,11 @@ def test_a_model_it_cannot_split_is_one_line(config, size, needle):
 def test_the_families_it_runs():
     check_model(_qwen3_moe(), 2)
     check_model(_qwen3_moe(), 8)
+    check_model(GptOssConfig(**MOE, num_local_experts=8), 2)  # its biases go with the blocks
+    with pytest.raises(UserError) as info:
+        check_model(MixtralConfig(**MOE, num_local_experts=8), 2)
+    text = _one_line(info)
+    assert text.startswith("ep_size=2 runs the families") and "mixtral is not one of them" in text
     text = Qwen3_5MoeConfig(text_config={**MOE, "num_experts": 4, "moe_intermediate_size": 16})
     check_model(text, 2)  # the composite config: its text model's experts
     with pytest.raises(UserError) as info:
@@ -79,11 +92,14 @@ def test_a_folder_is_checked_before_its_weights_load(tmp_path):
     check_folder("some/hub-id", None, 2, False, 1)  # checked once loaded
 
 
-def test_ulysses_beside_it_is_one_line_and_replay_runs():
-    with pytest.raises(UserError) as info:
-        check_folder("some/hub-id", _qwen3_moe(), 2, False, 2)
-    assert "ulysses_size=2 with ep_size=2: Ulysses sequence parallelism is not combined" in _one_line(info)
+def test_ulysses_and_replay_beside_it_run():
+    check_folder("some/hub-id", _qwen3_moe(), 2, False, 2)  # Ulysses beside it: no error
     check_folder("some/hub-id", _qwen3_moe(), 2, True, 1)  # routing replay beside it: no error
+    refuse_unimplemented(
+        DeviceMesh.from_sizes(world_size=2, ulysses_size=2, ep_size=2),
+        "TransformersModel",
+        runs=("ulysses", "ep"),
+    )
 
 
 def test_upstreams_switch_and_options(caplog):
@@ -107,17 +123,24 @@ def test_upstreams_switch_and_options(caplog):
         assert needle in _one_line(info)
 
 
-def test_expert_weights_that_would_train_are_one_line():
+def test_expert_weights_train_without_adapters_and_not_beside_one():
     torch.manual_seed(0)
-    model = Qwen3MoeForCausalLM(_qwen3_moe())  # full-parameter: every weight trains
+    model = Qwen3MoeForCausalLM(_qwen3_moe())
     ep = ExpertParallel(type("G", (), {"size": 2, "rank": 0})(), [], 8, torch.device("cpu"))
-    with pytest.raises(UserError) as info:
-        ep.check_trainable(model)
-    assert "ep_size=2: the experts' own weights do not train under expert parallelism" in _one_line(info)
+    # full-parameter: every weight trains, each rank its block of the experts
+    ep.check_trainable(model)
     # LoRA on the experts trains their LoRA weights, the experts' own stay frozen
     lora = LoraConfig(
         r=2,
         target_modules=["q_proj"],
         target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
     )
-    ep.check_trainable(get_peft_model(model, lora))
+    peft_model = get_peft_model(model, lora)
+    ep.check_trainable(peft_model)
+    # an expert's own weight set to train beside its LoRA: the adapter's optimizer keeps whole copies
+    names = dict(peft_model.named_parameters())
+    base = names["base_model.model.model.layers.0.mlp.experts.base_layer.base_layer.gate_up_proj"]
+    base.requires_grad_(True)
+    with pytest.raises(UserError) as info:
+        ep.check_trainable(peft_model)
+    assert "would train beside a LoRA adapter" in _one_line(info)

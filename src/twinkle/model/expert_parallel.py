@@ -26,8 +26,15 @@ each expert's tokens over the ranks that hold it, as one process does. Full-para
 training under ``ep_size > 1`` is refused in one line.
 
 One line each, before the weights load where the model is a local folder: a model without
-experts, N not dividing the expert count, a family not in ``FAMILIES``, Ulysses with
-``ep_size > 1``, an ``expert_parallel`` option other than upstream's.
+experts, N not dividing the expert count, a family not in ``FAMILIES``, an ``expert_parallel``
+option other than upstream's.
+
+Ulysses sequence parallelism (``twinkle.model.ulysses``) combines with it: each rank runs its
+share of the positions through the layers, and the MoE layers act on each token alone (the
+router, then the token's chosen experts, wherever they are held), so the exchange over each
+rank's own tokens computes what one process does. Both kinds of groups are made by every rank,
+each from the mesh's own coordinates (``ulysses`` and ``ep``); a rank's Ulysses peers need not
+hold its experts.
 
 Routing replay (``twinkle.model.router_replay``) runs under expert parallelism unchanged: its
 hooks replace each router's output on the rank's own tokens, before the MoE block calls the
@@ -139,17 +146,14 @@ def check_model(config: Any, size: int) -> None:
 
 def check_folder(model_id: Any, config: Any, size: int, replay: bool, ulysses_size: int) -> None:
     """``check_model`` before any weight loads, on ``config`` or a local folder's
-    ``config.json``; and Ulysses, which expert parallelism does not combine with. Routing replay
-    (``replay``) combines as it is: it rewrites each router's top-k choice on the rank's own
-    tokens, and the exchange then sends each token to the rank holding the replayed (global)
-    expert id, so nothing here changes; a model replay cannot hook is refused by replay itself."""
+    ``config.json``. Routing replay (``replay``) and Ulysses (``ulysses_size``) combine as they
+    are, so nothing here depends on them: replay rewrites each router's top-k choice on the rank's
+    own tokens, and the exchange then sends each token to the rank holding the replayed (global)
+    expert id; under Ulysses a rank's own tokens are its share of the positions, and the router,
+    the experts and their exchange act on each token alone. What either refuses on its own (a
+    model replay cannot hook, heads Ulysses cannot split) is said by that one."""
     if size == 1:
         return
-    if ulysses_size > 1:
-        raise UserError(
-            f"ulysses_size={ulysses_size} with ep_size={size}: Ulysses sequence parallelism is not combined "
-            "with expert parallelism; set one of them to 1"
-        )
     if config is None:
         path = Path(str(model_id)) / "config.json" if model_id is not None else None
         if path is None or not path.is_file():
