@@ -1,6 +1,7 @@
 """Routing replay under expert parallelism, on 2 gloo ranks (ep_size 2 over 2 FSDP2 shards) against
-one process, for a tiny Qwen3-MoE (2 layers of 8 experts, top-2) and a tiny DeepSeek-V3 (2 MoE
-layers of 8 experts in 2 groups, top-2, a bias correction and a shared expert).
+one process, for a tiny Qwen3-MoE (2 layers of 8 experts, top-2), a tiny DeepSeek-V3 (2 MoE
+layers of 8 experts in 2 groups, top-2, a bias correction and a shared expert) and a tiny gpt-oss
+(2 layers of 8 biased experts, top-2, a softmax over the chosen logits).
 
 Replay rewrites each router's top-k choice on the rank's own tokens, and the exchange then sends
 each token to the rank holding the replayed expert, a global id as recorded; so the combination
@@ -127,15 +128,16 @@ def _run(launcher, model_dir: Path, out: Path, nproc: int) -> dict:
     return json.loads((out / "result.json").read_text())
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "gpt_oss"])
 def test_replay_under_expert_parallelism_equals_one_process(tiny_model_dir, tmp_path, launcher, family):
     from tolerances import run_loss_rtol
 
     sys.path.insert(0, str(Path(__file__).parents[1] / "moe"))  # the tiny MoE builders
     from test_deepseek_gpt_oss_replay import build_deepseek_v3
+    from test_ep_gpt_oss import build_gpt_oss
     from tiny_moe import build_qwen3_moe
 
-    build = build_qwen3_moe if family == "qwen3_moe" else build_deepseek_v3
+    build = {"qwen3_moe": build_qwen3_moe, "deepseek_v3": build_deepseek_v3, "gpt_oss": build_gpt_oss}[family]
     model_dir = build(tiny_model_dir, tmp_path / family)
     one = _run(launcher, model_dir, tmp_path / "one", 1)
     two = _run(launcher, model_dir, tmp_path / "two", 2)
