@@ -8,7 +8,8 @@ last; a second model resumed from ``OUT/checkpoint`` runs the last step again. R
 ``OUT/result.json``: per step the loss, gradient norm and lr; the resumed step's; the trainable
 weight count; rank 0's rows (``input_ids``, ``attention_mask``, ``labels``) and the logps an
 evaluation pass of the trained model gives them. Every rank writes
-``OUT/experts-RANK.safetensors``, the expert weights it holds after the steps."""
+``OUT/experts-RANK.safetensors``, the expert weights it holds after the steps; rank 0 writes
+``OUT/state-dict-experts.safetensors``, the experts of ``get_state_dict()``."""
 
 import argparse
 import json
@@ -72,6 +73,12 @@ def main() -> None:
         if number == args.steps - 1:
             model.save("checkpoint", output_dir=args.out)
     model.save("final", output_dir=args.out)
+    whole = model.get_state_dict()  # every rank calls it: each gets every weight, every expert
+    if runtime.rank == 0:
+        experts = {
+            k: v for k, v in whole.items() if k.endswith(("experts.gate_up_proj", "experts.down_proj"))
+        }
+        save_file(experts, str(Path(args.out, "state-dict-experts.safetensors")))
     logps = model.forward_only(inputs=batch)["logps"]
     held = {
         name: param.detach().contiguous()

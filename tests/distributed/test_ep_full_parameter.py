@@ -14,7 +14,8 @@ share of the gradient norm is counted once, AdamW steps them in place. Checked:
 - the checkpoint saved after the steps holds every expert and equals one process's weights within
   ``adamw_weight_atol``; ``from_pretrained`` loads it, and its logps of rank 0's rows are the ones
   the ranks computed before the save (same weights, the sums in another order: ``run_loss_rtol``);
-- each rank holds its own block of that checkpoint's experts, exactly;
+- each rank holds its own block of that checkpoint's experts, exactly, and ``get_state_dict``
+  gives the whole experts;
 - the step after a resume from the step-2 checkpoint repeats the uninterrupted step 3 (the
   optimizer's state gathered to full size on the save and sliced back on the load): the same
   arithmetic on the same ranks, so exactly equal;
@@ -145,3 +146,7 @@ def test_full_parameter_under_expert_parallelism_equals_one_process(one_process,
         for name, full in experts.items():
             block = full.detach()[b * EXPERTS // 2 : (b + 1) * EXPERTS // 2]
             assert torch.equal(held[name], block), (rank, name)
+    # get_state_dict() gives every rank the whole experts too
+    whole = load_file(tmp_path / "many" / "state-dict-experts.safetensors")
+    assert whole.keys() == experts.keys()
+    assert all(torch.equal(whole[name], full.detach()) for name, full in experts.items())
