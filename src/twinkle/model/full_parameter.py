@@ -16,7 +16,14 @@ without an adapter (its ``forward_only``): ``disable_lora=True`` has nothing to 
 Under FSDP2 the weights are sharded once, when the group is made, and the optimizer steps each
 rank's shards, its state sharded alike (``twinkle.model.sharded_optimizer``). A save gathers the
 full state dict on rank 0 only (``torch.distributed.checkpoint``'s ``get_model_state_dict``) and
-the optimizer state at full size, so a checkpoint is the same whatever the mesh's shape."""
+the optimizer state at full size, so a checkpoint is the same whatever the mesh's shape. Under
+expert parallelism (``ep_size > 1``) each rank also trains its own block of every MoE layer's
+experts, which FSDP2 leaves out (``twinkle.model.expert_parallel_full``): the checkpoint gathers
+every expert, and a resume keeps each rank's block.
+
+A family whose Hugging Face files hold its weights in another layout than its modules (MoE
+experts: one matrix per expert on disk, fused 3-D weights in the model) is resumed through its
+class's ``from_pretrained``, which knows the conversion."""
 
 from collections.abc import Callable, Iterable
 from pathlib import Path
