@@ -15,15 +15,16 @@ its logits, hence the auxiliary loss computed from them, are the family's own an
 rank's own tokens.
 
 FSDP2 shards every other weight as before; the expert blocks are left out of its units
-(``ignored_params``), so they are never gathered. The experts' own weights are frozen, so the
-ranks that hold the same block keep the same weights. LoRA on the experts (PEFT's
+(``ignored_params``), so they are never gathered. With an adapter the experts' own weights are
+frozen, so the ranks that hold the same block keep the same weights. LoRA on the experts (PEFT's
 ``target_parameters``, or ``'all-linear'``, which PEFT maps onto them) is made over all the
 experts before the split, so its weights, their initialisation and the saved adapter are one
 process's; FSDP2 shards them like any LoRA weight, and each rank adds only its block's update
 (``_block_updates``). A LoRA weight's gradient is then nonzero only in the blocks of the
 experts a rank holds, with every token routed to them; FSDP2's reduction over all ranks sums
-each expert's tokens over the ranks that hold it, as one process does. Full-parameter
-training under ``ep_size > 1`` is refused in one line.
+each expert's tokens over the ranks that hold it, as one process does. Without an adapter
+(full-parameter training) each rank trains its blocks (``twinkle.model.expert_parallel_full``);
+an expert's own weight trained beside an adapter is refused in one line (``check_trainable``).
 
 One line each, before the weights load where the model is a local folder: a model without
 experts, N not dividing the expert count, a family not in ``FAMILIES``, an ``expert_parallel``
