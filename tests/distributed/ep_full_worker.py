@@ -1,7 +1,9 @@
 """Full-parameter AdamW steps on a mixture-of-experts model, for ``test_ep_full_parameter.py``.
 
 Run it as one process, or under torchrun with ``--ep-size N`` (FSDP2 over every rank, each rank
-holding num_experts / N experts and reading its share of the 4 chat samples). A model without an
+holding num_experts / N experts and reading its share of the 4 chat samples; with
+``--ulysses-size``, each Ulysses group reads the same samples and each rank runs its share of the
+positions). A model without an
 adapter trains every weight for ``--steps`` steps (forward_backward, clip_grad_and_step, the
 metrics), saves ``OUT/checkpoint`` after the second to last step and ``OUT/final`` after the
 last; a second model resumed from ``OUT/checkpoint`` runs the last step again. Rank 0 writes
@@ -52,9 +54,10 @@ def main() -> None:
     p.add_argument("--model-id", required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--ep-size", type=int, default=None)
+    p.add_argument("--ulysses-size", type=int, default=None)
     p.add_argument("--steps", type=int, default=3)
     args = p.parse_args()
-    mesh = DeviceMesh.from_sizes(ep_size=args.ep_size)
+    mesh = DeviceMesh.from_sizes(ep_size=args.ep_size, ulysses_size=args.ulysses_size)
     runtime = twinkle.initialize(mode="local", global_device_mesh=mesh, timeout_s=60)
     torch.manual_seed(0)
     model = build(args.model_id, args.steps)

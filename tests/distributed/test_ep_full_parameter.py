@@ -1,6 +1,6 @@
 """Full-parameter training under expert parallelism: 2 gloo ranks (ep_size 2 over 2 FSDP2 shards),
-and 4 (ep_size 2, two ranks per block), equal one process, for a tiny Qwen3-MoE (2 layers, hidden
-64, 4 experts, top-2).
+4 (ep_size 2, two ranks per block), and 2 with Ulysses 2 beside it, equal one process, for a tiny
+Qwen3-MoE (2 layers, hidden 64, 4 experts, top-2).
 
 ``ep_full_worker.py`` trains every weight for 3 AdamW steps on 4 chat samples (each rank its
 share, and 2 of the 4 experts of each MoE layer), clipping at 1.0. Each rank's expert blocks
@@ -63,11 +63,11 @@ def _tiny_qwen3_moe(tiny_model_dir: Path, out: Path) -> Path:
     return out
 
 
-def _run(launcher, model_dir: Path, out: Path, nproc: int) -> dict:
+def _run(launcher, model_dir: Path, out: Path, nproc: int, ulysses: int = 1) -> dict:
     out.mkdir()
     args = ["--model-id", str(model_dir), "--out", str(out), "--steps", str(STEPS)]
     if nproc > 1:
-        args += ["--ep-size", "2"]
+        args += ["--ep-size", "2", "--ulysses-size", str(ulysses)]
     job = launcher.run(WORKER, args, nproc=nproc, timeout_s=240)  # a hang ends here
     assert job.returncode == 0, job.output[-6000:]
     return json.loads((out / "result.json").read_text())
@@ -94,13 +94,16 @@ def one_process(tiny_model_dir, tmp_path_factory, launcher) -> tuple[Path, Path,
 
 
 # 4 ranks: experts 0-1 on ranks 0 and 1, 2-3 on ranks 2 and 3; the two ranks holding a block
-# all-reduce its gradient (tokens go between ranks 0 and 2, 1 and 3)
-@pytest.mark.parametrize("ranks", [2, 4])
-def test_full_parameter_under_expert_parallelism_equals_one_process(one_process, tmp_path, launcher, ranks):
+# all-reduce its gradient (tokens go between ranks 0 and 2, 1 and 3). Ulysses 2 beside EP 2 on 2
+# ranks: both read every sample, each runs half the positions through its attention and experts.
+@pytest.mark.parametrize(("ranks", "ulysses"), [(2, 1), (4, 1), (2, 2)])
+def test_full_parameter_under_expert_parallelism_equals_one_process(
+    one_process, tmp_path, launcher, ranks, ulysses
+):
     from transformers import AutoModelForCausalLM
 
     model_dir, one_dir, one = one_process
-    many = _run(launcher, model_dir, tmp_path / "many", ranks)
+    many = _run(launcher, model_dir, tmp_path / "many", ranks, ulysses)
     assert many["world_size"] == ranks
     lengths = [sum(mask) for mask in one["rows"]["attention_mask"]]
     rtol = run_loss_rtol(len(lengths), max(lengths), ranks)
