@@ -119,6 +119,8 @@ def test_full_parameter_under_expert_parallelism_equals_one_process(
     assert one["trainable"] == many["trainable"]
 
     folders = {"one": one_dir, "many": tmp_path / "many"}
+    files = {n: load_file(f / "final" / "model.safetensors") for n, f in folders.items()}
+    assert files["one"].keys() == files["many"].keys()  # the same Hugging Face layout (tied head once)
     final = {
         n: AutoModelForCausalLM.from_pretrained(f / "final", dtype=torch.float32) for n, f in folders.items()
     }

@@ -173,6 +173,10 @@ class FullParameterAdapters(Adapters):
 
             options = StateDictOptions(full_state_dict=True, cpu_offload=True)
             state = get_model_state_dict(self.lm, options=options)
+            # a tied weight's second name holds a gathered copy, which save_pretrained (deduplicating
+            # by storage) would write again: dropped, so the files are one process's
+            for alias in _tied_aliases(self.lm):
+                state.pop(alias, None)
         else:
             state = self.lm.state_dict()
         if self.experts is not None:  # every expert, gathered from the blocks on rank 0
@@ -230,6 +234,18 @@ class FullParameterAdapters(Adapters):
                     p.to_local().copy_(local.to_local())
                 else:
                     p.copy_(full)
+
+
+def _tied_aliases(lm: torch.nn.Module) -> list[str]:
+    """The names under which ``lm`` registers a weight it registered earlier under another name
+    (tied weights: a tied head's ``lm_head.weight``)."""
+    seen: set[int] = set()
+    aliases = []
+    for name, p in lm.named_parameters(remove_duplicate=False):
+        if id(p) in seen:
+            aliases.append(name)
+        seen.add(id(p))
+    return aliases
 
 
 def _as_loaded(lm: Any, folder: Path) -> dict[str, torch.Tensor]:
