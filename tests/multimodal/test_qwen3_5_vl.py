@@ -4,7 +4,7 @@ front of a language model of one linear-attention and one full-attention layer).
 - upstream's ``Qwen3_5Template`` on the checkpoint encodes images (Qwen3-VL's rows);
 - ``TransformersModel`` trains it on image rows packed into one row
   (``twinkle.model.vision_packing``, its linear-attention layers run per sample:
-  ``twinkle.model.vision_linear_attention``): the logits at every kept token, the loss, the
+  ``twinkle.model.linear_attention_packing``): the logits at every kept token, the loss, the
   labels' log-probabilities and the LoRA gradients equal Hugging Face's padded forward with the
   images, and a padded step's; run across the samples, the linear-attention layers would not;
 - the saved adapter loads in ``peft`` on ``Qwen3_5ForConditionalGeneration`` and gives our logits;

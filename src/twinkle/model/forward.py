@@ -80,10 +80,11 @@ def _model_inputs(
 ) -> tuple[dict[str, Any], torch.Tensor, torch.Tensor | None]:
     """The forward's keyword arguments, each position's target (``IGNORE_INDEX`` where none) and
     the packed row's ``gather`` (``twinkle.model.packing``; None: the targeted positions in order)."""
-    packable = padding_free and can_pack(lm) and "pixel_values" not in batch
-    packed = pack(batch, share_prefix) if packable else None
+    packed = None
     if padding_free and can_pack_images(lm, share_prefix):  # Qwen VL families (vision_packing)
         packed = pack_images(lm, batch)
+    elif padding_free and can_pack(lm, share_prefix) and "pixel_values" not in batch:
+        packed = pack(batch, share_prefix)
     replay = replay_of(lm)  # routing replay arms the forward in the layout it runs
     if packed is not None:
         where = packed.pop("where")

@@ -14,8 +14,10 @@ border. Three things are left out of the row because no loss depends on them:
   are scored once in the row and ``gather`` lists, for each scored position of the padded batch
   in row-major order, where it lies in the row, so a loss still sees every sample's targets.
 
-``twinkle.kernel.attention.packed`` runs attention per sample, so the loss and gradients equal those of
-the padded batch up to summation order."""
+``twinkle.kernel.attention.packed`` runs attention per sample, and in the hybrid families (Qwen3.5,
+Qwen3.5-MoE, Qwen3-Next) each linear-attention layer runs each sample's span, after its prefix, on
+its own (``twinkle.model.linear_attention_packing``), so the loss and gradients equal those of the
+padded batch up to summation order."""
 
 from collections.abc import Hashable, Sequence
 from typing import Any
@@ -23,6 +25,7 @@ from typing import Any
 import torch
 
 from twinkle.kernel.attention.packed import Segments, enable_segment_attention
+from twinkle.model.linear_attention_packing import is_hybrid, run_per_sample
 from twinkle.template.base import IGNORE_INDEX
 
 # Decoder families that mix tokens only in attention (through Hugging Face's attention
@@ -42,10 +45,22 @@ def shifted_targets(labels: torch.Tensor, attention_mask: torch.Tensor) -> torch
     return torch.cat([labels[:, 1:], ignore], dim=1).masked_fill(~both, IGNORE_INDEX)
 
 
-def can_pack(lm: Any) -> bool:
-    return getattr(lm.config, "model_type", None) in PACKABLE_MODEL_TYPES and enable_segment_attention(
-        lm.config
-    )
+def can_pack(lm: Any, share_prefix: bool | Sequence[Hashable] = True) -> bool:
+    """Whether ``lm`` runs ``pack``'s rows (``share_prefix`` as ``pack`` takes it): a family of
+    ``PACKABLE_MODEL_TYPES``, or a hybrid one whose linear-attention layers are then made to run
+    per sample (``linear_attention_packing``), with attention that takes segments.
+
+    A hybrid family packs rows of one adapter only: rows of several adapters (a key per row) run
+    padded, because their LoRA layers place each adapter by its tokens' places in the whole row
+    (``twinkle.model.lora_modes``), and a linear-attention layer's LoRA layers see one sample's
+    span at a time."""
+    if is_hybrid(lm):
+        if not isinstance(share_prefix, bool):
+            return False
+        run_per_sample(lm)
+    elif getattr(lm.config, "model_type", None) not in PACKABLE_MODEL_TYPES:
+        return False
+    return enable_segment_attention(lm.config)
 
 
 def scored_lengths(targets: torch.Tensor) -> list[int]:

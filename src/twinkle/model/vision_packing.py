@@ -2,7 +2,7 @@
 Qwen2.5-VL, Qwen3-VL, Qwen3.5): the samples laid end to end in one row, as
 ``twinkle.model.packing`` lays out text rows, with each kept image's patches and each token's
 M-RoPE positions. Qwen3.5's linear-attention layers run each sample's span on its own
-(``twinkle.model.vision_linear_attention``).
+(``twinkle.model.linear_attention_packing``).
 
 What a packed image row needs beyond a text one:
 
@@ -33,13 +33,13 @@ from typing import Any
 import torch
 
 from twinkle.kernel.attention.packed import enable_segment_attention
+from twinkle.model.linear_attention_packing import run_per_sample
 from twinkle.model.packing import pack
 from twinkle.model.vision import check_patches
-from twinkle.model.vision_linear_attention import run_per_sample
 from twinkle.model.vision_positions import token_types
 from twinkle.utils.errors import UserError
 
-# Qwen3.5's linear-attention layers run each sample on its own (vision_linear_attention)
+# Qwen3.5's linear-attention layers run each sample on its own (linear_attention_packing)
 PACKABLE_VISION_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5")
 _HOOKED = "_twinkle_drops_segments"
 
