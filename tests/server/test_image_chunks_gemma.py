@@ -23,6 +23,7 @@ from tolerances import llama_sums
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "assets"))
 
+import image_chunk_server  # noqa: E402
 from image_chunk_server import (  # noqa: E402
     BLUE,
     RED,
@@ -68,6 +69,12 @@ def template(family):
     from twinkle.template import get_template
 
     return get_template(TEMPLATES[family[0]], model_id=str(family[1]))
+
+
+def local_steps(model_type: str, folder, adapter: str, rows: list[dict], steps: int) -> tuple[dict, list]:
+    """``image_chunk_server.local_steps`` on ``model_type``'s class (``test_client_image_gemma``
+    compares the client's training with it)."""
+    return image_chunk_server.local_steps(folder, CLASSES[model_type], adapter, rows, steps)
 
 
 def test_image_chunks_train_as_the_in_process_model(served, family, template):
