@@ -200,3 +200,27 @@ def test_rows_of_several_adapters_run_padded(folders):
     lm = transformers.AutoModelForCausalLM.from_pretrained(folders["qwen3_5_text"])
     assert not packing.can_pack(lm, ["a", "a", "b", "b"])
     assert packing.can_pack(lm, True) and packing.can_pack(lm, False)
+
+
+def test_teacher_scores_of_packed_rows_equal_the_padded_batchs(folders, monkeypatch):
+    """Scoring (``scoring_topk.topk_at_targets``: a teacher's top-k, the sampler's prompt
+    scores) packs the rows too, the shared prefix held once: the scores equal the padded
+    batch's."""
+    from twinkle.model import scoring_topk
+
+    lm = transformers.AutoModelForCausalLM.from_pretrained(folders["qwen3_next"]).eval()
+    batch = {k: v for k, v in _batch("one").items() if k != "position_ids"}
+    calls = []
+    for module in lm.modules():
+        if type(module).__name__ in LINEAR_ATTENTION_CLASSES:
+            module.out_proj.register_forward_pre_hook(lambda m, args: calls.append(tuple(args[0].shape[:2])))
+    packed = scoring_topk.topk_at_targets(lm, batch, 4)
+    assert calls == [(1, PROMPT["one"] + n - 1) for n in LENGTHS] * 2  # per sample, the prefix in front
+    monkeypatch.setattr(scoring_topk, "can_pack", lambda lm: False)
+    calls.clear()
+    padded = scoring_topk.topk_at_targets(lm, batch, 4)
+    assert set(calls) == {tuple(batch["input_ids"].shape)}
+    assert packed.chosen.shape == (sum(LENGTHS),)  # every label, in the padded batch's order
+    sums = _sums(batch, vocab=VOCAB)
+    torch.testing.assert_close(packed.chosen, padded.chosen, **chain_tolerances(sums, padded.chosen))
+    torch.testing.assert_close(packed.values, padded.values, **chain_tolerances(sums, padded.values))
