@@ -22,6 +22,7 @@ from twinkle.loss import FusedLinearCrossEntropyLoss, HeadLoss, LossOutput
 from twinkle.loss.base import EMBEDDINGS, POSITIONS, Loss, LossView, as_loss
 from twinkle.loss.cross_entropy import target_logps
 from twinkle.model.packing import can_pack, pack, shifted_targets
+from twinkle.model.router_aux import counts_every_token
 from twinkle.model.router_replay import replay_of
 from twinkle.model.ulysses import ulysses_of
 from twinkle.model.vision import check_patches, check_reads_images
@@ -84,7 +85,7 @@ def _model_inputs(
     if padding_free and can_pack_images(lm, share_prefix):  # Qwen VL families (vision_packing)
         packed = pack_images(lm, batch)
     elif padding_free and can_pack(lm, share_prefix) and "pixel_values" not in batch:
-        packed = pack(batch, share_prefix)
+        packed = pack(batch, share_prefix, keep_tails=counts_every_token(lm))  # router_aux's tokens
     replay = replay_of(lm)  # routing replay arms the forward in the layout it runs
     if packed is not None:
         where = packed.pop("where")

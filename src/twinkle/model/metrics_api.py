@@ -230,7 +230,8 @@ class MetricsAPI:
 
     def calculate_metric(self, is_training: bool = True, adapter_name: str | None = None) -> dict[str, float]:
         """Numbers since the last call, reduced over all ranks: loss, accuracy, tokens/s, and for
-        training also grad_norm, lr, step counters; then those of the added metrics. An eval
+        training also grad_norm, lr, step counters (and the router's ``aux_loss`` where the config
+        asks for it, ``twinkle.model.router_aux``); then those of the added metrics. An eval
         whose loss is NaN/inf (or undefined: no supervised token) raises ``UserError`` once it is
         recorded (``twinkle.model.health``)."""
         group = self._group(adapter_name)
@@ -247,6 +248,9 @@ class MetricsAPI:
                 skipped_steps=group.skipped_steps,
                 nonfinite_steps=group.nonfinite_steps,
             )
+            aux = getattr(self, "router_aux", None)  # the router's load-balancing loss (router_aux)
+            if aux is not None:
+                metrics.update(aux.metrics(group.adapter_name))
         name = getattr(group.loss_fn, "correct_metric", "accuracy")  # what the loss's num_correct counts
         if name != "accuracy" and "accuracy" in metrics:
             metrics[name] = metrics.pop("accuracy")

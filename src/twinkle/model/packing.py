@@ -5,7 +5,8 @@ border. Three things are left out of the row because no loss depends on them:
 
 - padding;
 - each sample's tail after its last position with a target (causal attention: later tokens
-  influence nothing that is scored);
+  influence nothing that is scored), unless the step adds the MoE router's load-balancing loss,
+  which counts every routed token (``keep_tails``);
 - all but one copy of a prefix every sample shares (system prompt, chat markup): the row holds
   it once and every sample attends to it. Where consecutive samples share a longer prefix (the
   two sides of a preference pair, the completions of one prompt), or run through different
@@ -140,7 +141,7 @@ def _prefix_groups(
 
 
 def pack(
-    batch: dict[str, torch.Tensor], share_prefix: bool | Sequence[Hashable] = True
+    batch: dict[str, torch.Tensor], share_prefix: bool | Sequence[Hashable] = True, keep_tails: bool = False
 ) -> dict[str, Any] | None:
     """``(B, L)`` right-padded -> model inputs for one row, with ``targets (1, T)``, ``gather``
     (None unless a shared prefix holds targets, see the module docstring) and ``where`` (``(B, L)``:
@@ -150,7 +151,10 @@ def pack(
     ``share_prefix``: True holds the prefix every sample shares once, or where that leaves out
     more tokens, the prefix of each run of consecutive rows that start alike (``_prefix_groups``);
     a sequence of one key per row (the adapter each row runs through) holds the prefix of each run
-    of consecutive rows with equal keys once, before them; False shares nothing."""
+    of consecutive rows with equal keys once, before them; False shares nothing. ``keep_tails``:
+    every real token stays in the row, each sample's tail after its last target too (the MoE
+    router's load-balancing loss counts every token the padded batch routes,
+    ``twinkle.model.router_aux``)."""
     mask = batch["attention_mask"].bool()
     lengths = mask.sum(1)
     positions = batch["position_ids"]
@@ -161,9 +165,11 @@ def pack(
     targets = shifted_targets(batch["labels"], mask)
     scored = targets != IGNORE_INDEX
     keep = scored_lengths(targets)
-    rows = [i for i, n in enumerate(keep) if n > 0]
-    if not rows:
+    if not any(keep):
         return None
+    if keep_tails:
+        keep = lengths.tolist()
+    rows = [i for i, n in enumerate(keep) if n > 0]
     ids = batch["input_ids"]
     if share_prefix is True:
         groups = _prefix_groups(ids, targets, keep, rows)

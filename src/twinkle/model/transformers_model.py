@@ -38,6 +38,7 @@ from twinkle.model.optimizer_step import OptimizerStepAPI
 from twinkle.model.options import resolve_precision, resolve_strategy
 from twinkle.model.outputs import StepOutputs, joined_logps, reads_logps, step_logps
 from twinkle.model.parallel_sizes import refuse_cli_sizes
+from twinkle.model.router_aux import RouterAux, aux_entry, capturing, trained_loss, with_aux
 from twinkle.model.router_replay import RouterReplay, refuse_dense_folder, take_action
 from twinkle.model.train_state import OptimizerGroup
 from twinkle.model.ulysses import check_folder as check_ulysses_folder
@@ -163,6 +164,8 @@ class TransformersModel(InputsAPI, MetricsAPI, OptimizerStepAPI, Checkpoints):
         self.ulysses = install_ulysses(causal_lm_of(self.model), runtime.mesh, runtime.rank)
         # the routers hooked for routing replay (twinkle.model.router_replay); a dense model: one line
         self.router_replay = RouterReplay.install(self.model) if enable_router_replay else None
+        # output_router_logits=True: the load-balancing loss joins the step (twinkle.model.router_aux)
+        self.router_aux = RouterAux.install(causal_lm_of(self.model))
         self.checkpointing = LayerCheckpointing(self.model, activation_checkpointing)
         # ep_size > 1: this rank's blocks of experts, tokens exchanged (twinkle.model.expert_parallel)
         self.expert_parallel = (
@@ -176,6 +179,7 @@ class TransformersModel(InputsAPI, MetricsAPI, OptimizerStepAPI, Checkpoints):
         self._pending_eval: tuple[str, Any, Any] | None = None
         self._pending_auto = False  # the pending batch is a plain evaluation (metrics_api)
         self._pending_backward: tuple[OptimizerGroup, Any, dict[str, torch.Tensor]] | None = None
+        self._pending_aux: tuple[torch.Tensor, float] | None = None  # the router aux and its factor
         self._in_train_mode = False  # set by forward_backward's train(), cleared by forward_only's eval()
         self._step_logps: Any = None  # the last training forward's logps entry (``outputs.step_logps``)
 
@@ -336,6 +340,7 @@ class TransformersModel(InputsAPI, MetricsAPI, OptimizerStepAPI, Checkpoints):
 
     def _forward_batch(self, group: OptimizerGroup, loss_fn: Any, inputs: dict) -> dict[str, float]:
         group.train_metrics.start_batch()
+        self._pending_aux = None
         group.eval_metrics.restart_if_empty()
         batch = batch_on_device(inputs, self.device, self.tokenizer)
         # thousands of modules with LoRA: set their flags once, and again after an eval()
@@ -348,11 +353,15 @@ class TransformersModel(InputsAPI, MetricsAPI, OptimizerStepAPI, Checkpoints):
             out = embedding_loss(self.model, batch, loss_fn)
             self._pending_backward, self._step_logps = (group, out, inputs), None
         else:
-            out, view = loss_and_view(self.model, batch, loss_fn, self.padding_free)
+            with capturing(self.router_aux):  # the router's aux (twinkle.model.router_aux)
+                out, view = loss_and_view(self.model, batch, loss_fn, self.padding_free)
             self._pending_backward = (group, out, inputs)
             self._step_logps = step_logps(out, view, batch, loss_fn, self.runtime.is_distributed)
+            if self.router_aux is not None:
+                self._pending_aux = self.router_aux.step_term(out.num_tokens, self.runtime.world_size)
         loss_sum = float(out.loss_sum.detach())
-        return {"loss": loss_sum / max(1, out.num_tokens), "num_tokens": out.num_tokens}
+        result = {"loss": loss_sum / max(1, out.num_tokens), "num_tokens": out.num_tokens}
+        return with_aux(result, self.router_aux, self._pending_aux)
 
     def backward(self) -> float:
         """Backward of the last ``forward``: the gradients join the open accumulation window.
@@ -365,15 +374,16 @@ class TransformersModel(InputsAPI, MetricsAPI, OptimizerStepAPI, Checkpoints):
         """``backward``; ``counts=False``: a part of a split batch, which counts (a step of
         ``cur_step``, a micro-batch of the window) at its last part only."""
         group, out, inputs = self._pending_backward
-        self._pending_backward = None
+        aux, self._pending_backward, self._pending_aux = self._pending_aux, None, None
         self._step_logps = None  # forward_backward took it; a plain forward's is dropped here
         self.adapters.activate(group.adapter_name)  # a recomputed forward (checkpointing) runs it
-        out.loss_sum.backward()  # even when not finite: under FSDP every rank must run backward
+        trained, aux_loss = trained_loss(out.loss_sum, aux)  # plus the router's aux (router_aux)
+        trained.backward()  # even when not finite: under FSDP every rank must run backward
         loss_sum = float(out.loss_sum.detach())
         if counts:
             group.cur_step += 1
             report.on_backward(self.runtime, group)  # progress (twinkle.metric.report)
-        finite = math.isfinite(loss_sum)
+        finite = math.isfinite(loss_sum) and math.isfinite(aux_loss or 0.0)
         rows, seen = counted_rows(self.ulysses, inputs)  # a Ulysses group's rows count once
         group.add_micro_batch(rows, out.num_tokens, finite, counts)
         if not finite:
@@ -381,7 +391,10 @@ class TransformersModel(InputsAPI, MetricsAPI, OptimizerStepAPI, Checkpoints):
         correct = float(out.num_correct)  # a count, or summed shares (GRPOLoss: clipped tokens)
         group.train_metrics.update(loss_sum, out.num_tokens, correct, seen, rows)
         record_metric_batch(group, True, inputs, out, loss_sum, correct)
-        return loss_sum / max(1, out.num_tokens)
+        if aux_loss is None:
+            return loss_sum / max(1, out.num_tokens)
+        self.router_aux.record(group.adapter_name, aux_loss)  # calculate_metric's aux_loss
+        return loss_sum / max(1, out.num_tokens) + self.router_aux.coef * aux_loss
 
     def forward_backward(
         self,
@@ -395,6 +408,9 @@ class TransformersModel(InputsAPI, MetricsAPI, OptimizerStepAPI, Checkpoints):
         """``forward`` then ``backward``. Returns this rank's mean loss (per token; per pair for a
         preference loss) as a float that is also upstream's outputs (``outputs["logps"]``:
         ``twinkle.model.outputs.StepOutputs``). ``ref_outputs``/``loss_inputs``: see ``forward``.
+        Where the config asks for the router's load-balancing loss, the float and ``loss`` add
+        ``router_aux_loss_coef * aux``, and ``outputs["aux_loss"]`` holds the aux
+        (``twinkle.model.router_aux``).
 
         ``micro_batch_size``: run this rank's rows ``micro_batch_size`` at a time (less memory),
         their gradients summed; the call still counts as one micro-batch of the accumulation
@@ -404,7 +420,8 @@ class TransformersModel(InputsAPI, MetricsAPI, OptimizerStepAPI, Checkpoints):
                 loss_inputs["ref_outputs"] = ref_outputs
             out = self.forward(inputs, task=task, adapter_name=adapter_name, **loss_inputs)
             logps, ship = self._step_logps, reads_logps(self._group(adapter_name).loss_fn)
-            return StepOutputs(self.backward(), out["num_tokens"], logps, ship_logps=ship)
+            step = StepOutputs(self.backward(), out["num_tokens"], logps, ship_logps=ship)
+            return aux_entry(step, out.get("aux_loss"))
         if task == EMBEDDING_TASK:
             raise UserError(
                 "micro_batch_size= with task='embedding' would split the in-batch negatives; leave it out"
@@ -412,13 +429,15 @@ class TransformersModel(InputsAPI, MetricsAPI, OptimizerStepAPI, Checkpoints):
         group, loss_fn, inputs = self._training_inputs(inputs, task, adapter_name, ref_outputs, loss_inputs)
         check_reads_images(causal_lm_of(self.model), inputs)  # before the first part runs
         parts = split_rows(inputs, micro_batch_size, loss_fn)
-        loss_sum, tokens, logps = 0.0, 0, []
+        loss_sum, tokens, logps, aux_sum = 0.0, 0, [], 0.0
         for i, part in enumerate(parts):
             out = self._forward_batch(group, loss_fn, part)
             if part["input_ids"].shape[0]:  # an empty part is this rank's pad row
                 logps.append(self._step_logps)
             self._backward(counts=i == len(parts) - 1)
             loss_sum, tokens = loss_sum + out["loss"] * out["num_tokens"], tokens + out["num_tokens"]
-        return StepOutputs(
+            aux_sum += out.get("aux_loss", 0.0) * out["num_tokens"]  # weighed by tokens, as the loss
+        step = StepOutputs(
             loss_sum / max(1, tokens), tokens, joined_logps(logps), ship_logps=reads_logps(loss_fn)
         )
+        return aux_entry(step, None if self.router_aux is None else aux_sum / max(1, tokens))
