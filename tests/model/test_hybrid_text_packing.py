@@ -224,3 +224,38 @@ def test_teacher_scores_of_packed_rows_equal_the_padded_batchs(folders, monkeypa
     sums = _sums(batch, vocab=VOCAB)
     torch.testing.assert_close(packed.chosen, padded.chosen, **chain_tolerances(sums, padded.chosen))
     torch.testing.assert_close(packed.values, padded.values, **chain_tolerances(sums, padded.values))
+
+
+def _mixed_logps(folder, names: list[str | None]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """``forward_only(adapter_names=names)``'s log-probs, and each adapter's own pass over the
+    whole batch."""
+    from peft import LoraConfig
+
+    from twinkle.model import TransformersModel
+
+    model = TransformersModel(str(folder))
+    torch.manual_seed(0)
+    for name in ("a", "b"):
+        lora = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)
+        model.add_adapter_to_model(name, lora)
+    batch = _batch("none")
+    alone = {name: model.forward_only(batch, adapter_name=name)["logps"] for name in set(names) - {None}}
+    model.forward_only(batch, adapter_names=names)
+    return model.last_outputs["logps"], alone
+
+
+def test_a_mixed_adapter_batch_runs_row_by_row(folders, monkeypatch):
+    """Rows of several adapters run padded here, each LoRA layer through each row's adapter
+    (PEFT's mixed batch): each row's log-probs equal its adapter's own pass. Placed as in a packed
+    row while the forward runs padded, the adapters would land on other rows' tokens."""
+    from twinkle.model import metrics_api
+
+    names = ["b", None, "b", "b"]
+    mixed, alone = _mixed_logps(folders["qwen3_5_text"], names)
+    batch = _batch("none")
+    sums = _sums(batch, vocab=VOCAB)
+    for row in (0, 2, 3):
+        torch.testing.assert_close(mixed[row], alone["b"][row], **chain_tolerances(sums, alone["b"][row]))
+    monkeypatch.setattr(metrics_api, "can_pack", lambda lm, names: True)  # runs as if packed
+    mixed, alone = _mixed_logps(folders["qwen3_5_text"], names)
+    assert max(_excess(mixed[row], alone["b"][row], sums) for row in (0, 2, 3)) > 10

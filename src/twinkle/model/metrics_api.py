@@ -22,7 +22,7 @@ from twinkle.model import health
 from twinkle.model.embedding import TASK as EMBEDDING_TASK
 from twinkle.model.embedding import embed_for_eval, embedding_batch
 from twinkle.model.eval_parts import forward_only_in_parts
-from twinkle.model.forward import batch_on_device, loss_and_view, task_loss
+from twinkle.model.forward import batch_on_device, causal_lm_of, loss_and_view, task_loss
 from twinkle.model.full_parameter import refuse_adapters_off
 from twinkle.model.inputs import prepare_inputs
 from twinkle.model.lora_modes import (
@@ -37,7 +37,7 @@ from twinkle.model.lora_modes import (
 )
 from twinkle.model.loss_inputs import keyword_inputs, missing_inputs, with_loss_inputs
 from twinkle.model.outputs import LogpsOnly, ModelOutputs, label_logps, metric_logps
-from twinkle.model.packing import shifted_targets
+from twinkle.model.packing import can_pack, shifted_targets
 from twinkle.model.router_replay import take_action
 from twinkle.model.train_state import OptimizerGroup
 from twinkle.model.ulysses import counted as counted_rows
@@ -171,8 +171,10 @@ class MetricsAPI:
         evaluation would pack (``lora_modes.adapter_per_span``), else row by row."""
         names = self._lora_mode(disable_lora, adapter_names, batch["input_ids"].shape[0])
         layers, runs = lora_layers(self.model), None
-        # under Ulysses a rank holds a share of the row's tokens: the rows keep their adapters
-        if self.padding_free and self.ulysses is None and can_segment(layers):
+        # under Ulysses a rank holds a share of the row's tokens: the rows keep their adapters; the
+        # runs are the packed row's places, so only where the forward packs (``can_pack``)
+        packs = can_pack(causal_lm_of(self.model), names)
+        if self.padding_free and self.ulysses is None and can_segment(layers) and packs:
             runs = token_runs(batch, names)
         if runs is None:
             with adapter_per_row(self.model, names):
