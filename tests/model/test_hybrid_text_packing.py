@@ -2,7 +2,8 @@
 among full-attention ones) train packed: the loss, the labels' log-probabilities and every LoRA
 gradient equal the padded batch's, with one prefix shared by every row, a prefix per pair of rows
 and none. The step ran packed (each linear-attention layer saw one row per sample); run across
-the samples, the linear-attention layers give another loss."""
+the samples, the linear-attention layers give other gradients, far outside the tolerance.
+Teacher scoring packs too; rows of several adapters run padded, each through its adapter."""
 
 import pytest
 import torch
