@@ -5,6 +5,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import torch
@@ -40,6 +41,30 @@ def run_script(tmp_path: Path, model_dir: Path, output_dir: Path, *flags: str, *
     """The script in its own process (forked from one with torch and peft imported: ``warm``)."""
     argv = script_command(model_dir, output_dir, *flags)[1:]
     return warm.run(argv, cwd=tmp_path, env=script_env(tmp_path, **env), timeout=300)
+
+
+class Beside(threading.Thread):
+    """``fn(*args)`` in a thread, started at once (a run beside another one: the tests share two
+    cores and a run's imports and start-up use one); ``result()`` joins it and returns its value
+    or raises its error."""
+
+    def __init__(self, fn, *args):
+        super().__init__(daemon=True)
+        self.fn, self.args, self.value, self.error = fn, args, None, None
+        self.start()
+
+    def run(self):
+        try:
+            self.value = self.fn(*self.args)
+        except BaseException as exc:  # raised again in the test's thread
+            self.error = exc
+
+    def result(self, timeout: float = 600):
+        self.join(timeout)
+        assert not self.is_alive(), f"{self.fn.__name__} still running after {timeout} s"
+        if self.error is not None:
+            raise self.error
+        return self.value
 
 
 def trainable(model) -> dict[str, torch.Tensor]:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from harness import run_script, script_command, script_env
+from harness import Beside, run_script, script_command, script_env
 from safetensors.torch import load_file
 
 from twinkle.checkpoint import is_complete, latest_checkpoint
@@ -101,39 +101,47 @@ def plant_torn_checkpoint(source: Path, out: Path) -> Path:
 
 @pytest.mark.slow
 def test_kill_and_resume_equals_an_uninterrupted_run(tmp_path, tiny_model_dir):
-    reference = run_script(tmp_path, tiny_model_dir, tmp_path / "reference", *FLAGS)
+    # the uninterrupted run goes on beside the interrupted ones; their losses are compared after
+    reference = Beside(run_script, tmp_path, tiny_model_dir, tmp_path / "reference", *FLAGS)
+    logged = []  # (plan, step, loss) of every attempt
+
+    try:
+        out, rng = tmp_path / "out", random.Random(SEED)
+        env = script_env(tmp_path)
+        command = script_command(tiny_model_dir, out, *FLAGS, "--resume-from-checkpoint", "auto")
+        plans = ["save", "step", "eval"]
+        kills, attempts, planted = [], 0, None
+        while True:
+            attempts += 1
+            assert attempts <= 8, f"the run never finished; killed at {kills}"
+            chosen = latest_checkpoint(out)
+            assert chosen is None or is_complete(chosen)
+            log = tmp_path / f"attempt-{attempts}.log"
+            plan = plans.pop(0) if plans else None
+            trigger, delay = kill_trigger(plan, out, log, resumed_step(chosen), rng)
+            code, text = run_until(trigger, command, env, tmp_path, log, rng, delay)
+            resumed = RESUMED.search(text)
+            assert resumed, text[-3000:]
+            assert (resumed.group(1) and Path(resumed.group(1))) == chosen, "resumed from another folder"
+            logged += [(plan, step, loss) for step, loss in logged_losses(text).items()]
+            if code == -signal.SIGKILL:
+                kills.append((plan, _steps_seen(log)[-1:], "mid-save" if _saving(out) else ""))
+            else:
+                assert code == 0, text[-3000:]
+                if plan is None:
+                    break
+            if planted is None and latest_checkpoint(out) is not None:
+                planted = plant_torn_checkpoint(latest_checkpoint(out), out)
+    finally:  # a warm process runs one script at a time: never leave it busy
+        reference.join(600)
+
+    reference = reference.result()
     assert reference.returncode == 0, reference.stderr[-3000:]
     expected_losses = logged_losses(reference.stderr)
     assert sorted(expected_losses) == list(range(1, STEPS + 1))
+    for plan, step, loss in logged:
+        assert loss == expected_losses[step], (plan, step, loss, expected_losses[step])
     expected = load_file(tmp_path / "reference" / "last-checkpoint" / "adapter_model.safetensors")
-
-    out, rng = tmp_path / "out", random.Random(SEED)
-    env = script_env(tmp_path)
-    command = script_command(tiny_model_dir, out, *FLAGS, "--resume-from-checkpoint", "auto")
-    plans = ["save", "step", "eval"]
-    kills, attempts, planted = [], 0, None
-    while True:
-        attempts += 1
-        assert attempts <= 8, f"the run never finished; killed at {kills}"
-        chosen = latest_checkpoint(out)
-        assert chosen is None or is_complete(chosen)
-        log = tmp_path / f"attempt-{attempts}.log"
-        plan = plans.pop(0) if plans else None
-        trigger, delay = kill_trigger(plan, out, log, resumed_step(chosen), rng)
-        code, text = run_until(trigger, command, env, tmp_path, log, rng, delay)
-        resumed = RESUMED.search(text)
-        assert resumed, text[-3000:]
-        assert (resumed.group(1) and Path(resumed.group(1))) == chosen, "resumed from another folder"
-        for step, loss in logged_losses(text).items():
-            assert loss == expected_losses[step], (plan, step, loss, expected_losses[step])
-        if code == -signal.SIGKILL:
-            kills.append((plan, _steps_seen(log)[-1:], "mid-save" if _saving(out) else ""))
-        else:
-            assert code == 0, text[-3000:]
-            if plan is None:
-                break
-        if planted is None and latest_checkpoint(out) is not None:
-            planted = plant_torn_checkpoint(latest_checkpoint(out), out)
 
     assert len(kills) >= 2, kills  # the run really was interrupted (more than once)
     assert planted is not None and not is_complete(planted)

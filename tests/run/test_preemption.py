@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from harness import script_command, script_env
+from harness import Beside, run_script, script_command, script_env
 from safetensors.torch import load_file
 
 from twinkle.runtime.preemption import PREEMPTED_EXIT_CODE
@@ -29,33 +29,30 @@ STEP = re.compile(r"Current is step (\d+) of")
 def test_sigterm_saves_at_the_next_step_and_auto_resumes_to_the_same_end(tiny_model_dir, tmp_path):
     env = script_env(tmp_path)
     whole = tmp_path / "whole"
-    done = subprocess.run(
-        script_command(tiny_model_dir, whole, *FLAGS), env=env, capture_output=True, text=True, timeout=300
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    # the uninterrupted run goes on beside the preempted one (a process forked from a warm one)
+    reference = Beside(run_script, tmp_path, tiny_model_dir, whole, *FLAGS)
 
     out, log = tmp_path / "preempted", tmp_path / "log.txt"
-    with open(log, "w") as handle:
-        proc = subprocess.Popen(script_command(tiny_model_dir, out, *FLAGS), env=env, stderr=handle)
-        deadline = time.monotonic() + 200
-        while not STEP.search(log.read_text()) and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.01)
-        proc.send_signal(signal.SIGTERM)
-        code = proc.wait(timeout=120)
+    try:
+        with open(log, "w") as handle:
+            proc = subprocess.Popen(script_command(tiny_model_dir, out, *FLAGS), env=env, stderr=handle)
+            deadline = time.monotonic() + 200
+            while not STEP.search(log.read_text()) and proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.01)
+            proc.send_signal(signal.SIGTERM)
+            code = proc.wait(timeout=120)
+    finally:  # a warm process runs one script at a time: never leave it busy
+        reference.join(600)
     text = log.read_text()
+    done = reference.result()
+    assert done.returncode == 0, done.stderr[-3000:]
     assert code == PREEMPTED_EXIT_CODE, text[-3000:]
     saved = [p for p in out.glob("checkpoint-*") if (p / ".twinkle-complete").exists()]
     assert len(saved) == 1 and "SIGTERM: saving checkpoint-" in text
     step = int(saved[0].name.split("-")[1])
     assert 1 <= step < 4 and not (out / "last-checkpoint").exists()
 
-    resumed = subprocess.run(
-        script_command(tiny_model_dir, out, *FLAGS, "--resume-from-checkpoint", "auto"),
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    resumed = run_script(tmp_path, tiny_model_dir, out, *FLAGS, "--resume-from-checkpoint", "auto")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resuming from {saved[0]}" in resumed.stderr
     expected = load_file(Path(whole) / "last-checkpoint" / "adapter_model.safetensors")
