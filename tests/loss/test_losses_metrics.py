@@ -3,6 +3,10 @@
 Upstream's convention: ``loss(inputs, outputs)`` with ``inputs["labels"]`` already shifted (each
 position's target, -100 where none) and ``outputs["logits"]``/``["logps"]``."""
 
+import json
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -328,9 +332,15 @@ def test_losses_the_model_cannot_run_say_so(make_model, dataset):
         model.set_loss(3)
 
 
-def _metrics_on_rank(rank: int, init_file: str, results) -> None:
-    import torch.distributed as dist
+RANKS = """
+import json, multiprocessing, sys
 
+import torch.distributed as dist
+
+from twinkle.metric import Accuracy, LossMetric
+
+
+def on_rank(rank, init_file, results):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     try:
         accuracy, loss = Accuracy(), LossMetric()
@@ -338,19 +348,32 @@ def _metrics_on_rank(rank: int, init_file: str, results) -> None:
         loss.accumulate(
             {}, {"loss": 3.0 * (rank + 1), "num_tokens": rank + 1}, loss_reduction="sum", grad_norm=rank + 0.5
         )
-        results[rank] = {**accuracy.calculate(), **loss.calculate()}
+        results.put((rank, {**accuracy.calculate(), **loss.calculate()}))
     finally:
         dist.destroy_process_group()
 
 
-def test_metrics_reduce_over_ranks(tmp_path):
-    """Two gloo ranks with different counts: both report the totals (and the largest grad norm)."""
-    import torch.multiprocessing as mp
+# forked from this process, which has imported and run nothing else
+context = multiprocessing.get_context("fork")
+results = context.SimpleQueue()
+ranks = [context.Process(target=on_rank, args=(r, sys.argv[1], results)) for r in (0, 1)]
+for proc in ranks:
+    proc.start()
+for proc in ranks:
+    proc.join(120)
+assert [proc.exitcode for proc in ranks] == [0, 0], [proc.exitcode for proc in ranks]
+print(json.dumps(dict(results.get() for _ in ranks)))
+"""
 
-    with mp.Manager() as manager:
-        results = manager.dict()
-        mp.spawn(_metrics_on_rank, args=(str(tmp_path / "init"), results), nprocs=2)
-        results = dict(results)
+
+def test_metrics_reduce_over_ranks(tmp_path):
+    """Two gloo ranks with different counts: both report the totals (and the largest grad norm).
+    The ranks are forked from a fresh interpreter that imported only ``twinkle.metric``."""
+    done = subprocess.run(
+        [sys.executable, "-c", RANKS, str(tmp_path / "init")], capture_output=True, text=True, timeout=180
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = {int(rank): metrics for rank, metrics in json.loads(done.stdout.splitlines()[-1]).items()}
     expected = {
         "accuracy": 3 / 30,
         "correct_tokens": 3,
