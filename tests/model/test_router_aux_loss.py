@@ -19,7 +19,9 @@ import transformers
 from peft import LoraConfig, get_peft_model
 from tolerances import chain_tolerances, llama_sums
 
+from twinkle.loss import InfonceLoss
 from twinkle.model import TransformersModel
+from twinkle.model.embedding import embedding_batch
 from twinkle.model.forward import compute_loss
 from twinkle.model.router_aux import router_aux_of
 
@@ -211,3 +213,21 @@ def test_a_window_of_two_micro_batches_averages_their_aux(moe_dir):
     grads = dict(model.model.named_parameters())
     for name, param in ref.named_parameters():
         torch.testing.assert_close(grads[name].grad, param.grad, **_tolerances(param.grad), msg=name)
+
+
+def test_an_embedding_step_adds_the_aux_of_its_padded_rows(moe_dir):
+    """``task='embedding'`` trains the routers too: its step's aux is transformers' over the rows'
+    real tokens (pads excluded)."""
+    model = TransformersModel(str(moe_dir), dtype=torch.float32)
+    model.set_loss(InfonceLoss(temperature=0.1))
+    g = torch.Generator().manual_seed(3)
+    rows = [
+        {"input_ids": torch.randint(1, 500, (n,), generator=g).tolist(), "labels": [1] if i % 2 == 0 else 0}
+        for i, n in enumerate((9, 5, 12, 7))
+    ]
+    out = model.forward_backward(inputs=rows, task="embedding")
+    batch = embedding_batch(rows, model.tokenizer.pad_token_id)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(moe_dir, dtype=torch.float32)
+    hf = ref(**{k: batch[k] for k in ("input_ids", "attention_mask", "position_ids")})
+    aux = hf.aux_loss.detach()
+    torch.testing.assert_close(torch.tensor(out.get("aux_loss")), aux, **_tolerances(aux))

@@ -350,15 +350,16 @@ class TransformersModel(InputsAPI, MetricsAPI, OptimizerStepAPI, Checkpoints):
         # positions the layers may run: the padded batch (a packed row is never longer)
         self.checkpointing.decide(batch["input_ids"].numel(), self.device)
         if batch["labels"].dim() == 1:  # task='embedding': one group mark per row
-            out = embedding_loss(self.model, batch, loss_fn)
+            with capturing(self.router_aux):  # the router's aux (twinkle.model.router_aux)
+                out = embedding_loss(self.model, batch, loss_fn)
             self._pending_backward, self._step_logps = (group, out, inputs), None
         else:
-            with capturing(self.router_aux):  # the router's aux (twinkle.model.router_aux)
+            with capturing(self.router_aux):
                 out, view = loss_and_view(self.model, batch, loss_fn, self.padding_free)
             self._pending_backward = (group, out, inputs)
             self._step_logps = step_logps(out, view, batch, loss_fn, self.runtime.is_distributed)
-            if self.router_aux is not None:
-                self._pending_aux = self.router_aux.step_term(out.num_tokens, self.runtime.world_size)
+        if self.router_aux is not None:
+            self._pending_aux = self.router_aux.step_term(out.num_tokens, self.runtime.world_size)
         loss_sum = float(out.loss_sum.detach())
         result = {"loss": loss_sum / max(1, out.num_tokens), "num_tokens": out.num_tokens}
         return with_aux(result, self.router_aux, self._pending_aux)
