@@ -70,7 +70,11 @@ def test_two_steps_on_image_prompts_write_rewards_and_save_the_adapter(tiny_vl, 
     assert f"loaded adapter 'default' from {out / 'last-checkpoint'}" in done.stderr
 
 
-@pytest.mark.slow  # makes the checkpoint (about 30 s), warms it up and samples: a few minutes
+# Makes the checkpoint (about 30 s), warms it up and samples: over a minute, so out of the default
+# run (CI runs it with the cluster tests). The tiny model's runs above check the same pipeline:
+# the warm-up's steps, the rewards in range and the saved adapter.
+@pytest.mark.slow
+@pytest.mark.long
 def test_the_warm_up_gives_groups_whose_rewards_differ(tmp_path):
     out = tmp_path / "out"
     command = [sys.executable, str(SCRIPT), "--output-dir", str(out), "--max-steps", "3",
