@@ -161,6 +161,18 @@ def test_lora_on_the_router_equals_transformers(moe_dir):
             torch.testing.assert_close(grad, param.grad, **_tolerances(param.grad), msg=name)
 
 
+def test_activation_checkpointing_keeps_the_aux(moe_dir):
+    """Layers recomputed in the backward: the aux's gradient reaches the routers through the
+    recomputed layers, and the recomputed routers add nothing to it."""
+    _, _, plain = _step(moe_dir, padding_free=True)
+    model = TransformersModel(str(moe_dir), dtype=torch.float32, activation_checkpointing="on")
+    out = model.forward_backward(inputs=_batch())
+    assert "aux_loss" in out
+    for name, param in model.model.named_parameters():
+        grad = param.grad / out.get("num_tokens")
+        torch.testing.assert_close(grad, plain[name], **_tolerances(plain[name]), msg=name)
+
+
 def test_packed_equals_padded(moe_dir):
     padded, _, grads_a = _step(moe_dir, padding_free=False)
     packed, model, grads_b = _step(moe_dir, padding_free=True)

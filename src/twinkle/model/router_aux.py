@@ -25,11 +25,19 @@ weighed by how many real tokens of the padded batch it stands for:
   group computes the aux of its whole rows, as one process would;
 - expert parallelism: routers run on each rank's own tokens before the exchange; nothing changes.
 
+Every training step adds it (``task='embedding'`` too, over the rows it pools). The step
+backpropagates ``loss_sum + factor * aux`` (``RouterAux.step_term`` derives the factor from the
+step's normalisation), returns the token loss plus ``coef * aux`` (transformers' ``outputs.loss``)
+with ``aux_loss`` beside it, and ``calculate_metric`` reports ``aux_loss`` (the micro-batches'
+mean) beside ``loss`` (the token loss).
+
 A family whose transformers forward computes no aux (DeepSeek-V3), or ``router_aux_loss_coef``
 0, adds nothing (one info line). An evaluation (``forward_only``) reports the token loss only:
 the aux regularises routing while training, and an eval loss without it compares across runs of
-any coefficient (transformers' forward adds it whenever it is given labels)."""
+any coefficient (transformers' forward, and upstream Twinkle's eval, add it whenever they are
+given labels)."""
 
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from typing import Any
@@ -64,8 +72,6 @@ def _text_config(lm: Any) -> Any:
 
 def _family_has_aux(lm: Any) -> bool:
     """Whether the model's transformers module computes a load-balancing loss in its forward."""
-    import sys
-
     return hasattr(sys.modules.get(type(lm).__module__), "load_balancing_loss_func")
 
 
