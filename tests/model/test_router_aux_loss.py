@@ -243,3 +243,14 @@ def test_an_embedding_step_adds_the_aux_of_its_padded_rows(moe_dir):
     hf = ref(**{k: batch[k] for k in ("input_ids", "attention_mask", "position_ids")})
     aux = hf.aux_loss.detach()
     torch.testing.assert_close(torch.tensor(out.get("aux_loss")), aux, **_tolerances(aux))
+
+
+def test_an_empty_share_adds_no_aux(moe_dir):
+    """A rank's empty share of a short last batch runs one pad token (every rank joins the
+    collectives): it weighs nothing, neither token loss nor aux."""
+    model = TransformersModel(str(moe_dir), dtype=torch.float32)
+    empty = {k: v[:0] for k, v in _batch().items()}
+    out = model.forward_backward(inputs=empty)
+    assert out.get("num_tokens") == 0 and "aux_loss" not in out
+    for name, param in model.model.named_parameters():
+        assert param.grad is None or not param.grad.any(), name

@@ -318,7 +318,8 @@ class TransformersModel(InputsAPI, MetricsAPI, OptimizerStepAPI, Checkpoints):
 
         Returns ``{"loss": this rank's mean loss, "num_tokens": the loss's count}`` (supervised
         tokens; pairs for a preference loss; no logits: the packed rows and the fused loss never
-        build them). A model in eval mode (after ``forward_only``) is put back in training mode."""
+        build them; with the router's aux, ``aux_loss`` too: ``forward_backward``). A model in eval
+        mode (after ``forward_only``) is put back in training mode."""
         group, loss_fn, inputs = self._training_inputs(inputs, task, adapter_name, ref_outputs, loss_inputs)
         return self._forward_batch(group, loss_fn, inputs)
 
@@ -359,14 +360,14 @@ class TransformersModel(InputsAPI, MetricsAPI, OptimizerStepAPI, Checkpoints):
             self._pending_backward = (group, out, inputs)
             self._step_logps = step_logps(out, view, batch, loss_fn, self.runtime.is_distributed)
         if self.router_aux is not None:
-            self._pending_aux = self.router_aux.step_term(out.num_tokens, self.runtime.world_size)
+            self._pending_aux = self.router_aux.step_term(out.num_tokens, inputs["input_ids"].shape[0] > 0)
         loss_sum = float(out.loss_sum.detach())
         result = {"loss": loss_sum / max(1, out.num_tokens), "num_tokens": out.num_tokens}
         return with_aux(result, self.router_aux, self._pending_aux)
 
     def backward(self) -> float:
         """Backward of the last ``forward``: the gradients join the open accumulation window.
-        Returns the micro-batch's mean token loss."""
+        Returns the micro-batch's mean token loss (plus ``coef * aux``: ``forward_backward``)."""
         if self._pending_backward is None:
             raise UserError("call forward(inputs=...) before backward()")
         return self._backward(counts=True)
