@@ -104,7 +104,10 @@ class Adapters:
 
 
 class PeftAdapters(Adapters):
-    """Each adapter a PEFT adapter of its own name; the last one added is the one PEFT runs."""
+    """Each adapter a PEFT adapter of its own name. ``activate`` makes the named one the one PEFT
+    runs and trains (PEFT's ``set_adapter`` also leaves only its weights requiring gradients), so
+    each operation, optimizer and count reads its own adapter: PEFT otherwise runs the last one
+    added, whatever ``adapter_name`` a call gives."""
 
     def add(self, model: Any, name: str, config: Any) -> Any:
         if self.runtime.is_distributed and self.groups:
@@ -122,7 +125,8 @@ class PeftAdapters(Adapters):
         )
 
     def activate(self, name: str) -> None:
-        pass
+        if list(getattr(self.model, "active_adapters", ())) != [name]:
+            self.model.set_adapter(name)
 
     def peft_name(self, name: str) -> str:
         return name
@@ -131,9 +135,11 @@ class PeftAdapters(Adapters):
         return self.model.peft_config[name]
 
     def optimizer(self, name: str, build: Build) -> ReplicatedOptimizer:
+        self.activate(name)  # its weights alone require gradients
         return ReplicatedOptimizer(trainable_parameters(self.model), build)
 
     def trainable_count(self, name: str) -> int:
+        self.activate(name)
         return sum(p.numel() for p in trainable_parameters(self.model))
 
     def state_dict(self, name: str) -> dict[str, torch.Tensor]:
