@@ -16,7 +16,12 @@ def _batch() -> dict[str, torch.Tensor]:
     labels = ids.clone()
     labels[mask == 0] = -100
     labels[:, :3] = -100
-    return {"input_ids": ids, "attention_mask": mask, "labels": labels, "position_ids": (mask.cumsum(1) - 1).clamp(min=0)}
+    return {
+        "input_ids": ids,
+        "attention_mask": mask,
+        "labels": labels,
+        "position_ids": (mask.cumsum(1) - 1).clamp(min=0),
+    }
 
 
 def _model(folder, names: tuple[str, ...]) -> TransformersModel:
@@ -41,7 +46,7 @@ def _train(model, name: str, steps: int = 2) -> None:
 
 
 def test_each_call_runs_the_adapter_it_names(tiny_model_dir):
-    """"first" starts as the identity (LoRA B zero): its pass is the base model's exactly, though
+    """ "first" starts as the identity (LoRA B zero): its pass is the base model's exactly, though
     "second", added after it, would move every log-prob."""
     model = _model(tiny_model_dir, ("first", "second"))
     base = _logps(model, adapter_name="first", disable_lora=True)
