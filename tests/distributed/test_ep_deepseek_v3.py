@@ -67,5 +67,5 @@ def test_deepseek_v3_expert_count_is_read_from_its_folder(tiny_model_dir, tmp_pa
     config = transformers.DeepseekV3Config(n_routed_experts=7, n_group=1, topk_group=1).to_dict()
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(UserError) as info:
-        check_folder(str(folder), None, 2, False, 1)
+        check_folder(str(folder), None, 2)
     assert "ep_size=2 does not divide the model's 7 experts" in _one_line(info)

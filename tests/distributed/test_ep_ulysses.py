@@ -12,11 +12,9 @@ logps agree within ``run_loss_rtol``, the saved adapters within ``adamw_weight_a
 rank holds exactly its own 4 of the 8 experts.
 
 The checkpoint asks for the router's auxiliary loss (``output_router_logits``,
-``router_aux_loss_coef``): transformers computes it over the tokens the model is given, but
-twinkle's training loss is the mean token cross entropy and does not add it (in one process as
-on any mesh), so the equality holds with it asked for; were it added, each rank's share of the
-positions would give another load-balancing product than the whole row, and the runs would
-differ."""
+``router_aux_loss_coef`` 0.5), which the step adds (``twinkle.model.router_aux``): each rank's
+routers see its own positions and the Ulysses group totals the loss's per-expert sums, so the
+runs stay equal with it."""
 
 import json
 import sys

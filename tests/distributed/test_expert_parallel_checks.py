@@ -86,15 +86,14 @@ def test_a_folder_is_checked_before_its_weights_load(tmp_path):
     config["num_local_experts"] = 7
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(UserError) as info:
-        check_folder(str(tmp_path), None, 2, False, 1)
+        check_folder(str(tmp_path), None, 2)
     assert "ep_size=2 does not divide the model's 7 experts" in _one_line(info)
-    check_folder(str(tmp_path), None, 1, False, 1)  # ep_size 1: nothing to check
-    check_folder("some/hub-id", None, 2, False, 1)  # checked once loaded
+    check_folder(str(tmp_path), None, 1)  # ep_size 1: nothing to check
+    check_folder("some/hub-id", None, 2)  # checked once loaded
 
 
 def test_ulysses_and_replay_beside_it_run():
-    check_folder("some/hub-id", _qwen3_moe(), 2, False, 2)  # Ulysses beside it: no error
-    check_folder("some/hub-id", _qwen3_moe(), 2, True, 1)  # routing replay beside it: no error
+    check_folder("some/hub-id", _qwen3_moe(), 2)  # its check reads neither: no error
     refuse_unimplemented(
         DeviceMesh.from_sizes(world_size=2, ulysses_size=2, ep_size=2),
         "TransformersModel",

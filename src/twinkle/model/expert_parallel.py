@@ -145,10 +145,10 @@ def check_model(config: Any, size: int) -> None:
         )
 
 
-def check_folder(model_id: Any, config: Any, size: int, replay: bool, ulysses_size: int) -> None:
+def check_folder(model_id: Any, config: Any, size: int) -> None:
     """``check_model`` before any weight loads, on ``config`` or a local folder's
-    ``config.json``. Routing replay (``replay``) and Ulysses (``ulysses_size``) combine as they
-    are, so nothing here depends on them: replay rewrites each router's top-k choice on the rank's
+    ``config.json``. Routing replay and Ulysses combine as they are, so nothing here depends on
+    them: replay rewrites each router's top-k choice on the rank's
     own tokens, and the exchange then sends each token to the rank holding the replayed (global)
     expert id; under Ulysses a rank's own tokens are its share of the positions, and the router,
     the experts and their exchange act on each token alone. What either refuses on its own (a

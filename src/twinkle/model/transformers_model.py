@@ -125,7 +125,7 @@ class TransformersModel(InputsAPI, MetricsAPI, OptimizerStepAPI, Checkpoints):
         # heads, families, routing replay: before loading
         check_ulysses_folder(model_id, config, mesh.ulysses_size)
         ep_size = mesh.ep_size if expert_parallel else 1
-        check_ep_folder(model_id, config, ep_size, enable_router_replay, mesh.ulysses_size)
+        check_ep_folder(model_id, config, ep_size)
         defaults = runtime.defaults
         if strategy is None and not ddp_config:
             strategy = defaults.strategy
