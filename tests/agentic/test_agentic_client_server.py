@@ -17,6 +17,15 @@ pytest.importorskip("tinker")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "server"))
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _sdk_clients_closed():
+    """The SDK clients made here are closed after the module: no session heartbeat outlives its
+    server (``sdk_sessions``)."""
+    from sdk_sessions import closing_module_clients
+
+    yield from closing_module_clients()
+
+
 @pytest.fixture
 def keyless(tiny_model_dir, tmp_path):
     from serving import Running, free_port

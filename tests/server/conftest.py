@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from sdk_sessions import closing_module_clients
 from serving import start
 
 
@@ -18,3 +19,10 @@ def _no_sdk_telemetry(monkeypatch):
     """The SDK reports its own events to the server it talks to; a test's server is gone by the
     time the SDK flushes them at exit."""
     monkeypatch.setenv("TINKER_TELEMETRY", "0")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _sdk_clients_closed():
+    """Every SDK client the module made is closed after its last test: no session heartbeat
+    outlives its server (``sdk_sessions``)."""
+    yield from closing_module_clients()
