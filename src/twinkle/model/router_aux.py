@@ -162,20 +162,20 @@ class RouterAux:
 
     def step_term(self, num_tokens: int, has_rows: bool) -> tuple[torch.Tensor, float] | None:
         """``(aux, factor)``: the step backpropagates ``loss_sum + factor * aux``. A collective (the
-                micro-batch's loss count and the ranks with rows, over all ranks): every rank calls it.
-                ``has_rows``: False for a rank's empty share of a short last batch (it runs one pad token,
+        micro-batch's loss count and the ranks with rows, over all ranks): every rank calls it.
+        ``has_rows``: False for a rank's empty share of a short last batch (it runs one pad token,
         whose aux is left out: None).
 
-                The step's gradients are token-loss sums, averaged over the ranks by FSDP and multiplied by
-                ``world_size / N`` when the window closes (``N``: the window's loss count over all ranks,
-                ``optimizer_step``). ``factor = coef * n / d``, with ``n`` this micro-batch's count over
-                all ranks and ``d`` the data ranks with rows (a Ulysses group is one: its ranks'
-                gradients add up to its aux's), makes the aux's gradient ``coef`` times the mean of those
-                ranks' aux whenever the window is one micro-batch, as transformers' loss is under DDP; a
-                rank without rows adds nothing. In a window of several, each micro-batch's mean weighs
-                ``n / N``, its share of the window's count: the factor is fixed at the backward, before
-                the later micro-batches' counts exist, and the gradients it lands in are the token
-                loss's; micro-batches of equal counts give the plain mean."""
+        The step's gradients are token-loss sums, averaged over the ranks by FSDP and multiplied by
+        ``world_size / N`` when the window closes (``N``: the window's loss count over all ranks,
+        ``optimizer_step``). ``factor = coef * n / d``, with ``n`` this micro-batch's count over
+        all ranks and ``d`` the data ranks with rows (a Ulysses group is one: its ranks'
+        gradients add up to its aux's), makes the aux's gradient ``coef`` times the mean of those
+        ranks' aux whenever the window is one micro-batch, as transformers' loss is under DDP; a
+        rank without rows adds nothing. In a window of several, each micro-batch's mean weighs
+        ``n / N``, its share of the window's count: the factor is fixed at the backward, before
+        the later micro-batches' counts exist, and the gradients it lands in are the token
+        loss's; micro-batches of equal counts give the plain mean."""
         aux = self.loss()
         total, ranks = all_reduce_sum([float(num_tokens), float(has_rows)])
         if aux is None or not has_rows:

@@ -63,6 +63,14 @@ class ModelCore:
         self.model = MultiLoraTransformersModel(
             model_id, max_loras=max_loras, max_r=max_r, model_cls=model_cls_of(model_id)
         )
+        if getattr(self.model, "router_aux", None) is not None:
+            # the aux's weight is fixed at each backward, and a window's reduction (sum or mean)
+            # is known only at its optim_step, after every backward has run
+            raise UserError(
+                f"{model_id}: its config asks for the router's auxiliary loss (output_router_logits=True), "
+                "which the service cannot weigh: a window's losses are summed or averaged only at optim_step; "
+                "set output_router_logits to false in the checkpoint's config.json"
+            )
         self.vocab = int(self.model.model.get_input_embeddings().weight.shape[0])
         pad = self.model.tokenizer.pad_token_id
         self.pad_id = int(pad if pad is not None else 0)
