@@ -138,6 +138,15 @@ BYTES_CASES = {
         [{"a": [1]}, {"a": [b"x"]}, {"a": [2]}],
         r"row 1: 'a\[0\]' is bytes where most rows hold a number",
     ),
+    # Arrow would store the text as bytes without a word (a picture's path as the path's bytes)
+    "text-where-bytes": (
+        [{"a": b"x"}, {"a": "pic.png"}, {"a": b"y"}],
+        r"row 1: 'a' is text where most rows hold bytes",
+    ),
+    "bytes-where-text": (
+        [{"image": {"path": "a.png"}}, {"image": {"path": b"\x89PNG"}}, {"image": {"path": "b.png"}}],
+        r"row 1: 'image.path' is bytes where most rows hold text",
+    ),
 }
 
 

@@ -87,7 +87,7 @@ def rows_with_conflicts(
     ``skip_bad_rows``, every such row is left out. Returns the dataset, the indices kept and
     what was left out."""
     try:
-        return rows_to_dataset(rows), list(range(len(rows))), []
+        dataset = rows_to_dataset(rows)
     except Exception as exc:
         conflicts = type_conflicts(rows)
         if not conflicts:
@@ -98,6 +98,15 @@ def rows_with_conflicts(
         if not skip_bad_rows:
             index, _, text = conflicts[0]
             raise UserError(f"{where(index)}: {text}; fix the row, {SKIP_HINT}") from exc
+    else:
+        # Arrow stores text beside bytes as bytes without a word (a picture's path would become
+        # the path's bytes); a bytes column is checked as a refused mix is
+        conflicts = type_conflicts(rows) if "binary" in repr(dataset.features) else []
+        if not conflicts:
+            return dataset, list(range(len(rows))), []
+        if not skip_bad_rows:
+            index, _, text = conflicts[0]
+            raise UserError(f"{where(index)}: {text}; fix the row, {SKIP_HINT}")
     bad = {index for index, _, _ in conflicts}
     kept = [i for i in range(len(rows)) if i not in bad]
     skipped = [f"{where(index)}: {text}" for index, _, text in conflicts]
