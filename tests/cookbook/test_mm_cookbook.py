@@ -46,13 +46,13 @@ def test_the_cookbook_trains_and_reports_held_out_accuracy(tiny_vl, tmp_path):
     assert not any(".visual." in k and "lora" in k for k in saved)  # LoRA on the language model only
 
 
-@pytest.mark.slow  # converts the bundled model once: about 30 s
-def test_the_made_checkpoint_speaks_as_smollm2_on_text(tmp_path, monkeypatch):
+@pytest.mark.slow  # converts the bundled model unless an earlier test did: about 30 s
+def test_the_made_checkpoint_speaks_as_smollm2_on_text():
     from transformers import AutoTokenizer, LlamaForCausalLM, Qwen2_5_VLForConditionalGeneration
 
     from twinkle.hub import resolve_model
 
-    monkeypatch.setenv("TWINKLE_CACHE", str(tmp_path / "cache"))
+    # the tests' shared cache (conftest): the bundled model is converted once for the whole run
     sys.path.insert(0, str(SCRIPT.parent))
     from vl_checkpoint import LAYERS, vl_checkpoint
 
