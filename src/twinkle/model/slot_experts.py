@@ -10,15 +10,26 @@ experts then, after which an expert LoRA made over all the experts can no longer
 ``MultiLoraTransformersModel`` therefore waits to place a model that has fused experts until its
 first per-adapter call (or ``_lazy_wrap_model()``, upstream's name), so adapters added before
 it may bring expert LoRA. Under expert parallelism each slot's wrapper then adds only the update
-of the experts its rank holds, as a single adapter's does (``twinkle.model.expert_parallel``)."""
+of the experts its rank holds, as a single adapter's does (``twinkle.model.expert_parallel``).
 
+A ``ParamWrapper`` runs its active adapters on every token of a forward (PEFT refuses its
+mixed-batch ``adapter_names=``). ``rows_by_adapter`` lets one forward give rows of different
+adapters their own expert update: the experts module runs once per adapter, on that adapter's
+rows, with the slot's wrappers on, exactly as a forward of those rows alone would run it."""
+
+import contextlib
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
+from twinkle.model.adapters import set_active
 from twinkle.model.lora import DEPRECATED_ALIAS
+from twinkle.model.slots import is_param_wrapper
 from twinkle.utils.errors import UserError
+
+Runs = list[tuple[int, int, str | None]]  # (first row, end row, slot: None for none)
 
 
 def has_fused_experts(lm: torch.nn.Module) -> bool:
@@ -60,3 +71,89 @@ def attach(lm: Any, slots: list[str], params: list[str], max_r: int, placed: boo
     for name, param in lm.named_parameters():
         if ".lora_" in name:
             param.requires_grad_(True)
+
+
+def wrapper_chains(layers: dict[str, Any]) -> list[list[tuple[str, Any]]]:
+    """The ``ParamWrapper`` layers of ``layers`` (key -> layer) by experts module: per module the
+    chain (key, wrapper) from the outermost one (the module in the model's tree) inwards, as PEFT
+    nests one wrapper per targeted parameter."""
+    keys = {id(m): k for k, m in layers.items() if is_param_wrapper(m)}
+    inner = {id(m.base_layer) for m in layers.values() if id(m) in keys}
+    chains = []
+    for layer in layers.values():
+        if id(layer) not in keys or id(layer) in inner:
+            continue
+        chain = []
+        while id(layer) in keys:
+            chain.append((keys[id(layer)], layer))
+            layer = layer.base_layer
+        chains.append(chain)
+    return chains
+
+
+@contextlib.contextmanager
+def rows_by_adapter(layers: dict[str, Any], runs: Runs, targets: dict[str, set[str]]) -> Iterator[None]:
+    """Rows ``start:end`` of each experts module's input run through ``slot``'s wrappers, per
+    run; ``targets`` maps a slot to the layer keys it runs on (its wrappers elsewhere stay off, as
+    its lone forward leaves them); the last run ends at the batch's last row. Rows of one slot go
+    through the module together, once, and rows between runs through it without adapters. The outermost wrapper of each module gets
+    a forward (an instance attribute, removed afterwards) that does this; every wrapper's active
+    adapters are emptied after each call. The experts' input holds each row's tokens one row
+    after another (transformers' MoE blocks flatten ``(rows, tokens, hidden)``)."""
+    chains = wrapper_chains(layers)
+    for chain in chains:
+        chain[0][1].forward = _grouped_forward(chain, runs, targets)
+    try:
+        yield
+    finally:
+        for chain in chains:
+            del chain[0][1].forward
+
+
+def _grouped_forward(chain: list[tuple[str, Any]], runs: Runs, targets: dict[str, set[str]]) -> Any:
+    top = chain[0][1]
+    forward = type(top).forward
+
+    def grouped(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        rows = max(end for _, end, _ in runs)
+        if x.shape[0] % rows:
+            raise UserError(
+                f"per-row adapters on expert LoRA: the experts of {chain[0][0]} got {x.shape[0]} tokens for "
+                f"{rows} rows; sample each adapter's rows in their own call"
+            )
+        per = x.shape[0] // rows
+        groups: dict[str | None, list[int]] = {}
+        covered = torch.zeros(x.shape[0], dtype=torch.bool)
+        for start, end, slot in runs:
+            groups.setdefault(slot, []).extend(range(start * per, end * per))
+            covered[start * per : end * per] = True
+        if not bool(covered.all()):
+            groups.setdefault(None, []).extend(covered.logical_not().nonzero().flatten().tolist())
+        out = None
+        for slot, tokens in groups.items():
+            index = torch.tensor(tokens, device=x.device)
+            for key, wrapper in chain:
+                set_active(wrapper, [slot] if slot is not None and key in targets[slot] else [])
+            try:
+                part = forward(top, x[index], *_rows_of(args, index, x), **_rows_of(kwargs, index, x))
+            finally:
+                for _, wrapper in chain:
+                    set_active(wrapper, [])
+            if out is None:
+                out = part.new_empty((x.shape[0], *part.shape[1:]))
+            out.index_copy_(0, index, part)
+        return out
+
+    return grouped
+
+
+def _rows_of(values: Any, index: torch.Tensor, x: torch.Tensor) -> Any:
+    """The tokens ``index`` of each tensor among ``values`` (a tuple or dict) laid out as ``x``
+    (the same first dimension); everything else as it is (a routing table, a flag)."""
+
+    def pick(v: Any) -> Any:
+        return v[index] if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == x.shape[0] else v
+
+    if isinstance(values, dict):
+        return {k: pick(v) for k, v in values.items()}
+    return tuple(pick(v) for v in values)

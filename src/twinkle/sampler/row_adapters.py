@@ -12,8 +12,12 @@ adapter and layer would cost more than their arithmetic), another summation orde
 sample's; elsewhere a run's product is the lone sample's own (the same module forwards on the
 same rows, added the same way). Either way a row's output differs from its lone run's by
 summation order at most. Each layer adds only the runs of adapters that target it: a slot is
-zero elsewhere and a lone sample runs no adapter there. The layers' active adapters are emptied meanwhile, so no fused node takes the call, and
-put back afterwards: training between decoding chunks finds them as it left them."""
+zero elsewhere and a lone sample runs no adapter there. LoRA on a mixture-of-experts model's fused
+experts (PEFT's ``ParamWrapper``, which adds one adapter's update to the expert weights for a
+whole forward) runs the experts once per adapter on that adapter's rows
+(``twinkle.model.slot_experts.rows_by_adapter``), as a lone sample of those rows runs them. The
+layers' active adapters are emptied meanwhile, so no fused node takes the call, and put back
+afterwards: training between decoding chunks finds them as it left them."""
 
 import contextlib
 from collections.abc import Iterator
@@ -24,6 +28,8 @@ import torch
 from twinkle.kernel.lora.segments import add_segments
 from twinkle.model.adapters import set_active
 from twinkle.model.forward import causal_lm_of
+from twinkle.model.slot_experts import rows_by_adapter
+from twinkle.model.slots import is_param_wrapper
 from twinkle.sampler import linears
 from twinkle.utils.modules import set_training
 
@@ -63,15 +69,19 @@ class SlotRowAdapters:
         targets = {name: set(table.targets[name]) for _, _, name in runs}
         saved = []
         for key, layer in table.layers.items():
-            mine = [(s, e, table.holder[n], table.ranks[n]) for s, e, n in runs if key in targets[n]]
             saved.append((layer, layer.active_adapters))
-            layer.forward = _rows_forward(layer, mine)  # an instance attribute, removed below
             set_active(layer, [])
+            if is_param_wrapper(layer):  # the experts: slot_experts.rows_by_adapter below
+                continue
+            mine = [(s, e, table.holder[n], table.ranks[n]) for s, e, n in runs if key in targets[n]]
+            layer.forward = _rows_forward(layer, mine)  # an instance attribute, removed below
+        slots = [(s, e, table.holder[n]) for s, e, n in runs]
         try:
-            yield
+            with rows_by_adapter(table.layers, slots, {table.holder[n]: t for n, t in targets.items()}):
+                yield
         finally:
             for layer, active in saved:
-                del layer.forward
+                layer.__dict__.pop("forward", None)
                 set_active(layer, active)
 
 
