@@ -3,22 +3,18 @@ the end on the tiny model with small flags and report their before/after numbers
 runs on the bundled model are recorded in docs/gkd.md)."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+import warm
 from harness import script_env
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def run(script: Path, tiny_model_dir: Path, tmp_path: Path, *flags: str) -> dict:
-    command = [sys.executable, str(script), "--model-id", str(tiny_model_dir), "--output-dir", str(tmp_path / "out"),
-               *flags]  # fmt: skip
-    done = subprocess.run(
-        command, cwd=tmp_path, env=script_env(tmp_path), capture_output=True, text=True, timeout=300
-    )
+    argv = [str(script), "--model-id", str(tiny_model_dir), "--output-dir", str(tmp_path / "out"), *flags]
+    done = warm.run(argv, cwd=tmp_path, env=script_env(tmp_path), timeout=300)  # its own process
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 

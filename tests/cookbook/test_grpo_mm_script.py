@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import warm
 from harness import script_env
 from safetensors.torch import load_file
 
@@ -43,10 +44,8 @@ def tiny_vl(tmp_path_factory):
 @pytest.mark.slow  # a subprocess that samples and trains: over 10 s
 def test_two_steps_on_image_prompts_write_rewards_and_save_the_adapter(tiny_vl, tmp_path):
     out = tmp_path / "out"
-    command = [sys.executable, str(SCRIPT), "--model-id", str(tiny_vl), "--output-dir", str(out), *FLAGS]
-    done = subprocess.run(
-        command, cwd=tmp_path, env=script_env(tmp_path), capture_output=True, text=True, timeout=300
-    )
+    command = [str(SCRIPT), "--model-id", str(tiny_vl), "--output-dir", str(out), *FLAGS]
+    done = warm.run(command, cwd=tmp_path, env=script_env(tmp_path), timeout=300)  # its own process
     assert done.returncode == 0, done.stderr[-4000:]
     assert "held-out greedy accuracy before training:" in done.stderr
     assert "held-out greedy accuracy: " in done.stderr and "after (chance 0.045)" in done.stderr
@@ -63,9 +62,7 @@ def test_two_steps_on_image_prompts_write_rewards_and_save_the_adapter(tiny_vl, 
     again = [*command[: -len(FLAGS)], *FLAGS[:-2], "--init-adapter", str(out / "last-checkpoint")]
     again[again.index("--output-dir") + 1] = str(tmp_path / "again")
     again[again.index("--max-steps") + 1] = "1"
-    done = subprocess.run(
-        again, cwd=tmp_path, env=script_env(tmp_path), capture_output=True, text=True, timeout=300
-    )
+    done = warm.run(again, cwd=tmp_path, env=script_env(tmp_path), timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]
     assert f"loaded adapter 'default' from {out / 'last-checkpoint'}" in done.stderr
 
@@ -98,11 +95,9 @@ def test_the_warm_up_gives_groups_whose_rewards_differ(tmp_path):
 def test_the_progress_counts_the_warm_up_and_ends_at_100_percent(tiny_vl, tmp_path):
     """The warm-up's steps share the step counter with GRPO's: the progress line's total holds
     both, so it ends at 100% (it read 200% and more when the total was GRPO's alone)."""
-    command = [sys.executable, str(SCRIPT), "--model-id", str(tiny_vl), "--output-dir", str(tmp_path / "out"),
+    command = [str(SCRIPT), "--model-id", str(tiny_vl), "--output-dir", str(tmp_path / "out"),
                *FLAGS[:-2], "--sft-steps", "3"]  # fmt: skip
-    done = subprocess.run(
-        command, cwd=tmp_path, env=script_env(tmp_path), capture_output=True, text=True, timeout=300
-    )
+    done = warm.run(command, cwd=tmp_path, env=script_env(tmp_path), timeout=300)  # its own process
     assert done.returncode == 0, done.stderr[-4000:]
     assert "supervised warm-up: 3 steps" in done.stderr
     shown = [

@@ -5,12 +5,12 @@ answer accuracy before and after training, and saves an adapter that holds the v
 when asked to train it (``--train-vision true``). The checkpoint it makes with no ``--model-id``
 (``cookbook/mm/vl_checkpoint.py``) runs text as SmolLM2's first layers do: the same logits."""
 
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+import warm
 from harness import script_env
 from safetensors.torch import load_file
 
@@ -31,11 +31,9 @@ def tiny_vl(tmp_path_factory):
 @pytest.mark.slow  # a subprocess that trains: over 10 s
 def test_the_cookbook_trains_and_reports_held_out_accuracy(tiny_vl, tmp_path):
     out = tmp_path / "out"
-    command = [sys.executable, str(SCRIPT), "--model-id", str(tiny_vl), "--output-dir", str(out), *FLAGS,
-               "--train-vision", "true"]  # fmt: skip
-    done = subprocess.run(
-        command, cwd=tmp_path, env=script_env(tmp_path), capture_output=True, text=True, timeout=300
-    )
+    argv = [str(SCRIPT), "--model-id", str(tiny_vl), "--output-dir", str(out), *FLAGS,
+            "--train-vision", "true"]  # fmt: skip
+    done = warm.run(argv, cwd=tmp_path, env=script_env(tmp_path), timeout=300)  # its own process
     assert done.returncode == 0, done.stderr[-4000:]
     assert "before training: held-out loss" in done.stderr
     assert "step 2: held-out loss" in done.stderr and "answer accuracy" in done.stderr

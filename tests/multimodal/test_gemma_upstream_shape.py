@@ -17,10 +17,9 @@ image processor's budget (with its defaults, 280 soft tokens of 3x3 pooled 16-pi
 ``LazyDataset``'s (the last test)."""
 
 import json
-import subprocess
-import sys
 
 import pytest
+import warm
 from harness import script_env
 from tiny_gemma_vl import build_tiny_gemma4
 from tiny_qwen3_vl import picture
@@ -113,14 +112,8 @@ def test_the_recipe_trains_and_evaluates(ocr, tmp_path):
     script.write_text(RECIPE)
     flags = ["--model-id", str(folder), "--dataset-id", str(rows), "--template-cls", "Gemma4Template",
              "--batch-size", "2", "--lr", "1e-3", "--train-samples", "6", "--eval-samples", "2"]  # fmt: skip
-    done = subprocess.run(
-        [sys.executable, str(script), *flags],
-        cwd=tmp_path,
-        env=script_env(tmp_path),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    # its own process, forked from one that has imported torch and transformers (warm.py)
+    done = warm.run([str(script), *flags], cwd=tmp_path, env=script_env(tmp_path), timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]
     out = done.stdout.splitlines()
     assert "class Gemma4ForConditionalGeneration" in out
