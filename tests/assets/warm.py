@@ -137,8 +137,8 @@ class _Warm:
         stuck.cancel()
         self.usable = ready == "ready" and not preload_err.read_text()
 
-    def run(self, argv: list[str], cwd: Path, env: dict[str, str], timeout: float, merge: bool):
-        out, err = self.folder / "stdout", self.folder / "stderr"
+    def run(self, argv, cwd, env, timeout: float, merge: bool, stderr_to=None, on_start=None):
+        out, err = self.folder / "stdout", Path(stderr_to or self.folder / "stderr")
         out.write_text("")  # a child that fails before opening them leaves no earlier run's output
         err.write_text("")
         request = {"argv": argv, "cwd": str(cwd), "env": env, "stdout": str(out)}
@@ -146,6 +146,8 @@ class _Warm:
         self.proc.stdin.write(json.dumps(request) + "\n")
         self.proc.stdin.flush()
         pid = self._reply()["pid"]
+        if on_start is not None:
+            on_start(pid)
         killed = threading.Event()
 
         def kill() -> None:
@@ -206,16 +208,43 @@ def run(
     timeout: float = 300,
     merge: bool = False,
     fresh: bool = False,
+    stderr_to: Path | None = None,
+    on_start=None,
 ) -> subprocess.CompletedProcess:
     """``subprocess.run([sys.executable, *argv], cwd=cwd, env=env, capture_output=True,
     text=True, timeout=timeout)``, from a warm process when one can give the same run and
     ``fresh`` does not ask for a new interpreter. ``merge``: stderr goes to stdout
-    (``stderr=subprocess.STDOUT``)."""
+    (``stderr=subprocess.STDOUT``). ``stderr_to``: stderr is written to that file as the run
+    goes (and returned as well); ``on_start(pid)`` is called with the run's process id once it
+    runs (a test may signal it)."""
     warm = None if fresh else _warm_for(env)
+    if warm is None and (stderr_to is not None or on_start is not None):
+        return _fresh_watched(argv, cwd, env, timeout, merge, stderr_to, on_start)
     if warm is None:
         err = subprocess.STDOUT if merge else subprocess.PIPE
         return subprocess.run(
             [sys.executable, *argv], cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=err, text=True,
             timeout=timeout,
         )  # fmt: skip
-    return warm.run(argv, cwd, env, timeout, merge)
+    return warm.run(argv, cwd, env, timeout, merge, stderr_to, on_start)
+
+
+def _fresh_watched(argv, cwd, env, timeout, merge, stderr_to, on_start) -> subprocess.CompletedProcess:
+    """``run`` in a fresh interpreter with ``stderr_to`` and ``on_start`` honoured."""
+    with tempfile.TemporaryDirectory() as folder:
+        err_path = Path(stderr_to or Path(folder) / "stderr")
+        with open(err_path, "w") as err:
+            proc = subprocess.Popen(
+                [sys.executable, *argv], cwd=cwd, env=env, stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT if merge else err, text=True,
+            )  # fmt: skip
+            if on_start is not None:
+                on_start(proc.pid)
+            try:
+                stdout, _ = proc.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                stdout, _ = proc.communicate()
+                raise
+        stderr = None if merge else err_path.read_text(errors="replace")
+    return subprocess.CompletedProcess([sys.executable, *argv], proc.returncode, stdout, stderr)

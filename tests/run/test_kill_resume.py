@@ -12,17 +12,18 @@ resume together."""
 
 import json
 import os
+import queue
 import random
 import re
 import shutil
 import signal
-import subprocess
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from harness import Beside, run_script, script_command, script_env
+import warm
+from harness import Beside, script_command, script_env
 from safetensors.torch import load_file
 
 from twinkle.checkpoint import is_complete, latest_checkpoint
@@ -53,24 +54,25 @@ def _steps_seen(log: Path) -> list[int]:
 
 
 def run_until(trigger, command, env, cwd: Path, log: Path, rng: random.Random, max_delay_s: float):
-    """Run ``command``; once ``trigger()`` is true wait a random moment, then SIGKILL it.
+    """Run ``command`` (the script in a process of its own, forked from the warm one, its stderr
+    to ``log``); once ``trigger()`` is true wait a random moment, then SIGKILL it.
     Returns (return code, log text); -9 means it was killed."""
-    with open(log, "w") as handle:
-        proc = subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=handle)
-        deadline = time.monotonic() + 300
-        try:
-            while proc.poll() is None and time.monotonic() < deadline:
-                if trigger is not None and trigger():
-                    time.sleep(rng.uniform(0, max_delay_s))
-                    proc.send_signal(signal.SIGKILL)
-                    break
-                time.sleep(0.002)
-            proc.wait(timeout=300)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    return proc.returncode, log.read_text(errors="replace")
+    started = queue.SimpleQueue()
+    job = Beside(warm.run, command[1:], cwd, env, 300, False, False, log, started.put)
+    try:
+        pid = started.get(timeout=300)
+        while job.is_alive():
+            if trigger is not None and trigger():
+                time.sleep(rng.uniform(0, max_delay_s))
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:  # it ended just now
+                    pass
+                break
+            time.sleep(0.002)
+    finally:
+        done = job.result()
+    return done.returncode, log.read_text(errors="replace")
 
 
 def resumed_step(checkpoint: Path | None) -> int:
@@ -101,8 +103,10 @@ def plant_torn_checkpoint(source: Path, out: Path) -> Path:
 
 @pytest.mark.slow
 def test_kill_and_resume_equals_an_uninterrupted_run(tmp_path, tiny_model_dir):
-    # the uninterrupted run goes on beside the interrupted ones; their losses are compared after
-    reference = Beside(run_script, tmp_path, tiny_model_dir, tmp_path / "reference", *FLAGS)
+    # the uninterrupted run goes on beside the interrupted ones (a fresh interpreter: the warm
+    # process runs one script at a time, and runs theirs); their losses are compared after
+    argv = script_command(tiny_model_dir, tmp_path / "reference", *FLAGS)[1:]
+    reference = Beside(warm.run, argv, tmp_path, script_env(tmp_path), 300, False, True)
     logged = []  # (plan, step, loss) of every attempt
 
     try:
@@ -132,7 +136,7 @@ def test_kill_and_resume_equals_an_uninterrupted_run(tmp_path, tiny_model_dir):
                     break
             if planted is None and latest_checkpoint(out) is not None:
                 planted = plant_torn_checkpoint(latest_checkpoint(out), out)
-    finally:  # a warm process runs one script at a time: never leave it busy
+    finally:
         reference.join(600)
 
     reference = reference.result()
