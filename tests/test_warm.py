@@ -97,3 +97,42 @@ def test_a_run_that_cannot_start_fails_with_its_reason_and_the_next_one_runs(tmp
         f"FileNotFoundError: [Errno 2] No such file or directory: '{tmp_path / 'missing'}'" in failed.stderr
     )
     assert warm.run([str(script)], cwd=tmp_path, env=env, timeout=60).stdout == "hello\n"
+
+
+@pytest.mark.parametrize("fresh", [False, True])
+def test_stderr_to_a_file_as_it_goes_and_the_pid_to_signal(tmp_path, fresh):
+    """``stderr_to`` holds what the run wrote so far while it runs; ``on_start`` gets the process
+    that runs the script: SIGKILL to it ends the run with -9, as ``subprocess`` reports."""
+    import signal
+    import threading
+    import time
+
+    script = tmp_path / "waits.py"
+    script.write_text(
+        "import os, sys, time\nprint(os.getpid(), file=sys.stderr, flush=True)\ntime.sleep(60)\n"
+    )
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    log, pids, result = tmp_path / "stderr.log", [], {}
+
+    def run():
+        result["done"] = warm.run(
+            [str(script)],
+            cwd=tmp_path,
+            env=env,
+            timeout=120,
+            fresh=fresh,
+            stderr_to=log,
+            on_start=pids.append,
+        )
+
+    runner = threading.Thread(target=run)
+    runner.start()
+    deadline = time.monotonic() + 60
+    while not (log.exists() and log.read_text().strip()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert pids and log.read_text() == f"{pids[0]}\n"  # written while the script still runs
+    os.kill(pids[0], signal.SIGKILL)
+    runner.join(timeout=60)
+    assert not runner.is_alive()
+    done = result["done"]
+    assert done.returncode == -signal.SIGKILL and done.stderr == f"{pids[0]}\n"
