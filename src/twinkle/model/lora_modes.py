@@ -27,6 +27,8 @@ from twinkle.model.adapters import set_active
 from twinkle.model.forward import loss_and_view
 from twinkle.model.outputs import label_logps
 from twinkle.model.packing import pack, row_groups, scored_lengths, shifted_targets
+from twinkle.model.slot_experts import Runs, rows_by_adapter
+from twinkle.model.slots import is_param_wrapper
 from twinkle.utils.modules import modules
 
 BASE_ROW = "__base__"  # PEFT's name for a row without adapter in a mixed batch
@@ -61,24 +63,50 @@ def adapters_off(model: Any) -> Iterator[None]:
 @contextlib.contextmanager
 def adapter_per_row(model: Any, names: Sequence[str]) -> Iterator[None]:
     """Row i of every LoRA layer's input runs through PEFT adapter ``names[i]`` (``BASE_ROW``:
-    none). The layers' active adapters are emptied meanwhile, so no fused node takes the call."""
+    none). The layers' active adapters are emptied meanwhile, so no fused node takes the call.
+    LoRA on a parameter (PEFT's ``ParamWrapper``: an MoE model's fused experts), which adds one
+    adapter's update for a whole forward, runs its module once per adapter on that adapter's rows
+    instead (``slot_experts.rows_by_adapter``), each adapter on the wrappers that hold it."""
     layers = lora_layers(model)
     saved = [layer.active_adapters for layer in layers]
     names = list(names)
+    wrapped = any(is_param_wrapper(layer) for layer in layers)
+    experts = {k: m for k, m in model.named_modules() if is_param_wrapper(m)} if wrapped else {}
 
     def inject(module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         return args, {**kwargs, "adapter_names": names}
 
-    hooks = [layer.register_forward_pre_hook(inject, with_kwargs=True) for layer in layers]
+    hooks = [
+        layer.register_forward_pre_hook(inject, with_kwargs=True)
+        for layer in layers
+        if not is_param_wrapper(layer)
+    ]
     for layer in layers:
         set_active(layer, [])
+    runs = _row_runs(names)
+    targets = {
+        slot: {k for k, m in experts.items() if slot in m.lora_A} for _, _, slot in runs if slot is not None
+    }
     try:
-        yield
+        with rows_by_adapter(experts, runs, targets) if experts else contextlib.nullcontext():
+            yield
     finally:
         for hook in hooks:
             hook.remove()
         for layer, active in zip(layers, saved, strict=True):
             set_active(layer, active)
+
+
+def _row_runs(names: list[str]) -> Runs:
+    """``(first row, end row, adapter)`` of each run of equal ``names`` (None for ``BASE_ROW``)."""
+    runs: Runs = []
+    for row, name in enumerate(names):
+        slot = None if name == BASE_ROW else name
+        if runs and runs[-1][2] == slot:
+            runs[-1] = (runs[-1][0], row + 1, slot)
+        else:
+            runs.append((row, row + 1, slot))
+    return runs
 
 
 def token_runs(batch: dict[str, torch.Tensor], names: Sequence[str]) -> list[tuple[int, int, str]] | None:

@@ -97,17 +97,6 @@ class MultiLoraTransformersModel(TransformersModel):
         self._lazy_wrap_model()  # every per-adapter call runs on the placed model
         return super()._group(adapter_name)
 
-    def forward_only(self, inputs: Any, *args: Any, adapter_names: Any = None, **kwargs: Any) -> Any:
-        """``TransformersModel.forward_only``; a mixed batch (``adapter_names``) is one line on a
-        model with expert slots: PEFT's LoRA on a parameter runs one adapter per forward."""
-        experts = [k for k, m in self.slots.layers.items() if is_param_wrapper(m)]
-        if adapter_names is not None and experts:
-            raise UserError(
-                f"forward_only(adapter_names=[...]): the slots hold LoRA on expert parameters ({experts[0]}, ...), "
-                "which runs one adapter per forward; evaluate each adapter in its own call (adapter_name=...)"
-            )
-        return super().forward_only(inputs, *args, adapter_names=adapter_names, **kwargs)
-
     def forward_backward(
         self, inputs: Any, *args: Any, gradient_accumulation_steps: int | None = None, **kwargs: Any
     ) -> Any:

@@ -14,8 +14,10 @@ of the experts its rank holds, as a single adapter's does (``twinkle.model.exper
 
 A ``ParamWrapper`` runs its active adapters on every token of a forward (PEFT refuses its
 mixed-batch ``adapter_names=``). ``rows_by_adapter`` lets one forward give rows of different
-adapters their own expert update: the experts module runs once per adapter, on that adapter's
-rows, with the slot's wrappers on, exactly as a forward of those rows alone would run it."""
+adapters their own expert update: the experts module (or a router whose weight carries LoRA)
+runs once per adapter, on that adapter's rows, with the slot's wrappers on, exactly as a forward
+of those rows alone would run it. The shared decoding batch (``twinkle.sampler.row_adapters``)
+and the mixed evaluation batch (``twinkle.model.lora_modes.adapter_per_row``) use it."""
 
 import contextlib
 import warnings
@@ -119,7 +121,7 @@ def _grouped_forward(chain: list[tuple[str, Any]], runs: Runs, targets: dict[str
         if x.shape[0] % rows:
             raise UserError(
                 f"per-row adapters on expert LoRA: the experts of {chain[0][0]} got {x.shape[0]} tokens for "
-                f"{rows} rows; sample each adapter's rows in their own call"
+                f"{rows} rows; run each adapter's rows in their own call"
             )
         per = x.shape[0] // rows
         groups: dict[str | None, list[int]] = {}
@@ -129,7 +131,7 @@ def _grouped_forward(chain: list[tuple[str, Any]], runs: Runs, targets: dict[str
             covered[start * per : end * per] = True
         if not bool(covered.all()):
             groups.setdefault(None, []).extend(covered.logical_not().nonzero().flatten().tolist())
-        out = None
+        parts = []
         for slot, tokens in groups.items():
             index = torch.tensor(tokens, device=x.device)
             for key, wrapper in chain:
@@ -139,12 +141,22 @@ def _grouped_forward(chain: list[tuple[str, Any]], runs: Runs, targets: dict[str
             finally:
                 for _, wrapper in chain:
                     set_active(wrapper, [])
-            if out is None:
-                out = part.new_empty((x.shape[0], *part.shape[1:]))
-            out.index_copy_(0, index, part)
-        return out
+            parts.append((index, part))
+        return _joined(parts, x.shape[0])
 
     return grouped
+
+
+def _joined(parts: list[tuple[torch.Tensor, Any]], tokens: int) -> Any:
+    """The module's output for all ``tokens``, from each group's ``(its tokens, its output)``: a
+    tensor over the tokens, or a tuple of them (a router's logits, weights and choices)."""
+    first = parts[0][1]
+    if isinstance(first, tuple):
+        return tuple(_joined([(i, p[k]) for i, p in parts], tokens) for k in range(len(first)))
+    out = first.new_empty((tokens, *first.shape[1:]))
+    for index, part in parts:
+        out.index_copy_(0, index, part)
+    return out
 
 
 def _rows_of(values: Any, index: torch.Tensor, x: torch.Tensor) -> Any:

@@ -1,0 +1,113 @@
+"""A mixed evaluation batch (``forward_only(adapter_names=[...])``) on a model whose adapter slots
+hold LoRA on a mixture-of-experts model's fused experts (PEFT's ``ParamWrapper``, which adds one
+adapter's update for a whole forward).
+
+Each row gets the log-probabilities of its own adapter's pass (``forward_only(adapter_name=...)``
+over the same batch) and a row without adapter those of the base (``disable_lora=True``): the
+experts run once per adapter on that adapter's rows (``slot_experts.rows_by_adapter``), the other
+LoRA layers through PEFT's mixed batch. The mixed pass runs the rows padded and the lone ones may
+pack them, so they agree up to the order of fp32 sums (``tolerances.chain_tolerances`` over the
+model's chain of sums, each layer's LoRA of rank 8 and top-2 experts besides). The adapters' LoRA
+B is not zero and each adapter's pass differs from the others' and the base's by far more than
+that tolerance, so a row run through the wrong adapter fails.
+
+On a tiny random Qwen3-MoE (8 experts, top 2): ``a`` reaches the attention's ``q_proj`` and both
+expert parameters, ``b`` the experts' ``gate_up_proj`` only; the slots' default config
+(``all-linear``: the experts and the router too) as well."""
+
+import json
+
+import pytest
+import torch
+import transformers
+from peft import LoraConfig
+from tolerances import chain_tolerances, llama_sums
+
+from twinkle.model import MultiLoraTransformersModel
+
+EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+ADAPTERS = {
+    "a": dict(r=4, lora_alpha=8, target_modules=["q_proj"], target_parameters=EXPERTS),
+    "b": dict(r=2, lora_alpha=2, target_modules=[], target_parameters=EXPERTS[:1]),
+}
+HIDDEN, MOE, LAYERS, VOCAB, TOP_K = 32, 16, 2, 600, 2
+NAMES = ["a", "b", None, "a"]
+ROWS = [
+    {"messages": [{"role": "user", "content": "Who are you?"}, {"role": "assistant", "content": "Twinkle, a model."}]},
+    {"messages": [{"role": "user", "content": "Paris?"}, {"role": "assistant", "content": "France, my friend"}]},
+    {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello there, how are you?"}]},
+    {"messages": [{"role": "user", "content": "Two plus two?"}, {"role": "assistant", "content": "Four."}]},
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tiny_model_dir, tmp_path_factory):
+    config = json.loads((tiny_model_dir / "config.json").read_text())
+    ids = {k: config.get(k) for k in ("vocab_size", "eos_token_id", "pad_token_id")}
+    config = transformers.Qwen3MoeConfig(
+        **ids, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=8, num_experts=8, num_experts_per_tok=TOP_K, moe_intermediate_size=MOE, intermediate_size=64,
+        norm_topk_prob=True, tie_word_embeddings=True,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    out = tmp_path_factory.mktemp("qwen3-moe")
+    transformers.Qwen3MoeForCausalLM(config).save_pretrained(out)
+    for path in tiny_model_dir.iterdir():
+        if "token" in path.name or path.suffix == ".jinja":
+            (out / path.name).write_bytes(path.read_bytes())
+    return out
+
+
+def with_random_adapters(model, specs: dict) -> MultiLoraTransformersModel:
+    """``specs`` added to ``model``, each slot's weights random (B not zero: each adapter moves
+    the outputs)."""
+    for i, (name, spec) in enumerate(specs.items()):
+        model.add_adapter_to_model(name, LoraConfig(**spec))
+        gen = torch.Generator().manual_seed(100 + i)
+        shapes = model.slots.export_names(name)
+        assert not model.slots.load(name, {k: torch.randn(s, generator=gen) * 0.2 for k, s in shapes})
+    return model
+
+
+def tolerances(reference: torch.Tensor, tokens: int) -> dict:
+    """The model's chain of sums over a row, each layer's LoRA (rank 8) and routed experts besides."""
+    return chain_tolerances(llama_sums(HIDDEN, MOE, LAYERS, tokens, VOCAB) + [8 + TOP_K] * LAYERS, reference)
+
+
+def each_row_as_its_own_pass(model, names) -> None:
+    mixed = model.forward_only(inputs=ROWS, adapter_names=names)["logps"]
+    alone = {n: model.forward_only(inputs=ROWS, adapter_name=n)["logps"] for n in set(names) - {None}}
+    alone[None] = model.forward_only(inputs=ROWS, adapter_name=names[0], disable_lora=True)["logps"]
+    assert mixed.shape == alone[None].shape and mixed.shape[0] == len(ROWS)
+    tol = tolerances(alone[None], mixed.shape[1])
+    for row, name in enumerate(names):
+        scored = alone[name][row] != 0
+        assert scored.sum() > 3, row  # the row has labels to compare
+        torch.testing.assert_close(mixed[row], alone[name][row], **tol, msg=f"row {row} ({name})")
+        for other in alone.keys() - {name}:  # another adapter's pass (or the base) is far off
+            gap = (alone[other][row] - alone[name][row]).abs().max()
+            assert gap > 10 * (tol["atol"] + tol["rtol"] * alone[name][row].abs().max()), (row, name, other)
+
+
+def no_row_state_left(model) -> None:
+    """The pass took back what it put on the slots' layers: instance forwards, hooks."""
+    for layer in model.slots.layers.values():
+        assert "forward" not in layer.__dict__ and not layer._forward_pre_hooks
+
+
+def test_rows_of_two_adapters_and_the_base_get_their_own_passes(moe_dir):
+    slots = LoraConfig(r=8, lora_alpha=8, target_modules=["q_proj"], target_parameters=EXPERTS)
+    model = MultiLoraTransformersModel(str(moe_dir), max_loras=3, max_r=8, lora_config=slots)
+    with_random_adapters(model, ADAPTERS)
+    each_row_as_its_own_pass(model, NAMES)
+    no_row_state_left(model)
+    each_row_as_its_own_pass(model, ["b", "b", "a", None])  # runs of equal adapters, the base last
+
+
+def test_the_default_slots_reach_the_router_too(moe_dir):
+    model = MultiLoraTransformersModel(str(moe_dir), max_loras=2, max_r=8)  # all-linear
+    assert any(k.endswith(".mlp.gate") or ".mlp.gate." in k for k in model.slots.layers)
+    specs = {"a": dict(r=4, lora_alpha=8, target_modules="all-linear"), "b": ADAPTERS["b"]}
+    with_random_adapters(model, specs)
+    each_row_as_its_own_pass(model, NAMES)
+    no_row_state_left(model)
