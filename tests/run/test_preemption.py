@@ -4,14 +4,16 @@ documented exit code, and ``--resume-from-checkpoint auto`` ends where an uninte
 In ``tests/run`` because it preempts the real script: signal handling, the save and the resume
 together."""
 
+import os
+import queue
 import re
 import signal
-import subprocess
 import time
 from pathlib import Path
 
 import pytest
 import torch
+import warm
 from harness import Beside, run_script, script_command, script_env
 from safetensors.torch import load_file
 
@@ -29,19 +31,27 @@ STEP = re.compile(r"Current is step (\d+) of")
 def test_sigterm_saves_at_the_next_step_and_auto_resumes_to_the_same_end(tiny_model_dir, tmp_path):
     env = script_env(tmp_path)
     whole = tmp_path / "whole"
-    # the uninterrupted run goes on beside the preempted one (a process forked from a warm one)
-    reference = Beside(run_script, tmp_path, tiny_model_dir, whole, *FLAGS)
+    # the uninterrupted run goes on beside the preempted one, in a fresh interpreter (the warm
+    # process runs one script at a time, and runs the preempted one)
+    argv = script_command(tiny_model_dir, whole, *FLAGS)[1:]
+    reference = Beside(warm.run, argv, tmp_path, env, 300, False, True)
 
     out, log = tmp_path / "preempted", tmp_path / "log.txt"
     try:
-        with open(log, "w") as handle:
-            proc = subprocess.Popen(script_command(tiny_model_dir, out, *FLAGS), env=env, stderr=handle)
-            deadline = time.monotonic() + 200
-            while not STEP.search(log.read_text()) and proc.poll() is None and time.monotonic() < deadline:
-                time.sleep(0.01)
-            proc.send_signal(signal.SIGTERM)
-            code = proc.wait(timeout=120)
-    finally:  # a warm process runs one script at a time: never leave it busy
+        # the preempted run: a process of its own forked from the warm one, its stderr to ``log``
+        started = queue.SimpleQueue()
+        argv = script_command(tiny_model_dir, out, *FLAGS)[1:]
+        preempted = Beside(warm.run, argv, tmp_path, env, 300, False, False, log, started.put)
+        pid = started.get(timeout=300)
+        deadline = time.monotonic() + 200
+        while not STEP.search(log.read_text()) and preempted.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:  # it ended before a step was logged: its exit code says how
+            pass
+        code = preempted.result(120).returncode
+    finally:
         reference.join(600)
     text = log.read_text()
     done = reference.result()
