@@ -11,6 +11,11 @@ model's chain of sums, each layer's LoRA of rank 8 and top-2 experts besides). T
 B is not zero and each adapter's pass differs from the others' and the base's by far more than
 that tolerance, so a row run through the wrong adapter fails.
 
+Under expert parallelism the experts exchange tokens across ranks in each call, so every rank
+runs them once for every slot and once without adapter (``rows_by_adapter(every_slot=True)``);
+in one process that schedule gives bitwise the grouped output, with the same calls whichever
+adapters the rows name.
+
 On a tiny random Qwen3-MoE (8 experts, top 2): ``a`` reaches the attention's ``q_proj`` and both
 expert parameters, ``b`` the experts' ``gate_up_proj`` only; the slots' default config
 (``all-linear``: the experts and the router too) as well."""
@@ -24,6 +29,8 @@ from peft import LoraConfig
 from tolerances import chain_tolerances, llama_sums
 
 from twinkle.model import MultiLoraTransformersModel
+from twinkle.model.forward import causal_lm_of
+from twinkle.model.slot_experts import rows_by_adapter
 
 EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 ADAPTERS = {
@@ -95,13 +102,50 @@ def no_row_state_left(model) -> None:
         assert "forward" not in layer.__dict__ and not layer._forward_pre_hooks
 
 
-def test_rows_of_two_adapters_and_the_base_get_their_own_passes(moe_dir):
+@pytest.fixture(scope="module")
+def multi(moe_dir):
+    """Slots on q_proj and both expert parameters (one slot left free), ``ADAPTERS`` in two."""
     slots = LoraConfig(r=8, lora_alpha=8, target_modules=["q_proj"], target_parameters=EXPERTS)
     model = MultiLoraTransformersModel(str(moe_dir), max_loras=3, max_r=8, lora_config=slots)
-    with_random_adapters(model, ADAPTERS)
-    each_row_as_its_own_pass(model, NAMES)
-    no_row_state_left(model)
-    each_row_as_its_own_pass(model, ["b", "b", "a", None])  # runs of equal adapters, the base last
+    return with_random_adapters(model, ADAPTERS)
+
+
+def test_rows_of_two_adapters_and_the_base_get_their_own_passes(multi):
+    each_row_as_its_own_pass(multi, NAMES)
+    no_row_state_left(multi)
+    each_row_as_its_own_pass(multi, ["b", "b", "a", None])  # runs of equal adapters, the base last
+
+
+@pytest.mark.parametrize("runs", [[(0, 2, "a"), (2, 3, None)], [(0, 3, "b")], [(0, 1, None), (1, 3, "a")]])
+def test_every_slot_makes_the_same_calls_whatever_the_rows(multi, runs):
+    """``every_slot`` (expert parallelism: each call of the experts exchanges tokens with the
+    other ranks) runs an experts module once for every slot and once without adapter, on no
+    tokens where the rows have none, whichever adapters the rows name; its output is bitwise the
+    grouped one's."""
+    table = multi.slots
+    top = causal_lm_of(multi.model).model.layers[0].mlp.experts  # the outermost wrapper
+    inner = top
+    while hasattr(inner, "base_layer"):
+        inner = inner.base_layer
+    calls = []
+    handle = inner.register_forward_hook(lambda module, args, out: calls.append(args[0].shape[0]))
+    gen = torch.Generator().manual_seed(1)
+    x, index = torch.randn(9, HIDDEN, generator=gen), torch.randint(0, 8, (9, TOP_K), generator=gen)
+    weights = torch.rand(9, TOP_K, generator=gen)
+    slots = [(s, e, None if n is None else table.holder[n]) for s, e, n in runs]
+    targets = {table.holder[n]: set(table.targets[n]) for n in ADAPTERS}
+    try:
+        with torch.no_grad():
+            with rows_by_adapter(table.layers, slots, targets):
+                grouped = top(x, index, weights)
+            assert len(calls) == len({n for _, _, n in runs})
+            calls.clear()
+            with rows_by_adapter(table.layers, slots, targets, every_slot=True):
+                every = top(x, index, weights)
+    finally:
+        handle.remove()
+    assert len(calls) == len(table.names) + 1 and sum(calls) == x.shape[0], calls
+    assert torch.equal(every, grouped)
 
 
 def test_the_default_slots_reach_the_router_too(moe_dir):

@@ -24,7 +24,8 @@ import torch
 from twinkle.kernel.cpu_gemm import linear
 from twinkle.kernel.lora.segments import add_segments
 from twinkle.model.adapters import set_active
-from twinkle.model.forward import loss_and_view
+from twinkle.model.expert_parallel import expert_parallel_of
+from twinkle.model.forward import causal_lm_of, loss_and_view
 from twinkle.model.outputs import label_logps
 from twinkle.model.packing import pack, row_groups, scored_lengths, shifted_targets
 from twinkle.model.slot_experts import Runs, rows_by_adapter
@@ -66,7 +67,8 @@ def adapter_per_row(model: Any, names: Sequence[str]) -> Iterator[None]:
     none). The layers' active adapters are emptied meanwhile, so no fused node takes the call.
     LoRA on a parameter (PEFT's ``ParamWrapper``: an MoE model's fused experts), which adds one
     adapter's update for a whole forward, runs its module once per adapter on that adapter's rows
-    instead (``slot_experts.rows_by_adapter``), each adapter on the wrappers that hold it."""
+    instead (``slot_experts.rows_by_adapter``), each adapter on the wrappers that hold it; under
+    expert parallelism every rank runs it for every adapter, on no rows where it has none."""
     layers = lora_layers(model)
     saved = [layer.active_adapters for layer in layers]
     names = list(names)
@@ -87,8 +89,10 @@ def adapter_per_row(model: Any, names: Sequence[str]) -> Iterator[None]:
     targets = {
         slot: {k for k, m in experts.items() if slot in m.lora_A} for _, _, slot in runs if slot is not None
     }
+    # under expert parallelism the experts exchange tokens: every rank makes the same calls
+    every_slot = expert_parallel_of(causal_lm_of(model)) is not None
     try:
-        with rows_by_adapter(experts, runs, targets) if experts else contextlib.nullcontext():
+        with rows_by_adapter(experts, runs, targets, every_slot) if experts else contextlib.nullcontext():
             yield
     finally:
         for hook in hooks:

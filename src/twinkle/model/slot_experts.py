@@ -94,17 +94,23 @@ def wrapper_chains(layers: dict[str, Any]) -> list[list[tuple[str, Any]]]:
 
 
 @contextlib.contextmanager
-def rows_by_adapter(layers: dict[str, Any], runs: Runs, targets: dict[str, set[str]]) -> Iterator[None]:
+def rows_by_adapter(
+    layers: dict[str, Any], runs: Runs, targets: dict[str, set[str]], every_slot: bool = False
+) -> Iterator[None]:
     """Rows ``start:end`` of each experts module's input run through ``slot``'s wrappers, per
     run; ``targets`` maps a slot to the layer keys it runs on (its wrappers elsewhere stay off, as
     its lone forward leaves them); the last run ends at the batch's last row. Rows of one slot go
-    through the module together, once, and rows between runs through it without adapters. The outermost wrapper of each module gets
-    a forward (an instance attribute, removed afterwards) that does this; every wrapper's active
-    adapters are emptied after each call. The experts' input holds each row's tokens one row
-    after another (transformers' MoE blocks flatten ``(rows, tokens, hidden)``)."""
+    through the module together, once, and rows between runs, or of a slot that reaches none of
+    the module's wrappers, through it without adapters. ``every_slot``: the module runs for every
+    slot its wrappers hold and for no adapter, in a fixed order, on no tokens where the batch has
+    none: the same calls on every rank, as experts that exchange tokens across ranks (expert
+    parallelism) need. The outermost wrapper of each module gets a forward (an instance
+    attribute, removed afterwards) that does this; every wrapper's active adapters are emptied
+    after each call. The experts' input holds each row's tokens one row after another
+    (transformers' MoE blocks flatten ``(rows, tokens, hidden)``)."""
     chains = wrapper_chains(layers)
     for chain in chains:
-        chain[0][1].forward = _grouped_forward(chain, runs, targets)
+        chain[0][1].forward = _grouped_forward(chain, runs, targets, every_slot)
     try:
         yield
     finally:
@@ -112,9 +118,15 @@ def rows_by_adapter(layers: dict[str, Any], runs: Runs, targets: dict[str, set[s
             del chain[0][1].forward
 
 
-def _grouped_forward(chain: list[tuple[str, Any]], runs: Runs, targets: dict[str, set[str]]) -> Any:
+def _grouped_forward(
+    chain: list[tuple[str, Any]], runs: Runs, targets: dict[str, set[str]], every_slot: bool
+) -> Any:
     top = chain[0][1]
     forward = type(top).forward
+    keys = {key for key, _ in chain}
+    # a slot none of whose targets is on this module runs it as no adapter does
+    runs = [(s, e, slot if slot is not None and keys & targets[slot] else None) for s, e, slot in runs]
+    order = [None, *sorted({slot for _, wrapper in chain for slot in wrapper.lora_A})] if every_slot else []
 
     def grouped(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         rows = max(end for _, end, _ in runs)
@@ -131,11 +143,14 @@ def _grouped_forward(chain: list[tuple[str, Any]], runs: Runs, targets: dict[str
             covered[start * per : end * per] = True
         if not bool(covered.all()):
             groups.setdefault(None, []).extend(covered.logical_not().nonzero().flatten().tolist())
+        if every_slot:
+            assert set(groups) <= set(order), (sorted(map(str, groups)), order)
+            groups = {slot: groups.get(slot, []) for slot in order}
         parts = []
         for slot, tokens in groups.items():
-            index = torch.tensor(tokens, device=x.device)
+            index = torch.tensor(tokens, dtype=torch.long, device=x.device)
             for key, wrapper in chain:
-                set_active(wrapper, [slot] if slot is not None and key in targets[slot] else [])
+                set_active(wrapper, [slot] if slot is not None and key in targets.get(slot, ()) else [])
             try:
                 part = forward(top, x[index], *_rows_of(args, index, x), **_rows_of(kwargs, index, x))
             finally:
