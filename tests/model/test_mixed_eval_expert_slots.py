@@ -14,18 +14,24 @@ that tolerance, so a row run through the wrong adapter fails.
 Under expert parallelism the experts exchange tokens across ranks in each call, so every rank
 runs them once for every slot and once without adapter (``rows_by_adapter(every_slot=True)``);
 in one process that schedule gives bitwise the grouped output, with the same calls whichever
-adapters the rows name.
+adapters the rows name, and on 2 gloo ranks (``-m cluster``; this file is the ranks' script)
+whose rows name different adapters each row still gets its own adapter's pass.
 
 On a tiny random Qwen3-MoE (8 experts, top 2): ``a`` reaches the attention's ``q_proj`` and both
 expert parameters, ``b`` the experts' ``gate_up_proj`` only; the slots' default config
 (``all-linear``: the experts and the router too) as well."""
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 import transformers
 from peft import LoraConfig
+from ports import free_port
 from tolerances import chain_tolerances, llama_sums
 
 from twinkle.model import MultiLoraTransformersModel
@@ -81,11 +87,16 @@ def tolerances(reference: torch.Tensor, tokens: int) -> dict:
     return chain_tolerances(llama_sums(HIDDEN, MOE, LAYERS, tokens, VOCAB) + [8 + TOP_K] * LAYERS, reference)
 
 
-def each_row_as_its_own_pass(model, names) -> None:
-    mixed = model.forward_only(inputs=ROWS, adapter_names=names)["logps"]
-    alone = {n: model.forward_only(inputs=ROWS, adapter_name=n)["logps"] for n in set(names) - {None}}
-    alone[None] = model.forward_only(inputs=ROWS, adapter_name=names[0], disable_lora=True)["logps"]
-    assert mixed.shape == alone[None].shape and mixed.shape[0] == len(ROWS)
+def passes(model, rows, names) -> tuple[torch.Tensor, dict]:
+    """The mixed pass's log-probabilities, and each adapter's own pass (None: the base's)."""
+    mixed = model.forward_only(inputs=rows, adapter_names=names)["logps"]
+    alone = {n: model.forward_only(inputs=rows, adapter_name=n)["logps"] for n in ADAPTERS}
+    alone[None] = model.forward_only(inputs=rows, adapter_name="a", disable_lora=True)["logps"]
+    return mixed, alone
+
+
+def each_row_as_its_own(mixed: torch.Tensor, alone: dict, names) -> None:
+    assert mixed.shape == alone[None].shape and mixed.shape[0] == len(names)
     tol = tolerances(alone[None], mixed.shape[1])
     for row, name in enumerate(names):
         scored = alone[name][row] != 0
@@ -94,6 +105,10 @@ def each_row_as_its_own_pass(model, names) -> None:
         for other in alone.keys() - {name}:  # another adapter's pass (or the base) is far off
             gap = (alone[other][row] - alone[name][row]).abs().max()
             assert gap > 10 * (tol["atol"] + tol["rtol"] * alone[name][row].abs().max()), (row, name, other)
+
+
+def each_row_as_its_own_pass(model, names) -> None:
+    each_row_as_its_own(*passes(model, ROWS, names), names)
 
 
 def no_row_state_left(model) -> None:
@@ -155,3 +170,48 @@ def test_the_default_slots_reach_the_router_too(moe_dir):
     with_random_adapters(model, specs)
     each_row_as_its_own_pass(model, NAMES)
     no_row_state_left(model)
+
+
+# ---------------------------------------------------------------- under expert parallelism
+EP_NAMES = {0: ["a", "b"], 1: [None, "a"]}  # per rank: the ranks' calls of the experts differ
+
+
+@pytest.mark.slow
+@pytest.mark.cluster
+def test_under_expert_parallelism_each_row_gets_its_own_adapter(moe_dir, tmp_path):
+    """2 gloo ranks, each holding 4 of the 8 experts and 2 of the rows, whose rows name different
+    adapters: a rank's experts run the other rank's tokens of each adapter with that adapter."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TWINKLE_")}
+    assets = str(Path(__file__).parents[1] / "assets")
+    env.update(OMP_NUM_THREADS="1", TWINKLE_CACHE=str(tmp_path / "cache"), PYTHONPATH=assets)
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2",
+        "--master_addr", "127.0.0.1", "--master_port", str(free_port()), __file__, str(moe_dir), str(tmp_path),
+    ]  # fmt: skip
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-6000:]
+    for rank, names in EP_NAMES.items():
+        each_row_as_its_own(*torch.load(tmp_path / f"rank{rank}.pt"), names)
+
+
+def ep_worker(model_dir: str, out: str) -> None:
+    """One rank of the run above: its share of ``ROWS`` and its names, both passes saved."""
+    import twinkle
+    from twinkle import DeviceMesh
+
+    runtime = twinkle.initialize(
+        mode="local", global_device_mesh=DeviceMesh.from_sizes(ep_size=2), timeout_s=60
+    )
+    slots = LoraConfig(r=8, lora_alpha=8, target_modules=["q_proj"], target_parameters=EXPERTS)
+    model = MultiLoraTransformersModel(
+        model_dir, max_loras=3, max_r=8, lora_config=slots, fsdp_config={"expert_parallel": {"enabled": True}}
+    )
+    with_random_adapters(model, ADAPTERS)
+    model._lazy_wrap_model()  # the experts split, the slots in
+    rank = runtime.rank
+    torch.save(passes(model, ROWS[2 * rank : 2 * rank + 2], EP_NAMES[rank]), Path(out, f"rank{rank}.pt"))
+    twinkle.runtime.shutdown()
+
+
+if __name__ == "__main__":
+    ep_worker(*sys.argv[1:3])

@@ -86,9 +86,10 @@ def adapter_per_row(model: Any, names: Sequence[str]) -> Iterator[None]:
     for layer in layers:
         set_active(layer, [])
     runs = _row_runs(names)
-    targets = {
-        slot: {k for k, m in experts.items() if slot in m.lora_A} for _, _, slot in runs if slot is not None
-    }
+    # every adapter the wrappers hold, not only this batch's: under expert parallelism a rank's
+    # experts run the other ranks' tokens of each adapter too
+    held = {slot for m in experts.values() for slot in m.lora_A}
+    targets = {slot: {k for k, m in experts.items() if slot in m.lora_A} for slot in held}
     # under expert parallelism the experts exchange tokens: every rank makes the same calls
     every_slot = expert_parallel_of(causal_lm_of(model)) is not None
     try:

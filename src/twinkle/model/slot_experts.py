@@ -104,7 +104,8 @@ def rows_by_adapter(
     the module's wrappers, through it without adapters. ``every_slot``: the module runs for every
     slot its wrappers hold and for no adapter, in a fixed order, on no tokens where the batch has
     none: the same calls on every rank, as experts that exchange tokens across ranks (expert
-    parallelism) need. The outermost wrapper of each module gets a forward (an instance
+    parallelism) need; ``targets`` then names every slot (a rank's experts run the other ranks'
+    tokens of each slot). The outermost wrapper of each module gets a forward (an instance
     attribute, removed afterwards) that does this; every wrapper's active adapters are emptied
     after each call. The experts' input holds each row's tokens one row after another
     (transformers' MoE blocks flatten ``(rows, tokens, hidden)``)."""
