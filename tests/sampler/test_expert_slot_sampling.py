@@ -193,3 +193,15 @@ def test_a_mixed_forward_only_of_two_adapters_over_expert_slots_gives_each_row_i
         tol = tolerances(want)
         torch.testing.assert_close(mixed[row], want, **tol)
         assert (other - want).abs().max() > 10 * (tol["atol"] + tol["rtol"] * want.abs().max())
+
+
+def test_mixed_rows_under_expert_parallelism_are_one_line(multi, monkeypatch):
+    """Under expert parallelism a rank's experts run the other ranks' rows of every slot, which
+    the decoding batch's calls do not make alike on every rank: one line, before any decoding."""
+    from twinkle.sampler import row_adapters
+
+    monkeypatch.setattr(row_adapters, "expert_parallel_of", lambda lm: object())
+    with pytest.raises(UserError) as info, SlotRowAdapters(multi).rows([(0, 1, "a"), (1, 2, "b")]):
+        pass
+    text = str(info.value)
+    assert "\n" not in text and "expert parallelism" in text and "own call" in text

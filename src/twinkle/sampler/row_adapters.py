@@ -27,10 +27,12 @@ import torch
 
 from twinkle.kernel.lora.segments import add_segments
 from twinkle.model.adapters import set_active
+from twinkle.model.expert_parallel import expert_parallel_of
 from twinkle.model.forward import causal_lm_of
 from twinkle.model.slot_experts import rows_by_adapter
 from twinkle.model.slots import is_param_wrapper
 from twinkle.sampler import linears
+from twinkle.utils.errors import UserError
 from twinkle.utils.modules import set_training
 
 Run = tuple[int, int, str]  # (first row, end row, adapter name)
@@ -66,6 +68,13 @@ class SlotRowAdapters:
     def rows(self, runs: list[Run]) -> Iterator[None]:
         """Rows ``start:end`` of every LoRA layer's input through adapter ``name``, per run."""
         table = self.model.slots
+        if expert_parallel_of(self.lm) is not None and any(map(is_param_wrapper, table.layers.values())):
+            # each rank's experts would run the other ranks' rows of every slot, which these
+            # calls do not make alike on every rank (the mixed evaluation's every_slot does)
+            raise UserError(
+                "rows of several adapters in one decoding batch on expert slots under expert parallelism "
+                "are not supported; sample each adapter's rows in their own call"
+            )
         targets = {name: set(table.targets[name]) for _, _, name in runs}
         saved = []
         for key, layer in table.layers.items():
