@@ -2,8 +2,8 @@
 tenant's ``all-linear`` adapter reaches the attention, the router and the fused experts (PEFT's
 expert parameters, ``twinkle.model.slot_experts``):
 
-- two tenants train at once on their own rows; each one's losses and adapter are those of the
-  same steps on an in-process ``MultiLoraTransformersModel`` with Tinker's LoRA;
+- two tenants train at once on their own rows; each one's losses and saved adapter are those of
+  the same steps on an in-process ``MultiLoraTransformersModel`` with Tinker's LoRA;
 - the two sample greedily at once, their rows in one decoding batch (each row's expert layers
   run with its own adapter, ``slot_experts.rows_by_adapter``), and each gets what it gets alone;
 - a tenant's saved sampler weights load in ``peft`` on the base and give the service's
@@ -22,6 +22,7 @@ per layer."""
 
 import sys
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -46,7 +47,7 @@ ROWS = {  # (tokens, weights) of each tenant's rows; the first target of each ro
     KEY_B: [([5, 6, 7, *range(300, 309)], [0, 0] + [1] * 9), (list(range(100, 110)), [0] + [1] * 8)],
 }
 PROMPT = [5, 6, 7]  # both tenants' rows start with it, and go on differently
-MAX_TOKENS = 120  # long enough that the two requests overlap in the batch
+MAX_TOKENS = 40
 
 
 def moe_sums(tokens: int) -> list[int]:
@@ -134,11 +135,20 @@ def local_steps(moe_dir, adapter: str, rows) -> tuple[dict, list[float]]:
     return model.slots.export(adapter), losses
 
 
+def saved(moe_server, tc, name: str) -> tuple[str, Path]:
+    """The tenant's weights saved for sampling as ``name``: (``tinker://`` path, its folder)."""
+    path = tc.save_weights_for_sampler(name).result().path
+    s = moe_server.app.state.server
+    return path, s.registry.folder(s.registry.runs[tc.model_id]) / "sampler_weights" / name
+
+
 def test_each_tenant_trains_as_the_in_process_model(moe_server, moe_dir, trained):
+    from safetensors.torch import load_file
+
     s = moe_server.app.state.server
     for key, (tc, losses) in trained.items():
         name = s.registry.runs[tc.model_id].adapter
-        state = s.engine.core.adapter_state(name)
+        state = load_file(str(saved(moe_server, tc, "trained")[1] / "adapter_model.safetensors"))
         experts = [k for k in state if ".mlp.experts." in k]
         assert experts and any(".mlp.gate." in k for k in state)  # the experts and the router have LoRA
         assert all(bool(state[k].abs().sum()) for k in experts)  # and it trained
@@ -161,7 +171,8 @@ def test_two_tenants_sampling_at_once_get_what_each_gets_alone(moe_server, train
     assert list(alone[KEY_A].tokens) != list(alone[KEY_B].tokens)  # the adapters draw differently
     batch = moe_server.app.state.server.engine.core.batch
     widest, step = [], batch._step
-    batch._step = lambda: (widest.append(len(batch.streams)), step())[1]
+    # each step held 10 ms: the first request is still decoding when the second arrives
+    batch._step = lambda: (widest.append(len(batch.streams)), time.sleep(0.01), step())[2]
     try:
         futures = {key: _greedy(sampler) for key, sampler in samplers.items()}
         together = {key: f.result().sequences[0] for key, f in futures.items()}
@@ -180,11 +191,9 @@ def test_a_saved_adapter_loads_in_peft_and_gives_the_services_logprobs(moe_serve
     from transformers import AutoModelForCausalLM
 
     tc, _ = trained[KEY_B]
-    saved = tc.save_weights_for_sampler("for-peft").result().path
-    s = moe_server.app.state.server
-    folder = s.registry.folder(s.registry.runs[tc.model_id]) / "sampler_weights" / "for-peft"
+    path, folder = saved(moe_server, tc, "for-peft")
     sampler = tinker.ServiceClient(base_url=moe_server.url, api_key=KEY_B).create_sampling_client(
-        model_path=saved
+        model_path=path
     )
     tokens = ROWS[KEY_B][0][0]
     served = torch.tensor(sampler.compute_logprobs(types.ModelInput.from_ints(tokens)).result()[1:])
