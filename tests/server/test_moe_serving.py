@@ -14,9 +14,9 @@ the summed losses agree to 1e-5 relative and the adapters after Adam steps to 1e
 dense base, ``test_server``), provided every expert of every layer gets some of each window's
 tokens. The router's gradient for an expert no token picks is zero but for rounding (the top-k
 weights are renormalised over the picked experts); Adam with Tinker's ``eps = 1e-12`` turns it
-into a step of the learning rate of either sign, and two runs part there by design. Each
-tenant's rows are chosen to reach all experts (``routed``). Log-probs of two
-computations of the model (another batch, PEFT's layers) are within ``chain_tolerances`` of the
+into a step of the learning rate of either sign, so two runs whose sums round differently part
+there. Each tenant's rows reach all experts (``routed`` checks it). Log-probs of two computations
+of the model (another batch, PEFT's layers) are within ``chain_tolerances`` of the
 model's sums: a Llama's with the experts' widths, plus the router's and the top-k combination
 per layer."""
 
