@@ -20,6 +20,7 @@ import shutil
 import pytest
 import torch
 import transformers
+from batches import prefix_batch
 from tolerances import chain_tolerances, llama_sums
 
 from twinkle.model import TransformersModel
@@ -126,25 +127,8 @@ def family(request, tiny_model_dir, tmp_path_factory):
     return request.param, _build(request.param, tiny_model_dir, tmp_path_factory.mktemp(request.param))
 
 
-def _batch(lengths: tuple[int, ...] = (11, 5, 14)) -> dict[str, torch.Tensor]:
-    """Right-padded rows of a 6-token shared prefix and ``lengths`` more tokens; the answers after
-    position 8 are supervised, and each row ends in a token after its last target."""
-    g = torch.Generator().manual_seed(0)
-    prefix = torch.randint(1, 500, (6,), generator=g).tolist()
-    rows = [prefix + torch.randint(1, 500, (n,), generator=g).tolist() for n in lengths]
-    width = max(map(len, rows)) + 2
-    batch = {
-        k: torch.zeros(len(rows), width, dtype=torch.long)
-        for k in ("input_ids", "attention_mask", "position_ids")
-    }
-    batch["labels"] = torch.full((len(rows), width), IGNORE)
-    for i, row in enumerate(rows):
-        n = len(row)
-        batch["input_ids"][i, :n] = torch.tensor(row)
-        batch["attention_mask"][i, :n] = 1
-        batch["position_ids"][i, :n] = torch.arange(n)
-        batch["labels"][i, 8 : n - 1] = torch.tensor(row[8 : n - 1])
-    return batch
+def _batch(lengths: tuple[int, ...] = (11, 5, 14), seed: int = 0) -> dict[str, torch.Tensor]:
+    return prefix_batch(lengths, seed)
 
 
 def _tolerances(name: str, reference: torch.Tensor) -> dict:

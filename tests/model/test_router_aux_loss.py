@@ -16,6 +16,7 @@ import shutil
 import pytest
 import torch
 import transformers
+from batches import prefix_batch
 from peft import LoraConfig, get_peft_model
 from tolerances import chain_tolerances, llama_sums
 
@@ -60,25 +61,7 @@ def moe_dir(tiny_model_dir, tmp_path_factory):
 
 
 def _batch(lengths: tuple[int, ...] = (11, 5, 14), seed: int = 0) -> dict[str, torch.Tensor]:
-    """Right-padded rows of a 6-token shared prefix and ``lengths`` more tokens; the answers after
-    position 8 are supervised (``n - 3`` targets a row), and each row ends in tokens after its
-    last target."""
-    g = torch.Generator().manual_seed(seed)
-    prefix = torch.randint(1, 500, (6,), generator=g).tolist()
-    rows = [prefix + torch.randint(1, 500, (n,), generator=g).tolist() for n in lengths]
-    width = max(map(len, rows)) + 2
-    batch = {
-        k: torch.zeros(len(rows), width, dtype=torch.long)
-        for k in ("input_ids", "attention_mask", "position_ids")
-    }
-    batch["labels"] = torch.full((len(rows), width), IGNORE)
-    for i, row in enumerate(rows):
-        n = len(row)
-        batch["input_ids"][i, :n] = torch.tensor(row)
-        batch["attention_mask"][i, :n] = 1
-        batch["position_ids"][i, :n] = torch.arange(n)
-        batch["labels"][i, 8 : n - 1] = torch.tensor(row[8 : n - 1])  # the last token unsupervised
-    return batch
+    return prefix_batch(lengths, seed)
 
 
 def _tolerances(reference: torch.Tensor) -> dict:
